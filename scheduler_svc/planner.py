@@ -1,0 +1,71 @@
+"""Turns a scheduled batch into a StepPlan that carries only what the executor lacks."""
+
+from __future__ import annotations
+
+from nanoserve.v1 import executor_pb2 as pb
+
+from scheduler_svc.sequence import Sequence
+
+
+def sampling_to_proto(seq: Sequence) -> pb.SamplingParams:
+    p = seq.params
+    msg = pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.num_logprobs = p.logprobs
+    return msg
+
+
+class Planner:
+    """Remembers which requests the executor holds and how many of their blocks it has.
+
+    A sequence the executor does not hold is sent whole; one it holds sends
+    only its new block ids and this step's token count. Released sequences
+    (finished, aborted, preempted) are listed once so the executor drops them.
+    """
+
+    def __init__(self) -> None:
+        self.num_blocks_sent: dict[int, int] = {}
+        self.step_id = 0
+
+    def build(self, seqs: list[Sequence], is_prefill: bool, released: list[int]) -> tuple[pb.StepPlan, list[Sequence]]:
+        """Return the plan and the sequences in result order (new first, then cached)."""
+        self.step_id += 1
+        sent = self.num_blocks_sent
+        finished = [seq_id for seq_id in released if sent.pop(seq_id, None) is not None]
+        plan = pb.StepPlan(step_id=self.step_id, is_prefill=is_prefill, finished_request_ids=finished)
+        new_seqs, cached_seqs = [], []
+        for seq in seqs:
+            (cached_seqs if seq.seq_id in sent else new_seqs).append(seq)
+        for seq in new_seqs:
+            plan.new_requests.add(
+                request_id=seq.seq_id,
+                token_ids=seq.token_ids,
+                sampling=sampling_to_proto(seq),
+                block_table=seq.block_table,
+                num_computed_tokens=seq.num_cached_tokens,
+                num_scheduled_tokens=seq.num_scheduled_tokens,
+            )
+            sent[seq.seq_id] = len(seq.block_table)
+        if cached_seqs:
+            cached = plan.cached_requests
+            new_block_ids: list[int] = []
+            num_new_blocks: list[int] = []
+            for seq in cached_seqs:
+                n_sent = sent[seq.seq_id]
+                n_new = len(seq.block_table) - n_sent
+                if n_new:
+                    new_block_ids.extend(seq.block_table[n_sent:])
+                    sent[seq.seq_id] = n_sent + n_new
+                num_new_blocks.append(n_new)
+            cached.request_ids.extend([s.seq_id for s in cached_seqs])
+            cached.num_computed_tokens.extend([s.num_cached_tokens for s in cached_seqs])
+            cached.num_scheduled_tokens.extend([s.num_scheduled_tokens for s in cached_seqs])
+            cached.num_new_blocks.extend(num_new_blocks)
+            cached.new_block_ids.extend(new_block_ids)
+        return plan, new_seqs + cached_seqs
+
+    def forget_all(self) -> None:
+        """The executor lost every request (restart or reset)."""
+        self.num_blocks_sent.clear()

@@ -1,0 +1,174 @@
+"""nano-vLLM's scheduler: prefill-first continuous batching with preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    """Per-step budgets (vLLM's names)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+class Scheduler:
+    """Decides which sequences run each step and how many tokens each computes.
+
+    Prefill comes first, FIFO from the head of ``waiting``; only the first
+    sequence of a batch may be chunked, and a chunked sequence stays at the
+    head until its prompt is computed. Decode runs only when no prefill was
+    scheduled; when a block cannot be appended, the tail of ``running`` is
+    preempted (its blocks freed, recomputed later).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        eos_token_ids: set[int],
+        max_model_len: int,
+    ) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        # Ids of sequences whose blocks were freed since the last drain, so the
+        # executor can drop their state (finished, aborted or preempted).
+        self.released_seq_ids: list[int] = []
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``; refuse one that could never fit in the whole cache."""
+        max_len = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
+        blocks_needed = (max_len + self.block_size - 1) // self.block_size
+        if blocks_needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"sequence needs {blocks_needed} KV blocks at its longest but the cache has "
+                f"{self.block_manager.num_blocks}; shorten the prompt or max_tokens"
+            )
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Return this step's sequences and whether the step is a prefill."""
+        scheduled: list[Sequence] = []
+        num_batched_tokens = 0
+
+        while self.waiting and len(scheduled) < self.max_num_seqs:
+            seq = self.waiting[0]
+            remaining = self.max_num_batched_tokens - num_batched_tokens
+            if remaining == 0:
+                break
+            if not seq.block_table:
+                num_cached_blocks = self.block_manager.can_allocate(seq)
+                if num_cached_blocks == -1:
+                    break
+                num_tokens = seq.num_tokens - num_cached_blocks * self.block_size
+            else:
+                num_tokens = seq.num_tokens - seq.num_cached_tokens
+            if remaining < num_tokens and scheduled:
+                break
+            if not seq.block_table:
+                self.block_manager.allocate(seq, num_cached_blocks)
+                self.num_prefix_hit_tokens += seq.num_cached_tokens
+                if seq.num_prefix_hit_tokens is None:
+                    seq.num_prefix_hit_tokens = seq.num_cached_tokens
+            seq.num_scheduled_tokens = min(num_tokens, remaining)
+            num_batched_tokens += seq.num_scheduled_tokens
+            if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens:
+                seq.status = SequenceStatus.RUNNING
+                self.waiting.popleft()
+                self.running.append(seq)
+            scheduled.append(seq)
+        if scheduled:
+            return scheduled, True
+
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                seq.num_scheduled_tokens = 1
+                self.block_manager.may_append(seq)
+                scheduled.append(seq)
+        if not scheduled:
+            raise RuntimeError("nothing can be scheduled: a sequence needs more KV blocks than exist")
+        self.running.extendleft(reversed(scheduled))
+        return scheduled, False
+
+    def preempt(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self._release(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
+        """Apply the sampled tokens; return the sequences that gained a token."""
+        advanced = []
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            self.block_manager.hash_blocks(seq)
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            if is_prefill and seq.num_cached_tokens < seq.num_tokens:
+                continue
+            seq.append_token(token_id)
+            advanced.append(seq)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+        return advanced
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End ``seq`` wherever it is (finished, stop string, abort) and free its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.num_scheduled_tokens = 0
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+            self.released_seq_ids.append(seq.seq_id)
+
+    def drain_released(self) -> list[int]:
+        released, self.released_seq_ids = self.released_seq_ids, []
+        return released

@@ -1,0 +1,74 @@
+"""A request as the scheduler sees it: tokens, KV progress and its block table."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from scheduler_svc.sampling import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class FinishReason(Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class Sequence:
+    """Prompt plus completion tokens and how far their KV cache is computed.
+
+    ``num_cached_tokens`` counts tokens whose KV is in the cache (prefix hits
+    included); ``num_scheduled_tokens`` is this step's share, set by the
+    scheduler and cleared by postprocess.
+    """
+
+    def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams, block_size: int) -> None:
+        if not token_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.seq_id = seq_id
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.block_table: list[int] = []
+        self.block_size = block_size
+        self.params = params
+        self.finish_reason: FinishReason | None = None
+        # Prompt tokens served from the prefix cache at the first allocation.
+        self.num_prefix_hit_tokens: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_blocks(self) -> int:
+        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def block(self, i: int) -> list[int]:
+        """Token ids of logical block ``i``."""
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
