@@ -83,9 +83,8 @@ class RequestTable:
             chunks.append(ScheduledChunk(state, new.num_computed_tokens, new.num_scheduled_tokens))
         cached = plan.cached_requests
         offset = 0
-        for request_id, computed, scheduled, n_new in zip(
-            cached.request_ids, cached.num_computed_tokens, cached.num_scheduled_tokens, cached.num_new_blocks
-        ):
+        columns = (cached.request_ids, cached.num_computed_tokens, cached.num_scheduled_tokens, cached.num_new_blocks)
+        for request_id, computed, scheduled, n_new in zip(*columns, strict=True):
             state = self.requests[request_id]
             if n_new:
                 state.block_table.extend(cached.new_block_ids[offset : offset + n_new])
@@ -141,7 +140,7 @@ class RequestTable:
         ):
             raise PlanError(INVALID, "cached_requests columns have different lengths")
         offset = 0
-        for rid, computed, scheduled, n_new in zip(cached.request_ids, *columns):
+        for rid, computed, scheduled, n_new in zip(cached.request_ids, *columns, strict=True):
             state = self.requests.get(rid)
             if state is None or rid in dropped or rid in seen:
                 raise PlanError(PRECONDITION, f"cached request {rid} is unknown to this executor")
