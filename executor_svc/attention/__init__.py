@@ -1,0 +1,1 @@
+"""Attention backends over one paged KV layout (see ``base.py``)."""
