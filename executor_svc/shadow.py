@@ -14,9 +14,9 @@ import uuid
 
 import numpy as np
 import xxhash
-from nanoserve.v1 import executor_pb2 as pb
 
 from executor_svc.requests import RequestTable
+from nanoserve.v1 import executor_pb2 as pb
 
 EMPTY_SLOT = -1
 

@@ -10,7 +10,6 @@ import itertools
 from dataclasses import dataclass
 
 from nanoserve.v1 import executor_pb2 as pb
-
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.executor import Executor
 from scheduler_svc.planner import Planner

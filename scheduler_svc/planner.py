@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from nanoserve.v1 import executor_pb2 as pb
-
 from scheduler_svc.sequence import Sequence
 
 

@@ -1,0 +1,38 @@
+"""The executor contract over gRPC: what the scheduler service talks to."""
+
+from __future__ import annotations
+
+import grpc
+
+from nanoserve.v1 import executor_pb2 as pb
+from nanoserve.v1 import executor_pb2_grpc as pb_grpc
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+
+class RemoteExecutor:
+    """An ``Executor`` whose calls go over one reused channel to an executor service."""
+
+    def __init__(self, target: str, step_timeout_s: float | None = None) -> None:
+        self.target = target
+        self.step_timeout_s = step_timeout_s
+        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.ExecutorStub(self.channel)
+
+    def get_info(self, timeout_s: float | None = None, wait_for_ready: bool = False) -> pb.ExecutorInfo:
+        return self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready)
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        return self.stub.Step(plan, timeout=self.step_timeout_s)
+
+    def reset(self) -> int:
+        return self.stub.Reset(pb.ResetRequest()).num_dropped_requests
+
+    def close(self) -> None:
+        self.channel.close()
