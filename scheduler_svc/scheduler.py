@@ -59,8 +59,9 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``; refuse one that could never fit in the whole cache."""
-        max_len = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
-        blocks_needed = (max_len + self.block_size - 1) // self.block_size
+        # The last sampled token is never fed back, so its KV never needs a slot.
+        max_kv_len = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len) - 1
+        blocks_needed = max(seq.num_blocks, (max_kv_len + self.block_size - 1) // self.block_size)
         if blocks_needed > self.block_manager.num_blocks:
             raise ValueError(
                 f"sequence needs {blocks_needed} KV blocks at its longest but the cache has "

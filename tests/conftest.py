@@ -1,0 +1,72 @@
+"""Shared fixtures: every scheduler a test builds must end with all KV blocks free."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from executor_svc.shadow import ShadowExecutor
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.engine import Engine
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+
+EOS = 0
+
+
+def run_to_completion(scheduler: Scheduler, token: int = 7) -> None:
+    """Feed a non-EOS token to every step until the queues are empty."""
+    while not scheduler.is_finished():
+        seqs, is_prefill = scheduler.schedule()
+        scheduler.postprocess(seqs, [token] * len(seqs), is_prefill)
+
+
+def assert_all_blocks_free(block_manager: BlockManager) -> None:
+    assert block_manager.num_free_blocks == block_manager.num_blocks
+    assert not block_manager.used_block_ids
+    assert all(b.ref_count == 0 for b in block_manager.blocks)
+    for h, block_id in block_manager.hash_to_block_id.items():
+        assert block_manager.blocks[block_id].hash == h, "a hash points to a reused block"
+
+
+@pytest.fixture
+def make_scheduler() -> Iterator[Callable[..., Scheduler]]:
+    """Build bare schedulers; at teardown each is run to completion and must free every block."""
+    made: list[Scheduler] = []
+
+    def make(num_blocks: int = 16, block_size: int = 4, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
+             max_model_len: int = 4096) -> Scheduler:
+        scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            BlockManager(num_blocks, block_size),
+            {EOS},
+            max_model_len,
+        )
+        made.append(scheduler)
+        return scheduler
+
+    yield make
+    for scheduler in made:
+        run_to_completion(scheduler)
+        assert_all_blocks_free(scheduler.block_manager)
+
+
+@pytest.fixture
+def make_shadow_engine() -> Iterator[Callable[..., tuple[Engine, ShadowExecutor]]]:
+    """Engines over a shadow executor; at teardown no block is held and the executor holds no request."""
+    made: list[tuple[Engine, ShadowExecutor]] = []
+
+    def make(num_blocks: int = 32, block_size: int = 4, vocab_size: int = 50, max_num_seqs: int = 8,
+             max_num_batched_tokens: int = 64, max_model_len: int = 4096) -> tuple[Engine, ShadowExecutor]:
+        executor = ShadowExecutor(num_blocks, block_size, vocab_size, (EOS,), max_model_len)
+        engine = Engine(executor, SchedulerConfig(max_num_seqs, max_num_batched_tokens))
+        made.append((engine, executor))
+        return engine, executor
+
+    yield make
+    for engine, executor in made:
+        while engine.has_unfinished():
+            engine.step()
+        engine.step()
+        assert_all_blocks_free(engine.block_manager)
+        assert len(executor.table) == 0, "the executor still holds requests the scheduler finished"

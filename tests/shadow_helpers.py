@@ -1,0 +1,46 @@
+"""Helpers for driving the engine over the shadow-KV executor in tests."""
+
+from __future__ import annotations
+
+from executor_svc.shadow import ShadowExecutor, reference_generate
+from nanoserve.v1 import executor_pb2 as pb
+from scheduler_svc.engine import Completion, Engine
+from scheduler_svc.sampling import SamplingParams
+from tests.conftest import EOS
+
+
+class RecordingExecutor:
+    """Wraps an executor and keeps a copy of every plan it runs."""
+
+    def __init__(self, inner: ShadowExecutor) -> None:
+        self.inner = inner
+        self.plans: list[pb.StepPlan] = []
+
+    def get_info(self) -> pb.ExecutorInfo:
+        return self.inner.get_info()
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        copy = pb.StepPlan()
+        copy.CopyFrom(plan)
+        self.plans.append(copy)
+        return self.inner.step(plan)
+
+    def reset(self) -> int:
+        return self.inner.reset()
+
+    @property
+    def table(self):
+        return self.inner.table
+
+
+def expected(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    info = engine.info
+    return reference_generate(
+        prompt, params.max_tokens, info.vocab_size, {EOS}, params.ignore_eos, params.seed, info.max_model_len
+    )
+
+
+def assert_matches_reference(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+                             outputs: list[Completion]) -> None:
+    for i, (prompt, p, out) in enumerate(zip(prompts, params, outputs, strict=True)):
+        assert out.token_ids == expected(engine, prompt, p), f"request {i} diverged from the sequential reference"

@@ -1,0 +1,151 @@
+"""The engine over the shadow-KV executor: outputs must equal the sequential reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from executor_svc.shadow import ShadowExecutor
+from nanoserve.v1 import executor_pb2 as pb
+from scheduler_svc.engine import Engine
+from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.scheduler import SchedulerConfig
+from tests.conftest import EOS
+from tests.shadow_helpers import RecordingExecutor, assert_matches_reference
+
+
+def random_prompts(rng: random.Random, n: int, prefix_len: int = 0, lo: int = 1, hi: int = 20) -> list[list[int]]:
+    prefix = [rng.randrange(1, 50) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(1, 50) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def recording_engine(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64):
+    executor = RecordingExecutor(ShadowExecutor(num_blocks, block_size, 50, (EOS,)))
+    return Engine(executor, SchedulerConfig(max_num_seqs, max_num_batched_tokens)), executor
+
+
+def test_preemption_happens_and_outputs_are_unchanged(make_shadow_engine):
+    engine, _ = make_shadow_engine(num_blocks=10, block_size=4, max_num_seqs=8)
+    rng = random.Random(0)
+    prompts = random_prompts(rng, 8, lo=3, hi=10)
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True) for _ in prompts]
+    outputs = engine.generate(prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    assert_matches_reference(engine, prompts, params, outputs)
+
+
+def test_chunked_prefill_runs_more_than_one_chunk_and_outputs_are_unchanged():
+    engine, executor = recording_engine(max_num_batched_tokens=8)
+    rng = random.Random(1)
+    prompts = random_prompts(rng, 4, lo=20, hi=30)
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True) for _ in prompts]
+    outputs = engine.generate(prompts, params)
+    chunks_of_first = [
+        p for p in executor.plans
+        if p.is_prefill and (any(r.request_id == 0 for r in p.new_requests) or 0 in p.cached_requests.request_ids)
+    ]
+    assert len(chunks_of_first) >= 3, "a 20+ token prompt under an 8-token budget needs several chunks"
+    assert_matches_reference(engine, prompts, params, outputs)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_prefix_cache_hits_serve_tokens_and_outputs_are_unchanged(make_shadow_engine):
+    engine, _ = make_shadow_engine(num_blocks=64, block_size=4)
+    rng = random.Random(2)
+    prompts = random_prompts(rng, 6, prefix_len=13)
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True) for _ in prompts]
+    first = engine.generate(prompts[:1], params[:1])
+    rest = engine.generate(prompts[1:], params[1:])
+    assert engine.scheduler.num_prefix_hit_tokens >= 12 * 5
+    assert all(out.num_cached_prompt_tokens == 12 for out in rest)
+    assert_matches_reference(engine, prompts, params, first + rest)
+
+
+def test_two_sequences_with_the_same_prefix_in_one_step():
+    engine, executor = recording_engine(num_blocks=32, block_size=4)
+    rng = random.Random(3)
+    prompts = random_prompts(rng, 2, prefix_len=9, lo=2, hi=3)
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 2
+    outputs = engine.generate(prompts, params)
+    first_plan = executor.plans[0]
+    assert [r.request_id for r in first_plan.new_requests] == [0, 1], "both prefill in the same step"
+    tables = [list(r.block_table) for r in first_plan.new_requests]
+    assert tables[0][:2] != tables[1][:2], "neither can hit the other's uncomputed blocks"
+    assert_matches_reference(engine, prompts, params, outputs)
+    third = prompts[0][:9] + [7, 7, 7]
+    later = engine.generate([third], params[:1])
+    assert later[0].num_cached_prompt_tokens == 8
+    assert_matches_reference(engine, [third], params[:1], later)
+    bm = engine.block_manager
+    assert len({bm.blocks[b].hash for b in tables[0][:2]} & set(bm.hash_to_block_id)) == 2
+
+
+def test_eos_finishes_unless_ignored(make_shadow_engine):
+    engine, _ = make_shadow_engine()
+    rng = random.Random(4)
+    prompts = random_prompts(rng, 40)
+    stop = [SamplingParams(temperature=0, max_tokens=60) for _ in prompts]
+    outputs = engine.generate(prompts, stop)
+    assert any(o.finish_reason.value == "stop" and o.token_ids[-1] == EOS for o in outputs)
+    assert_matches_reference(engine, prompts, stop, outputs)
+
+
+class FaultyPlanner(RecordingExecutor):
+    """Corrupts plans the way a buggy scheduler would, to prove the shadow notices."""
+
+    def __init__(self, inner: ShadowExecutor, fault: str) -> None:
+        super().__init__(inner)
+        self.fault = fault
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        for r in plan.new_requests:
+            if self.fault == "block_table" and len(r.block_table) > 1:
+                r.block_table[:] = list(reversed(r.block_table))
+            if self.fault == "phantom_prefix_hit" and r.num_computed_tokens == 0 and len(r.token_ids) > 8:
+                r.num_computed_tokens = 4
+                r.num_scheduled_tokens -= 4
+            if self.fault == "lost_completion_token" and len(r.token_ids) > 6 and r.request_id == 0:
+                r.token_ids[-1] = (r.token_ids[-1] + 1) % 50
+        return super().step(plan)
+
+
+@pytest.mark.parametrize("fault", ["block_table", "phantom_prefix_hit", "lost_completion_token"])
+def test_shadow_executor_exposes_scheduler_mistakes(fault):
+    executor = FaultyPlanner(ShadowExecutor(16, 4, 50, (EOS,)), fault)
+    engine = Engine(executor, SchedulerConfig(8, 64))
+    rng = random.Random(5)
+    prompts = random_prompts(rng, 6, lo=9, hi=16)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True) for _ in prompts]
+    outputs = engine.generate(prompts, params)
+    with pytest.raises(AssertionError, match="diverged"):
+        assert_matches_reference(engine, prompts, params, outputs)
+
+
+def test_rejected_plan_leaves_executor_state_unchanged():
+    from executor_svc.requests import PlanError
+
+    executor = ShadowExecutor(8, 4, 50, (EOS,))
+    engine = Engine(executor, SchedulerConfig(8, 64))
+    seq = engine.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=4))
+    engine.step()
+    before = ({k: (list(v.token_ids), list(v.block_table), v.num_computed_tokens)
+               for k, v in executor.table.requests.items()}, executor.kv.copy())
+    bad_plans = {
+        "FAILED_PRECONDITION": pb.StepPlan(cached_requests=pb.CachedRequests(
+            request_ids=[99], num_computed_tokens=[5], num_scheduled_tokens=[1], num_new_blocks=[0])),
+        "INVALID_ARGUMENT": pb.StepPlan(
+            finished_request_ids=[seq.seq_id],
+            new_requests=[pb.NewRequest(request_id=7, token_ids=[1, 2], block_table=[8], num_scheduled_tokens=2)]),
+    }
+    for code, plan in bad_plans.items():
+        with pytest.raises(PlanError) as err:
+            executor.step(plan)
+        assert err.value.code == code
+        after = ({k: (list(v.token_ids), list(v.block_table), v.num_computed_tokens)
+                  for k, v in executor.table.requests.items()}, executor.kv)
+        assert after[0] == before[0] and (after[1] == before[1]).all()
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()
+    assert len(executor.table) == 0 and engine.block_manager.num_free_blocks == 8
