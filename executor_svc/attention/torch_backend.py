@@ -71,7 +71,7 @@ class TorchAttention:
         for i in range(len(cu_q) - 1):
             q_start, q_end = cu_q[i], cu_q[i + 1]
             q_len, ctx_len = q_end - q_start, cu_k[i + 1] - cu_k[i]
-            if not meta.has_cached_context:
+            if ctx_len == q_len:  # nothing cached for this request: its own k, v suffice
                 out[q_start:q_end] = _causal_attention(q[q_start:q_end], k[q_start:q_end], v[q_start:q_end], scale)
                 continue
             block_ids = meta.block_tables[i, : -(-ctx_len // block_size)].long()
