@@ -1,0 +1,169 @@
+"""Python clients of the scheduler's public API: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+
+Each holds one channel for its whole life, as the server expects of long-lived callers.
+Every generation method takes a text ``prompt`` or ``messages=`` or ``token_ids=`` plus the
+options of ``client.requests.build_request``; failures raise ``NanoserveError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client.errors import NanoserveError
+from client.requests import Message, build_request
+from client.results import Chunk, Completion
+from nanoserve.v1 import generation_pb2 as pb
+from nanoserve.v1 import generation_pb2_grpc as pb_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
+
+
+def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """A bearer token for proxies or gateways in front of the server (the server itself needs none)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
+class Client:
+    """A blocking client; use it as a context manager or call ``close()``."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None, api_key: str | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.metadata = call_metadata(api_key)
+        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def generate(self, prompt: str | None = None, **options: Any) -> Completion:
+        """The whole completion in one response."""
+        request = build_request(prompt, **options)
+        try:
+            return Completion.from_proto(self.stub.GenerateOnce(request, timeout=self.timeout, metadata=self.metadata))
+        except grpc.RpcError as e:
+            raise NanoserveError.from_rpc_error(e) from None
+
+    def stream(self, prompt: str | None = None, **options: Any) -> Iterator[Chunk]:
+        """Chunks as the server decodes them; closing the iterator early cancels the request."""
+        request = build_request(prompt, **options)
+        responses = self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
+        try:
+            for response in responses:
+                yield Chunk.from_proto(response)
+        except grpc.RpcError as e:
+            raise NanoserveError.from_rpc_error(e) from None
+        finally:
+            responses.cancel()
+
+    def chat(self, messages: Sequence[Message], **options: Any) -> Completion:
+        """A reply to ``messages`` ({"role", "content"} dicts), rendered with the model's chat template."""
+        return self.generate(messages=messages, **options)
+
+    def model_info(self) -> pb.ModelInfo:
+        """The served model and the limits a request must respect."""
+        return self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest())
+
+    def stats(self) -> pb.SchedulerStats:
+        """Live queue and KV-block counters."""
+        return self._unary(self.stub.GetStats, pb.GetStatsRequest())
+
+    def health(self, service: str = "") -> str:
+        """The grpc.health.v1 status name, e.g. "SERVING" or "NOT_SERVING"."""
+        response = self._unary(self.health_stub.Check, health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _unary(self, method: grpc.UnaryUnaryMultiCallable, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            raise NanoserveError.from_rpc_error(e) from None
+
+
+class AsyncClient:
+    """The asyncio twin of ``Client``; its channel opens on first use, inside the running event loop."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None, api_key: str | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.metadata = call_metadata(api_key)
+        self.channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.GenerationStub | None = None
+        self._health_stub: health_pb2_grpc.HealthStub | None = None
+
+    @property
+    def stub(self) -> pb_grpc.GenerationStub:
+        self._connect()
+        return self._stub
+
+    @property
+    def health_stub(self) -> health_pb2_grpc.HealthStub:
+        self._connect()
+        return self._health_stub
+
+    async def generate(self, prompt: str | None = None, **options: Any) -> Completion:
+        """The whole completion in one response."""
+        request = build_request(prompt, **options)
+        return Completion.from_proto(await self._unary(self.stub.GenerateOnce, request))
+
+    async def stream(self, prompt: str | None = None, **options: Any) -> AsyncIterator[Chunk]:
+        """Chunks as the server decodes them; leaving the loop early cancels the request."""
+        request = build_request(prompt, **options)
+        call = self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
+        try:
+            async for response in call:
+                yield Chunk.from_proto(response)
+        except grpc.RpcError as e:
+            raise NanoserveError.from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
+    async def chat(self, messages: Sequence[Message], **options: Any) -> Completion:
+        """A reply to ``messages`` ({"role", "content"} dicts), rendered with the model's chat template."""
+        return await self.generate(messages=messages, **options)
+
+    async def model_info(self) -> pb.ModelInfo:
+        return await self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest())
+
+    async def stats(self) -> pb.SchedulerStats:
+        return await self._unary(self.stub.GetStats, pb.GetStatsRequest())
+
+    async def health(self, service: str = "") -> str:
+        """The grpc.health.v1 status name, e.g. "SERVING" or "NOT_SERVING"."""
+        response = await self._unary(self.health_stub.Check, health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+            self.channel = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def _connect(self) -> None:
+        if self.channel is None:
+            self.channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+            self._stub = pb_grpc.GenerationStub(self.channel)
+            self._health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    async def _unary(self, method: grpc.aio.UnaryUnaryMultiCallable, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self.timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            raise NanoserveError.from_rpc_error(e) from None

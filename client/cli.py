@@ -1,0 +1,140 @@
+"""``nanoserve``: generate, chat and inspect a nanoserve scheduler from the terminal.
+
+Exit codes: 0 success; 1 other server error, or ``health`` not SERVING; 2 bad command line;
+3 server unreachable or timed out; 4 request rejected (invalid argument); 5 server busy
+(queue full); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from client.api import DEFAULT_TARGET, Client
+from client.errors import NanoserveError
+
+EXIT_ERROR = 1
+EXIT_UNAVAILABLE = 3
+EXIT_REJECTED = 4
+EXIT_BUSY = 5
+EXIT_INTERRUPTED = 130
+EXIT_CODES = {
+    grpc.StatusCode.UNAVAILABLE: EXIT_UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: EXIT_UNAVAILABLE,
+    grpc.StatusCode.INVALID_ARGUMENT: EXIT_REJECTED,
+    grpc.StatusCode.OUT_OF_RANGE: EXIT_REJECTED,
+    grpc.StatusCode.FAILED_PRECONDITION: EXIT_REJECTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: EXIT_BUSY,
+}
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", default=os.environ.get("NANOSERVE_SERVER", DEFAULT_TARGET),
+                        help="scheduler address HOST:PORT (env NANOSERVE_SERVER, default %(default)s)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds before the call is abandoned")
+
+
+def add_generation_args(parser: argparse.ArgumentParser) -> None:
+    add_connection_args(parser)
+    parser.add_argument("--max-tokens", type=int, help="completion tokens at most (server default 256)")
+    parser.add_argument("--temperature", type=float, help="0 is greedy (server default 1.0)")
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--min-p", type=float)
+    parser.add_argument("--seed", type=int, help="the same seed gives the same tokens")
+    parser.add_argument("--stop", action="append", help="a string that ends the generation (repeatable)")
+    parser.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append",
+                        help="a token id that ends the generation (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past EOS")
+    parser.add_argument("--logprobs", type=int, help="with --json: logprobs of this many top tokens")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (text, token_ids, finish_reason, usage) instead of streaming")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="complete a text prompt")
+    add_generation_args(generate)
+    generate.add_argument("prompt", help="the prompt text, or - to read it from stdin")
+    chat = commands.add_parser("chat", help="answer one user message with the model's chat template")
+    add_generation_args(chat)
+    chat.add_argument("--system", help="a system message placed before the user's")
+    chat.add_argument("message", help="the user's message, or - to read it from stdin")
+    for name, text in (("info", "print the served model and its limits as JSON"),
+                       ("stats", "print the scheduler's live counters as JSON"),
+                       ("health", "print the grpc.health.v1 status; exit 0 only when SERVING")):
+        add_connection_args(commands.add_parser(name, help=text))
+    return parser
+
+
+def generation_options(args: argparse.Namespace) -> dict:
+    names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+             "ignore_eos", "logprobs")
+    return {name: getattr(args, name) for name in names}
+
+
+def read_text(value: str) -> str:
+    return sys.stdin.read() if value == "-" else value
+
+
+def run_generation(client: Client, args: argparse.Namespace, prompt: dict) -> int:
+    """Stream text to stdout as it arrives, or print one JSON object with ``--json``."""
+    options = generation_options(args) | prompt
+    if args.json:
+        completion = client.generate(**options)
+        print(json.dumps({
+            "text": completion.text,
+            "token_ids": completion.token_ids,
+            "finish_reason": completion.finish_reason,
+            "usage": asdict(completion.usage) if completion.usage else None,
+            **({"logprobs": [asdict(lp) for lp in completion.logprobs]} if args.logprobs is not None else {}),
+        }))
+        return 0
+    for chunk in client.stream(**options):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    with Client(args.server, timeout=args.timeout) as client:
+        if args.command == "generate":
+            return run_generation(client, args, {"prompt": read_text(args.prompt)})
+        if args.command == "chat":
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            messages.append({"role": "user", "content": read_text(args.message)})
+            return run_generation(client, args, {"messages": messages})
+        if args.command == "health":
+            status = client.health()
+            print(status)
+            return 0 if status == "SERVING" else EXIT_ERROR
+        message = client.model_info() if args.command == "info" else client.stats()
+        print(json.dumps(MessageToDict(message, preserving_proto_field_name=True,
+                                       always_print_fields_with_no_presence=True), indent=2))
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except NanoserveError as e:
+        sys.stdout.flush()
+        print(f"error: {e.code.name}: {e.message}", file=sys.stderr)
+        return EXIT_CODES.get(e.code, EXIT_ERROR)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

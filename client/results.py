@@ -1,0 +1,80 @@
+"""What a generation returns, as plain dataclasses instead of protobuf messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanoserve.v1 import generation_pb2 as pb
+
+FINISH_REASONS = {
+    pb.FINISH_REASON_UNSPECIFIED: None,
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass
+class Usage:
+    """Token counts of one request; ``cached_prompt_tokens`` came from the prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+    @classmethod
+    def from_proto(cls, usage: pb.Usage) -> Usage:
+        return cls(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens)
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's logprob and the most likely alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+    @classmethod
+    def from_proto(cls, lp: pb.TokenLogprob) -> TokenLogprob:
+        return cls(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+
+
+@dataclass
+class Chunk:
+    """One streamed piece: the new text and token ids; the last chunk has ``finish_reason`` and ``usage``."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+    usage: Usage | None
+
+    @classmethod
+    def from_proto(cls, response: pb.GenerateResponse) -> Chunk:
+        return cls(
+            request_id=response.request_id,
+            text=response.text,
+            token_ids=list(response.token_ids),
+            logprobs=[TokenLogprob.from_proto(lp) for lp in response.logprobs],
+            finish_reason=FINISH_REASONS[response.finish_reason],
+            usage=Usage.from_proto(response.usage) if response.HasField("usage") else None,
+        )
+
+
+@dataclass
+class Completion:
+    """A whole generation: the completion's text and token ids, why it stopped and its token counts."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: Usage | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @classmethod
+    def from_proto(cls, response: pb.GenerateResponse) -> Completion:
+        chunk = Chunk.from_proto(response)
+        return cls(chunk.request_id, chunk.text, chunk.token_ids, chunk.finish_reason, chunk.usage, chunk.logprobs)
