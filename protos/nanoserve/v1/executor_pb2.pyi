@@ -1,10 +1,8 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -44,7 +42,7 @@ class ExecutorInfo(_message.Message):
     tokenizer_json: str
     chat_template: str
     attention_backend: str
-    def __init__(self, instance_id: str | None = ..., model_id: str | None = ..., architecture: str | None = ..., dtype: str | None = ..., device: str | None = ..., vocab_size: int | None = ..., eos_token_ids: _Iterable[int] | None = ..., bos_token_id: int | None = ..., max_model_len: int | None = ..., block_size: int | None = ..., num_blocks: int | None = ..., tensor_parallel_size: int | None = ..., tokenizer_json: str | None = ..., chat_template: str | None = ..., attention_backend: str | None = ...) -> None: ...
+    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., attention_backend: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "num_logprobs")
@@ -60,7 +58,7 @@ class SamplingParams(_message.Message):
     min_p: float
     seed: int
     num_logprobs: int
-    def __init__(self, temperature: float | None = ..., top_k: int | None = ..., top_p: float | None = ..., min_p: float | None = ..., seed: int | None = ..., num_logprobs: int | None = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "block_table", "num_computed_tokens", "num_scheduled_tokens")
@@ -76,7 +74,7 @@ class NewRequest(_message.Message):
     block_table: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
-    def __init__(self, request_id: int | None = ..., token_ids: _Iterable[int] | None = ..., sampling: SamplingParams | _Mapping | None = ..., block_table: _Iterable[int] | None = ..., num_computed_tokens: int | None = ..., num_scheduled_tokens: int | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class CachedRequests(_message.Message):
     __slots__ = ("request_ids", "num_computed_tokens", "num_scheduled_tokens", "num_new_blocks", "new_block_ids")
@@ -90,7 +88,7 @@ class CachedRequests(_message.Message):
     num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_ids: _Iterable[int] | None = ..., num_computed_tokens: _Iterable[int] | None = ..., num_scheduled_tokens: _Iterable[int] | None = ..., num_new_blocks: _Iterable[int] | None = ..., new_block_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, request_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "is_prefill", "new_requests", "cached_requests", "finished_request_ids")
@@ -104,7 +102,7 @@ class StepPlan(_message.Message):
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: CachedRequests
     finished_request_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: int | None = ..., is_prefill: bool | None = ..., new_requests: _Iterable[NewRequest | _Mapping] | None = ..., cached_requests: CachedRequests | _Mapping | None = ..., finished_request_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., is_prefill: _Optional[bool] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Union[CachedRequests, _Mapping]] = ..., finished_request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
@@ -114,7 +112,7 @@ class TokenLogprobs(_message.Message):
     logprob: float
     top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, logprob: float | None = ..., top_token_ids: _Iterable[int] | None = ..., top_logprobs: _Iterable[float] | None = ...) -> None: ...
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("instance_id", "step_id", "token_ids", "logprobs", "forward_ms", "sample_ms")
@@ -130,7 +128,7 @@ class StepResult(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     forward_ms: float
     sample_ms: float
-    def __init__(self, instance_id: str | None = ..., step_id: int | None = ..., token_ids: _Iterable[int] | None = ..., logprobs: _Iterable[TokenLogprobs | _Mapping] | None = ..., forward_ms: float | None = ..., sample_ms: float | None = ...) -> None: ...
+    def __init__(self, instance_id: _Optional[str] = ..., step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()
@@ -140,4 +138,4 @@ class ResetResponse(_message.Message):
     __slots__ = ("num_dropped_requests",)
     NUM_DROPPED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     num_dropped_requests: int
-    def __init__(self, num_dropped_requests: int | None = ...) -> None: ...
+    def __init__(self, num_dropped_requests: _Optional[int] = ...) -> None: ...

@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -26,7 +24,7 @@ class ChatMessage(_message.Message):
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: str | None = ..., content: str | None = ...) -> None: ...
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ChatPrompt(_message.Message):
     __slots__ = ("messages", "add_generation_prompt")
@@ -34,13 +32,13 @@ class ChatPrompt(_message.Message):
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     add_generation_prompt: bool
-    def __init__(self, messages: _Iterable[ChatMessage | _Mapping] | None = ..., add_generation_prompt: bool | None = ...) -> None: ...
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
 
 class TokenPrompt(_message.Message):
     __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs")
@@ -56,7 +54,7 @@ class SamplingOptions(_message.Message):
     min_p: float
     seed: int
     logprobs: int
-    def __init__(self, temperature: float | None = ..., top_k: int | None = ..., top_p: float | None = ..., min_p: float | None = ..., seed: int | None = ..., logprobs: int | None = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class StoppingOptions(_message.Message):
     __slots__ = ("max_tokens", "stop", "stop_token_ids", "ignore_eos")
@@ -68,7 +66,7 @@ class StoppingOptions(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, max_tokens: int | None = ..., stop: _Iterable[str] | None = ..., stop_token_ids: _Iterable[int] | None = ..., ignore_eos: bool | None = ...) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "chat", "tokens", "sampling", "stopping", "add_special_tokens")
@@ -86,7 +84,7 @@ class GenerateRequest(_message.Message):
     sampling: SamplingOptions
     stopping: StoppingOptions
     add_special_tokens: bool
-    def __init__(self, request_id: str | None = ..., text: str | None = ..., chat: ChatPrompt | _Mapping | None = ..., tokens: TokenPrompt | _Mapping | None = ..., sampling: SamplingOptions | _Mapping | None = ..., stopping: StoppingOptions | _Mapping | None = ..., add_special_tokens: bool | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingOptions, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class Logprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -94,7 +92,7 @@ class Logprob(_message.Message):
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
-    def __init__(self, token_id: int | None = ..., logprob: float | None = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
@@ -104,7 +102,7 @@ class TokenLogprob(_message.Message):
     token_id: int
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[Logprob]
-    def __init__(self, token_id: int | None = ..., logprob: float | None = ..., top: _Iterable[Logprob | _Mapping] | None = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Logprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -114,7 +112,7 @@ class Usage(_message.Message):
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: int | None = ..., completion_tokens: int | None = ..., cached_prompt_tokens: int | None = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage")
@@ -130,7 +128,7 @@ class GenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: FinishReason
     usage: Usage
-    def __init__(self, request_id: str | None = ..., text: str | None = ..., token_ids: _Iterable[int] | None = ..., logprobs: _Iterable[TokenLogprob | _Mapping] | None = ..., finish_reason: FinishReason | str | None = ..., usage: Usage | _Mapping | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
@@ -162,7 +160,7 @@ class ModelInfo(_message.Message):
     block_size: int
     num_blocks: int
     executor_instance_id: str
-    def __init__(self, model_id: str | None = ..., architecture: str | None = ..., dtype: str | None = ..., device: str | None = ..., vocab_size: int | None = ..., max_model_len: int | None = ..., eos_token_ids: _Iterable[int] | None = ..., has_chat_template: bool | None = ..., has_tokenizer: bool | None = ..., block_size: int | None = ..., num_blocks: int | None = ..., executor_instance_id: str | None = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., executor_instance_id: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
@@ -192,4 +190,4 @@ class SchedulerStats(_message.Message):
     num_aborted: int
     num_prefix_cache_hit_tokens: int
     num_preemptions: int
-    def __init__(self, num_waiting: int | None = ..., num_running: int | None = ..., num_blocks: int | None = ..., num_free_blocks: int | None = ..., num_cached_blocks: int | None = ..., num_steps: int | None = ..., num_finished_stop: int | None = ..., num_finished_length: int | None = ..., num_aborted: int | None = ..., num_prefix_cache_hit_tokens: int | None = ..., num_preemptions: int | None = ...) -> None: ...
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_finished_stop: _Optional[int] = ..., num_finished_length: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
