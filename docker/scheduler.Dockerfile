@@ -1,0 +1,17 @@
+# The scheduler: CPU only and torch-free, so a slim python image with the base dependencies.
+# Build from the repository root: docker build -f docker/scheduler.Dockerfile .
+ARG PYTHON_IMAGE=python:3.12-slim
+FROM ${PYTHON_IMAGE}
+
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
+    NANOSERVE_HOST=0.0.0.0
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY protos protos
+COPY scheduler_svc scheduler_svc
+COPY client client
+RUN pip install .
+
+EXPOSE 50051
+CMD ["nanoserve-scheduler"]
