@@ -1,0 +1,20 @@
+"""``nanoserve-scheduler`` / ``python -m scheduler_svc``: serve the public API in front of one executor."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from scheduler_svc.config import parse_config
+from scheduler_svc.service import serve
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = parse_config(argv)
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

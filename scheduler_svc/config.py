@@ -1,0 +1,78 @@
+"""Command-line flags of ``nanoserve-scheduler``; each can also come from ``NANOSERVE_<FLAG>``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+ENV_PREFIX = "NANOSERVE_"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    executor: str = "127.0.0.1:50052"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    # Requests waiting to be scheduled (not yet running) before new ones are refused.
+    max_queued_requests: int = 1024
+    log_level: str = "INFO"
+
+
+def env_name(flag: str) -> str:
+    """``--max-num-seqs`` -> ``NANOSERVE_MAX_NUM_SEQS``."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
+    return value
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The parser; an environment variable sets a flag's default, so a flag on the command line wins."""
+    defaults = ServiceConfig()
+    parser = argparse.ArgumentParser(
+        prog="nanoserve-scheduler",
+        description="The nanoserve scheduler service: the public Generation API in front of one executor.",
+        epilog=f"Every flag can also be set as {ENV_PREFIX}<FLAG>, e.g. {ENV_PREFIX}EXECUTOR; the flag wins.",
+    )
+
+    def add(flag: str, type_, help_text: str, **kwargs) -> None:
+        default = getattr(defaults, flag.lstrip("-").replace("-", "_"))
+        raw = env.get(env_name(flag))
+        if raw is not None:
+            try:
+                default = type_(raw)
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                parser.error(f"{env_name(flag)}={raw!r}: {e}")
+            if default not in kwargs.get("choices", (default,)):
+                parser.error(f"{env_name(flag)}={raw!r}: choose from {', '.join(kwargs['choices'])}")
+        parser.add_argument(flag, type=type_, default=default, help=f"{help_text} (default: %(default)s)", **kwargs)
+
+    add("--executor", str, "executor service address HOST:PORT")
+    add("--host", str, "address to serve the public API on")
+    add("--port", _port, "port to serve the public API on (0 picks a free one)")
+    add("--max-num-seqs", _positive_int, "most sequences in one step")
+    add("--max-num-batched-tokens", _positive_int, "most tokens computed in one step")
+    add("--max-queued-requests", _positive_int, "requests waiting to be scheduled before RESOURCE_EXHAUSTED")
+    add("--log-level", str.upper, "logging level", choices=LOG_LEVELS)
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ServiceConfig:
+    args = build_parser(os.environ if env is None else env).parse_args(argv)
+    return ServiceConfig(**vars(args))

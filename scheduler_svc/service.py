@@ -1,0 +1,270 @@
+"""The public Generation service (grpc.aio): translates messages and statuses, the engine loop does the work."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from nanoserve.v1 import executor_pb2
+from nanoserve.v1 import generation_pb2 as pb
+from nanoserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.config import ServiceConfig
+from scheduler_svc.engine import Engine
+from scheduler_svc.loop import EngineLoop, LoopStopped, QueueFull, RequestHandle, RequestOutput
+from scheduler_svc.remote import RemoteExecutor
+from scheduler_svc.requests import prepare
+from scheduler_svc.sampling import InvalidRequest
+from scheduler_svc.scheduler import SchedulerConfig
+from scheduler_svc.sequence import FinishReason
+from scheduler_svc.tokenizer import ModelTokenizer
+
+log = logging.getLogger("nanoserve.scheduler")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+FINISH_REASONS = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+FIRST_RETRY_S = 0.1
+MAX_RETRY_S = 5.0
+HANDSHAKE_TIMEOUT_S = 10.0
+SHUTDOWN_GRACE_S = 5.0
+
+
+def token_logprob(token_id: int, lp: executor_pb2.TokenLogprobs) -> pb.TokenLogprob:
+    top = [pb.Logprob(token_id=t, logprob=p) for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
+    return pb.TokenLogprob(token_id=token_id, logprob=lp.logprob, top=top)
+
+
+def to_response(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateResponse:
+    """Several loop outputs of one request as one response (the last one decides the finish)."""
+    response = pb.GenerateResponse(request_id=request_id, text="".join(o.text for o in outputs))
+    for o in outputs:
+        response.token_ids.extend(o.token_ids)
+        response.logprobs.extend(token_logprob(t, lp) for t, lp in zip(o.token_ids, o.logprobs, strict=False))
+    last = outputs[-1]
+    if last.finish_reason is not None:
+        response.finish_reason = FINISH_REASONS[last.finish_reason]
+        u = last.usage
+        response.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                         cached_prompt_tokens=u.cached_prompt_tokens))
+    return response
+
+
+def connect_engine(executor: RemoteExecutor, config: ServiceConfig) -> Engine:
+    """Handshake with a reset executor: a new scheduler never inherits another one's requests."""
+    executor.get_info(timeout_s=HANDSHAKE_TIMEOUT_S)
+    executor.reset()
+    return Engine(executor, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens))
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    """Answers UNAVAILABLE until ``attach`` hands it the engine loop after the executor handshake."""
+
+    def __init__(self, executor_target: str) -> None:
+        self.executor_target = executor_target
+        self.loop: EngineLoop | None = None
+        self.tokenizer: ModelTokenizer | None = None
+
+    def attach(self, loop: EngineLoop, tokenizer: ModelTokenizer | None) -> None:
+        self.loop, self.tokenizer = loop, tokenizer
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> EngineLoop:
+        if self.loop is None:
+            message = f"the scheduler is still connecting to the executor at {self.executor_target}"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+        return self.loop
+
+    async def _submit(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[RequestHandle, asyncio.Queue[RequestOutput]]:
+        loop = await self._ready(context)
+        try:
+            prepared = await asyncio.to_thread(prepare, request, loop.info, self.tokenizer)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        try:
+            return loop.submit(prepared, queue), queue
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except LoopStopped as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    @staticmethod
+    async def _next_outputs(
+        queue: asyncio.Queue[RequestOutput], context: grpc.aio.ServicerContext
+    ) -> list[RequestOutput]:
+        """Everything produced since the last read, so a slow reader gets fewer, larger responses."""
+        outputs = [await queue.get()]
+        while not queue.empty() and not outputs[-1].is_last:
+            outputs.append(queue.get_nowait())
+        error = outputs[-1].error
+        if error is not None:
+            await context.abort(getattr(grpc.StatusCode, error.code), error.message)
+        return outputs
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        handle, queue = await self._submit(request, context)
+        finished = False
+        try:
+            while not finished:
+                outputs = await self._next_outputs(queue, context)
+                finished = outputs[-1].is_last
+                yield to_response(handle.prepared.request_id, outputs)
+        finally:
+            if not finished:
+                self.loop.cancel(handle)
+
+    async def GenerateOnce(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        handle, queue = await self._submit(request, context)
+        outputs: list[RequestOutput] = []
+        try:
+            while not outputs or not outputs[-1].is_last:
+                outputs.extend(await self._next_outputs(queue, context))
+        finally:
+            if not outputs or not outputs[-1].is_last:
+                self.loop.cancel(handle)
+        return to_response(handle.prepared.request_id, outputs)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        loop = await self._ready(context)
+        info = loop.info
+        return pb.ModelInfo(
+            model_id=info.model_id,
+            architecture=info.architecture,
+            dtype=info.dtype,
+            device=info.device,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            eos_token_ids=info.eos_token_ids,
+            has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
+            has_tokenizer=self.tokenizer is not None,
+            block_size=info.block_size,
+            num_blocks=info.num_blocks,
+            executor_instance_id=info.instance_id,
+        )
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.SchedulerStats:
+        loop = await self._ready(context)
+        s = loop.stats
+        return pb.SchedulerStats(
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            num_blocks=s.num_blocks,
+            num_free_blocks=s.num_free_blocks,
+            num_cached_blocks=s.num_cached_blocks,
+            num_steps=s.num_steps,
+            num_finished_stop=s.num_finished_stop,
+            num_finished_length=s.num_finished_length,
+            num_aborted=s.num_aborted,
+            num_prefix_cache_hit_tokens=s.num_prefix_cache_hit_tokens,
+            num_preemptions=s.num_preemptions,
+        )
+
+
+def deliver_to_event_loop(aio_loop: asyncio.AbstractEventLoop):
+    """The engine loop's ``deliver``: one thread hop per step, then each output into its caller's queue."""
+
+    def dispatch(batch: list[tuple[RequestHandle, RequestOutput]]) -> None:
+        for handle, output in batch:
+            handle.sink.put_nowait(output)
+
+    def deliver(batch: list[tuple[RequestHandle, RequestOutput]]) -> None:
+        aio_loop.call_soon_threadsafe(dispatch, batch)
+
+    return deliver
+
+
+class SchedulerServer:
+    """The gRPC server, its health status, and the engine loop once the executor answered."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.server = grpc.aio.server()
+        self.servicer = GenerationServicer(config.executor)
+        self.health = health.aio.HealthServicer()
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind the scheduler to {config.host}:{config.port}")
+        self.executor = RemoteExecutor(config.executor)
+        self.loop: EngineLoop | None = None
+        self.stopping = asyncio.Event()
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def start(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        log.info("scheduler listening on %s:%d executor=%s", self.config.host, self.port, self.config.executor)
+
+    async def connect(self) -> bool:
+        """Retry the executor handshake with exponential backoff; False if asked to stop first."""
+        delay = FIRST_RETRY_S
+        while not self.stopping.is_set():
+            try:
+                engine = await asyncio.to_thread(connect_engine, self.executor, self.config)
+                break
+            except grpc.RpcError as e:
+                log.warning("executor %s not ready (%s: %s); retrying in %.1fs",
+                            self.config.executor, e.code().name, e.details(), delay)
+            try:
+                await asyncio.wait_for(self.stopping.wait(), delay)
+            except asyncio.TimeoutError:
+                delay = min(2 * delay, MAX_RETRY_S)
+        else:
+            return False
+        info = engine.info
+        tokenizer = ModelTokenizer.from_info(info)
+        self.loop = EngineLoop(
+            engine,
+            lambda: connect_engine(self.executor, self.config),
+            tokenizer,
+            deliver_to_event_loop(asyncio.get_running_loop()),
+            self.config.max_queued_requests,
+        )
+        self.loop.start()
+        self.servicer.attach(self.loop, tokenizer)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "executor ready model=%s blocks=%dx%d max_model_len=%d vocab=%d tokenizer=%s instance=%s",
+            info.model_id, info.num_blocks, info.block_size, info.max_model_len, info.vocab_size,
+            "yes" if tokenizer else "no", info.instance_id,
+        )
+        return True
+
+    async def stop(self) -> None:
+        """Refuse new work, abort what runs (callers get FINISH_REASON_ABORT), then close the server."""
+        self.stopping.set()
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.loop is not None:
+            await asyncio.to_thread(self.loop.stop)
+        await self.server.stop(SHUTDOWN_GRACE_S)
+        self.executor.close()
+
+
+async def serve(config: ServiceConfig) -> None:
+    """Serve until SIGTERM or SIGINT."""
+    scheduler = SchedulerServer(config)
+    await scheduler.start()
+    aio_loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        aio_loop.add_signal_handler(signum, scheduler.stopping.set)
+    if await scheduler.connect():
+        await scheduler.stopping.wait()
+    log.info("scheduler stopping")
+    await scheduler.stop()
