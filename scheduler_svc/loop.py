@@ -202,15 +202,23 @@ class EngineLoop:
                 self._shutdown(inbox)
                 return
             try:
-                self._admit(inbox)
-                self._abort(cancelled)
-                if self._has_work():
-                    self._step()
+                self._iterate(inbox, cancelled)
             except Exception as e:  # any failure must reach the callers, not kill the loop
                 log.error("engine step failed: %s", e, exc_info=not isinstance(e, grpc.RpcError))
                 self._fail_all(describe_failure(e))
             busy = self._has_work()
             self._publish()
+
+    def _iterate(self, inbox: list[RequestHandle], cancelled: list[RequestHandle]) -> None:
+        self._admit(inbox)
+        self._abort(cancelled)
+        if self._has_work():
+            self._step()
+        if self._has_work() and not self.engine.has_unfinished():
+            # Idle now: answer the callers, then have the executor drop what finished (a drop-only
+            # plan), so that once the stats say idle the executor holds nothing either.
+            self._deliver()
+            self.engine.step()
 
     def _admit(self, handles: list[RequestHandle]) -> None:
         for handle in handles:
@@ -318,14 +326,18 @@ class EngineLoop:
                 log.warning("could not tell the executor to drop aborted requests: %s", e)
         self._publish()
 
-    def _publish(self) -> None:
-        """Hand this iteration's outputs over in one call and refresh the stats and the queue count."""
-        self.stats = self._snapshot()
-        with self._wakeup:
-            self._num_queued = len(self._inbox) + self.stats.num_waiting
+    def _deliver(self) -> None:
+        """Hand the outputs gathered so far over in one call."""
         if self._outbox:
             outbox, self._outbox = self._outbox, []
             self.deliver(outbox)
+
+    def _publish(self) -> None:
+        """End of an iteration: deliver the outputs, refresh the stats and the queue count."""
+        self._deliver()
+        self.stats = self._snapshot()
+        with self._wakeup:
+            self._num_queued = len(self._inbox) + self.stats.num_waiting
 
     def _snapshot(self) -> LoopStats:
         c = self._counters

@@ -16,6 +16,7 @@ from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.engine import Engine
+from scheduler_svc.executor import Executor
 from scheduler_svc.loop import EngineLoop, LoopStopped, QueueFull, RequestHandle, RequestOutput
 from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.requests import prepare
@@ -34,7 +35,6 @@ FINISH_REASONS = {
 }
 FIRST_RETRY_S = 0.1
 MAX_RETRY_S = 5.0
-HANDSHAKE_TIMEOUT_S = 10.0
 SHUTDOWN_GRACE_S = 5.0
 
 
@@ -58,9 +58,8 @@ def to_response(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateRes
     return response
 
 
-def connect_engine(executor: RemoteExecutor, config: ServiceConfig) -> Engine:
+def connect_engine(executor: Executor, config: ServiceConfig) -> Engine:
     """Handshake with a reset executor: a new scheduler never inherits another one's requests."""
-    executor.get_info(timeout_s=HANDSHAKE_TIMEOUT_S)
     executor.reset()
     return Engine(executor, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens))
 
@@ -188,7 +187,8 @@ def deliver_to_event_loop(aio_loop: asyncio.AbstractEventLoop):
 class SchedulerServer:
     """The gRPC server, its health status, and the engine loop once the executor answered."""
 
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, executor: Executor | None = None) -> None:
+        """Serve ``executor`` (an in-process one in tests), or by default the executor service at config.executor."""
         self.config = config
         self.server = grpc.aio.server()
         self.servicer = GenerationServicer(config.executor)
@@ -199,7 +199,7 @@ class SchedulerServer:
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         if self.port == 0:
             raise OSError(f"cannot bind the scheduler to {config.host}:{config.port}")
-        self.executor = RemoteExecutor(config.executor)
+        self.executor = executor if executor is not None else RemoteExecutor(config.executor)
         self.loop: EngineLoop | None = None
         self.stopping = asyncio.Event()
 
@@ -254,7 +254,8 @@ class SchedulerServer:
         if self.loop is not None:
             await asyncio.to_thread(self.loop.stop)
         await self.server.stop(SHUTDOWN_GRACE_S)
-        self.executor.close()
+        if isinstance(self.executor, RemoteExecutor):
+            self.executor.close()
 
 
 async def serve(config: ServiceConfig) -> None:

@@ -1,0 +1,256 @@
+"""Helpers for the scheduler-service tests: real subprocess stacks, in-process servers, a small tokenizer.
+
+Every test that runs requests ends with ``assert_idle``: no request left and
+every KV block free, as GetStats reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from nanoserve.v1 import executor_pb2, executor_pb2_grpc
+from nanoserve.v1 import generation_pb2 as pb
+from nanoserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.config import ServiceConfig
+from scheduler_svc.executor import Executor
+from scheduler_svc.service import SchedulerServer
+
+HOST = "127.0.0.1"
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 60.0
+IDLE_TIMEOUT_S = 10.0
+
+# ChatML, as SmolLM2 and Qwen use it.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_ID = 0  # <|endoftext|>
+# Trained on; text outside it (other CJK, other emoji) falls back to single bytes, split across tokens.
+CORPUS = ["Hello world, héllo wörld!", "你好，世界。你好吗？", "emoji 🎉🚀 party 🎉", "The quick brown fox jumps."]
+TOKENIZER_VOCAB_SIZE = 300
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+REAL_EXECUTOR_MISSING = importlib.util.find_spec("executor_svc.__main__") is None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    """A byte-level BPE small enough to train in milliseconds; multi-byte characters split across its tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS * 4, trainer)
+    return tokenizer
+
+
+def wait_serving(target: str, process: subprocess.Popen, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Block until ``target`` reports grpc.health.v1 SERVING; fail early if the process died."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            assert process.poll() is None, f"{process.args} exited with {process.returncode}"
+            with contextlib.suppress(grpc.RpcError):
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == SERVING:
+                    return
+            time.sleep(0.05)
+    raise TimeoutError(f"{target} did not become SERVING within {timeout_s}s")
+
+
+def spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
+    log = log_path.open("w")
+    return subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+
+
+def stop_process(process: subprocess.Popen) -> int:
+    """SIGTERM, then wait; returns the exit code."""
+    process.terminate()
+    try:
+        return process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+
+
+@dataclass
+class Stack:
+    """An executor process and a scheduler process, and a channel to the scheduler."""
+
+    executor: subprocess.Popen
+    scheduler: subprocess.Popen
+    executor_target: str
+    target: str
+    channel: grpc.Channel
+    stub: pb_grpc.GenerationStub
+    log_dir: Path
+
+    def executor_reset(self) -> int:
+        """Reset the executor directly; the number of requests it still held."""
+        with grpc.insecure_channel(self.executor_target) as channel:
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            return stub.Reset(executor_pb2.ResetRequest(), timeout=10).num_dropped_requests
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text() for p in sorted(self.log_dir.glob("*.log")))
+
+
+def executor_argv(kind: str, port: int, options: dict[str, object]) -> list[str]:
+    """The command of a model-free executor: ``shadow`` (default), ``echo`` or ``null``."""
+    argv = [sys.executable, "-m", "executor_svc.shadow_server", "--host", HOST, "--port", str(port)]
+    if kind in ("echo", "null"):
+        argv.append(f"--{kind}")
+    for key, value in options.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
+@contextlib.contextmanager
+def running_stack(
+    executor_cmd: list[str] | None, log_dir: Path, executor_port: int | None = None, **scheduler_flags: object
+) -> Iterator[Stack]:
+    """Start the executor (unless ``executor_cmd`` is None: then nothing listens yet) and the scheduler."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    executor_port = executor_port or free_port()
+    executor_target = f"{HOST}:{executor_port}"
+    executor = spawn(executor_cmd, log_dir / "executor.log") if executor_cmd else None
+    port = free_port()
+    argv = [sys.executable, "-m", "scheduler_svc", "--host", HOST, "--port", str(port), "--executor", executor_target]
+    for key, value in scheduler_flags.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    scheduler = spawn(argv, log_dir / "scheduler.log")
+    target = f"{HOST}:{port}"
+    channel = grpc.insecure_channel(target)
+    try:
+        if executor is not None:
+            wait_serving(executor_target, executor)
+            wait_serving(target, scheduler)
+        yield Stack(executor, scheduler, executor_target, target, channel, pb_grpc.GenerationStub(channel), log_dir)
+    finally:
+        channel.close()
+        stop_process(scheduler)
+        if executor is not None:
+            stop_process(executor)
+
+
+def assert_idle(stub: pb_grpc.GenerationStub, timeout_s: float = IDLE_TIMEOUT_S) -> pb.SchedulerStats:
+    """Wait for the scheduler to settle, then assert no request is left and every KV block is free."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = stub.GetStats(pb.GetStatsRequest(), timeout=5)
+        idle = stats.num_waiting == 0 and stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert stats.num_waiting == 0 and stats.num_running == 0, f"requests left behind: {stats}"
+    assert stats.num_free_blocks == stats.num_blocks, f"KV blocks still held: {stats}"
+    return stats
+
+
+def token_request(token_ids: list[int], max_tokens: int | None = None, **stopping: object) -> pb.GenerateRequest:
+    options = pb.StoppingOptions(**stopping)
+    if max_tokens is not None:
+        options.max_tokens = max_tokens
+    return pb.GenerateRequest(tokens=pb.TokenPrompt(token_ids=token_ids), stopping=options)
+
+
+@dataclass
+class Collected:
+    """A whole stream, joined: what a user would read."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: int
+    usage: pb.Usage
+    num_responses: int
+
+
+def collect(responses: list[pb.GenerateResponse]) -> Collected:
+    last = responses[-1]
+    return Collected(
+        "".join(r.text for r in responses),
+        [t for r in responses for t in r.token_ids],
+        last.finish_reason,
+        last.usage,
+        len(responses),
+    )
+
+
+async def stream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> Collected:
+    return collect([r async for r in stub.Generate(request)])
+
+
+class GatedExecutor:
+    """Wraps an executor so a test can hold every step until it opens the gate."""
+
+    def __init__(self, inner: Executor) -> None:
+        self.inner = inner
+        self.open = threading.Event()
+        self.entered = threading.Event()
+        self.open.set()
+
+    def get_info(self) -> executor_pb2.ExecutorInfo:
+        return self.inner.get_info()
+
+    def reset(self) -> int:
+        return self.inner.reset()
+
+    def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+        self.entered.set()
+        self.open.wait()
+        return self.inner.step(plan)
+
+
+@contextlib.asynccontextmanager
+async def in_process_scheduler(executor: Executor, **config: object) -> AsyncIterator[pb_grpc.GenerationStub]:
+    """A scheduler server in this process around ``executor``, and an aio stub to it; stopped on exit."""
+    server = SchedulerServer(ServiceConfig(host=HOST, port=0, **config), executor)
+    await server.start()
+    assert await server.connect()
+    try:
+        async with grpc.aio.insecure_channel(f"{HOST}:{server.port}") as channel:
+            yield pb_grpc.GenerationStub(channel)
+    finally:
+        await server.stop()
+
+
+async def assert_idle_async(stub: pb_grpc.GenerationStub, timeout_s: float = IDLE_TIMEOUT_S) -> pb.SchedulerStats:
+    """``assert_idle`` for an aio stub."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await stub.GetStats(pb.GetStatsRequest())
+        idle = stats.num_waiting == 0 and stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+        if idle or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.01)
+    assert stats.num_waiting == 0 and stats.num_running == 0, f"requests left behind: {stats}"
+    assert stats.num_free_blocks == stats.num_blocks, f"KV blocks still held: {stats}"
+    return stats

@@ -1,0 +1,141 @@
+"""Incremental detokenization and stop strings: what a streaming reader sees, piece by piece."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler_svc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, TextStream
+from scheduler_svc.tokenizer import ModelTokenizer
+from tests.service_fixtures import byte_level_tokenizer
+
+# Characters outside the training corpus fall back to byte tokens: é is split, 日本 and 🦀 are 3 and 4 bytes.
+TEXTS = ["héllo wörld", "日本語 🦀 crab", "你好🎉 and 🦀🦀", "plain ascii only", "é", "🦀"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> ModelTokenizer:
+    return ModelTokenizer(byte_level_tokenizer().to_str())
+
+
+def stream_text(tokenizer: ModelTokenizer, prompt: list[int], completion: list[int]) -> list[str]:
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    pieces = [detokenizer.push(t) for t in completion]
+    return [*pieces, detokenizer.flush()]
+
+
+def test_the_fixture_tokenizer_splits_characters_across_tokens(tokenizer: ModelTokenizer):
+    ids = tokenizer.encode("🦀")
+    assert len(ids) >= 2
+    assert all(REPLACEMENT_CHAR in tokenizer.decode([t]) for t in ids)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_pieces_join_to_the_text_and_never_show_a_partial_character(tokenizer: ModelTokenizer, text: str):
+    prompt = tokenizer.encode("Hello world")
+    pieces = stream_text(tokenizer, prompt, tokenizer.encode(text))
+    assert "".join(pieces) == text
+    assert not any(REPLACEMENT_CHAR in p for p in pieces)
+
+
+def test_a_character_is_emitted_with_its_last_byte(tokenizer: ModelTokenizer):
+    ids = tokenizer.encode("a🦀b")
+    num_crab_tokens = len(ids) - 2
+    pieces = stream_text(tokenizer, [], ids)
+    assert pieces == ["a", *[""] * (num_crab_tokens - 1), "🦀", "b", ""]
+
+
+def test_an_unfinished_character_at_the_end_is_flushed_as_replacement(tokenizer: ModelTokenizer):
+    ids = tokenizer.encode("x🦀")[:-1]
+    pieces = stream_text(tokenizer, [], ids)
+    assert pieces[:-1] == ["x", *[""] * (len(ids) - 1)]
+    assert REPLACEMENT_CHAR in pieces[-1]
+    assert pieces[-1] == tokenizer.decode(ids)[1:]
+
+
+@given(st.text(alphabet="ab é日🦀你好🎉!", max_size=30))
+@settings(max_examples=60, deadline=None)
+def test_any_text_streams_back_exactly(text: str):
+    tokenizer = ModelTokenizer(TOKENIZER_JSON)
+    assert "".join(stream_text(tokenizer, tokenizer.encode("Hi"), tokenizer.encode(text))) == text
+
+
+def test_stop_string_spanning_pushes_is_caught_and_not_emitted():
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.push("Hel") == ("Hel", False)
+    assert matcher.push("lo ST") == ("lo ", False)
+    assert matcher.held == "ST"
+    assert matcher.push("OP and more") == ("", True)
+
+
+def test_held_text_is_released_once_it_cannot_be_a_stop_string():
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.push("ST") == ("", False)
+    assert matcher.push("ART") == ("START", False)
+    assert matcher.push("S") == ("", False)
+    assert matcher.flush() == "S"
+
+
+def test_the_earliest_of_several_stop_strings_wins():
+    matcher = StopStringMatcher(["world", "lo"])
+    assert matcher.push("hello world") == ("hel", True)
+
+
+def test_without_stop_strings_nothing_is_held():
+    matcher = StopStringMatcher([])
+    assert matcher.push("abc") == ("abc", False)
+    assert matcher.flush() == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "expected"),
+    [
+        ("Hello world, héllo wörld!", "o w", "Hell"),  # spans the tokens "Hello" and " world"
+        ("日本語 🦀 crab", "🦀 c", "日本語 "),  # starts inside a multi-byte character's tokens
+        ("héllo wörld", "ö", "héllo w"),
+        ("no match here", "xyz", "no match here"),
+    ],
+)
+def test_text_stream_cuts_at_a_stop_string_across_token_boundaries(
+    tokenizer: ModelTokenizer, text: str, stop: str, expected: str
+):
+    stream = TextStream(tokenizer, tokenizer.encode("Hi"), [stop])
+    out, stopped = [], False
+    for token_id in tokenizer.encode(text):
+        piece, stopped = stream.push(token_id)
+        out.append(piece)
+        if stopped:
+            break
+    if not stopped:
+        piece, stopped = stream.finish()
+        out.append(piece)
+    assert "".join(out) == expected
+    assert stopped == (stop in text)
+
+
+@given(st.text(alphabet="ab é日🦀", max_size=25), st.text(alphabet="ab é日🦀", min_size=1, max_size=4))
+@settings(max_examples=80, deadline=None)
+def test_text_stream_returns_the_text_before_the_first_stop_string(text: str, stop: str):
+    tokenizer = ModelTokenizer(TOKENIZER_JSON)
+    stream = TextStream(tokenizer, [], [stop])
+    out, stopped = "", False
+    for token_id in tokenizer.encode(text):
+        piece, stopped = stream.push(token_id)
+        out += piece
+        if stopped:
+            break
+    if not stopped:
+        piece, stopped = stream.finish()
+        out += piece
+    assert out == (text[: text.find(stop)] if stop in text else text)
+    assert stopped == (stop in text)
+
+
+def test_a_stream_without_tokenizer_yields_no_text():
+    stream = TextStream(None, [1, 2], [])
+    assert stream.push(3) == ("", False)
+    assert stream.finish() == ("", False)
+
+
+TOKENIZER_JSON = byte_level_tokenizer().to_str()
