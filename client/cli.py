@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="complete a text prompt")
     add_generation_args(generate)
-    generate.add_argument("prompt", help="the prompt text, or - to read it from stdin")
+    generate.add_argument("prompt", nargs="?", help="the prompt text, or - to read it from stdin")
+    generate.add_argument("--token-ids", type=token_ids,
+                          help="the prompt as comma-separated token ids instead of text, e.g. 1,2,3")
     chat = commands.add_parser("chat", help="answer one user message with the model's chat template")
     add_generation_args(chat)
     chat.add_argument("--system", help="a system message placed before the user's")
@@ -73,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
                        ("health", "print the grpc.health.v1 status; exit 0 only when SERVING")):
         add_connection_args(commands.add_parser(name, help=text))
     return parser
+
+
+def token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def generation_options(args: argparse.Namespace) -> dict:
@@ -108,7 +117,8 @@ def run_generation(client: Client, args: argparse.Namespace, prompt: dict) -> in
 def run(args: argparse.Namespace) -> int:
     with Client(args.server, timeout=args.timeout) as client:
         if args.command == "generate":
-            return run_generation(client, args, {"prompt": read_text(args.prompt)})
+            prompt = {"token_ids": args.token_ids} if args.token_ids else {"prompt": read_text(args.prompt)}
+            return run_generation(client, args, prompt)
         if args.command == "chat":
             messages = [{"role": "system", "content": args.system}] if args.system else []
             messages.append({"role": "user", "content": read_text(args.message)})
@@ -124,7 +134,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "generate" and (args.prompt is None) == (args.token_ids is None):
+        parser.error("generate takes a PROMPT or --token-ids, not both or neither")
     try:
         return run(args)
     except NanoserveError as e:
@@ -134,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader (e.g. `| head`) went away: stop quietly, and keep Python from complaining at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":
