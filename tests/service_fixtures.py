@@ -71,18 +71,25 @@ def byte_level_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def wait_serving(target: str, process: subprocess.Popen, timeout_s: float = START_TIMEOUT_S) -> None:
-    """Block until ``target`` reports grpc.health.v1 SERVING; fail early if the process died."""
+def wait_health(
+    target: str, process: subprocess.Popen, statuses: tuple[int, ...] = (SERVING,), timeout_s: float = START_TIMEOUT_S
+) -> int:
+    """Block until ``target`` reports one of ``statuses`` through grpc.health.v1; fail early if the process died."""
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             assert process.poll() is None, f"{process.args} exited with {process.returncode}"
             with contextlib.suppress(grpc.RpcError):
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == SERVING:
-                    return
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                if status in statuses:
+                    return status
             time.sleep(0.05)
-    raise TimeoutError(f"{target} did not become SERVING within {timeout_s}s")
+    raise TimeoutError(f"{target} did not report {statuses} within {timeout_s}s")
+
+
+def wait_serving(target: str, process: subprocess.Popen, timeout_s: float = START_TIMEOUT_S) -> None:
+    wait_health(target, process, (SERVING,), timeout_s)
 
 
 def spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
