@@ -1,0 +1,116 @@
+"""The Python client library against a real scheduler + echo executor pair (subprocesses)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import grpc
+import pytest
+
+from client import AsyncClient, Client, NanoserveError
+from tests.service_fixtures import TOKENIZER_VOCAB_SIZE, assert_idle, free_port
+
+if TYPE_CHECKING:
+    from tests.client_fixtures import EchoServer
+
+pytest_plugins = ["tests.client_fixtures"]
+
+PROMPT = "Hello world"
+
+
+@pytest.fixture
+def client(echo_server: EchoServer) -> Client:
+    with Client(echo_server.target, timeout=30) as c:
+        yield c
+
+
+def test_generate_returns_the_completion_text_ids_reason_and_usage(client: Client, echo_server: EchoServer) -> None:
+    text, token_ids = echo_server.echo(PROMPT, 9)
+    completion = client.generate(PROMPT, max_tokens=9, temperature=0)
+    assert completion.text == text
+    assert completion.token_ids == token_ids
+    assert completion.finish_reason == "length"
+    prompt_tokens = len(echo_server.tokenizer.encode(PROMPT).ids)
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (prompt_tokens, 9)
+    assert completion.request_id
+
+
+def test_stream_yields_pieces_that_join_to_the_completion(client: Client, echo_server: EchoServer) -> None:
+    chunks = list(client.stream(PROMPT, max_tokens=12))
+    assert "".join(c.text for c in chunks) == echo_server.echo(PROMPT, 12)[0]
+    assert [t for c in chunks for t in c.token_ids] == echo_server.echo(PROMPT, 12)[1]
+    assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 12
+
+
+def test_stop_string_ends_the_text_before_it(client: Client) -> None:
+    completion = client.generate(PROMPT, max_tokens=30, stop=" world")
+    assert completion.text == "Hello"
+    assert completion.finish_reason == "stop"
+
+
+def test_token_prompt_and_stop_token_ids(client: Client) -> None:
+    assert client.generate(token_ids=[5, 6, 7], max_tokens=7).token_ids == [5, 6, 7, 5, 6, 7, 5]
+    stopped = client.generate(token_ids=[5, 6, 7], max_tokens=7, stop_token_ids=[7])
+    assert stopped.finish_reason == "stop" and stopped.token_ids[:2] == [5, 6]
+
+
+def test_chat_renders_the_messages_with_the_model_template(client: Client, echo_server: EchoServer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
+    completion = client.chat(messages, max_tokens=4)
+    assert completion.usage.prompt_tokens == echo_server.chat_prompt_tokens(messages)
+    assert completion.finish_reason == "length"
+
+
+def test_invalid_request_raises_with_the_status_and_the_field(client: Client) -> None:
+    with pytest.raises(NanoserveError) as error:
+        client.generate(PROMPT, max_tokens=0)
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens" in error.value.message
+    with pytest.raises(NanoserveError) as error:
+        list(client.stream(token_ids=[TOKENIZER_VOCAB_SIZE + 1]))
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "vocabulary" in error.value.message
+
+
+def test_a_prompt_must_be_given_exactly_once(client: Client) -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        client.generate(PROMPT, token_ids=[1])
+    with pytest.raises(ValueError, match="exactly one"):
+        client.generate()
+
+
+def test_model_info_stats_and_health(client: Client) -> None:
+    info = client.model_info()
+    assert (info.model_id, info.vocab_size, info.has_tokenizer, info.has_chat_template) == (
+        "echo", TOKENIZER_VOCAB_SIZE, True, True)
+    client.generate(PROMPT, max_tokens=2)
+    assert_idle(client.stub)
+    stats = client.stats()
+    assert stats.num_steps > 0 and stats.num_finished_length > 0
+    assert client.health() == "SERVING"
+
+
+def test_unreachable_server_raises_unavailable() -> None:
+    with Client(f"127.0.0.1:{free_port()}", timeout=5) as client, pytest.raises(NanoserveError) as error:
+        client.health()
+    assert error.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_async_client_matches_the_sync_one(echo_server: EchoServer) -> None:
+    async def run() -> tuple:
+        async with AsyncClient(echo_server.target, timeout=30) as client:
+            completion = await client.generate(PROMPT, max_tokens=6)
+            chunks = [c async for c in client.stream(PROMPT, max_tokens=6)]
+            chat = await client.chat([{"role": "user", "content": "Hi"}], max_tokens=2)
+            with pytest.raises(NanoserveError) as error:
+                await client.generate(PROMPT, temperature=-1.0)
+            return completion, chunks, chat, error.value, await client.health(), await client.model_info()
+
+    completion, chunks, chat, error, health, info = asyncio.run(run())
+    assert completion.text == "".join(c.text for c in chunks) == echo_server.echo(PROMPT, 6)[0]
+    assert chunks[-1].finish_reason == completion.finish_reason == "length"
+    assert chat.usage.completion_tokens == 2
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in error.message
+    assert health == "SERVING" and info.model_id == "echo"

@@ -1,0 +1,114 @@
+"""The ``nanoserve`` CLI against a real scheduler + echo executor pair (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from client.cli import EXIT_REJECTED, EXIT_UNAVAILABLE, main
+from tests.service_fixtures import TOKENIZER_VOCAB_SIZE, free_port
+
+if TYPE_CHECKING:
+    from tests.client_fixtures import EchoServer
+
+pytest_plugins = ["tests.client_fixtures"]
+
+PROMPT = "Hello world"
+NANOSERVE = Path(sys.executable).parent / "nanoserve"
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_streams_the_completion_text(capsys: pytest.CaptureFixture[str], echo_server: EchoServer) -> None:
+    code, out, err = run_cli(capsys, "generate", "--server", echo_server.target, "--max-tokens", "9", PROMPT)
+    assert (code, err) == (0, "")
+    assert out == echo_server.echo(PROMPT, 9)[0] + "\n"
+
+
+def test_generate_json_prints_text_token_ids_reason_and_usage(
+    capsys: pytest.CaptureFixture[str], echo_server: EchoServer
+) -> None:
+    code, out, _ = run_cli(capsys, "generate", "--server", echo_server.target, "--max-tokens", "9",
+                           "--temperature", "0", "--seed", "3", "--json", PROMPT)
+    text, token_ids = echo_server.echo(PROMPT, 9)
+    prompt_tokens = len(echo_server.tokenizer.encode(PROMPT).ids)
+    assert code == 0
+    assert json.loads(out) == {
+        "text": text,
+        "token_ids": token_ids,
+        "finish_reason": "length",
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 9, "cached_prompt_tokens": 0},
+    }
+
+
+def test_stop_strings_and_token_prompts(capsys: pytest.CaptureFixture[str], echo_server: EchoServer) -> None:
+    code, out, _ = run_cli(capsys, "generate", "--server", echo_server.target, "--stop", "xyz", "--stop", " world",
+                           "--json", PROMPT)
+    assert code == 0 and json.loads(out)["text"] == "Hello" and json.loads(out)["finish_reason"] == "stop"
+    code, out, _ = run_cli(capsys, "generate", "--server", echo_server.target, "--token-ids", "5,6,7",
+                           "--max-tokens", "4", "--ignore-eos", "--json")
+    assert code == 0 and json.loads(out)["token_ids"] == [5, 6, 7, 5]
+
+
+def test_chat_applies_the_template_with_the_system_message(
+    capsys: pytest.CaptureFixture[str], echo_server: EchoServer
+) -> None:
+    code, out, _ = run_cli(capsys, "chat", "--server", echo_server.target, "--system", "Be brief.",
+                           "--max-tokens", "3", "--json", "Hello world")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
+    assert code == 0
+    assert json.loads(out)["usage"]["prompt_tokens"] == echo_server.chat_prompt_tokens(messages)
+
+
+def test_rejected_request_prints_the_code_and_message(
+    capsys: pytest.CaptureFixture[str], echo_server: EchoServer
+) -> None:
+    code, out, err = run_cli(capsys, "generate", "--server", echo_server.target, "--max-tokens", "0", PROMPT)
+    assert code == EXIT_REJECTED
+    assert err.startswith("error: INVALID_ARGUMENT: ") and "max_tokens" in err
+    code, _, err = run_cli(capsys, "generate", "--server", echo_server.target, "--token-ids",
+                           str(TOKENIZER_VOCAB_SIZE))
+    assert code == EXIT_REJECTED and "vocabulary" in err
+
+
+def test_unreachable_server_exits_with_its_own_code(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "generate", "--server", f"127.0.0.1:{free_port()}", PROMPT)
+    assert code == EXIT_UNAVAILABLE and out == ""
+    assert err.startswith("error: UNAVAILABLE: ")
+
+
+def test_info_stats_and_health(capsys: pytest.CaptureFixture[str], echo_server: EchoServer) -> None:
+    code, out, _ = run_cli(capsys, "info", "--server", echo_server.target)
+    info = json.loads(out)
+    assert code == 0 and info["model_id"] == "echo" and info["vocab_size"] == TOKENIZER_VOCAB_SIZE
+    assert info["has_chat_template"] is True
+    code, out, _ = run_cli(capsys, "stats", "--server", echo_server.target)
+    assert code == 0 and int(json.loads(out)["num_blocks"]) > 0
+    assert run_cli(capsys, "health", "--server", echo_server.target)[:2] == (0, "SERVING\n")
+
+
+def test_console_script_reads_the_server_from_the_environment_and_the_prompt_from_stdin(
+    echo_server: EchoServer,
+) -> None:
+    result = subprocess.run([str(NANOSERVE), "generate", "--max-tokens", "5", "--json", "-"], input=PROMPT,
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "NANOSERVE_SERVER": echo_server.target})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["text"] == echo_server.echo(PROMPT, 5)[0]
+
+
+def test_a_bad_command_line_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--token-ids", "1,2", PROMPT])
+    assert exit_info.value.code == 2
+    assert "PROMPT or --token-ids" in capsys.readouterr().err
