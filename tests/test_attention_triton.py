@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from executor_svc.attention import triton_kernels as kernels
 from executor_svc.attention.base import AttentionMetadata
+from executor_svc.attention.flash_backend import FlashAttention
 from executor_svc.attention.torch_backend import TorchAttention
 from executor_svc.attention.triton_backend import TritonAttention
 
@@ -244,3 +246,29 @@ def test_backend_chunked_prefill_then_decode() -> None:
             expected = reference.decode(qs, caches["k_ref"], caches["v_ref"], meta, SCALE)
         assert torch.equal(caches["k"], caches["k_ref"]) and torch.equal(caches["v"], caches["v_ref"])
         assert_close(out, expected)
+
+
+def _refuse(*args: object, **kwargs: object) -> torch.Tensor:
+    raise AssertionError("flash-attn 2 was called for a case it does not support")
+
+
+@needs_interpreter
+def test_flash_backend_falls_back_to_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 with 16-token pages is out of flash-attn 2's reach: store, prefill and decode use our kernels."""
+    flash_attn = ModuleType("flash_attn")
+    flash_attn.flash_attn_varlen_func = flash_attn.flash_attn_with_kvcache = _refuse
+    monkeypatch.setitem(sys.modules, "flash_attn", flash_attn)
+    backend, reference = FlashAttention(), TorchAttention()
+    for batch in (Batch([13, 6], [5, 6], 16, 4, 2), Batch([6, 6], [6, 6], 16, 4, 2)):
+        k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+        backend.store_kv(batch.k, batch.v, k_cache, v_cache, batch.slot_mapping())
+        expected_k, expected_v = batch.caches()
+        assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+        meta = batch.prefill_meta()
+        out = backend.prefill(batch.q, batch.k, batch.v, k_cache, v_cache, meta, SCALE)
+        assert_close(out, reference.prefill(batch.q, batch.k, batch.v, k_cache, v_cache, meta, SCALE))
+    decode = Batch([21, 2], [1, 1], 16, 4, 2)
+    k_cache, v_cache = decode.caches()
+    meta = decode.decode_meta()
+    out = backend.decode(decode.q, k_cache, v_cache, meta, SCALE)
+    assert_close(out, reference.decode(decode.q, k_cache, v_cache, meta, SCALE))
