@@ -202,6 +202,7 @@ class SchedulerServer:
         self.executor = executor if executor is not None else RemoteExecutor(config.executor)
         self.loop: EngineLoop | None = None
         self.stopping = asyncio.Event()
+        self.stopped = False
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
         for name in ("", SERVICE_NAME):
@@ -249,6 +250,9 @@ class SchedulerServer:
 
     async def stop(self) -> None:
         """Refuse new work, abort what runs (callers get FINISH_REASON_ABORT), then close the server."""
+        if self.stopped:
+            return
+        self.stopped = True
         self.stopping.set()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.loop is not None:

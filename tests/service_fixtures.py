@@ -236,17 +236,24 @@ class GatedExecutor:
         return self.inner.step(plan)
 
 
+@dataclass
+class InProcess:
+    server: SchedulerServer
+    stub: pb_grpc.GenerationStub
+
+
 @contextlib.asynccontextmanager
-async def in_process_scheduler(executor: Executor, **config: object) -> AsyncIterator[pb_grpc.GenerationStub]:
+async def in_process_scheduler(executor: Executor, **config: object) -> AsyncIterator[InProcess]:
     """A scheduler server in this process around ``executor``, and an aio stub to it; stopped on exit."""
     server = SchedulerServer(ServiceConfig(host=HOST, port=0, **config), executor)
     await server.start()
     assert await server.connect()
+    channel = grpc.aio.insecure_channel(f"{HOST}:{server.port}")
     try:
-        async with grpc.aio.insecure_channel(f"{HOST}:{server.port}") as channel:
-            yield pb_grpc.GenerationStub(channel)
+        yield InProcess(server, pb_grpc.GenerationStub(channel))
     finally:
         await server.stop()
+        await channel.close()
 
 
 async def assert_idle_async(stub: pb_grpc.GenerationStub, timeout_s: float = IDLE_TIMEOUT_S) -> pb.SchedulerStats:

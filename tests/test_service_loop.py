@@ -1,0 +1,227 @@
+"""The engine loop behind an in-process server, with executors a test can hold, break or inspect."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from executor_svc.shadow import ShadowExecutor, reference_generate
+from nanoserve.v1 import executor_pb2
+from nanoserve.v1 import generation_pb2 as pb
+from nanoserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.service_fixtures import (
+    CHATML_TEMPLATE,
+    GatedExecutor,
+    assert_idle_async,
+    byte_level_tokenizer,
+    in_process_scheduler,
+    stream,
+    token_request,
+)
+
+VOCAB = 50
+
+
+def shadow(**kwargs) -> ShadowExecutor:
+    return ShadowExecutor(**{"num_blocks": 64, "block_size": 4, "vocab_size": VOCAB, **kwargs})
+
+
+class RecordingExecutor:
+    """Keeps every plan, and fails the next step when told to (as a dead executor would)."""
+
+    def __init__(self, inner: ShadowExecutor) -> None:
+        self.inner = inner
+        self.plans: list[executor_pb2.StepPlan] = []
+        self.fail_next_step = False
+
+    def get_info(self) -> executor_pb2.ExecutorInfo:
+        return self.inner.get_info()
+
+    def reset(self) -> int:
+        return self.inner.reset()
+
+    def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise ConnectionError("injected executor failure")
+        copy = executor_pb2.StepPlan()
+        copy.CopyFrom(plan)
+        self.plans.append(copy)
+        return self.inner.step(plan)
+
+
+class LogprobExecutor(RecordingExecutor):
+    """Adds made-up logprobs for requests that ask, as a real sampler would."""
+
+    def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+        result = super().step(plan)
+        for token_id in result.token_ids:
+            result.logprobs.add(logprob=-0.25, top_token_ids=[token_id, 1], top_logprobs=[-0.25, -2.0])
+        return result
+
+
+def expected_tokens(prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> list[int]:
+    return reference_generate(prompt, max_tokens, VOCAB, {0}, ignore_eos)
+
+
+def test_a_full_queue_is_refused_and_nothing_else_is_disturbed():
+    executor = GatedExecutor(shadow())
+
+    async def run():
+        async with in_process_scheduler(executor, max_num_seqs=1, max_queued_requests=2) as s:
+            executor.open.clear()
+            first = asyncio.ensure_future(stream(s.stub, token_request([1, 2, 3], 5, ignore_eos=True)))
+            await asyncio.to_thread(executor.entered.wait, 5)
+            # The loop is held inside a step: these can only queue up, or be refused.
+            others = [
+                asyncio.ensure_future(s.stub.GenerateOnce(token_request([4, 5, i], 5, ignore_eos=True)))
+                for i in range(1, 7)
+            ]
+            done, _ = await asyncio.wait(others, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+            assert done, "no request was refused while the queue was full"
+            await asyncio.sleep(0.2)
+            executor.open.set()
+            results = await asyncio.gather(first, *others, return_exceptions=True)
+            await assert_idle_async(s.stub)
+            return results
+
+    first, *others = asyncio.run(run())
+    assert first.token_ids == expected_tokens([1, 2, 3], 5)
+    refused = [r for r in others if isinstance(r, grpc.aio.AioRpcError)]
+    accepted = [(i, r) for i, r in enumerate(others, start=1) if not isinstance(r, Exception)]
+    assert len(refused) + len(accepted) == len(others)
+    assert 1 <= len(accepted) <= 2, "max_queued_requests=2 admits at most two waiting requests"
+    for e in refused:
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "waiting to be scheduled" in e.details()
+    for i, response in accepted:
+        assert list(response.token_ids) == expected_tokens([4, 5, i], 5)
+
+
+def test_cancel_frees_blocks_at_once_and_the_executor_drops_the_request():
+    executor = RecordingExecutor(shadow())
+
+    async def run():
+        async with in_process_scheduler(executor) as s:
+            stub = s.stub
+            call = stub.Generate(token_request([9, 8, 7], 200, ignore_eos=True))
+            async for _ in call:
+                break
+            call.cancel()
+            return await assert_idle_async(stub)
+
+    stats = asyncio.run(run())
+    assert stats.num_aborted == 1
+    seq_id = executor.plans[0].new_requests[0].request_id
+    assert any(seq_id in plan.finished_request_ids for plan in executor.plans), "no plan dropped the request"
+    assert len(executor.inner.table) == 0
+    assert sum(1 for plan in executor.plans if plan.cached_requests.request_ids) < 199, "it was not cancelled"
+
+
+def test_an_executor_failure_fails_the_requests_in_flight_and_the_next_request_recovers():
+    executor = RecordingExecutor(shadow(num_blocks=1024))
+
+    async def run():
+        async with in_process_scheduler(executor) as s:
+            stub = s.stub
+            calls = [stub.Generate(token_request([i, 2, 3], 1000, ignore_eos=True)) for i in range(1, 4)]
+            for call in calls:
+                async for _ in call:
+                    break
+            executor.fail_next_step = True
+            errors = []
+            for call in calls:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    [r async for r in call]
+                errors.append(e.value)
+            await assert_idle_async(stub)
+            after = await stream(stub, token_request([5, 6], 4, ignore_eos=True))
+            await assert_idle_async(stub)
+            return errors, after
+
+    errors, after = asyncio.run(run())
+    for e in errors:
+        assert e.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the executor failed a step" in e.details() and "injected executor failure" in e.details()
+    assert after.token_ids == expected_tokens([5, 6], 4)
+    assert len(executor.inner.table) == 0
+
+
+def test_shutdown_ends_streams_with_abort_and_clears_the_executor():
+    executor = RecordingExecutor(shadow(num_blocks=1024))
+
+    async def run():
+        async with in_process_scheduler(executor) as s:
+            call = s.stub.Generate(token_request([1, 2], 3000, ignore_eos=True))
+            async for _ in call:
+                break
+            stopping = asyncio.ensure_future(s.server.stop())
+            rest = [r async for r in call]
+            await stopping
+            return rest
+
+    rest = asyncio.run(run())
+    assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
+    assert rest[-1].usage.prompt_tokens == 2
+    assert len(executor.inner.table) == 0
+
+
+def test_logprobs_come_with_each_token_when_asked():
+    executor = LogprobExecutor(shadow())
+
+    async def run(stub: pb_grpc.GenerationStub, logprobs: int | None) -> list[pb.GenerateResponse]:
+        request = token_request([3, 4], 4, ignore_eos=True)
+        if logprobs is not None:
+            request.sampling.logprobs = logprobs
+        return [r async for r in stub.Generate(request)]
+
+    async def both():
+        async with in_process_scheduler(executor) as s:
+            stub = s.stub
+            with_lp, without = await run(stub, 1), await run(stub, None)
+            await assert_idle_async(stub)
+            return with_lp, without
+
+    with_lp, without = asyncio.run(both())
+    tokens = [t for r in with_lp for t in r.token_ids]
+    logprobs = [lp for r in with_lp for lp in r.logprobs]
+    assert [lp.token_id for lp in logprobs] == tokens
+    assert all(lp.logprob == -0.25 and [t.token_id for t in lp.top] == [lp.token_id, 1] for lp in logprobs)
+    assert not any(r.logprobs for r in without)
+    assert executor.plans[0].new_requests[0].sampling.num_logprobs == 1
+
+
+def test_chat_without_a_template_is_refused():
+    executor = shadow(vocab_size=300, tokenizer_json=byte_level_tokenizer().to_str())
+
+    async def run():
+        async with in_process_scheduler(executor) as s:
+            stub = s.stub
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+            chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="hi")])
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.GenerateOnce(pb.GenerateRequest(chat=chat))
+            text = await stub.GenerateOnce(pb.GenerateRequest(text="hi", stopping=pb.StoppingOptions(max_tokens=3)))
+            await assert_idle_async(stub)
+            return info, e.value, text
+
+    info, error, text = asyncio.run(run())
+    assert info.has_tokenizer and not info.has_chat_template
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "chat template" in error.details()
+    assert text.usage.completion_tokens == 3
+
+
+def test_a_chat_template_is_used_when_present():
+    executor = shadow(vocab_size=300, tokenizer_json=byte_level_tokenizer().to_str(), chat_template=CHATML_TEMPLATE)
+
+    async def run():
+        async with in_process_scheduler(executor) as s:
+            stub = s.stub
+            chat = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="hi")])
+            response = await stub.GenerateOnce(pb.GenerateRequest(chat=chat, stopping=pb.StoppingOptions(max_tokens=2)))
+            await assert_idle_async(stub)
+            return response
+
+    assert asyncio.run(run()).usage.prompt_tokens > 2
