@@ -78,10 +78,11 @@ class Stack:
         threading.Thread(target=forward_logs, args=(service.name, process.stdout), daemon=True).start()
         self.running.append((service, process))
 
-    def wait_serving(self, service: Service) -> bool:
-        """Poll grpc.health.v1 until SERVING; False when a process exits or the stack is stopping first."""
+    def wait_serving(self, service: Service, timeout_s: float | None = None) -> bool:
+        """Poll grpc.health.v1 until SERVING; False when a process exits, the stack stops or ``timeout_s`` passes."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with Client(service.target, timeout=2.0) as client:
-            while not self.stopping.is_set():
+            while not self.stopping.is_set() and (deadline is None or time.monotonic() < deadline):
                 if self.exited() is not None:
                     return False
                 try:

@@ -1,0 +1,157 @@
+"""The compose stacks: valid files, and the CPU stack's services run as local processes serve a generation.
+
+Docker is not needed: each service's command and environment are read from the compose
+files (``extends`` applied, ``${VAR:-default}`` set to its default) and started here, with
+the compose network's names and ports replaced by 127.0.0.1 and free ports.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from client import Client
+from scheduler_svc import stack
+from tests.service_fixtures import ROOT, free_port
+
+COMPOSE_FILES = ["docker-compose.yml", "docker-compose.cpu.yml"]
+DEFAULT_VARIABLE = re.compile(r"\$\{(\w+):-([^}]*)\}")
+BIN = Path(sys.executable).parent
+EXECUTOR_ADDRESS = "executor:50052"
+SHADOW_START_TIMEOUT_S = 60.0
+
+
+@functools.cache
+def compose_tool() -> list[str] | None:
+    """``docker compose`` (v2) or ``docker-compose`` (v1), whichever works here."""
+    for tool in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(tool[0]) and subprocess.run([*tool, "version"], capture_output=True).returncode == 0:
+            return tool
+    return None
+
+
+def merge(base: dict, override: dict) -> dict:
+    """Compose's merge for what these files use: mappings merge key by key, anything else is replaced."""
+    merged = dict(base)
+    for key, value in override.items():
+        merged[key] = merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return merged
+
+
+def load_services(path: Path) -> dict[str, dict]:
+    """The services of a compose file with ``extends`` applied and variables at their defaults."""
+    document = yaml.safe_load(DEFAULT_VARIABLE.sub(r"\2", path.read_text()))
+    services = {}
+    for name, service in document["services"].items():
+        extends = service.pop("extends", None)
+        base = load_services(path.parent / extends["file"])[extends["service"]] if extends else {}
+        services[name] = merge(base, service)
+    return services
+
+
+def as_strings(env: dict) -> dict[str, str]:
+    return {key: str(value) for key, value in env.items()}
+
+
+def local_service(name: str, service: dict, ports: dict[str, int]) -> stack.Service:
+    """A compose service as a local process: the same command and environment, re-pointed at 127.0.0.1."""
+    env = as_strings(service["environment"])
+    assert env.pop("NANOSERVE_HOST") == "0.0.0.0", "a container must listen on every interface"
+    env["NANOSERVE_HOST"] = stack.HOST
+    env["NANOSERVE_PORT"] = str(ports[name])
+    if env.get("NANOSERVE_EXECUTOR") == EXECUTOR_ADDRESS:
+        env["NANOSERVE_EXECUTOR"] = f"{stack.HOST}:{ports['executor']}"
+    if "NANOSERVE_CACHE" in env:  # the volume: the cache this machine's executor uses anyway
+        env["NANOSERVE_CACHE"] = os.environ.get("NANOSERVE_CACHE", str(Path.home() / ".cache" / "nanoserve"))
+    command = service["command"]
+    return stack.Service(name, [str(BIN / command[0]), *command[1:]], env, f"{stack.HOST}:{ports[name]}")
+
+
+def healthcheck_argv(service: dict, port: int) -> list[str]:
+    """The service's compose health probe, pointed at ``port``."""
+    kind, *argv = service["healthcheck"]["test"]
+    assert kind == "CMD"
+    return [str(BIN / argv[0]), *(re.sub(r":\d+$", f":{port}", a) if a.startswith("127.0.0.1:") else a
+                                  for a in argv[1:])]
+
+
+@pytest.mark.parametrize("compose_file", COMPOSE_FILES)
+def test_compose_file_is_valid(compose_file: str) -> None:
+    tool = compose_tool()
+    if tool is None:
+        pytest.skip("neither `docker compose` nor `docker-compose` is installed, so the file cannot be validated")
+    result = subprocess.run([*tool, "-f", compose_file, "config", "-q"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("compose_file", COMPOSE_FILES)
+def test_our_reading_of_the_compose_file_matches_the_tool(compose_file: str) -> None:
+    tool = compose_tool()
+    if tool is None:
+        pytest.skip("neither `docker compose` nor `docker-compose` is installed to compare with")
+    result = subprocess.run([*tool, "-f", compose_file, "config"], cwd=ROOT, capture_output=True, text=True,
+                            env={k: v for k, v in os.environ.items() if not k.startswith("NANOSERVE_")})
+    assert result.returncode == 0, result.stderr
+    theirs = yaml.safe_load(result.stdout)["services"]
+    ours = load_services(ROOT / compose_file)
+    for name in ("executor", "scheduler"):
+        assert ours[name]["command"] == theirs[name]["command"]
+        assert as_strings(ours[name]["environment"]) == as_strings(theirs[name]["environment"])
+        assert ours[name]["healthcheck"]["test"] == theirs[name]["healthcheck"]["test"]
+
+
+@pytest.mark.parametrize("compose_file", COMPOSE_FILES)
+def test_only_the_scheduler_is_published_and_it_waits_for_a_healthy_executor(compose_file: str) -> None:
+    services = load_services(ROOT / compose_file)
+    assert "ports" not in services["executor"]
+    assert [p.rsplit(":", 1)[-1] for p in services["scheduler"]["ports"]] == ["50051"]
+    assert services["scheduler"]["depends_on"] == {"executor": {"condition": "service_healthy"}}
+    assert services["scheduler"]["environment"]["NANOSERVE_EXECUTOR"] == EXECUTOR_ADDRESS
+
+
+def test_the_gpu_stack_reserves_a_gpu_and_the_cpu_stack_none() -> None:
+    gpu, cpu = (load_services(ROOT / f)["executor"] for f in COMPOSE_FILES)
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
+    assert gpu["environment"]["NANOSERVE_DEVICE"] == "cuda"
+    assert "deploy" not in cpu and cpu["environment"]["NANOSERVE_DEVICE"] == "cpu"
+
+
+def test_make_run_starts_what_the_cpu_stack_runs() -> None:
+    services = load_services(ROOT / "docker-compose.cpu.yml")
+    ports = {"executor": stack.EXECUTOR_PORT, "scheduler": stack.SCHEDULER_PORT}
+    for made in (stack.executor_service(stack.EXECUTOR_PORT, shadow=False),
+                 stack.scheduler_service(stack.SCHEDULER_PORT, stack.EXECUTOR_PORT)):
+        compose = local_service(made.name, services[made.name], ports)
+        compose.env.pop("NANOSERVE_CACHE", None)  # make run keeps the user's own cache
+        assert (made.argv, made.env, made.target) == (compose.argv, compose.env, compose.target)
+
+
+def test_cpu_stack_serves_a_generation_as_local_processes(tmp_path: Path) -> None:
+    """The scheduler exactly as compose runs it, in front of the shadow executor (the model's stand-in)."""
+    services = load_services(ROOT / "docker-compose.cpu.yml")
+    ports = {"executor": free_port(), "scheduler": free_port()}
+    scheduler = local_service("scheduler", services["scheduler"], ports)
+    executor = stack.executor_service(ports["executor"], shadow=True)
+    processes = stack.Stack()
+    try:
+        for service in (executor, scheduler):
+            processes.start(service)
+            assert processes.wait_serving(service, SHADOW_START_TIMEOUT_S), f"{service.name} never became SERVING"
+        probe = subprocess.run(healthcheck_argv(services["scheduler"], ports["scheduler"]), capture_output=True,
+                               text=True, timeout=30)
+        assert (probe.returncode, probe.stdout) == (0, "SERVING\n"), "the compose health probe fails"
+        with Client(scheduler.target, timeout=30) as client:
+            completion = client.generate(token_ids=[1, 2, 3], max_tokens=5, ignore_eos=True)
+        assert completion.finish_reason == "length" and len(completion.token_ids) == 5
+    finally:
+        processes.stop()
+    assert [p.returncode for _, p in processes.running] == [0, 0], "SIGTERM (docker stop) must end both cleanly"
