@@ -1,0 +1,47 @@
+"""``nanoserve-scheduler`` flags and their NANOSERVE_* environment variables."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.config import ServiceConfig, env_name, parse_config
+
+
+def test_defaults():
+    assert parse_config([], env={}) == ServiceConfig()
+    assert ServiceConfig().executor == "127.0.0.1:50052" and ServiceConfig().port == 50051
+
+
+def test_every_flag_can_come_from_the_environment():
+    env = {
+        "NANOSERVE_EXECUTOR": "exec:1", "NANOSERVE_HOST": "0.0.0.0", "NANOSERVE_PORT": "6000",
+        "NANOSERVE_MAX_NUM_SEQS": "8", "NANOSERVE_MAX_NUM_BATCHED_TOKENS": "512",
+        "NANOSERVE_MAX_QUEUED_REQUESTS": "3", "NANOSERVE_LOG_LEVEL": "debug",
+    }
+    assert parse_config([], env=env) == ServiceConfig("exec:1", "0.0.0.0", 6000, 8, 512, 3, "DEBUG")
+
+
+def test_the_flag_wins_over_the_environment():
+    config = parse_config(["--port", "7000", "--executor", "a:1"], env={"NANOSERVE_PORT": "6000",
+                                                                        "NANOSERVE_EXECUTOR": "b:2"})
+    assert (config.port, config.executor) == (7000, "a:1")
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["--max-num-seqs", "0"], {}),
+        (["--port", "70000"], {}),
+        ([], {"NANOSERVE_MAX_QUEUED_REQUESTS": "many"}),
+        ([], {"NANOSERVE_LOG_LEVEL": "chatty"}),
+    ],
+)
+def test_bad_values_are_refused(argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture):
+    with pytest.raises(SystemExit) as e:
+        parse_config(argv, env=env)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_env_names():
+    assert env_name("--max-num-batched-tokens") == "NANOSERVE_MAX_NUM_BATCHED_TOKENS"
