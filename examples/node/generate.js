@@ -17,7 +17,8 @@ const protoLoader = require("@grpc/proto-loader");
 const PROTO = path.join(__dirname, "..", "..", "protos", "nanoserve", "v1", "generation.proto");
 
 function loadStub(server) {
-  const definition = protoLoader.loadSync(PROTO, { longs: Number, enums: String, defaults: true, oneofs: true });
+  const options = { keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true };
+  const definition = protoLoader.loadSync(PROTO, options);
   const { Generation } = grpc.loadPackageDefinition(definition).nanoserve.v1;
   return new Generation(server, grpc.credentials.createInsecure());
 }

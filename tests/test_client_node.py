@@ -1,0 +1,57 @@
+"""The Node.js example client (examples/node) against a real scheduler + echo executor pair."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests.service_fixtures import ROOT
+
+if TYPE_CHECKING:
+    from tests.client_fixtures import EchoServer
+
+pytest_plugins = ["tests.client_fixtures"]
+
+EXAMPLE = ROOT / "examples" / "node"
+PROMPT = "Hello world"
+
+
+@pytest.fixture(scope="module")
+def node() -> str:
+    """The node binary, with the example's two npm dependencies installed (once, from its lock file)."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed; the example needs Node.js >= 18")
+    if not (EXAMPLE / "node_modules").is_dir():
+        npm = shutil.which("npm")
+        installed = npm and subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=EXAMPLE,
+                                           capture_output=True, timeout=300).returncode == 0
+        if not installed:
+            pytest.skip("`npm ci` in examples/node failed (no npm or no registry access)")
+    return node
+
+
+def run_example(node: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([node, str(EXAMPLE / "generate.js"), *argv], capture_output=True, text=True, timeout=60)
+
+
+def test_node_client_streams_the_same_completion(node: str, echo_server: EchoServer) -> None:
+    text, token_ids = echo_server.echo(PROMPT, 9)
+    streamed = run_example(node, "--server", echo_server.target, "--max-tokens", "9", PROMPT)
+    assert (streamed.returncode, streamed.stdout) == (0, text + "\n"), streamed.stderr
+    result = run_example(node, "--server", echo_server.target, "--max-tokens", "9", "--json", PROMPT)
+    completion = json.loads(result.stdout)
+    assert (completion["text"], completion["token_ids"], completion["finish_reason"]) == (text, token_ids, "length")
+    assert completion["usage"]["completion_tokens"] == 9
+
+
+def test_node_client_sends_token_prompts_and_reports_errors(node: str, echo_server: EchoServer) -> None:
+    result = run_example(node, "--server", echo_server.target, "--token-ids", "5,6,7", "--max-tokens", "4", "--json")
+    assert json.loads(result.stdout)["token_ids"] == [5, 6, 7, 5]
+    rejected = run_example(node, "--server", echo_server.target, "--max-tokens", "0", PROMPT)
+    assert rejected.returncode == 1
+    assert rejected.stderr.startswith("error: INVALID_ARGUMENT: ") and "max_tokens" in rejected.stderr
