@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from executor_svc.shadow import ShadowExecutor
 from nanoserve.v1 import generation_pb2 as pb
@@ -270,3 +271,56 @@ def test_scheduler_waits_for_a_late_executor(tmp_path: Path):
             assert_idle(s.stub)
         finally:
             stop_process(executor)
+
+
+def test_reflection_lists_the_services(stack: Stack):
+    services = ProtoReflectionDescriptorDatabase(stack.channel).get_services()
+    assert {"nanoserve.v1.Generation", "grpc.health.v1.Health"} <= set(services)
+
+
+def test_a_dead_executor_fails_the_stream_with_unavailable_and_a_restarted_one_serves_again(tmp_path: Path):
+    port = free_port()
+    with running_stack(executor_argv("shadow", port, SHADOW), tmp_path, executor_port=port) as s:
+        responses = s.stub.Generate(token_request([1, 2, 3], 300, ignore_eos=True))
+        next(responses)
+        s.executor.kill()
+        s.executor.wait()
+        with pytest.raises(grpc.RpcError) as e:
+            list(responses)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the executor failed a step" in e.value.details()
+        assert_idle(s.stub)
+        restarted = spawn(executor_argv("shadow", port, SHADOW), tmp_path / "executor-restarted.log")
+        try:
+            response = generate_once_when_available(s.stub, token_request([1, 2, 3], 5, ignore_eos=True))
+            reference = in_process_reference([[1, 2, 3]], [SamplingParams(max_tokens=5, ignore_eos=True)])[0]
+            assert list(response.token_ids) == reference.token_ids
+            assert_executor_clean(s)
+        finally:
+            stop_process(restarted)
+
+
+def generate_once_when_available(
+    stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, timeout_s: float = 30
+) -> pb.GenerateResponse:
+    """Retry UNAVAILABLE, as a client does while an executor comes back."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return stub.GenerateOnce(request)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, e
+            time.sleep(0.2)
+
+
+def test_sigterm_aborts_streams_and_exits_cleanly(tmp_path: Path):
+    port = free_port()
+    with running_stack(executor_argv("shadow", port, SHADOW), tmp_path, executor_port=port) as s:
+        responses = s.stub.Generate(token_request([1, 2, 3], 350, ignore_eos=True))
+        next(responses)
+        s.scheduler.terminate()
+        rest = list(responses)
+        assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
+        assert rest[-1].usage.completion_tokens < 350
+        assert s.scheduler.wait(timeout=15) == 0
+        assert s.executor_reset() == 0, "the scheduler left requests on the executor"
