@@ -11,6 +11,7 @@ import functools
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,8 @@ COMPOSE_FILES = ["docker-compose.yml", "docker-compose.cpu.yml"]
 DEFAULT_VARIABLE = re.compile(r"\$\{(\w+):-([^}]*)\}")
 BIN = Path(sys.executable).parent
 EXECUTOR_ADDRESS = "executor:50052"
-SHADOW_START_TIMEOUT_S = 60.0
+# The first start converts the embedded model into the cache; later ones take seconds.
+START_TIMEOUT_S = 300.0
 
 
 @functools.cache
@@ -135,23 +137,64 @@ def test_make_run_starts_what_the_cpu_stack_runs() -> None:
         assert (made.argv, made.env, made.target) == (compose.argv, compose.env, compose.target)
 
 
-def test_cpu_stack_serves_a_generation_as_local_processes(tmp_path: Path) -> None:
-    """The scheduler exactly as compose runs it, in front of the shadow executor (the model's stand-in)."""
+def test_cpu_stack_generates_when_its_services_run_as_local_processes() -> None:
+    """Both services exactly as docker-compose.cpu.yml runs them: the embedded SmolLM2 on CPU behind the scheduler."""
     services = load_services(ROOT / "docker-compose.cpu.yml")
     ports = {"executor": free_port(), "scheduler": free_port()}
-    scheduler = local_service("scheduler", services["scheduler"], ports)
-    executor = stack.executor_service(ports["executor"], shadow=True)
     processes = stack.Stack()
     try:
-        for service in (executor, scheduler):
+        for name in ("executor", "scheduler"):
+            service = local_service(name, services[name], ports)
             processes.start(service)
-            assert processes.wait_serving(service, SHADOW_START_TIMEOUT_S), f"{service.name} never became SERVING"
-        probe = subprocess.run(healthcheck_argv(services["scheduler"], ports["scheduler"]), capture_output=True,
-                               text=True, timeout=30)
-        assert (probe.returncode, probe.stdout) == (0, "SERVING\n"), "the compose health probe fails"
-        with Client(scheduler.target, timeout=30) as client:
-            completion = client.generate(token_ids=[1, 2, 3], max_tokens=5, ignore_eos=True)
-        assert completion.finish_reason == "length" and len(completion.token_ids) == 5
+            assert processes.wait_serving(service, START_TIMEOUT_S), f"the {name} never became SERVING"
+            probe = subprocess.run(healthcheck_argv(services[name], ports[name]), capture_output=True, text=True,
+                                   timeout=30)
+            assert (probe.returncode, probe.stdout) == (0, "SERVING\n"), f"the {name}'s compose health probe fails"
+        with Client(f"{stack.HOST}:{ports['scheduler']}", timeout=60) as client:
+            completion = client.generate("The capital of France is", max_tokens=4, temperature=0)
+        assert "Paris" in completion.text
+        assert completion.finish_reason == "length" and completion.usage.completion_tokens == 4
     finally:
         processes.stop()
     assert [p.returncode for _, p in processes.running] == [0, 0], "SIGTERM (docker stop) must end both cleanly"
+
+
+def start_make_run(*flags: str) -> tuple[subprocess.Popen, str]:
+    """``python -m scheduler_svc.stack`` as ``make run`` starts it, and the line it prints once both serve."""
+    process = subprocess.Popen([sys.executable, "-m", "scheduler_svc.stack", *flags], cwd=ROOT, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    ready = process.stdout.readline()
+    assert ready.startswith("nanoserve: ready."), f"the stack printed {ready!r} instead of its ready line"
+    return process, ready
+
+
+def child_pids(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_make_run_prints_how_to_generate_and_stops_both_on_ctrl_c() -> None:
+    port, executor_port = free_port(), free_port()
+    process, ready = start_make_run("--shadow", "--port", str(port), "--executor-port", str(executor_port))
+    try:
+        assert f"nanoserve generate --server 127.0.0.1:{port} --json --token-ids 1,2,3" in ready
+        children = child_pids(process.pid)
+        with Client(f"127.0.0.1:{port}", timeout=30) as client:
+            assert len(client.generate(token_ids=[1, 2, 3], max_tokens=3).token_ids) == 3
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+        assert not any(Path(f"/proc/{pid}").exists() for pid in children), "a service outlived the stack"
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_make_run_stops_the_scheduler_when_the_executor_dies() -> None:
+    process, _ = start_make_run("--shadow", "--port", str(free_port()), "--executor-port", str(free_port()))
+    try:
+        executor, scheduler = child_pids(process.pid)
+        os.kill(executor, signal.SIGKILL)
+        assert process.wait(timeout=30) == 1
+        assert not Path(f"/proc/{scheduler}").exists(), "the scheduler outlived the executor"
+    finally:
+        process.kill()
+        process.wait()
