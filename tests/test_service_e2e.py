@@ -8,9 +8,13 @@ no request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
+import sys
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -21,11 +25,12 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from executor_svc.shadow import ShadowExecutor
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.engine import Engine
+from scheduler_svc.engine import Completion, Engine
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import SchedulerConfig
 from scheduler_svc.sequence import FinishReason
 from tests.service_fixtures import (
+    HOST,
     REAL_EXECUTOR_MISSING,
     Stack,
     assert_idle,
@@ -45,6 +50,63 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SHADOW = dict(num_blocks=96, block_size=4, vocab_size=50, max_model_len=512, eos_token_ids=0)
 SCHEDULER = dict(max_num_seqs=16, max_num_batched_tokens=64)
 FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH}
+# The tiny random-weight llama of tests/model_fixtures.py: 2 layers x 2 KV heads x 16 dims, float32, so a
+# 4-token block takes 2 KB and this budget gives the shadow stack's 96 blocks.
+REAL_KV_CACHE_BYTES = 96 * 4 * 2 * 2 * 2 * 16 * 4
+
+
+@dataclass
+class Backend:
+    """An executor the suite runs against, and what the in-process Engine returns on the same one."""
+
+    name: str
+    argv: Callable[[int], list[str]]
+    reference: Callable[[list[list[int]], list[SamplingParams]], list[Completion]]
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_id: int
+
+
+def shadow_reference(prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+    executor = ShadowExecutor(
+        SHADOW["num_blocks"], SHADOW["block_size"], SHADOW["vocab_size"], (SHADOW["eos_token_ids"],),
+        SHADOW["max_model_len"],
+    )
+    return Engine(executor, SchedulerConfig(**SCHEDULER)).generate(prompts, params)
+
+
+SHADOW_BACKEND = Backend(
+    "shadow", lambda port: executor_argv("shadow", port, SHADOW), shadow_reference,
+    SHADOW["num_blocks"], SHADOW["block_size"], SHADOW["vocab_size"], SHADOW["max_model_len"], SHADOW["eos_token_ids"],
+)
+
+
+@contextlib.contextmanager
+def real_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
+    """The torch executor on the tiny random-weight llama; the reference runs the same model in this process."""
+    from executor_svc.config import ExecutorOptions
+    from executor_svc.model_executor import ModelExecutor
+    from tests.model_fixtures import TINY_VOCAB, save_tiny_model
+
+    folder = save_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama") / "llama")
+    flags = dict(model=folder, block_size=4, kv_cache_memory=REAL_KV_CACHE_BYTES, max_model_len=512, threads=1)
+    executor = ModelExecutor(ExecutorOptions(**{**flags, "model": str(folder)}))
+
+    def argv(port: int) -> list[str]:
+        command = [sys.executable, "-m", "executor_svc", "--host", HOST, "--port", str(port), "--device", "cpu"]
+        return command + [arg for key, value in flags.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
+
+    def reference(prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        return Engine(executor, SchedulerConfig(**SCHEDULER)).generate(prompts, params)
+
+    info = executor.get_info()
+    assert (info.num_blocks, info.block_size, info.vocab_size) == (96, 4, TINY_VOCAB)
+    try:
+        yield Backend("real", argv, reference, 96, 4, TINY_VOCAB, 512, info.eos_token_ids[0])
+    finally:
+        executor.close()
 
 
 @pytest.fixture(
@@ -59,21 +121,30 @@ FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINI
         ),
     ],
 )
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+def backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
+    if request.param == "shadow":
+        yield SHADOW_BACKEND
+        return
+    with real_backend(tmp_path_factory) as real:
+        yield real
+
+
+@pytest.fixture(scope="module")
+def stack(backend: Backend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     port = free_port()
-    log_dir = tmp_path_factory.mktemp(f"stack-{request.param}")
-    with running_stack(executor_argv("shadow", port, SHADOW), log_dir, executor_port=port, **SCHEDULER) as s:
+    log_dir = tmp_path_factory.mktemp(f"stack-{backend.name}")
+    with running_stack(backend.argv(port), log_dir, executor_port=port, **SCHEDULER) as s:
         yield s
 
 
-def in_process_reference(prompts: list[list[int]], params: list[SamplingParams]):
-    """What the in-process Engine returns for the same requests on the same executor configuration."""
-    executor = ShadowExecutor(
-        SHADOW["num_blocks"], SHADOW["block_size"], SHADOW["vocab_size"], (SHADOW["eos_token_ids"],),
-        SHADOW["max_model_len"],
-    )
-    engine = Engine(executor, SchedulerConfig(**SCHEDULER))
-    return engine.generate(prompts, params)
+def greedy(max_tokens: int, **kwargs: object) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)
+
+
+def greedy_request(token_ids: list[int], max_tokens: int | None = None, **stopping: object) -> pb.GenerateRequest:
+    request = token_request(token_ids, max_tokens, **stopping)
+    request.sampling.temperature = 0
+    return request
 
 
 def random_workload(n: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -93,18 +164,14 @@ def assert_executor_clean(stack: Stack) -> None:
     assert stack.executor_reset() == 0, "the executor still held requests the scheduler had finished"
 
 
-def test_32_concurrent_streams_get_exactly_the_in_process_engine_tokens(stack: Stack):
+def test_32_concurrent_streams_get_exactly_the_in_process_engine_tokens(stack: Stack, backend: Backend):
     prompts, max_tokens = random_workload(32, seed=1)
-    expected = in_process_reference(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens])
+    expected = backend.reference(prompts, [greedy(m) for m in max_tokens])
 
     async def run() -> list:
         async with grpc.aio.insecure_channel(stack.target) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            requests = []
-            for p, m in zip(prompts, max_tokens, strict=True):
-                request = token_request(p, m)
-                request.sampling.temperature = 0
-                requests.append(request)
+            requests = [greedy_request(p, m) for p, m in zip(prompts, max_tokens, strict=True)]
             return await asyncio.gather(*(stream(stub, r) for r in requests))
 
     results = asyncio.run(run())
@@ -113,22 +180,22 @@ def test_32_concurrent_streams_get_exactly_the_in_process_engine_tokens(stack: S
         assert got.finish_reason == FINISH[want.finish_reason], f"request {i}"
         assert got.usage.prompt_tokens == len(prompts[i])
         assert got.usage.completion_tokens == len(want.token_ids)
-        assert got.usage.cached_prompt_tokens % SHADOW["block_size"] == 0
+        assert got.usage.cached_prompt_tokens % backend.block_size == 0
     stats = assert_idle(stack.stub)
     assert stats.num_preemptions > 0, "the workload was meant to overflow the KV cache"
     assert stack.executor_reset() == 0
 
 
-def test_cancel_mid_stream_frees_blocks_and_leaves_the_others_intact(stack: Stack):
+def test_cancel_mid_stream_frees_blocks_and_leaves_the_others_intact(stack: Stack, backend: Backend):
     prompts, max_tokens = random_workload(6, seed=2)
-    expected = in_process_reference(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
+    expected = backend.reference(prompts, [greedy(m) for m in max_tokens])
     before = stack.stub.GetStats(pb.GetStatsRequest())
 
     async def run():
         async with grpc.aio.insecure_channel(stack.target) as channel:
             stub = pb_grpc.GenerationStub(channel)
             long_call = stub.Generate(token_request([7, 8, 9], max_tokens=300, ignore_eos=True))
-            requests = [token_request(p, m) for p, m in zip(prompts, max_tokens, strict=True)]
+            requests = [greedy_request(p, m) for p, m in zip(prompts, max_tokens, strict=True)]
             others = [asyncio.ensure_future(stream(stub, r)) for r in requests]
             received = 0
             async for _ in long_call:
@@ -188,18 +255,16 @@ def bad_requests(max_model_len: int, vocab_size: int) -> list[tuple[str, pb.Gene
     ]
 
 
-BAD = bad_requests(SHADOW["max_model_len"], SHADOW["vocab_size"])
-
-
-def test_bad_inputs_are_refused_while_a_good_stream_completes(stack: Stack):
-    expected = in_process_reference([[5, 6, 7]], [SamplingParams(max_tokens=300, ignore_eos=True)])[0]
+def test_bad_inputs_are_refused_while_a_good_stream_completes(stack: Stack, backend: Backend):
+    expected = backend.reference([[5, 6, 7]], [greedy(300, ignore_eos=True)])[0]
+    bad = bad_requests(backend.max_model_len, backend.vocab_size)
 
     async def run():
         async with grpc.aio.insecure_channel(stack.target) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            good = asyncio.ensure_future(stream(stub, token_request([5, 6, 7], 300, ignore_eos=True)))
+            good = asyncio.ensure_future(stream(stub, greedy_request([5, 6, 7], 300, ignore_eos=True)))
             errors = {}
-            for case, request, _ in BAD:
+            for case, request, _ in bad:
                 for method in ("Generate", "GenerateOnce"):
                     try:
                         if method == "Generate":
@@ -215,7 +280,7 @@ def test_bad_inputs_are_refused_while_a_good_stream_completes(stack: Stack):
     assert good.token_ids == expected.token_ids
     assert good.finish_reason == pb.FINISH_REASON_LENGTH
     for (case, method), error in errors.items():
-        needle = next(n for c, _, n in BAD if c == case)
+        needle = next(n for c, _, n in bad if c == case)
         assert error is not None, f"{method} accepted {case}"
         code, details = error
         assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{method}, {case}: {code} {details}"
@@ -223,14 +288,14 @@ def test_bad_inputs_are_refused_while_a_good_stream_completes(stack: Stack):
     assert_executor_clean(stack)
 
 
-def test_generate_once_returns_the_whole_completion_and_usage(stack: Stack):
+def test_generate_once_returns_the_whole_completion_and_usage(stack: Stack, backend: Backend):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    expected = in_process_reference([prompt], [SamplingParams(max_tokens=20, ignore_eos=True)])[0]
-    response = stack.stub.GenerateOnce(token_request(prompt, 20, ignore_eos=True))
+    expected = backend.reference([prompt], [greedy(20, ignore_eos=True)])[0]
+    response = stack.stub.GenerateOnce(greedy_request(prompt, 20, ignore_eos=True))
     assert list(response.token_ids) == expected.token_ids
     assert response.finish_reason == pb.FINISH_REASON_LENGTH
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (8, 20)
-    again = stack.stub.GenerateOnce(token_request(prompt, 20, ignore_eos=True))
+    again = stack.stub.GenerateOnce(greedy_request(prompt, 20, ignore_eos=True))
     assert list(again.token_ids) == expected.token_ids
     assert again.usage.cached_prompt_tokens == 4, "the prompt's first full block is a prefix-cache hit"
     assert_executor_clean(stack)
@@ -245,13 +310,13 @@ def test_request_ids_are_echoed_or_assigned(stack: Stack):
     assert_executor_clean(stack)
 
 
-def test_model_info_and_stats(stack: Stack):
+def test_model_info_and_stats(stack: Stack, backend: Backend):
     info = stack.stub.GetModelInfo(pb.GetModelInfoRequest())
-    assert (info.num_blocks, info.block_size, info.vocab_size) == (96, 4, 50)
-    assert info.max_model_len == 512 and list(info.eos_token_ids) == [0]
+    assert (info.num_blocks, info.block_size, info.vocab_size) == (backend.num_blocks, 4, backend.vocab_size)
+    assert info.max_model_len == backend.max_model_len and info.eos_token_ids[0] == backend.eos_token_id
     assert not info.has_tokenizer and not info.has_chat_template
     stats = stack.stub.GetStats(pb.GetStatsRequest())
-    assert stats.num_blocks == 96
+    assert stats.num_blocks == backend.num_blocks
 
 
 def test_scheduler_waits_for_a_late_executor(tmp_path: Path):
@@ -293,7 +358,7 @@ def test_a_dead_executor_fails_the_stream_with_unavailable_and_a_restarted_one_s
         restarted = spawn(executor_argv("shadow", port, SHADOW), tmp_path / "executor-restarted.log")
         try:
             response = generate_once_when_available(s.stub, token_request([1, 2, 3], 5, ignore_eos=True))
-            reference = in_process_reference([[1, 2, 3]], [SamplingParams(max_tokens=5, ignore_eos=True)])[0]
+            reference = shadow_reference([[1, 2, 3]], [SamplingParams(max_tokens=5, ignore_eos=True)])[0]
             assert list(response.token_ids) == reference.token_ids
             assert_executor_clean(s)
         finally:
