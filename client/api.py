@@ -48,8 +48,13 @@ class Client:
             raise NanoserveError.from_rpc_error(e) from None
 
     def stream(self, prompt: str | None = None, **options: Any) -> Iterator[Chunk]:
-        """Chunks as the server decodes them; closing the iterator early cancels the request."""
-        request = build_request(prompt, **options)
+        """Chunks as the server decodes them; closing the iterator early cancels the request.
+
+        The request is checked here, so a bad argument raises at the call, not at the first chunk.
+        """
+        return self._stream(build_request(prompt, **options))
+
+    def _stream(self, request: pb.GenerateRequest) -> Iterator[Chunk]:
         responses = self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
         try:
             for response in responses:
@@ -118,9 +123,11 @@ class AsyncClient:
         request = build_request(prompt, **options)
         return Completion.from_proto(await self._unary(self.stub.GenerateOnce, request))
 
-    async def stream(self, prompt: str | None = None, **options: Any) -> AsyncIterator[Chunk]:
-        """Chunks as the server decodes them; leaving the loop early cancels the request."""
-        request = build_request(prompt, **options)
+    def stream(self, prompt: str | None = None, **options: Any) -> AsyncIterator[Chunk]:
+        """Chunks as the server decodes them (``async for``); leaving the loop early cancels the request."""
+        return self._stream(build_request(prompt, **options))
+
+    async def _stream(self, request: pb.GenerateRequest) -> AsyncIterator[Chunk]:
         call = self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
         try:
             async for response in call:

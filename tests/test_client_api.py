@@ -78,7 +78,7 @@ def test_a_prompt_must_be_given_exactly_once(client: Client) -> None:
     with pytest.raises(ValueError, match="exactly one"):
         client.generate(PROMPT, token_ids=[1])
     with pytest.raises(ValueError, match="exactly one"):
-        client.generate()
+        client.stream()
 
 
 def test_model_info_stats_and_health(client: Client) -> None:
