@@ -6,8 +6,9 @@ FROM ${BASE_IMAGE}
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
     NANOSERVE_HOST=0.0.0.0 NANOSERVE_CACHE=/cache
 
-# flash-attn compiles against the installed torch, so it needs no build isolation.
-RUN pip install ninja packaging && pip install --no-build-isolation "flash-attn>=2.6"
+# flash-attn builds against the installed torch, so no build isolation; it fetches a prebuilt wheel
+# matching torch and CUDA when one exists, else compiles (MAX_JOBS bounds the compiler's memory).
+RUN pip install ninja packaging && MAX_JOBS=4 pip install --no-build-isolation "flash-attn>=2.6"
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
