@@ -87,6 +87,13 @@ def test_unreachable_server_exits_with_its_own_code(capsys: pytest.CaptureFixtur
     assert err.startswith("error: UNAVAILABLE: ")
 
 
+def test_a_call_past_its_timeout_exits_like_an_unreachable_server(
+    capsys: pytest.CaptureFixture[str], echo_server: EchoServer
+) -> None:
+    code, _, err = run_cli(capsys, "generate", "--server", echo_server.target, "--timeout", "0.001", PROMPT)
+    assert code == EXIT_UNAVAILABLE and err.startswith("error: DEADLINE_EXCEEDED: ")
+
+
 def test_info_stats_and_health(capsys: pytest.CaptureFixture[str], echo_server: EchoServer) -> None:
     code, out, _ = run_cli(capsys, "info", "--server", echo_server.target)
     info = json.loads(out)
