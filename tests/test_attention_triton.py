@@ -272,3 +272,22 @@ def test_flash_backend_falls_back_to_triton_kernels(monkeypatch: pytest.MonkeyPa
     meta = decode.decode_meta()
     out = backend.decode(decode.q, k_cache, v_cache, meta, SCALE)
     assert_close(out, reference.decode(decode.q, k_cache, v_cache, meta, SCALE))
+
+
+@needs_interpreter
+def test_half_precision_prefill_and_decode() -> None:
+    """float16 q and caches (the interpreter cannot do bfloat16 dots), against float32 attention on the same values."""
+    batch = Batch([21, 9], [6, 9], 4, 6, 2, seed=9)
+    k_cache, v_cache = (cache.half() for cache in batch.caches())
+    q = batch.q.half()
+    meta = batch.prefill_meta()
+    out = kernels.paged_prefill(
+        q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, SCALE
+    )
+    expected = TorchAttention().prefill(q.float(), batch.k, batch.v, k_cache.float(), v_cache.float(), meta, SCALE)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=2e-3)
+    decode_meta = batch.decode_meta()  # one more query token per request over the same contexts
+    out = kernels.paged_decode(q[:2], k_cache, v_cache, decode_meta.block_tables, decode_meta.context_lens, SCALE)
+    expected = TorchAttention().decode(q[:2].float(), k_cache.float(), v_cache.float(), decode_meta, SCALE)
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=2e-3)

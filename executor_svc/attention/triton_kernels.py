@@ -233,9 +233,9 @@ def _paged_prefill_kernel(
     )
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    """float32 stays exact ("ieee"); TF32 would break float32 parity with the reference."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    """Exact ("ieee") float32 dots, since TF32 would break float32 parity; the platform default otherwise."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
