@@ -8,6 +8,7 @@ deviations wide besides.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -22,9 +23,9 @@ VOCAB = len(PROBS)
 DRAWS = 20_000
 
 
-def draw(logits: torch.Tensor, params: pb.SamplingParams, n: int = DRAWS, sampler_seed: int = 0) -> list[int]:
+def draw(logits: torch.Tensor, params: pb.SamplingParams, n: int = DRAWS) -> list[int]:
     """``n`` unseeded draws of one row's distribution, made as one batch of identical rows."""
-    return Sampler(seed=sampler_seed)(logits.expand(n, -1), [params] * n, [0] * n).token_ids
+    return Sampler(seed=0)(logits.expand(n, -1), [params] * n, [0] * n).token_ids
 
 
 def restricted(weights: list[float], allowed: set[int]) -> list[float]:
@@ -138,7 +139,7 @@ UNRANKED_CASES = [
         ],
     ],
 )
-def test_rows_with_different_filters_share_a_batch(ranked_cases: list) -> None:
+def test_rows_with_different_filters_share_a_batch(ranked_cases: list[tuple[pb.SamplingParams, set[int]]]) -> None:
     cases = ranked_cases + UNRANKED_CASES
     params = [case for case, _ in cases] * (DRAWS // len(cases))
     tokens = Sampler(seed=0)(LOGITS.expand(len(params), -1), params, list(range(len(params)))).token_ids
@@ -214,8 +215,15 @@ def test_seeded_draws_follow_the_distribution() -> None:
     assert_follows(tokens, restricted(PROBS, {3, 1, 5}))
 
 
-def seeded_stream(make_batch, sampler: Sampler, logits: torch.Tensor, params: pb.SamplingParams) -> list[int]:
-    """The seeded request's token at positions 0..29, each sampled inside ``make_batch(row)``."""
+# A batch holding the request under test: logits, params, positions, and the request's row.
+Batch = tuple[torch.Tensor, list[pb.SamplingParams], list[int], int]
+MakeBatch = Callable[[torch.Tensor, pb.SamplingParams, int], Batch]
+
+
+def seeded_stream(
+    make_batch: MakeBatch, sampler: Sampler, logits: torch.Tensor, params: pb.SamplingParams
+) -> list[int]:
+    """The request's token at positions 0..29, each sampled inside the batch ``make_batch`` builds."""
     tokens = []
     for position in range(30):
         rows, row_params, positions, index = make_batch(logits, params, position)
@@ -223,14 +231,14 @@ def seeded_stream(make_batch, sampler: Sampler, logits: torch.Tensor, params: pb
     return tokens
 
 
-def alone(logits: torch.Tensor, params: pb.SamplingParams, position: int):
+def alone(logits: torch.Tensor, params: pb.SamplingParams, position: int) -> Batch:
     return logits.unsqueeze(0), [params], [position], 0
 
 
-def among_others(at: int):
+def among_others(at: int) -> MakeBatch:
     """A batch of other requests (greedy, unseeded, seeded, filtered, with logprobs) with ours at row ``at``."""
 
-    def make(logits: torch.Tensor, params: pb.SamplingParams, position: int):
+    def make(logits: torch.Tensor, params: pb.SamplingParams, position: int) -> Batch:
         others = torch.randn(4, logits.shape[0], generator=torch.Generator().manual_seed(position))
         other_params = [
             pb.SamplingParams(temperature=0.0),
