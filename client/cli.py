@@ -1,6 +1,7 @@
 """``nanoserve``: generate, chat and inspect a nanoserve scheduler from the terminal.
 
-Exit codes: 0 success; 1 other server error, or ``health`` not SERVING; 2 bad command line;
+Exit codes: 0 success; 1 other server error, a generation the server aborted, or ``health`` not
+SERVING; 2 bad command line;
 3 server unreachable or timed out; 4 request rejected (invalid argument); 5 server busy
 (queue full); 130 interrupted.
 """
@@ -106,11 +107,16 @@ def run_generation(client: Client, args: argparse.Namespace, prompt: dict) -> in
             "usage": asdict(completion.usage) if completion.usage else None,
             **({"logprobs": [asdict(lp) for lp in completion.logprobs]} if args.logprobs is not None else {}),
         }))
-        return 0
-    for chunk in client.stream(**options):
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+        finish_reason = completion.finish_reason
+    else:
+        for chunk in client.stream(**options):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            finish_reason = chunk.finish_reason
+        sys.stdout.write("\n")
+    if finish_reason == "abort":
+        print("error: ABORTED: the server ended the generation early (it is shutting down)", file=sys.stderr)
+        return EXIT_ERROR
     return 0
 
 

@@ -6,13 +6,15 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 from client.cli import EXIT_REJECTED, EXIT_UNAVAILABLE, main
-from tests.service_fixtures import TOKENIZER_VOCAB_SIZE, free_port
+from nanoserve.v1 import generation_pb2 as pb
+from tests.service_fixtures import TOKENIZER_VOCAB_SIZE, executor_argv, free_port, running_stack
 
 if TYPE_CHECKING:
     from tests.client_fixtures import EchoServer
@@ -119,3 +121,19 @@ def test_a_bad_command_line_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["generate", "--token-ids", "1,2", PROMPT])
     assert exit_info.value.code == 2
     assert "PROMPT or --token-ids" in capsys.readouterr().err
+
+
+def test_a_generation_cut_short_by_a_server_shutdown_exits_1(tmp_path: Path) -> None:
+    port = free_port()
+    executor = executor_argv("shadow", port, {"max_model_len": 16_000})
+    with running_stack(executor, tmp_path, executor_port=port) as stack:
+        cli = subprocess.Popen([str(NANOSERVE), "generate", "--server", stack.target, "--token-ids", "1,2,3",
+                                "--max-tokens", "15000", "--ignore-eos"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while stack.stub.GetStats(pb.GetStatsRequest(), timeout=5).num_running == 0:
+            assert time.monotonic() < deadline and cli.poll() is None, "the generation never started"
+            time.sleep(0.02)
+        stack.scheduler.terminate()
+        _, err = cli.communicate(timeout=60)
+    assert (cli.returncode, err) == (1, "error: ABORTED: the server ended the generation early (it is shutting down)\n")
