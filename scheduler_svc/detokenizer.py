@@ -91,19 +91,15 @@ class StopStringMatcher:
 class TextStream:
     """One request's completion text: incremental detokenization followed by stop-string matching."""
 
-    def __init__(self, tokenizer: ModelTokenizer | None, prompt_token_ids: list[int], stop: list[str]) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None
+    def __init__(self, tokenizer: ModelTokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self.matcher = StopStringMatcher(stop)
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Text to emit for a new completion token, and whether a stop string was matched."""
-        if self.detokenizer is None:
-            return "", False
         return self.matcher.push(self.detokenizer.push(token_id))
 
     def finish(self) -> tuple[str, bool]:
         """The remaining text once the generation ended, and whether a stop string was matched in it."""
-        if self.detokenizer is None:
-            return "", False
         text, stopped = self.matcher.push(self.detokenizer.flush())
         return (text, True) if stopped else (text + self.matcher.flush(), False)

@@ -57,7 +57,7 @@ class RequestError:
     message: str
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request; the last one carries finish_reason and usage, or an error."""
 
@@ -102,7 +102,8 @@ class _Active:
 
     handle: RequestHandle
     seq: Sequence
-    text: TextStream
+    # None without a tokenizer: then there is no text to make (and no stop strings to match).
+    text: TextStream | None
 
 
 @dataclass
@@ -230,7 +231,9 @@ class EngineLoop:
             except InvalidRequest as e:
                 self._outbox.append((handle, RequestOutput(error=RequestError(INVALID_ARGUMENT, str(e)))))
                 continue
-            active = _Active(handle, seq, TextStream(self.tokenizer, prepared.prompt_token_ids, prepared.params.stop))
+            tokenizer = self.tokenizer
+            text = TextStream(tokenizer, prepared.prompt_token_ids, prepared.params.stop) if tokenizer else None
+            active = _Active(handle, seq, text)
             self._active[handle] = active
             self._by_seq_id[seq.seq_id] = active
             log.debug("request %s admitted as seq %d (%d prompt tokens)", prepared.request_id, seq.seq_id,
@@ -269,22 +272,19 @@ class EngineLoop:
     def _on_token(self, active: _Active, out: TokenOutput) -> RequestOutput:
         """Text, stop strings and finish reason for one sampled token."""
         seq = out.seq
-        stop_token = seq.is_finished and seq.finish_reason is FinishReason.STOP
-        text, stopped = ("", False) if stop_token else active.text.push(out.token_id)
-        if not stopped and seq.is_finished:
-            tail, stopped = active.text.finish()
-            text += tail
-        if stopped:
-            self.engine.scheduler.finish(seq, FinishReason.STOP)
+        text, stopped = "", False
+        if active.text is not None:
+            if not (seq.is_finished and seq.finish_reason is FinishReason.STOP):
+                text, stopped = active.text.push(out.token_id)
+            if not stopped and seq.is_finished:
+                tail, stopped = active.text.finish()
+                text += tail
+            if stopped:
+                self.engine.scheduler.finish(seq, FinishReason.STOP)
         reason = FinishReason.STOP if stopped else seq.finish_reason
-        wants_logprobs = seq.params.logprobs is not None and out.logprobs is not None
-        return RequestOutput(
-            text=text,
-            token_ids=[out.token_id],
-            logprobs=[out.logprobs] if wants_logprobs else [],
-            finish_reason=reason,
-            usage=self._usage(seq) if reason is not None else None,
-        )
+        logprobs = [out.logprobs] if out.logprobs is not None and seq.params.logprobs is not None else []
+        usage = self._usage(seq) if reason is not None else None
+        return RequestOutput(text, [out.token_id], logprobs, reason, usage)
 
     @staticmethod
     def _usage(seq: Sequence) -> Usage:

@@ -132,10 +132,4 @@ def test_text_stream_returns_the_text_before_the_first_stop_string(text: str, st
     assert stopped == (stop in text)
 
 
-def test_a_stream_without_tokenizer_yields_no_text():
-    stream = TextStream(None, [1, 2], [])
-    assert stream.push(3) == ("", False)
-    assert stream.finish() == ("", False)
-
-
 TOKENIZER_JSON = byte_level_tokenizer().to_str()

@@ -194,7 +194,7 @@ def test_cancel_mid_stream_frees_blocks_and_leaves_the_others_intact(stack: Stac
     async def run():
         async with grpc.aio.insecure_channel(stack.target) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            long_call = stub.Generate(token_request([7, 8, 9], max_tokens=300, ignore_eos=True))
+            long_call = stub.Generate(token_request([7, 8, 9], max_tokens=370, ignore_eos=True))
             requests = [greedy_request(p, m) for p, m in zip(prompts, max_tokens, strict=True)]
             others = [asyncio.ensure_future(stream(stub, r)) for r in requests]
             received = 0
