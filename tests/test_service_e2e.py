@@ -217,16 +217,6 @@ def test_cancel_mid_stream_frees_blocks_and_leaves_the_others_intact(stack: Stac
     assert_executor_clean(stack)
 
 
-def test_a_deadline_aborts_the_request_and_frees_its_blocks(stack: Stack):
-    before = stack.stub.GetStats(pb.GetStatsRequest())
-    with pytest.raises(grpc.RpcError) as e:
-        list(stack.stub.Generate(token_request([1, 2, 3], max_tokens=350, ignore_eos=True), timeout=0.05))
-    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    stats = assert_idle(stack.stub)
-    assert stats.num_aborted == before.num_aborted + 1
-    assert_executor_clean(stack)
-
-
 def bad_requests(max_model_len: int, vocab_size: int) -> list[tuple[str, pb.GenerateRequest, str]]:
     """(case, request, what the message must name) for every input a token-only server refuses."""
     def sampled(**kwargs) -> pb.GenerateRequest:
@@ -381,11 +371,11 @@ def generate_once_when_available(
 def test_sigterm_aborts_streams_and_exits_cleanly(tmp_path: Path):
     port = free_port()
     with running_stack(executor_argv("shadow", port, SHADOW), tmp_path, executor_port=port) as s:
-        responses = s.stub.Generate(token_request([1, 2, 3], 350, ignore_eos=True))
+        responses = s.stub.Generate(token_request([1, 2, 3], 380, ignore_eos=True))
         next(responses)
         s.scheduler.terminate()
         rest = list(responses)
         assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
-        assert rest[-1].usage.completion_tokens < 350
+        assert rest[-1].usage.completion_tokens < 380
         assert s.scheduler.wait(timeout=15) == 0
         assert s.executor_reset() == 0, "the scheduler left requests on the executor"

@@ -120,6 +120,26 @@ def test_cancel_frees_blocks_at_once_and_the_executor_drops_the_request():
     assert sum(1 for plan in executor.plans if plan.cached_requests.request_ids) < 2999, "it was not cancelled"
 
 
+def test_a_deadline_aborts_the_request_and_frees_its_blocks():
+    executor = GatedExecutor(RecordingExecutor(shadow()))
+
+    async def run():
+        async with in_process_scheduler(executor) as s:
+            call = s.stub.Generate(token_request([1, 2, 3], 100, ignore_eos=True), timeout=0.5)
+            async for _ in call:
+                break
+            executor.open.clear()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                [r async for r in call]
+            executor.open.set()
+            return e.value, await assert_idle_async(s.stub)
+
+    error, stats = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert stats.num_aborted == 1 and stats.num_finished_length == 0
+    assert len(executor.inner.inner.table) == 0
+
+
 def test_an_executor_failure_fails_the_requests_in_flight_and_the_next_request_recovers():
     executor = RecordingExecutor(shadow(num_blocks=1024))
 
