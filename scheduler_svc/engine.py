@@ -7,6 +7,7 @@ benchmarks drive it directly with a local executor.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 from nanoserve.v1 import executor_pb2 as pb
@@ -29,6 +30,16 @@ class TokenOutput:
     seq: Sequence
     token_id: int
     logprobs: pb.TokenLogprobs | None
+
+
+@dataclass
+class StepTimings:
+    """Wall seconds of each phase of the last step: what the split costs per step."""
+
+    schedule_s: float = 0.0
+    plan_s: float = 0.0
+    execute_s: float = 0.0
+    postprocess_s: float = 0.0
 
 
 @dataclass
@@ -57,6 +68,7 @@ class Engine:
         self.planner = Planner()
         self._seq_ids = itertools.count()
         self.num_steps = 0
+        self.last_timings = StepTimings()
 
     @property
     def block_manager(self) -> BlockManager:
@@ -99,9 +111,13 @@ class Engine:
         if self.scheduler.is_finished():
             self._flush_released()
             return []
+        t0 = time.perf_counter()
         seqs, is_prefill = self.scheduler.schedule()
+        t1 = time.perf_counter()
         plan, ordered = self.planner.build(seqs, is_prefill, self.scheduler.drain_released())
+        t2 = time.perf_counter()
         result = self.executor.step(plan)
+        t3 = time.perf_counter()
         if result.instance_id != self.info.instance_id:
             raise ExecutorRestarted(
                 f"executor instance changed from {self.info.instance_id} to {result.instance_id}"
@@ -111,11 +127,13 @@ class Engine:
             id(s) for s in self.scheduler.postprocess(ordered, list(result.token_ids), is_prefill)
         )
         logprobs = result.logprobs
-        return [
+        outputs = [
             TokenOutput(seq, seq.token_ids[-1], logprobs[i] if logprobs else None)
             for i, seq in enumerate(ordered)
             if id(seq) in advanced
         ]
+        self.last_timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+        return outputs
 
     def _flush_released(self) -> None:
         """Tell an idle executor to drop requests that finished in the last step."""
