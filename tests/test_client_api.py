@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
 import pytest
 
 from client import AsyncClient, Client, NanoserveError
-from tests.service_fixtures import TOKENIZER_VOCAB_SIZE, assert_idle, free_port
+from tests.service_fixtures import TOKENIZER_VOCAB_SIZE, assert_idle, executor_argv, free_port, running_stack
 
 if TYPE_CHECKING:
     from tests.client_fixtures import EchoServer
@@ -90,6 +91,16 @@ def test_model_info_stats_and_health(client: Client) -> None:
     stats = client.stats()
     assert stats.num_steps > 0 and stats.num_finished_length > 0
     assert client.health() == "SERVING"
+
+
+def test_closing_a_stream_early_cancels_the_request_on_the_server(tmp_path: Path) -> None:
+    port = free_port()
+    executor = executor_argv("shadow", port, {"max_model_len": 16_000})
+    with running_stack(executor, tmp_path, executor_port=port) as stack, Client(stack.target, timeout=30) as client:
+        chunks = client.stream(token_ids=[1, 2, 3], max_tokens=15_000, ignore_eos=True)
+        assert next(chunks).finish_reason is None
+        chunks.close()
+        assert assert_idle(client.stub).num_aborted == 1
 
 
 def test_unreachable_server_raises_unavailable() -> None:
