@@ -15,7 +15,9 @@ import sys
 from dataclasses import asdict
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from client.api import DEFAULT_TARGET, Client
 from client.errors import NanoserveError
@@ -134,9 +136,17 @@ def run(args: argparse.Namespace) -> int:
             print(status)
             return 0 if status == "SERVING" else EXIT_ERROR
         message = client.model_info() if args.command == "info" else client.stats()
-        print(json.dumps(MessageToDict(message, preserving_proto_field_name=True,
-                                       always_print_fields_with_no_presence=True), indent=2))
+        print(json.dumps(message_to_json(message), indent=2))
         return 0
+
+
+def message_to_json(message: Message) -> dict:
+    """Every field by its proto name, 64-bit counters as numbers (proto's JSON mapping makes them strings)."""
+    fields = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    for field in message.DESCRIPTOR.fields:
+        if field.cpp_type in (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64):
+            fields[field.name] = int(fields[field.name])
+    return fields
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,7 +102,8 @@ def test_info_stats_and_health(capsys: pytest.CaptureFixture[str], echo_server: 
     assert code == 0 and info["model_id"] == "echo" and info["vocab_size"] == TOKENIZER_VOCAB_SIZE
     assert info["has_chat_template"] is True
     code, out, _ = run_cli(capsys, "stats", "--server", echo_server.target)
-    assert code == 0 and int(json.loads(out)["num_blocks"]) > 0
+    stats = json.loads(out)
+    assert code == 0 and stats["num_blocks"] > 0 and stats["num_steps"] > 0
     assert run_cli(capsys, "health", "--server", echo_server.target)[:2] == (0, "SERVING\n")
 
 
