@@ -24,7 +24,7 @@ import grpc
 from nanoserve.v1 import executor_pb2
 from scheduler_svc.detokenizer import TextStream
 from scheduler_svc.engine import Engine, TokenOutput
-from scheduler_svc.requests import PreparedRequest
+from scheduler_svc.requests import PreparedRequest, public_error
 from scheduler_svc.sampling import InvalidRequest
 from scheduler_svc.sequence import FinishReason, Sequence
 from scheduler_svc.tokenizer import ModelTokenizer
@@ -229,7 +229,8 @@ class EngineLoop:
             try:
                 seq = self.engine.add_request(prepared.prompt_token_ids, prepared.params)
             except InvalidRequest as e:
-                self._outbox.append((handle, RequestOutput(error=RequestError(INVALID_ARGUMENT, str(e)))))
+                error = RequestError(INVALID_ARGUMENT, str(public_error(e)))
+                self._outbox.append((handle, RequestOutput(error=error)))
                 continue
             tokenizer = self.tokenizer
             text = TextStream(tokenizer, prepared.prompt_token_ids, prepared.params.stop) if tokenizer else None

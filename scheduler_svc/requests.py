@@ -16,8 +16,9 @@ from scheduler_svc.tokenizer import ChatMessage, ModelTokenizer
 
 DEFAULT_MAX_TOKENS = 256
 
-# SamplingParams field -> the GenerateRequest field a caller sets.
+# Engine and SamplingParams field names -> the GenerateRequest field a caller sets.
 PROTO_FIELD = {
+    "token_ids": "tokens.token_ids",
     "temperature": "sampling.temperature",
     "top_k": "sampling.top_k",
     "top_p": "sampling.top_p",
@@ -113,7 +114,12 @@ def sampling_params(
             stop_token_ids=list(stopping.stop_token_ids),
         )
     except InvalidRequest as e:
-        raise InvalidRequest(PROTO_FIELD.get(e.field, e.field), str(e).removeprefix(f"{e.field}: ")) from e
+        raise public_error(e) from e
+
+
+def public_error(error: InvalidRequest) -> InvalidRequest:
+    """The same refusal, naming the field as a caller spells it in GenerateRequest."""
+    return InvalidRequest(PROTO_FIELD.get(error.field, error.field), str(error).removeprefix(f"{error.field}: "))
 
 
 def prepare(

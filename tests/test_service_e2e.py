@@ -241,7 +241,7 @@ def bad_requests(max_model_len: int, vocab_size: int) -> list[tuple[str, pb.Gene
         ("logprobs above 20", sampled(logprobs=21), "sampling.logprobs"),
         ("token id out of vocabulary", token_request([1, vocab_size]), f"token id {vocab_size}"),
         ("stop strings without tokenizer", token_request([1, 2], stop=["x"]), "stopping.stop"),
-        ("more KV blocks than exist", token_request([1] * 8, 450, ignore_eos=True), "KV blocks"),
+        ("more KV blocks than exist", token_request([1] * 8, 450, ignore_eos=True), "stopping.max_tokens: seq"),
     ]
 
 
