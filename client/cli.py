@@ -141,12 +141,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def message_to_json(message: Message) -> dict:
-    """Every field by its proto name, 64-bit counters as numbers (proto's JSON mapping makes them strings)."""
+    """Every field by its proto name in proto order, 64-bit counters as numbers (proto's JSON makes them strings)."""
     fields = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    for field in message.DESCRIPTOR.fields:
-        if field.cpp_type in (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64):
-            fields[field.name] = int(fields[field.name])
-    return fields
+    wide = (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64)
+    return {f.name: int(fields[f.name]) if f.cpp_type in wide else fields[f.name] for f in message.DESCRIPTOR.fields}
 
 
 def main(argv: list[str] | None = None) -> int:
