@@ -23,6 +23,10 @@ class ExecutorRestarted(RuntimeError):
     """The executor answered with a new instance id: its KV cache is gone."""
 
 
+class IncompatibleExecutor(RuntimeError):
+    """The executor came back serving another model or vocabulary; requests cannot carry over."""
+
+
 @dataclass
 class TokenOutput:
     """One completion token a step produced for ``seq``."""
@@ -134,6 +138,27 @@ class Engine:
         ]
         self.last_timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return outputs
+
+    def recover(self) -> list[Sequence]:
+        """Carry on with a (re)started executor: handshake and reset it, then recompute every request.
+
+        Requests keep the tokens they generated, so greedy and seeded outputs are unchanged.
+        Returns the sequences the new cache is too small for (finished with ABORT).
+        """
+        info = self.executor.get_info()
+        old = self.info
+        if (info.model_id, info.vocab_size, list(info.eos_token_ids)) != (
+            old.model_id, old.vocab_size, list(old.eos_token_ids)
+        ):
+            raise IncompatibleExecutor(
+                f"the executor now serves {info.model_id!r} (vocab {info.vocab_size}), "
+                f"not {old.model_id!r} (vocab {old.vocab_size}); restart the scheduler to switch models"
+            )
+        self.executor.reset()
+        self.info = info
+        self.scheduler.max_model_len = info.max_model_len
+        self.planner.forget_all()
+        return self.scheduler.requeue_all(BlockManager(info.num_blocks, info.block_size))
 
     def _flush_released(self) -> None:
         """Tell an idle executor to drop requests that finished in the last step."""

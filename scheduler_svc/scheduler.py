@@ -170,6 +170,30 @@ class Scheduler:
             self.block_manager.deallocate(seq)
             self.released_seq_ids.append(seq.seq_id)
 
+    def requeue_all(self, block_manager: BlockManager) -> list[Sequence]:
+        """Start over on a new KV cache (the executor lost its own): every live sequence waits
+        again, oldest first, to be recomputed like a preempted one. Returns the sequences that no
+        longer fit in the new cache; they are finished with ABORT."""
+        live = sorted([*self.running, *self.waiting], key=lambda seq: seq.seq_id)
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.running.clear()
+        self.waiting.clear()
+        self.released_seq_ids.clear()
+        dropped = []
+        for seq in live:
+            seq.block_table.clear()
+            seq.num_cached_tokens = seq.num_scheduled_tokens = 0
+            seq.block_size = self.block_size
+            seq.status = SequenceStatus.WAITING
+            try:
+                self.add(seq)
+            except ValueError:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = FinishReason.ABORT
+                dropped.append(seq)
+        return dropped
+
     def drain_released(self) -> list[int]:
         released, self.released_seq_ids = self.released_seq_ids, []
         return released
