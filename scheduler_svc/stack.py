@@ -9,6 +9,7 @@ both on Ctrl-C or SIGTERM, or when either one exits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -85,11 +86,9 @@ class Stack:
             while not self.stopping.is_set() and (deadline is None or time.monotonic() < deadline):
                 if self.exited() is not None:
                     return False
-                try:
+                with contextlib.suppress(NanoserveError):  # not listening yet
                     if client.health() == "SERVING":
                         return True
-                except NanoserveError:
-                    pass
                 time.sleep(POLL_S)
         return False
 
