@@ -33,6 +33,10 @@ class IncrementalDetokenizer:
         """Add one token; return the text that became final (possibly empty)."""
         self.window.append(token_id)
         text = self.decode(self.window)
+        if text == self.prefix_text:
+            # No visible effect (a skipped special token): dropping it keeps the window short.
+            self.window.pop()
+            return ""
         if len(text) <= len(self.prefix_text) or text.endswith(REPLACEMENT_CHAR):
             return ""
         delta = text[len(self.prefix_text) :]

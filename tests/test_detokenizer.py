@@ -54,6 +54,14 @@ def test_an_unfinished_character_at_the_end_is_flushed_as_replacement(tokenizer:
     assert pieces[-1] == tokenizer.decode(ids)[1:]
 
 
+def test_special_tokens_show_no_text_and_do_not_grow_the_window(tokenizer: ModelTokenizer):
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi"))
+    eos = tokenizer.tokenizer.token_to_id("<|endoftext|>")
+    assert [detokenizer.push(eos) for _ in range(100)] == [""] * 100
+    assert len(detokenizer.window) <= 2
+    assert "".join(detokenizer.push(t) for t in tokenizer.encode(" héllo")) + detokenizer.flush() == " héllo"
+
+
 @given(st.text(alphabet="ab é日🦀你好🎉!", max_size=30))
 @settings(max_examples=60, deadline=None)
 def test_any_text_streams_back_exactly(text: str):
