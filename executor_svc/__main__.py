@@ -1,0 +1,103 @@
+"""``nanoserve-executor``: load a model and serve the executor contract over gRPC.
+
+Every flag can also come from ``NANOSERVE_<FLAG>`` (e.g. ``NANOSERVE_KV_CACHE_MEMORY``);
+a flag on the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+from collections.abc import Sequence
+
+from executor_svc.config import DTYPES, ExecutorOptions
+from executor_svc.model_registry import DEFAULT_MODEL
+
+log = logging.getLogger("nanoserve.executor")
+
+UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """``1073741824``, ``512M``, ``2GiB`` or ``1.5g`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)(i?b)?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 1073741824, 512M, 2GiB)")
+    return int(float(match[1]) * UNITS[match[2]])
+
+
+def env_default(flag: str, default: object) -> object:
+    return os.environ.get("NANOSERVE_" + flag.upper().replace("-", "_"), default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nanoserve-executor", description=__doc__.splitlines()[0])
+
+    def add(flag: str, default: object, help: str, **kwargs: object) -> None:
+        p.add_argument(f"--{flag}", default=env_default(flag, default), help=help, **kwargs)
+
+    add("model", DEFAULT_MODEL, "embedded model name or a local Hugging Face folder (default: %(default)s)")
+    add("host", "127.0.0.1", "address to bind (default: %(default)s)")
+    add("port", 50052, "port to bind (default: %(default)s)", type=int)
+    add("device", None, "torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
+    add("dtype", None, "compute dtype (default: float32 on CPU, bfloat16 on CUDA)", choices=DTYPES)
+    add("tensor-parallel-size", 1, "ranks in the tensor-parallel group (default: %(default)s)", type=int)
+    add("block-size", 16, "tokens per KV-cache block (default: %(default)s)", type=int)
+    add(
+        "kv-cache-memory", None,
+        "KV-cache bytes per rank, e.g. 2GiB (default: 1GiB on CPU, the free memory share on CUDA)",
+        type=parse_bytes,
+    )
+    add("gpu-memory-utilization", 0.9, "share of GPU memory to fill, KV cache included (default: %(default)s)",
+        type=float)
+    add("attention-backend", None, "torch, triton or flash_attn (default: the best for the device)")
+    add("max-model-len", None, "longest context in tokens (default: the model's)", type=int)
+    add("threads", None, "torch threads per rank on CPU (default: torch's choice)", type=int)
+    add("enforce-eager", False, "never capture CUDA graphs", action="store_true")
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> ExecutorOptions:
+    """argparse already ran string defaults (the environment) through each flag's type."""
+    enforce_eager = args.enforce_eager
+    if isinstance(enforce_eager, str):
+        enforce_eager = enforce_eager.lower() in ("1", "true", "yes")
+    return ExecutorOptions(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len,
+        threads=args.threads,
+        enforce_eager=enforce_eager,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    options = options_from_args(args)
+    from executor_svc.model_executor import ModelExecutor
+    from executor_svc.service import serve
+
+    executor = ModelExecutor(options)
+    info = executor.get_info()
+    log.info(
+        "model %s (%s) on %s, %s, %d KV blocks of %d tokens, attention %s, tensor-parallel %d",
+        info.model_id, info.architecture, info.device, info.dtype, info.num_blocks, info.block_size,
+        info.attention_backend, info.tensor_parallel_size,
+    )
+    try:
+        serve(executor, args.host, args.port)
+    finally:
+        executor.close()
+
+
+if __name__ == "__main__":
+    main()

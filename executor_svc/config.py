@@ -1,0 +1,156 @@
+"""The model's shape read from a Hugging Face ``config.json``, checked once at load time.
+
+Everything the llama-family implementation needs is normalised here (Llama,
+Qwen2 and Qwen3 spell a few things differently), so the model code reads one
+dataclass and any configuration it cannot run is refused before a weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class UnsupportedModel(ValueError):
+    """A model folder this executor cannot run; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelConfig:
+        folder = Path(folder)
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            raise UnsupportedModel(f"{folder} has no config.json; pass a Hugging Face model folder")
+        config = json.loads(config_path.read_text())
+        generation_path = folder / "generation_config.json"
+        generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+        return cls.from_dict(config, generation)
+
+    @classmethod
+    def from_dict(cls, config: dict, generation: dict | None = None) -> ModelConfig:
+        architectures = config.get("architectures") or []
+        architecture = architectures[0] if architectures else "(none)"
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModel(
+                f"architecture {architecture} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if config.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModel(f"activation {config['hidden_act']} is not supported; only silu is")
+        if config.get("use_sliding_window"):
+            raise UnsupportedModel("sliding-window attention is not supported")
+        num_heads = config["num_attention_heads"]
+        attention_bias = bool(config.get("attention_bias", False))
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        return cls(
+            architecture=architecture,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(config),
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama and Qwen3 follow attention_bias for all four.
+            qkv_bias=is_qwen2 or attention_bias,
+            o_proj_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            eos_token_ids=_eos_token_ids(config, generation or {}),
+            bos_token_id=config.get("bos_token_id"),
+        )
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Refuse a tensor-parallel size that does not divide the sharded dimensions."""
+        dims = {
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+        }
+        bad = [f"{name}={value}" for name, value in dims.items() if value % tp_size]
+        if bad:
+            raise UnsupportedModel(f"tensor-parallel size {tp_size} does not divide {', '.join(bad)}")
+
+
+def _rope_theta(config: dict) -> float:
+    """Plain RoPE only: transformers-5 ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise UnsupportedModel(f"rope scaling type {rope_type!r} is not supported; only plain rope ('default') is")
+    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def _eos_token_ids(config: dict, generation: dict) -> tuple[int, ...]:
+    """EOS ids of generation_config.json first, then config.json's, without duplicates."""
+    ids: list[int] = []
+    for source in (generation, config):
+        value = source.get("eos_token_id")
+        for token_id in [value] if isinstance(value, int) else value or []:
+            if token_id not in ids:
+                ids.append(token_id)
+    return tuple(ids)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class ExecutorOptions:
+    """How to run the model: the executor's command-line flags."""
+
+    model: str = "smollm2-135m-instruct"
+    device: str | None = None
+    dtype: str | None = None
+    tensor_parallel_size: int = 1
+    block_size: int = 16
+    # KV-cache budget in bytes per rank; None: 1 GiB on CPU, the free memory share on CUDA.
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str | None = None
+    max_model_len: int | None = None
+    threads: int | None = None
+    enforce_eager: bool = False
+
+    def resolved_device(self) -> str:
+        if self.device:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        """float32 on CPU, bfloat16 on CUDA unless given."""
+        dtype = self.dtype or ("float32" if self.resolved_device() == "cpu" else "bfloat16")
+        if dtype not in DTYPES:
+            raise UnsupportedModel(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        return dtype

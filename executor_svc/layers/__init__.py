@@ -1,0 +1,1 @@
+"""Building blocks of the llama-family model, tensor-parallel where they hold weights."""

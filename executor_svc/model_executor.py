@@ -1,0 +1,97 @@
+"""The real executor: a Hugging Face llama-family model behind the step-plan contract.
+
+``RequestTable`` validates and applies each plan (a rejected plan changes
+nothing), the model runner computes and samples, and the table records the
+sampled tokens. Under tensor parallelism this object lives on rank 0 and the
+other ranks are worker processes it starts and stops.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import torch
+
+from executor_svc.config import ExecutorOptions
+from executor_svc.distributed import free_init_method, init_group, spawn_workers
+from executor_svc.model_registry import resolve_model
+from executor_svc.model_runner import ModelRunner, rank_device, worker_main
+from executor_svc.requests import RequestTable
+from nanoserve.v1 import executor_pb2 as pb
+
+
+def read_chat_template(folder: Path) -> str:
+    """chat_template.jinja (transformers 5) or the chat_template entry of tokenizer_config.json."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config = folder / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    return template if isinstance(template, str) else ""
+
+
+class ModelExecutor:
+    def __init__(self, options: ExecutorOptions | None = None) -> None:
+        self.options = options = options or ExecutorOptions()
+        self.folder = resolve_model(options.model)
+        self.workers = []
+        if options.tensor_parallel_size > 1:
+            init_method = free_init_method()
+            world = options.tensor_parallel_size
+            self.workers = spawn_workers(worker_main, world, (world, init_method, str(self.folder), options))
+            init_group(0, world, init_method, rank_device(options.resolved_device(), 0))
+        self.runner = runner = ModelRunner(self.folder, options)
+        config = runner.config
+        self.table = RequestTable(runner.num_blocks, runner.block_size, config.vocab_size)
+        tokenizer = self.folder / "tokenizer.json"
+        self.info = pb.ExecutorInfo(
+            instance_id=uuid.uuid4().hex,
+            model_id=options.model,
+            architecture=config.architecture,
+            dtype=options.resolved_dtype(),
+            device=str(runner.device),
+            vocab_size=config.vocab_size,
+            eos_token_ids=config.eos_token_ids,
+            bos_token_id=config.bos_token_id,
+            max_model_len=runner.max_model_len,
+            block_size=runner.block_size,
+            num_blocks=runner.num_blocks,
+            tensor_parallel_size=options.tensor_parallel_size,
+            tokenizer_json=tokenizer.read_text() if tokenizer.is_file() else "",
+            chat_template=read_chat_template(self.folder),
+            attention_backend=runner.backend.name,
+        )
+
+    def get_info(self) -> pb.ExecutorInfo:
+        return self.info
+
+    def reset(self) -> int:
+        return self.table.reset()
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        chunks = self.table.apply(plan)
+        result = pb.StepResult(instance_id=self.info.instance_id, step_id=plan.step_id)
+        if not chunks:
+            return result
+        samples = [chunk.samples for chunk in chunks]  # before record_sampled moves the requests on
+        output, forward_ms, sample_ms = self.runner.run(chunks)
+        sampled = iter(output.token_ids)
+        token_ids = [next(sampled) if s else 0 for s in samples]
+        self.table.record_sampled(chunks, token_ids)
+        result.token_ids.extend(token_ids)
+        result.forward_ms, result.sample_ms = forward_ms, sample_ms
+        if output.logprobs:
+            entries = iter(output.logprobs)
+            result.logprobs.extend(next(entries) if s else pb.TokenLogprobs() for s in samples)
+        return result
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (rank 0 only has work to do)."""
+        if self.workers:
+            self.runner.stop_workers()
+            for worker in self.workers:
+                worker.join(timeout=30)
+            torch.distributed.destroy_process_group()
+            self.workers = []

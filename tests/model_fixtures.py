@@ -1,0 +1,85 @@
+"""Model fixtures: the embedded SmolLM2 folder and tiny random-weight Llama/Qwen2/Qwen3 folders.
+
+Import the fixtures you use into a test module (``from tests.model_fixtures import ...``).
+Everything here is session-scoped: each model is built or converted once per run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
+
+from executor_svc.model_registry import DEFAULT_MODEL, resolve_model  # noqa: E402
+
+TINY_VOCAB = 512
+_TINY_COMMON = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+TINY_CONFIGS = {
+    # Tied embeddings, head_dim from hidden_size / heads.
+    "llama": lambda: LlamaConfig(**_TINY_COMMON, tie_word_embeddings=True, rope_theta=10000.0),
+    # q/k/v biases, untied LM head.
+    "qwen2": lambda: Qwen2Config(**_TINY_COMMON, tie_word_embeddings=False, rope_theta=1000000.0),
+    # q/k RMSNorm and a head_dim (32) that is not hidden_size / heads (16).
+    "qwen3": lambda: Qwen3Config(**_TINY_COMMON, head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0),
+}
+
+
+def save_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
+    """A random-weight model of family ``name`` saved as a Hugging Face folder (float32 safetensors)."""
+    torch.manual_seed(seed)
+    config = TINY_CONFIGS[name]()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random biases and norm weights, so a loader that drops or misplaces them changes the tokens.
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("bias") or "norm" in param_name:
+                param.copy_(1 + 0.2 * torch.randn_like(param) if "norm" in param_name else torch.randn_like(param))
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """{"llama" | "qwen2" | "qwen3": folder} of tiny random-weight models."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {name: save_tiny_model(name, root / name) for name in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder() -> Path:
+    """The embedded SmolLM2-135M-Instruct, converted once into $NANOSERVE_CACHE (or ~/.cache/nanoserve)."""
+    return resolve_model(DEFAULT_MODEL)
+
+
+def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool) -> list[list[int]]:
+    """Hugging Face transformers' greedy completions, one prompt at a time (the reference), in float32."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    config = model.generation_config
+    if not stop_at_eos:
+        config.eos_token_id = None
+    config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, generation_config=config
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs

@@ -1,0 +1,94 @@
+"""The ModelExecutor's handshake and step contract on real (tiny and embedded) models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from executor_svc.config import ExecutorOptions, UnsupportedModel
+from executor_svc.model_executor import ModelExecutor
+from executor_svc.requests import PlanError
+from nanoserve.v1 import executor_pb2 as pb
+from tests.model_fixtures import smollm2_folder, tiny_model_folders  # noqa: F401
+
+GREEDY = pb.SamplingParams(temperature=0.0)
+KV_BYTES = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def tiny_executor(tiny_model_folders: dict[str, Path]) -> ModelExecutor:  # noqa: F811
+    return ModelExecutor(
+        ExecutorOptions(model=str(tiny_model_folders["llama"]), block_size=8, kv_cache_memory=KV_BYTES, threads=1)
+    )
+
+
+def new_request(request_id: int, tokens: list[int], scheduled: int, sampling: pb.SamplingParams = GREEDY):
+    blocks = list(range(request_id * 4, request_id * 4 + 4))
+    return pb.NewRequest(
+        request_id=request_id, token_ids=tokens, sampling=sampling, block_table=blocks, num_scheduled_tokens=scheduled
+    )
+
+
+def test_tiny_handshake(tiny_executor: ModelExecutor) -> None:
+    info = tiny_executor.get_info()
+    # 2 layers x 2 KV heads x 16 dims x (K and V) x 4 bytes x 8 tokens = 4 KiB per block.
+    assert info.num_blocks == KV_BYTES // 4096
+    assert (info.architecture, info.vocab_size, info.max_model_len) == ("LlamaForCausalLM", 512, 512)
+    assert (list(info.eos_token_ids), info.bos_token_id, info.block_size) == ([2], 1, 8)
+    assert (info.device, info.dtype, info.attention_backend) == ("cpu", "float32", "torch")
+    assert info.tensor_parallel_size == 1
+    assert len(info.instance_id) == 32 and info.tokenizer_json == ""
+
+
+def test_max_model_len_override_and_limit(tiny_model_folders: dict[str, Path]) -> None:  # noqa: F811
+    folder = str(tiny_model_folders["llama"])
+    executor = ModelExecutor(ExecutorOptions(model=folder, max_model_len=100, kv_cache_memory=1 << 20))
+    assert executor.get_info().max_model_len == 100
+    with pytest.raises(UnsupportedModel, match="max_position_embeddings 512"):
+        ModelExecutor(ExecutorOptions(model=folder, max_model_len=1000, kv_cache_memory=1 << 20))
+
+
+def test_chunked_prefill_samples_only_at_the_end(tiny_executor: ModelExecutor) -> None:
+    tokens = [5, 9, 77, 300, 41, 8, 19, 23, 100, 7]
+    whole = tiny_executor.step(pb.StepPlan(step_id=1, is_prefill=True, new_requests=[new_request(1, tokens, 10)]))
+    first = tiny_executor.step(pb.StepPlan(step_id=2, is_prefill=True, new_requests=[new_request(2, tokens, 4)]))
+    assert list(first.token_ids) == [0]
+    rest = pb.CachedRequests(request_ids=[2], num_computed_tokens=[4], num_scheduled_tokens=[6], num_new_blocks=[0])
+    second = tiny_executor.step(pb.StepPlan(step_id=3, is_prefill=True, cached_requests=rest))
+    assert list(second.token_ids) == list(whole.token_ids)
+    assert second.instance_id == tiny_executor.get_info().instance_id and second.forward_ms > 0
+    tiny_executor.step(pb.StepPlan(step_id=4, finished_request_ids=[1, 2]))
+    assert len(tiny_executor.table) == 0
+
+
+def test_logprobs_only_for_rows_that_ask(tiny_executor: ModelExecutor) -> None:
+    asks = pb.SamplingParams(temperature=0.0, num_logprobs=3)
+    plan = pb.StepPlan(
+        step_id=5, is_prefill=True, new_requests=[new_request(3, [4, 5, 6], 3, asks), new_request(4, [4, 5, 6], 3)]
+    )
+    result = tiny_executor.step(plan)
+    asked, plain = result.logprobs
+    assert list(asked.top_token_ids)[0] == result.token_ids[0] == result.token_ids[1]
+    assert len(asked.top_token_ids) == 3 and asked.logprob <= 0
+    assert not plain.top_token_ids
+    tiny_executor.step(pb.StepPlan(step_id=6, finished_request_ids=[3, 4]))
+
+
+def test_rejected_plan_changes_nothing(tiny_executor: ModelExecutor) -> None:
+    tiny_executor.step(pb.StepPlan(step_id=7, is_prefill=True, new_requests=[new_request(5, [1, 2, 3], 3)]))
+    bad = pb.CachedRequests(request_ids=[99], num_computed_tokens=[3], num_scheduled_tokens=[1], num_new_blocks=[0])
+    with pytest.raises(PlanError):
+        tiny_executor.step(pb.StepPlan(step_id=8, cached_requests=bad))
+    assert tiny_executor.table.requests[5].token_ids[:3] == [1, 2, 3] and len(tiny_executor.table) == 1
+    assert tiny_executor.reset() == 1
+
+
+def test_embedded_model_handshake(smollm2_folder: Path) -> None:  # noqa: F811
+    executor = ModelExecutor(ExecutorOptions(kv_cache_memory=16 << 20, threads=1))
+    info = executor.get_info()
+    assert (info.model_id, info.architecture, info.vocab_size) == ("smollm2-135m-instruct", "LlamaForCausalLM", 49152)
+    assert (list(info.eos_token_ids), info.bos_token_id, info.max_model_len) == ([2], 1, 8192)
+    assert "<|im_start|>" in info.chat_template
+    assert json.loads(info.tokenizer_json)["model"]["vocab"]["<|im_end|>"] == 2
