@@ -206,7 +206,7 @@ class EngineLoop:
                 self._iterate(inbox, cancelled)
             except Exception as e:  # any failure must reach the callers, not kill the loop
                 log.error("engine step failed: %s", e, exc_info=not isinstance(e, grpc.RpcError))
-                self._fail_all(describe_failure(e))
+                self._fail_all(describe_failure(e), inbox)
             busy = self._has_work()
             self._publish()
 
@@ -296,10 +296,15 @@ class EngineLoop:
         del self._by_seq_id[active.seq.seq_id]
         self._counters.finished[reason] += 1
 
-    def _fail_all(self, message: str) -> None:
-        """Answer every request in flight with UNAVAILABLE and drop the engine; the next request reconnects."""
-        for active in self._active.values():
-            self._outbox.append((active.handle, RequestOutput(error=RequestError(UNAVAILABLE, message))))
+    def _fail_all(self, message: str, inbox: list[RequestHandle]) -> None:
+        """Answer every request in flight with UNAVAILABLE and drop the engine; the next request reconnects.
+
+        Requests of this iteration's ``inbox`` that were neither admitted nor answered yet fail too.
+        """
+        answered = {handle for handle, _ in self._outbox}
+        unanswered = [h for h in inbox if h not in self._active and h not in answered]
+        for handle in [*self._active, *unanswered]:
+            self._outbox.append((handle, RequestOutput(error=RequestError(UNAVAILABLE, message))))
         self._active.clear()
         self._by_seq_id.clear()
         self._retire_engine()
@@ -314,7 +319,8 @@ class EngineLoop:
     def _shutdown(self, inbox: list[RequestHandle]) -> None:
         """Abort everything, tell the executor to drop it, and answer each caller."""
         for handle in inbox:
-            self._outbox.append((handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=Usage(0, 0, 0))))
+            usage = Usage(len(handle.prepared.prompt_token_ids), 0, 0)
+            self._outbox.append((handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage)))
         for active in list(self._active.values()):
             self.engine.abort(active.seq)
             output = RequestOutput(finish_reason=FinishReason.ABORT, usage=self._usage(active.seq))
