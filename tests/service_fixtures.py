@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 import socket
 import subprocess
@@ -47,7 +46,6 @@ CORPUS = ["Hello world, héllo wörld!", "你好，世界。你好吗？", "emoj
 TOKENIZER_VOCAB_SIZE = 300
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
-REAL_EXECUTOR_MISSING = importlib.util.find_spec("executor_svc.__main__") is None
 
 
 def free_port() -> int:

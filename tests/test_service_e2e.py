@@ -1,8 +1,8 @@
 """The whole stack as users run it: an executor process and a scheduler process over TCP.
 
-Token prompts against the shadow-KV executor (and the real one when it is
-available); every test ends with every KV block free and the executor holding
-no request.
+Token prompts against the shadow-KV executor and the torch executor (a tiny
+random-weight llama); every test ends with every KV block free and the executor
+holding no request.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from scheduler_svc.scheduler import SchedulerConfig
 from scheduler_svc.sequence import FinishReason
 from tests.service_fixtures import (
     HOST,
-    REAL_EXECUTOR_MISSING,
     Stack,
     assert_idle,
     executor_argv,
@@ -109,18 +108,7 @@ def real_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
         executor.close()
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        "shadow",
-        pytest.param(
-            "real",
-            marks=pytest.mark.skipif(
-                REAL_EXECUTOR_MISSING, reason="the torch executor (python -m executor_svc) has not landed yet"
-            ),
-        ),
-    ],
-)
+@pytest.fixture(scope="module", params=["shadow", "real"])
 def backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     if request.param == "shadow":
         yield SHADOW_BACKEND
