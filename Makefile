@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROTOS := $(wildcard protos/nanoserve/v1/*.proto)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test test-slow soak lint protos bench clean-venv
+.PHONY: venv run run-shadow test test-slow soak lint protos bench
 
 # The venv is rebuilt when pyproject.toml changes. torch comes first so that pip
 # takes the local CPU wheel instead of pulling a multi-GB CUDA build.
@@ -21,6 +21,10 @@ venv: $(VENV)/.installed
 
 run: $(VENV)/.installed
 	$(PY) -m scheduler_svc.stack
+
+# The same stack with the model-free shadow-KV executor (token ids only, no torch work).
+run-shadow: $(VENV)/.installed
+	$(PY) -m scheduler_svc.stack --shadow
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
