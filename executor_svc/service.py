@@ -15,6 +15,7 @@ from executor_svc.requests import PlanError
 from nanoserve.v1 import executor_pb2 as pb
 from nanoserve.v1 import executor_pb2_grpc as pb_grpc
 from scheduler_svc.executor import Executor
+from scheduler_svc.security import TLSConfig, bind, transport_name
 
 log = logging.getLogger("nanoserve.executor")
 
@@ -48,8 +49,14 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             return pb.ResetResponse(num_dropped_requests=self.executor.reset())
 
 
-def build_server(executor: Executor, host: str, port: int) -> tuple[grpc.Server, int]:
-    """A started-ready (not started) server with health and reflection; returns it and the bound port."""
+def build_server(
+    executor: Executor, host: str, port: int, tls: TLSConfig | None = None
+) -> tuple[grpc.Server, int]:
+    """A ready (not started) server with health and reflection; returns it and the bound port.
+
+    With ``tls`` it serves TLS, and mutual TLS when ``tls`` names a CA: the executor
+    hop then accepts only a scheduler holding a certificate from that CA.
+    """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     pb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(executor), server)
     health_servicer = health.HealthServicer()
@@ -57,20 +64,17 @@ def build_server(executor: Executor, host: str, port: int) -> tuple[grpc.Server,
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind the executor to {host}:{port}")
-    return server, bound
+    return server, bind(server, host, port, tls)
 
 
-def serve(executor: Executor, host: str, port: int, grace_s: float = 5.0) -> None:
+def serve(executor: Executor, host: str, port: int, grace_s: float = 5.0, tls: TLSConfig | None = None) -> None:
     """Serve until SIGTERM or SIGINT, then stop within ``grace_s`` seconds."""
-    server, bound = build_server(executor, host, port)
+    server, bound = build_server(executor, host, port, tls)
     server.start()
     info = executor.get_info()
     log.info(
-        "executor serving on %s:%d model=%s device=%s dtype=%s blocks=%dx%d backend=%s instance=%s",
-        host, bound, info.model_id, info.device, info.dtype, info.num_blocks, info.block_size,
+        "executor serving on %s:%d (%s) model=%s device=%s dtype=%s blocks=%dx%d backend=%s instance=%s",
+        host, bound, transport_name(tls), info.model_id, info.device, info.dtype, info.num_blocks, info.block_size,
         info.attention_backend, info.instance_id,
     )
     stopped = threading.Event()

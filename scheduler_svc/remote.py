@@ -6,6 +6,7 @@ import grpc
 
 from nanoserve.v1 import executor_pb2 as pb
 from nanoserve.v1 import executor_pb2_grpc as pb_grpc
+from scheduler_svc.security import secure_or_insecure_channel
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -17,12 +18,17 @@ CHANNEL_OPTIONS = [
 
 
 class RemoteExecutor:
-    """An ``Executor`` whose calls go over one reused channel to an executor service."""
+    """An ``Executor`` whose calls go over one reused channel to an executor service.
 
-    def __init__(self, target: str, step_timeout_s: float | None = None) -> None:
+    ``credentials`` (``security.channel_credentials``) make the channel TLS, with a
+    client certificate for an executor that requires mutual TLS; plaintext without.
+    """
+
+    def __init__(self, target: str, step_timeout_s: float | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.target = target
         self.step_timeout_s = step_timeout_s
-        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.channel = secure_or_insecure_channel(target, credentials, CHANNEL_OPTIONS)
         self.stub = pb_grpc.ExecutorStub(self.channel)
 
     def get_info(self, timeout_s: float | None = None, wait_for_ready: bool = False) -> pb.ExecutorInfo:
