@@ -62,7 +62,7 @@ def _attend_tile(
     scale,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step of ``q`` against a tile of keys starting at ``row_offsets``."""
+    """One online-softmax step of ``q`` against the tile of keys and values whose rows start at ``row_offsets``."""
     kv_mask = key_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_ptr + row_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + row_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
