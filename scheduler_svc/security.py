@@ -99,6 +99,7 @@ def channel_credentials(cfg: TLSConfig) -> grpc.ChannelCredentials:
 
 
 def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach ``host``; plaintext elsewhere earns a startup warning."""
     if host == "localhost":
         return True
     try:
