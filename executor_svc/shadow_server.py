@@ -95,12 +95,13 @@ class EchoExecutor:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m executor_svc.shadow_server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50052)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=50052, help="port to bind (default: %(default)s)")
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV blocks to report (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default: %(default)s)")
-    parser.add_argument("--vocab-size", type=int, default=1000, help="(default: %(default)s)")
-    parser.add_argument("--max-model-len", type=int, default=4096, help="(default: %(default)s)")
+    parser.add_argument("--vocab-size", type=int, default=1000, help="token ids are below it (default: %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=4096,
+                        help="longest prompt + completion in tokens (default: %(default)s)")
     parser.add_argument("--eos-token-ids", type=lambda s: [int(t) for t in s.split(",") if t], default=[0],
                         help="comma-separated EOS token ids (default: 0)")
     parser.add_argument("--tokenizer-json", type=Path, help="tokenizer.json to hand the scheduler (default: none)")

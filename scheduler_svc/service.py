@@ -256,7 +256,7 @@ class SchedulerServer:
         self.stopping.set()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.loop is not None:
-            await asyncio.to_thread(self.loop.stop)
+            await asyncio.to_thread(self.loop.stop, SHUTDOWN_GRACE_S)
         await self.server.stop(SHUTDOWN_GRACE_S)
         if isinstance(self.executor, RemoteExecutor):
             self.executor.close()
