@@ -1,0 +1,143 @@
+"""What every benchmark shares: the workloads of BENCHMARKS.md, child services, tables and JSON output."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tqdm import tqdm
+
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Request i is ``prompts[i]`` with ``max_tokens[i]``, generated with ``ignore_eos`` (and greedy on W1)."""
+
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    temperature: float
+    max_model_len: int
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def head(self, n: int | None) -> Workload:
+        """The first ``n`` requests (all when ``n`` is None): a prefix of the same draw, not a new one."""
+        return Workload(self.name, self.prompts[:n], self.max_tokens[:n], self.temperature, self.max_model_len)
+
+
+def _draw(name: str, num_requests: int, prompt_lens: tuple[int, int], max_tokens: tuple[int, int],
+          temperature: float, max_model_len: int) -> Workload:
+    # A private Random(0) draws exactly what random.seed(0) and the module functions would, without touching them.
+    rng = random.Random(0)
+    prompts, limits = [], []
+    for _ in range(num_requests):
+        prompts.append([rng.randint(0, 10000) for _ in range(rng.randint(*prompt_lens))])
+        limits.append(rng.randint(*max_tokens))
+    return Workload(name, prompts, limits, temperature, max_model_len)
+
+
+def w1() -> Workload:
+    """W1 (CPU): 64 requests, prompts of 32-256 ids in [0, 10000], max_tokens 32-256, greedy."""
+    return _draw("w1", 64, (32, 256), (32, 256), 0.0, 2048)
+
+
+def w2() -> Workload:
+    """W2 (GPU): 256 requests, prompts of 100-1024 ids in [0, 10000], max_tokens 100-1024, temperature 0.6."""
+    return _draw("w2", 256, (100, 1024), (100, 1024), 0.6, 4096)
+
+
+WORKLOADS = {"w1": w1, "w2": w2}
+
+
+def progress(iterable: Iterable | None = None, **kwargs) -> tqdm:
+    """A progress bar on stderr, so stdout keeps only the table."""
+    return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, leave=False, **kwargs)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A Markdown table on stdout, ready to paste into docs/benchmarks.md."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |")
+    print("| " + " | ".join("-" * w for w in widths) + " |")
+    for row in cells:
+        print("| " + " | ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) + " |")
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.3g}"
+    return str(value)
+
+
+def write_json(path: Path | None, figures: dict[str, object]) -> None:
+    if path is not None:
+        path.write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (linear interpolation, as vLLM's serving benchmark reports), 0.0 for no values."""
+    return float(np.percentile(values, q)) if len(values) else 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class Child:
+    """A service subprocess, stopped (SIGTERM, then SIGKILL) on exit from the ``with`` block."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path | None = None) -> None:
+        self.name = name
+        self.log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_serving(self, target: str, timeout_s: float) -> None:
+        """Poll grpc.health.v1 until SERVING; raise when the process dies or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the {self.name} exited with code {self.process.returncode}")
+                try:
+                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise TimeoutError(f"the {self.name} did not serve on {target} within {timeout_s:.0f}s")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.log is not subprocess.DEVNULL:
+            self.log.close()
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
