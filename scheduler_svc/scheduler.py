@@ -103,17 +103,23 @@ class Scheduler:
         if scheduled:
             return scheduled, True
 
-        while self.running and len(scheduled) < self.max_num_seqs:
-            seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self.preempt(self.running.pop())
+        # The decode loop runs once per running sequence every step: BlockManager.can_append and
+        # may_append are inlined (a block is needed only when the last one is full) to keep it cheap.
+        block_manager, block_size, running = self.block_manager, self.block_size, self.running
+        free_block_ids = block_manager.free_block_ids
+        while running and len(scheduled) < self.max_num_seqs:
+            seq = running.popleft()
+            needs_block = len(seq.token_ids) % block_size == 1
+            while needs_block and not free_block_ids:
+                if running:
+                    self.preempt(running.pop())
                 else:
                     self.preempt(seq)
                     break
             else:
                 seq.num_scheduled_tokens = 1
-                self.block_manager.may_append(seq)
+                if needs_block:
+                    block_manager.may_append(seq)
                 scheduled.append(seq)
         if not scheduled:
             raise RuntimeError("nothing can be scheduled: a sequence needs more KV blocks than exist")
@@ -127,30 +133,33 @@ class Scheduler:
         self.num_preemptions += 1
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
-        """Apply the sampled tokens; return the sequences that gained a token."""
-        advanced = []
-        for seq, token_id in zip(seqs, token_ids, strict=True):
-            self.block_manager.hash_blocks(seq)
-            seq.num_cached_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            if is_prefill and seq.num_cached_tokens < seq.num_tokens:
-                continue
-            seq.append_token(token_id)
-            advanced.append(seq)
-            reason = self._finish_reason(seq, token_id)
-            if reason is not None:
-                self.finish(seq, reason)
-        return advanced
+        """Apply the sampled tokens; return the sequences that gained a token.
 
-    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        params = seq.params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return FinishReason.STOP
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        This runs for every scheduled sequence every step, so the per-sequence work is
+        inlined: blocks are hashed only when this step filled one, and the stop checks read
+        local names.
+        """
+        advanced = []
+        block_size, hash_blocks = self.block_size, self.block_manager.hash_blocks
+        eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            num_cached = seq.num_cached_tokens
+            end = num_cached + seq.num_scheduled_tokens
+            if num_cached // block_size != end // block_size:
+                hash_blocks(seq)
+            seq.num_cached_tokens = end
+            seq.num_scheduled_tokens = 0
+            tokens = seq.token_ids
+            if is_prefill and end < len(tokens):
+                continue
+            tokens.append(token_id)
+            advanced.append(seq)
+            params = seq.params
+            if (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids:
+                self.finish(seq, FinishReason.STOP)
+            elif len(tokens) - seq.num_prompt_tokens >= params.max_tokens or len(tokens) >= max_model_len:
+                self.finish(seq, FinishReason.LENGTH)
+        return advanced
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End ``seq`` wherever it is (finished, stop string, abort) and free its blocks."""

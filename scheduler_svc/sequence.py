@@ -69,6 +69,3 @@ class Sequence:
     def block(self, i: int) -> list[int]:
         """Token ids of logical block ``i``."""
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
-
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
