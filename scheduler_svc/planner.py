@@ -34,9 +34,8 @@ class Planner:
         sent = self.num_blocks_sent
         finished = [seq_id for seq_id in released if sent.pop(seq_id, None) is not None]
         plan = pb.StepPlan(step_id=self.step_id, is_prefill=is_prefill, finished_request_ids=finished)
-        new_seqs, cached_seqs = [], []
-        for seq in seqs:
-            (cached_seqs if seq.seq_id in sent else new_seqs).append(seq)
+        new_seqs = [seq for seq in seqs if seq.seq_id not in sent]
+        cached_seqs = [seq for seq in seqs if seq.seq_id in sent] if new_seqs else seqs
         for seq in new_seqs:
             plan.new_requests.add(
                 request_id=seq.seq_id,
@@ -48,19 +47,19 @@ class Planner:
             )
             sent[seq.seq_id] = len(seq.block_table)
         if cached_seqs:
-            cached = plan.cached_requests
+            # Every column is built by a comprehension and sent with one extend: this runs for
+            # every running sequence every decode step.
+            num_new_blocks = [len(seq.block_table) - sent[seq.seq_id] for seq in cached_seqs]
             new_block_ids: list[int] = []
-            num_new_blocks: list[int] = []
-            for seq in cached_seqs:
-                n_sent = sent[seq.seq_id]
-                n_new = len(seq.block_table) - n_sent
-                if n_new:
-                    new_block_ids.extend(seq.block_table[n_sent:])
-                    sent[seq.seq_id] = n_sent + n_new
-                num_new_blocks.append(n_new)
-            cached.request_ids.extend([s.seq_id for s in cached_seqs])
-            cached.num_computed_tokens.extend([s.num_cached_tokens for s in cached_seqs])
-            cached.num_scheduled_tokens.extend([s.num_scheduled_tokens for s in cached_seqs])
+            if any(num_new_blocks):
+                for seq, n_new in zip(cached_seqs, num_new_blocks, strict=True):
+                    if n_new:
+                        new_block_ids += seq.block_table[-n_new:]
+                        sent[seq.seq_id] += n_new
+            cached = plan.cached_requests
+            cached.request_ids.extend([seq.seq_id for seq in cached_seqs])
+            cached.num_computed_tokens.extend([seq.num_cached_tokens for seq in cached_seqs])
+            cached.num_scheduled_tokens.extend([seq.num_scheduled_tokens for seq in cached_seqs])
             cached.num_new_blocks.extend(num_new_blocks)
             cached.new_block_ids.extend(new_block_ids)
         return plan, new_seqs + cached_seqs
