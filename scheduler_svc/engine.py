@@ -27,7 +27,7 @@ class IncompatibleExecutor(RuntimeError):
     """The executor came back serving another model or vocabulary; requests cannot carry over."""
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenOutput:
     """One completion token a step produced for ``seq``."""
 
@@ -127,15 +127,14 @@ class Engine:
                 f"executor instance changed from {self.info.instance_id} to {result.instance_id}"
             )
         self.num_steps += 1
-        advanced = set(
-            id(s) for s in self.scheduler.postprocess(ordered, list(result.token_ids), is_prefill)
-        )
+        advanced = self.scheduler.postprocess(ordered, list(result.token_ids), is_prefill)
         logprobs = result.logprobs
-        outputs = [
-            TokenOutput(seq, seq.token_ids[-1], logprobs[i] if logprobs else None)
-            for i, seq in enumerate(ordered)
-            if id(seq) in advanced
-        ]
+        if logprobs:
+            # ``advanced`` keeps plan order, so each sequence's logprobs are found by its plan index.
+            index = {id(seq): i for i, seq in enumerate(ordered)}
+            outputs = [TokenOutput(seq, seq.token_ids[-1], logprobs[index[id(seq)]]) for seq in advanced]
+        else:
+            outputs = [TokenOutput(seq, seq.token_ids[-1], None) for seq in advanced]
         self.last_timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return outputs
 
