@@ -279,6 +279,25 @@ def test_generate_once_returns_the_whole_completion_and_usage(stack: Stack, back
     assert_executor_clean(stack)
 
 
+def test_logprobs_follow_each_token_when_the_executor_computes_them(stack: Stack, backend: Backend):
+    prompt = [4, 8, 15, 16, 23, 42]
+    plain = stack.stub.GenerateOnce(greedy_request(prompt, 6, ignore_eos=True))
+    request = greedy_request(prompt, 6, ignore_eos=True)
+    request.sampling.logprobs = 2
+    responses = list(stack.stub.Generate(request))
+    tokens = [t for r in responses for t in r.token_ids]
+    logprobs = [lp for r in responses for lp in r.logprobs]
+    assert tokens == list(plain.token_ids), "asking for logprobs changed the tokens"
+    if backend.name == "shadow":
+        assert logprobs == [], "the shadow executor computes no logprobs, so none are sent"
+    else:
+        assert [lp.token_id for lp in logprobs] == tokens
+        for lp in logprobs:
+            assert len(lp.top) == 2 and lp.top[0].token_id == lp.token_id, "greedy takes the most likely token"
+            assert lp.logprob == pytest.approx(lp.top[0].logprob) and lp.top[0].logprob >= lp.top[1].logprob
+    assert_executor_clean(stack)
+
+
 def test_request_ids_are_echoed_or_assigned(stack: Stack):
     request = token_request([1, 2, 3], 3)
     request.request_id = "mine-42"
