@@ -79,6 +79,8 @@ class RequestHandle:
 
     prepared: PreparedRequest
     sink: object
+    # Set by the loop thread once the last output (finish or error) is on its way.
+    answered: bool = False
 
 
 @dataclass(frozen=True)
@@ -229,8 +231,7 @@ class EngineLoop:
             try:
                 seq = self.engine.add_request(prepared.prompt_token_ids, prepared.params)
             except InvalidRequest as e:
-                error = RequestError(INVALID_ARGUMENT, str(public_error(e)))
-                self._outbox.append((handle, RequestOutput(error=error)))
+                self._emit(handle, RequestOutput(error=RequestError(INVALID_ARGUMENT, str(public_error(e)))))
                 continue
             tokenizer = self.tokenizer
             text = TextStream(tokenizer, prepared.prompt_token_ids, prepared.params.stop) if tokenizer else None
@@ -246,7 +247,7 @@ class EngineLoop:
             self.engine = self.connect()
         except Exception as e:  # the request must get an answer whatever went wrong
             message = f"the executor is unavailable ({e}); retry later"
-            self._outbox.append((handle, RequestOutput(error=RequestError(UNAVAILABLE, message))))
+            self._emit(handle, RequestOutput(error=RequestError(UNAVAILABLE, message)))
             return False
         self.info = self.engine.info
         log.info("reconnected to executor instance %s", self.info.instance_id)
@@ -266,7 +267,7 @@ class EngineLoop:
         for out in outputs:
             active = self._by_seq_id[out.seq.seq_id]
             output = self._on_token(active, out)
-            self._outbox.append((active.handle, output))
+            self._emit(active.handle, output)
             if output.finish_reason is not None:
                 self._forget(active, output.finish_reason)
 
@@ -301,10 +302,9 @@ class EngineLoop:
 
         Requests of this iteration's ``inbox`` that were neither admitted nor answered yet fail too.
         """
-        answered = {handle for handle, _ in self._outbox}
-        unanswered = [h for h in inbox if h not in self._active and h not in answered]
-        for handle in [*self._active, *unanswered]:
-            self._outbox.append((handle, RequestOutput(error=RequestError(UNAVAILABLE, message))))
+        for handle in [*self._active, *inbox]:
+            if not handle.answered:
+                self._emit(handle, RequestOutput(error=RequestError(UNAVAILABLE, message)))
         self._active.clear()
         self._by_seq_id.clear()
         self._retire_engine()
@@ -320,11 +320,10 @@ class EngineLoop:
         """Abort everything, tell the executor to drop it, and answer each caller."""
         for handle in inbox:
             usage = Usage(len(handle.prepared.prompt_token_ids), 0, 0)
-            self._outbox.append((handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage)))
+            self._emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage))
         for active in list(self._active.values()):
             self.engine.abort(active.seq)
-            output = RequestOutput(finish_reason=FinishReason.ABORT, usage=self._usage(active.seq))
-            self._outbox.append((active.handle, output))
+            self._emit(active.handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=self._usage(active.seq)))
             self._forget(active, FinishReason.ABORT)
         if self._has_work():
             try:
@@ -332,6 +331,10 @@ class EngineLoop:
             except Exception as e:  # shutting down anyway; the executor is reset on the next start
                 log.warning("could not tell the executor to drop aborted requests: %s", e)
         self._publish()
+
+    def _emit(self, handle: RequestHandle, output: RequestOutput) -> None:
+        handle.answered = output.is_last
+        self._outbox.append((handle, output))
 
     def _deliver(self) -> None:
         """Hand the outputs gathered so far over in one call."""
