@@ -73,8 +73,10 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> Non
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |")
     print("| " + " | ".join("-" * w for w in widths) + " |")
-    for row in cells:
-        print("| " + " | ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) + " |")
+    for row, values in zip(cells, rows, strict=True):
+        aligned = [c.rjust(w) if isinstance(v, int | float) else c.ljust(w)
+                   for c, v, w in zip(row, values, widths, strict=True)]
+        print("| " + " | ".join(aligned) + " |")
 
 
 def _cell(value: object) -> str:

@@ -1,35 +1,45 @@
 """W4: scheduler + RPC overhead per decode step, with a null executor behind the real gRPC hop.
 
-The null executor (``executor_svc.shadow_server --null``) runs in its own process and
-answers every plan with a fixed token at once, so a step's time is all scheduling,
-plan building, the RPC (serialise, transport, deserialise) and postprocessing. The same
-steps against a NullExecutor in this process (no gRPC) are the peer that makes the
-hop's cost visible as a ratio. Each batch runs its prefills first, then times
-``--steps`` decode steps of ``--batch`` sequences of context ``--context``.
+The null executor (``executor_svc.shadow_server.NullExecutor``, served by the same
+gRPC servicer as every executor) runs in its own process and answers every plan
+with a fixed token at once, so a step's time is all scheduling, plan building, the
+RPC (serialise, transport, deserialise) and postprocessing. Peers, same engine and
+plans: ``grpc`` (the unary Step RPC the scheduler uses), ``stream`` (the same plans
+over one bidirectional stream, a candidate protocol change measured here only) and
+``in-process`` (no gRPC), which makes the hop's cost visible as a ratio. Each batch
+runs its prefills first, then times ``--steps`` decode steps of ``--batch``
+sequences of context ``--context``.
 """
 
 from __future__ import annotations
 
 import argparse
+import queue
 import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from bench.common import HOST, Child, free_port, print_table, progress, write_json
+from executor_svc.service import build_server
 from executor_svc.shadow_server import NullExecutor, model_free_info
 from executor_svc.shadow_server import parse_args as null_server_args
+from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor import Executor
-from scheduler_svc.remote import RemoteExecutor
+from scheduler_svc.remote import CHANNEL_OPTIONS, RemoteExecutor
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import SchedulerConfig
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
+STREAM_METHOD = "/nanoserve.bench.StepStream/Steps"
+PEERS = ("grpc", "stream", "in-process")
 
 
 @dataclass
@@ -83,17 +93,57 @@ def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps
     return Phases(*(1e6 * s / steps for s in sums))
 
 
-def null_server(port: int, max_model_len: int, num_blocks: int) -> Child:
-    argv = [sys.executable, "-m", "executor_svc.shadow_server", "--null", "--host", HOST, "--port", str(port),
-            "--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE), "--vocab-size", str(VOCAB_SIZE),
-            "--max-model-len", str(max_model_len), "--log-level", "WARNING"]
-    return Child("null executor", argv)
+class StreamingExecutor:
+    """Plans over one bidirectional stream (a request iterator fed from a queue), one result per plan.
+
+    The handshake stays the unary GetInfo; only Step moves to the stream.
+    """
+
+    def __init__(self, target: str, info: pb.ExecutorInfo) -> None:
+        self.info = info
+        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.plans: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
+        steps = self.channel.stream_stream(STREAM_METHOD, pb.StepPlan.SerializeToString, pb.StepResult.FromString)
+        self.results = steps(iter(self.plans.get, None))
+
+    def get_info(self) -> pb.ExecutorInfo:
+        return self.info
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        self.plans.put(plan)
+        return next(self.results)
+
+    def close(self) -> None:
+        self.plans.put(None)
+        self.channel.close()
 
 
 def in_process_null(max_model_len: int, num_blocks: int) -> NullExecutor:
     args = null_server_args(["--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE),
                              "--vocab-size", str(VOCAB_SIZE), "--max-model-len", str(max_model_len)])
     return NullExecutor(model_free_info(args, "null", "", ""))
+
+
+def serve_null(port: int, max_model_len: int, num_blocks: int) -> None:
+    """The child process: the null executor behind the executor servicer, plus the streaming method."""
+    executor = in_process_null(max_model_len, num_blocks)
+
+    def steps(plans: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
+        for plan in plans:
+            yield executor.step(plan)
+
+    server, _ = build_server(executor, HOST, port)
+    handler = grpc.stream_stream_rpc_method_handler(steps, pb.StepPlan.FromString, pb.StepResult.SerializeToString)
+    service, method = STREAM_METHOD.strip("/").split("/")
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {method: handler}),))
+    server.start()
+    server.wait_for_termination()
+
+
+def null_server(port: int, max_model_len: int, num_blocks: int) -> Child:
+    argv = [sys.executable, "-m", "bench.overhead", "--serve", str(port), "--max-model-len", str(max_model_len),
+            "--num-blocks", str(num_blocks)]
+    return Child("null executor", argv)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -107,39 +157,51 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=20, help="untimed decode steps first (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=5, help="runs per batch and peer; medians are reported "
                         "(default: %(default)s)")
-    parser.add_argument("--no-inprocess", action="store_true", help="skip the in-process peer")
+    parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS),
+                        help="executors to time; grpc always runs (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
+    child = parser.add_argument_group("child process (started by this benchmark)")
+    child.add_argument("--serve", type=int, metavar="PORT", help="only serve the null executor on PORT")
+    child.add_argument("--max-model-len", type=int, default=4096, help=argparse.SUPPRESS)
+    child.add_argument("--num-blocks", type=int, default=1024, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
+    if args.serve is not None:
+        serve_null(args.serve, args.max_model_len, args.num_blocks)
+        return {}
     max_model_len, num_blocks = geometry(max(args.batch), args.context, args.warmup + args.steps)
     port = free_port()
-    peers = ["grpc"] + ([] if args.no_inprocess else ["in-process"])
-    results: dict[tuple[str, int], Phases] = {}
+    peers = [p for p in PEERS if p == "grpc" or p in args.peers]
     with null_server(port, max_model_len, num_blocks) as server:
         target = f"{HOST}:{port}"
         server.wait_serving(target, timeout_s=60)
         remote = RemoteExecutor(target)
-        local = in_process_null(max_model_len, num_blocks)
+        executors = {"grpc": remote, "in-process": in_process_null(max_model_len, num_blocks)}
+        if "stream" in peers:
+            executors["stream"] = StreamingExecutor(target, remote.get_info())
         runs = [(peer, batch) for batch in args.batch for peer in peers]
+        timed: dict[tuple[str, int], list[Phases]] = {run: [] for run in runs}
+        # Peers alternate within each repeat, so load drift on a shared machine hits them alike.
         with progress(total=len(runs) * args.repeats, desc="W4 decode runs") as bar:
-            for peer, batch in runs:
-                executor = remote if peer == "grpc" else local
-                timed = []
-                for _ in range(args.repeats):
-                    timed.append(time_decode(executor, batch, args.context, args.warmup, args.steps))
+            for _ in range(args.repeats):
+                for peer, batch in runs:
+                    timed[peer, batch].append(time_decode(executors[peer], batch, args.context, args.warmup,
+                                                          args.steps))
                     bar.update()
-                results[peer, batch] = Phases.median(timed)
+        results = {run: Phases.median(runs_of) for run, runs_of in timed.items()}
+        if "stream" in executors:
+            executors["stream"].close()
         remote.close()
     print(f"W4: decode steps of context {args.context}, null executor, median of {args.repeats} runs of "
           f"{args.steps} steps (us per step)")
     rows = []
     for (peer, batch), p in results.items():
-        ratio = p.total_us / results["in-process", batch].total_us if ("in-process", batch) in results else ""
+        baseline = results.get(("in-process", batch))
         rows.append([batch, peer, p.schedule_us + p.plan_us, p.plan_us, p.execute_us, p.postprocess_us, p.total_us,
-                     1e6 / p.wall_us, ratio])
+                     1e6 / p.wall_us, p.total_us / baseline.total_us if baseline else "-"])
     print_table(["batch", "executor", "schedule+plan", "(plan)", "execute/RPC", "postprocess", "total",
                  "steps/s", "x in-process"], rows)
     figures = figures_of(results, args.context, args.steps, args.repeats)
@@ -148,19 +210,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
 
 def figures_of(results: dict[tuple[str, int], Phases], context: int, steps: int, repeats: int) -> dict[str, float]:
+    """The unprefixed keys are the unary gRPC path (the W4 figure); ``stream_`` and ``inprocess_`` are the peers."""
     figures: dict[str, float] = {"context": context, "steps": steps, "repeats": repeats}
     for (peer, batch), p in results.items():
-        prefix = "" if peer == "grpc" else "inprocess_"
+        prefix = {"grpc": "", "stream": "stream_", "in-process": "inprocess_"}[peer]
         figures[f"{prefix}us_per_step_b{batch}"] = p.total_us
         figures[f"{prefix}steps_per_s_b{batch}"] = 1e6 / p.wall_us
         figures[f"{prefix}schedule_us_b{batch}"] = p.schedule_us + p.plan_us
         figures[f"{prefix}plan_us_b{batch}"] = p.plan_us
-        figures[f"{prefix}{'rpc' if peer == 'grpc' else 'execute'}_us_b{batch}"] = p.execute_us
+        figures[f"{prefix}{'execute' if peer == 'in-process' else 'rpc'}_us_b{batch}"] = p.execute_us
         figures[f"{prefix}postprocess_us_b{batch}"] = p.postprocess_us
-    for batch in {b for _, b in results}:
-        if ("in-process", batch) in results and ("grpc", batch) in results:
-            figures[f"grpc_over_inprocess_b{batch}"] = (
-                results["grpc", batch].total_us / results["in-process", batch].total_us)
+        if ("in-process", batch) in results and peer != "in-process":
+            figures[f"{prefix or 'grpc_'}over_inprocess_b{batch}"] = p.total_us / results["in-process", batch].total_us
     return figures
 
 

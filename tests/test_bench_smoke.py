@@ -1,0 +1,40 @@
+"""Each benchmark runs end to end on a tiny configuration and writes its JSON keys (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from bench import overhead, serving
+from bench.common import w1, w2
+
+
+def test_workloads_draw_as_benchmarks_md_defines():
+    random.seed(0)
+    expected = []
+    for _ in range(64):
+        prompt = [random.randint(0, 10000) for _ in range(random.randint(32, 256))]
+        expected.append((prompt, random.randint(32, 256)))
+    workload = w1()
+    assert list(zip(workload.prompts, workload.max_tokens, strict=True)) == expected
+    assert len(w2()) == 256 and all(100 <= len(p) <= 1024 for p in w2().prompts)
+
+
+def test_overhead_writes_its_keys(tmp_path):
+    path = tmp_path / "w4.json"
+    overhead.main(["--batch", "1", "4", "--context", "32", "--steps", "5", "--warmup", "2", "--repeats", "1",
+                   "--json", str(path)])
+    figures = json.loads(path.read_text())
+    for batch in (1, 4):
+        for key in ("us_per_step", "schedule_us", "rpc_us", "postprocess_us", "inprocess_us_per_step"):
+            assert figures[f"{key}_b{batch}"] > 0
+
+
+def test_serving_on_a_shadow_stack_writes_its_keys(tmp_path):
+    path = tmp_path / "w3.json"
+    serving.main(["--launch", "shadow", "--num-prompts", "3", "--request-rate", "50", "--json", str(path)])
+    figures = json.loads(path.read_text())
+    assert figures["completed"] == 3 and figures["failed"] == 0
+    assert figures["request_rate"] == 50
+    for key in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
+        assert figures[key] > 0
