@@ -33,8 +33,9 @@ class IncrementalDetokenizer:
         """Add one token; return the text that became final (possibly empty)."""
         self.window.append(token_id)
         text = self.decode(self.window)
-        if text == self.prefix_text:
-            # No visible effect (a skipped special token): dropping it keeps the window short.
+        if text == self.prefix_text and self.num_prefix:
+            # No visible effect after the prefix (a skipped special token): dropping it keeps the
+            # window short. Not at the very start, where a decoder may strip what a token shows.
             self.window.pop()
             return ""
         if len(text) <= len(self.prefix_text) or text.endswith(REPLACEMENT_CHAR):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import string
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, normalizers
 
 from scheduler_svc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, TextStream
 from scheduler_svc.tokenizer import ModelTokenizer
@@ -141,3 +144,40 @@ def test_text_stream_returns_the_text_before_the_first_stop_string(text: str, st
 
 
 TOKENIZER_JSON = byte_level_tokenizer().to_str()
+
+
+def sentencepiece_style_tokenizer() -> ModelTokenizer:
+    """Llama-2 style: "▁" for spaces, the first one stripped when decoding, bytes as <0xNN> tokens."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    for piece in ["▁", *string.ascii_letters, *",.!?", "é", "ö"]:
+        vocab.setdefault(piece, len(vocab))
+    merges = [("▁", "H"), ("e", "l"), ("el", "l"), ("▁H", "ell"), ("▁Hell", "o"), ("▁", "w"), ("o", "r"), ("▁w", "or")]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return ModelTokenizer(tokenizer.to_str())
+
+
+def test_the_sentencepiece_style_fixture_falls_back_to_bytes():
+    tokenizer = sentencepiece_style_tokenizer()
+    crab = tokenizer.encode("🦀", add_special_tokens=False)[1:]
+    assert [tokenizer.tokenizer.id_to_token(t) for t in crab] == ["<0xF0>", "<0x9F>", "<0xA6>", "<0x80>"]
+
+
+@pytest.mark.parametrize("text", ["Hello world 🦀 日本", "héllo wörld", "a  b"])
+def test_sentencepiece_style_spaces_and_byte_fallback_stream_back(text: str):
+    tokenizer = sentencepiece_style_tokenizer()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    # After a prompt, the completion's first space is kept: it separates the completion from the prompt.
+    pieces = stream_text(tokenizer, tokenizer.encode("The fox", add_special_tokens=False), ids)
+    assert "".join(pieces) == " " + text
+    assert not any(REPLACEMENT_CHAR in p for p in pieces)
+    special = tokenizer.tokenizer.token_to_id("</s>")
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("The fox", add_special_tokens=False))
+    streamed = [detokenizer.push(t) for t in [special, *ids, special]] + [detokenizer.flush()]
+    assert "".join(streamed) == " " + text
