@@ -36,7 +36,7 @@ class RequestState:
     sampling: pb.SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """The tokens ``[start, start + num_tokens)`` of ``state`` computed this step."""
 
@@ -81,13 +81,16 @@ class RequestTable:
             )
             self.requests[new.request_id] = state
             chunks.append(ScheduledChunk(state, new.num_computed_tokens, new.num_scheduled_tokens))
+        # Runs for every held request every decode step: plain lists and local names.
         cached = plan.cached_requests
+        new_block_ids = list(cached.new_block_ids)
+        requests = self.requests
         offset = 0
         columns = (cached.request_ids, cached.num_computed_tokens, cached.num_scheduled_tokens, cached.num_new_blocks)
-        for request_id, computed, scheduled, n_new in zip(*columns, strict=True):
-            state = self.requests[request_id]
+        for request_id, computed, scheduled, n_new in zip(*map(list, columns), strict=True):
+            state = requests[request_id]
             if n_new:
-                state.block_table.extend(cached.new_block_ids[offset : offset + n_new])
+                state.block_table += new_block_ids[offset : offset + n_new]
                 offset += n_new
             chunks.append(ScheduledChunk(state, computed, scheduled))
         return chunks
@@ -95,9 +98,11 @@ class RequestTable:
     def record_sampled(self, chunks: list[ScheduledChunk], token_ids: list[int]) -> None:
         """Advance each request past its chunk and append the token sampled for it."""
         for chunk, token_id in zip(chunks, token_ids, strict=True):
-            chunk.state.num_computed_tokens = chunk.end
-            if chunk.samples:
-                chunk.state.token_ids.append(token_id)
+            state = chunk.state
+            end = chunk.start + chunk.num_tokens
+            if end == len(state.token_ids):
+                state.token_ids.append(token_id)
+            state.num_computed_tokens = end
 
     def _check_blocks(self, request_id: int, block_ids, needed_tokens: int, table_len: int) -> None:
         bad = next((b for b in block_ids if b >= self.num_blocks), None)
@@ -139,9 +144,11 @@ class RequestTable:
             cached.new_block_ids
         ):
             raise PlanError(INVALID, "cached_requests columns have different lengths")
+        new_block_ids = list(cached.new_block_ids)
+        requests, block_size = self.requests, self.block_size
         offset = 0
-        for rid, computed, scheduled, n_new in zip(cached.request_ids, *columns, strict=True):
-            state = self.requests.get(rid)
+        for rid, computed, scheduled, n_new in zip(cached.request_ids, *map(list, columns), strict=True):
+            state = requests.get(rid)
             if state is None or rid in dropped or rid in seen:
                 raise PlanError(PRECONDITION, f"cached request {rid} is unknown to this executor")
             seen.add(rid)
@@ -151,10 +158,12 @@ class RequestTable:
                     f"request {rid}: plan says {computed} tokens computed, executor has "
                     f"{state.num_computed_tokens}",
                 )
-            if scheduled < 1 or computed + scheduled > len(state.token_ids):
+            end = computed + scheduled
+            if scheduled < 1 or end > len(state.token_ids):
                 raise PlanError(
                     INVALID, f"request {rid}: cannot schedule {scheduled} tokens after {computed} computed"
                 )
-            new_blocks = cached.new_block_ids[offset : offset + n_new]
-            offset += n_new
-            self._check_blocks(rid, new_blocks, computed + scheduled, len(state.block_table) + n_new)
+            # A request that gains no block and whose table already covers the chunk has nothing to check.
+            if n_new or len(state.block_table) * block_size < end:
+                self._check_blocks(rid, new_block_ids[offset : offset + n_new], end, len(state.block_table) + n_new)
+                offset += n_new
