@@ -195,17 +195,18 @@ class Collected:
     token_ids: list[int]
     finish_reason: int
     usage: pb.Usage
-    num_responses: int
 
 
 def collect(responses: list[pb.GenerateResponse]) -> Collected:
-    last = responses[-1]
+    """Join a stream, checking that only its last response carries the finish reason and usage."""
+    *pieces, last = responses
+    assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not r.HasField("usage") for r in pieces)
+    assert last.finish_reason != pb.FINISH_REASON_UNSPECIFIED and last.HasField("usage")
     return Collected(
         "".join(r.text for r in responses),
         [t for r in responses for t in r.token_ids],
         last.finish_reason,
         last.usage,
-        len(responses),
     )
 
 
