@@ -191,17 +191,15 @@ def test_cancel_mid_stream_frees_blocks_and_leaves_the_others_intact(stack: Stac
                 if received == 3:
                     long_call.cancel()
                     break
-            during = await stub.GetStats(pb.GetStatsRequest())
-            return await asyncio.gather(*others), during
+            return await asyncio.gather(*others)
 
-    results, during = asyncio.run(run())
+    results = asyncio.run(run())
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     stats = assert_idle(stack.stub)
     assert stats.num_aborted == before.num_aborted + 1
     assert stats.num_finished_length + stats.num_finished_stop == (
         before.num_finished_length + before.num_finished_stop + len(prompts)
     )
-    assert during.num_blocks == stats.num_blocks
     assert_executor_clean(stack)
 
 
