@@ -44,13 +44,18 @@ PEERS = ("grpc", "stream", "in-process")
 
 @dataclass
 class Phases:
-    """Mean microseconds per decode step of each phase, and of the whole ``Engine.step`` call."""
+    """Mean microseconds per decode step of each phase, of the whole ``Engine.step`` call, and its CPU time.
+
+    ``cpu_us`` is this thread's CPU time per step: the scheduler's own cost, which unlike wall
+    time barely moves when other processes share the cores (the RPC wait is not in it).
+    """
 
     schedule_us: float
     plan_us: float
     execute_us: float
     postprocess_us: float
     wall_us: float
+    cpu_us: float
 
     @property
     def total_us(self) -> float:
@@ -78,13 +83,13 @@ def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps
         engine.step()
     for _ in range(warmup):
         engine.step()
-    sums = [0.0] * 5
+    sums = [0.0] * 6
     for _ in range(steps):
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         engine.step()
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         t = engine.last_timings
-        for i, v in enumerate((t.schedule_s, t.plan_s, t.execute_s, t.postprocess_s, wall)):
+        for i, v in enumerate((t.schedule_s, t.plan_s, t.execute_s, t.postprocess_s, wall, cpu)):
             sums[i] += v
     assert all(len(s.token_ids) == context + 1 + warmup + steps for s in seqs), "a sequence was preempted"
     for seq in seqs:
@@ -158,7 +163,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="runs per batch and peer; medians are reported "
                         "(default: %(default)s)")
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS),
-                        help="executors to time; grpc always runs (default: %(default)s)")
+                        help="executors to time (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     child = parser.add_argument_group("child process (started by this benchmark)")
     child.add_argument("--serve", type=int, metavar="PORT", help="only serve the null executor on PORT")
@@ -174,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         return {}
     max_model_len, num_blocks = geometry(max(args.batch), args.context, args.warmup + args.steps)
     port = free_port()
-    peers = [p for p in PEERS if p == "grpc" or p in args.peers]
+    peers = [p for p in PEERS if p in args.peers]
     with null_server(port, max_model_len, num_blocks) as server:
         target = f"{HOST}:{port}"
         server.wait_serving(target, timeout_s=60)
@@ -201,9 +206,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     for (peer, batch), p in results.items():
         baseline = results.get(("in-process", batch))
         rows.append([batch, peer, p.schedule_us + p.plan_us, p.plan_us, p.execute_us, p.postprocess_us, p.total_us,
-                     1e6 / p.wall_us, p.total_us / baseline.total_us if baseline else "-"])
+                     1e6 / p.wall_us, p.total_us / baseline.total_us if baseline else "-", p.cpu_us])
     print_table(["batch", "executor", "schedule+plan", "(plan)", "execute/RPC", "postprocess", "total",
-                 "steps/s", "x in-process"], rows)
+                 "steps/s", "x in-process", "CPU"], rows)
     figures = figures_of(results, args.context, args.steps, args.repeats)
     write_json(args.json, figures)
     return figures
@@ -220,6 +225,7 @@ def figures_of(results: dict[tuple[str, int], Phases], context: int, steps: int,
         figures[f"{prefix}plan_us_b{batch}"] = p.plan_us
         figures[f"{prefix}{'execute' if peer == 'in-process' else 'rpc'}_us_b{batch}"] = p.execute_us
         figures[f"{prefix}postprocess_us_b{batch}"] = p.postprocess_us
+        figures[f"{prefix}cpu_us_b{batch}"] = p.cpu_us
         if ("in-process", batch) in results and peer != "in-process":
             figures[f"{prefix or 'grpc_'}over_inprocess_b{batch}"] = p.total_us / results["in-process", batch].total_us
     return figures
