@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from executor_svc.attention import triton_kernels
 from executor_svc.attention.base import AttentionMetadata
+from executor_svc.attention.triton_backend import TritonAttention
 
 # flash-attn 2 reads a paged cache only in pages of a multiple of 256 tokens, and only in half precision.
 FLASH_PAGE_MULTIPLE = 256
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-class FlashAttention:
+class FlashAttention(TritonAttention):
     """flash-attn for attention, our Triton kernel for the KV store.
 
     Cases flash-attn 2 cannot take (float32, or a paged read with a block size that is not a multiple
@@ -27,11 +27,6 @@ class FlashAttention:
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
 
-    def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        triton_kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
-
     def prefill(
         self,
         q: torch.Tensor,
@@ -42,15 +37,11 @@ class FlashAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        paged = meta.has_cached_context
+        if q.dtype not in FLASH_DTYPES or (paged and k_cache.shape[1] % FLASH_PAGE_MULTIPLE):
+            return super().prefill(q, k, v, k_cache, v_cache, meta, scale)
         # Only a request with cached context needs the paged cache; otherwise this step's k, v are its context.
-        if meta.has_cached_context:
-            keys, values, block_table = k_cache, v_cache, meta.block_tables
-        else:
-            keys, values, block_table = k, v, None
-        if q.dtype not in FLASH_DTYPES or (block_table is not None and k_cache.shape[1] % FLASH_PAGE_MULTIPLE):
-            return triton_kernels.paged_prefill(
-                q, keys, values, block_table, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, scale
-            )
+        keys, values, block_table = (k_cache, v_cache, meta.block_tables) if paged else (k, v, None)
         # causal with seqlen_q < seqlen_k aligns queries to the end of the context, as our layout does.
         return self._varlen(
             q,
@@ -69,7 +60,7 @@ class FlashAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         if q.dtype not in FLASH_DTYPES or k_cache.shape[1] % FLASH_PAGE_MULTIPLE:
-            return triton_kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+            return super().decode(q, k_cache, v_cache, meta, scale)
         out = self._with_kvcache(
             q.unsqueeze(1),
             k_cache,
