@@ -1,0 +1,121 @@
+"""W1: offline throughput on the CPU (BENCHMARKS.md), every peer in one invocation.
+
+Peers generate the same W1 requests (greedy, ``ignore_eos``) with the same
+weights, dtype and threads; throughput is sum(max_tokens) / wall seconds of
+generation, after model load and one warm-up. ``hf`` is transformers with naive
+batching (batches of 16 in order, left padding, every row of a batch generating
+the batch's largest max_tokens); ``inprocess`` is the scheduler Engine driving
+the ModelExecutor in this process. A peer is a function in ``PEERS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# Before torch loads OpenMP, for every peer alike: idle threads sleep instead of spinning, which on a
+# CPU shared with other processes made small ops (KV gathers, attention) up to 10x slower.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from bench.common import Workload, print_table, progress, w1, write_json  # noqa: E402
+
+HF_BATCH_SIZE = 16
+WARMUP_PROMPT = list(range(100, 132))
+
+
+def run_hf(args: argparse.Namespace, workload: Workload) -> float:
+    """transformers ``generate`` over batches of 16 in order; seconds of generation."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    from executor_svc.model_registry import resolve_model
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=getattr(torch, args.dtype)).eval()
+    pad_id = model.generation_config.pad_token_id or 0
+
+    def generate(prompts: list[list[int]], new_tokens: int) -> None:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.inference_mode():
+            model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, pad_token_id=pad_id,
+            )
+
+    generate([WARMUP_PROMPT], 4)
+    start = time.perf_counter()
+    with progress(total=sum(workload.max_tokens), desc="hf", unit="tok") as bar:
+        for i in range(0, len(workload), HF_BATCH_SIZE):
+            limits = workload.max_tokens[i : i + HF_BATCH_SIZE]
+            generate(workload.prompts[i : i + HF_BATCH_SIZE], max(limits))
+            bar.update(sum(limits))
+    return time.perf_counter() - start
+
+
+def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
+    """The scheduler Engine and the ModelExecutor in this process; seconds of generation."""
+    from executor_svc.config import ExecutorOptions
+    from executor_svc.model_executor import ModelExecutor
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.sampling import SamplingParams
+
+    options = ExecutorOptions(
+        model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        threads=args.threads, device="cpu",
+    )
+    engine = Engine(ModelExecutor(options))
+    engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    start = time.perf_counter()
+    for prompt, max_tokens in zip(workload.prompts, workload.max_tokens, strict=True):
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    with progress(total=sum(workload.max_tokens), desc="in-process", unit="tok") as bar:
+        while engine.has_unfinished():
+            bar.update(len(engine.step()))
+    return time.perf_counter() - start
+
+
+PEERS: dict[str, Callable[[argparse.Namespace, Workload], float]] = {"hf": run_hf, "inprocess": run_inprocess}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or local HF folder")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--threads", type=int, default=2, help="torch threads (W1: 2)")
+    p.add_argument("--num-requests", type=int, default=None, help="run only the first N W1 requests")
+    p.add_argument("--skip-hf", action="store_true", help="skip the transformers peer")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size of the in-process executor")
+    p.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="KV-cache bytes of the in-process executor")
+    p.add_argument("--json", type=Path, default=None, help="write hf_tok_s, inprocess_tok_s, peak_rss_mb here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    workload = w1().head(args.num_requests)
+    tokens = sum(workload.max_tokens)
+    peers = [name for name in PEERS if not (name == "hf" and args.skip_hf)]
+    seconds = {name: PEERS[name](args, workload) for name in peers}
+    tok_s = {name: tokens / s for name, s in seconds.items()}
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"W1: {len(workload)} requests, {tokens} tokens, {args.dtype}, {args.threads} threads", file=sys.stderr)
+    baseline = tok_s.get("hf")
+    print_table(
+        ["peer", "seconds", "tok/s", "vs hf"],
+        [[name, seconds[name], tok_s[name], tok_s[name] / baseline if baseline else "-"] for name in peers],
+    )
+    print(f"peak RSS: {peak_rss_mb:.0f} MB")
+    write_json(args.json, {**{f"{name}_tok_s": value for name, value in tok_s.items()}, "peak_rss_mb": peak_rss_mb})
+
+
+if __name__ == "__main__":
+    main()
