@@ -18,24 +18,44 @@ from client.requests import Message, build_request
 from client.results import Chunk, Completion
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.security import TLSConfig, channel_credentials
 
 DEFAULT_TARGET = "127.0.0.1:50051"
-CHANNEL_OPTIONS = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
+# The scheduler's default --max-message-bytes.
+MAX_MESSAGE_BYTES = 16 << 20
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
 
 
 def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
-    """A bearer token for proxies or gateways in front of the server (the server itself needs none)."""
+    """The bearer token a scheduler started with --api-key (or a gateway in front of it) asks for."""
     return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
 class Client:
-    """A blocking client; use it as a context manager or call ``close()``."""
+    """A blocking client; use it as a context manager or call ``close()``.
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None, api_key: str | None = None) -> None:
+    ``tls`` connects over TLS, verifying the server with ``tls.ca_file`` (the system roots when
+    unset) and presenting ``tls.cert_file``/``key_file`` to a server that wants a client certificate.
+    """
+
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None, api_key: str | None = None,
+                 tls: TLSConfig | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.target = target
         self.timeout = timeout
         self.metadata = call_metadata(api_key)
-        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        options = channel_options(max_message_bytes)
+        if tls is None:
+            self.channel = grpc.insecure_channel(target, options=options)
+        else:
+            self.channel = grpc.secure_channel(target, channel_credentials(tls), options=options)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -100,10 +120,13 @@ class Client:
 class AsyncClient:
     """The asyncio twin of ``Client``; its channel opens on first use, inside the running event loop."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None, api_key: str | None = None) -> None:
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None, api_key: str | None = None,
+                 tls: TLSConfig | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.target = target
         self.timeout = timeout
         self.metadata = call_metadata(api_key)
+        self.tls = tls
+        self.max_message_bytes = max_message_bytes
         self.channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.GenerationStub | None = None
         self._health_stub: health_pb2_grpc.HealthStub | None = None
@@ -165,7 +188,11 @@ class AsyncClient:
 
     def _connect(self) -> None:
         if self.channel is None:
-            self.channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+            options = channel_options(self.max_message_bytes)
+            if self.tls is None:
+                self.channel = grpc.aio.insecure_channel(self.target, options=options)
+            else:
+                self.channel = grpc.aio.secure_channel(self.target, channel_credentials(self.tls), options=options)
             self._stub = pb_grpc.GenerationStub(self.channel)
             self._health_stub = health_pb2_grpc.HealthStub(self.channel)
 

@@ -21,6 +21,7 @@ from google.protobuf.message import Message
 
 from client.api import DEFAULT_TARGET, Client
 from client.errors import NanoserveError
+from scheduler_svc.security import TLSConfig
 
 EXIT_ERROR = 1
 EXIT_UNAVAILABLE = 3
@@ -41,6 +42,12 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default=os.environ.get("NANOSERVE_SERVER", DEFAULT_TARGET),
                         help="scheduler address HOST:PORT (env NANOSERVE_SERVER, default %(default)s)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before the call is abandoned")
+    parser.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
+                        help="sent as 'authorization: Bearer <key>' (default: env NANOSERVE_API_KEY)")
+    parser.add_argument("--tls-ca", default=os.environ.get("NANOSERVE_TLS_CA"),
+                        help="connect with TLS, verifying the server with this PEM CA (env NANOSERVE_TLS_CA)")
+    parser.add_argument("--tls-cert", help="PEM client certificate, for a server that requires one")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
 
 
 def add_generation_args(parser: argparse.ArgumentParser) -> None:
@@ -122,8 +129,8 @@ def run_generation(client: Client, args: argparse.Namespace, prompt: dict) -> in
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    with Client(args.server, timeout=args.timeout) as client:
+def run(args: argparse.Namespace, tls: TLSConfig | None) -> int:
+    with Client(args.server, timeout=args.timeout, api_key=args.api_key, tls=tls) as client:
         if args.command == "generate":
             prompt = {"token_ids": args.token_ids} if args.token_ids else {"prompt": read_text(args.prompt)}
             return run_generation(client, args, prompt)
@@ -153,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate" and (args.prompt is None) == (args.token_ids is None):
         parser.error("generate takes a PROMPT or --token-ids, not both or neither")
     try:
-        return run(args)
+        tls = TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        return run(args, tls)
     except NanoserveError as e:
         sys.stdout.flush()
         print(f"error: {e.code.name}: {e.message}", file=sys.stderr)

@@ -50,16 +50,18 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
 
 def build_server(
-    executor: Executor, host: str, port: int, tls: TLSConfig | None = None
+    executor: Executor, host: str, port: int, tls: TLSConfig | None = None,
+    health_servicer: health.HealthServicer | None = None,
 ) -> tuple[grpc.Server, int]:
     """A ready (not started) server with health and reflection; returns it and the bound port.
 
     With ``tls`` it serves TLS, and mutual TLS when ``tls`` names a CA: the executor
-    hop then accepts only a scheduler holding a certificate from that CA.
+    hop then accepts only a scheduler holding a certificate from that CA. Pass
+    ``health_servicer`` to turn it NOT_SERVING later.
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     pb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(executor), server)
-    health_servicer = health.HealthServicer()
+    health_servicer = health_servicer or health.HealthServicer()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -68,8 +70,9 @@ def build_server(
 
 
 def serve(executor: Executor, host: str, port: int, grace_s: float = 5.0, tls: TLSConfig | None = None) -> None:
-    """Serve until SIGTERM or SIGINT, then stop within ``grace_s`` seconds."""
-    server, bound = build_server(executor, host, port, tls)
+    """Serve until SIGTERM or SIGINT, then report NOT_SERVING and stop within ``grace_s`` seconds."""
+    health_servicer = health.HealthServicer()
+    server, bound = build_server(executor, host, port, tls, health_servicer)
     server.start()
     info = executor.get_info()
     log.info(
@@ -81,6 +84,7 @@ def serve(executor: Executor, host: str, port: int, grace_s: float = 5.0, tls: T
 
     def stop(signum: int, frame: object) -> None:
         log.info("executor stopping on signal %d", signum)
+        health_servicer.enter_graceful_shutdown()
         server.stop(grace_s).wait()
         stopped.set()
 

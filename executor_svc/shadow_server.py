@@ -18,6 +18,7 @@ from executor_svc.requests import RequestTable
 from executor_svc.service import serve
 from executor_svc.shadow import ShadowExecutor
 from nanoserve.v1 import executor_pb2 as pb
+from scheduler_svc.security import TLSConfig
 
 NULL_TOKEN_ID = 1
 
@@ -109,6 +110,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--null", action="store_true", help="answer every request with a fixed token at once")
     mode.add_argument("--echo", action="store_true", help="complete each prompt with itself, repeated")
+    parser.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key, serve TLS (default: plaintext)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-ca", help="PEM CA; clients must then present a certificate it signed (mutual TLS)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return parser.parse_args(argv)
 
@@ -125,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         executor = ShadowExecutor(args.num_blocks, args.block_size, args.vocab_size, tuple(args.eos_token_ids),
                                   args.max_model_len, tokenizer_json, chat_template)
-    serve(executor, args.host, args.port)
+    serve(executor, args.host, args.port, tls=TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca))
 
 
 if __name__ == "__main__":

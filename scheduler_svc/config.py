@@ -21,6 +21,21 @@ class ServiceConfig:
     # Requests waiting to be scheduled (not yet running) before new ones are refused.
     max_queued_requests: int = 1024
     log_level: str = "INFO"
+    # Prompt tokens of the requests waiting to be scheduled, before new ones are refused.
+    max_queued_tokens: int = 1 << 20
+    # Largest public-API message, each way.
+    max_message_bytes: int = 16 << 20
+    # Seconds one executor call may take before the executor counts as hung (and the scheduler recovers).
+    step_timeout: float = 60.0
+    # Seconds requests in flight get to finish on SIGTERM before they are aborted.
+    shutdown_grace: float = 30.0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    executor_tls_ca: str = ""
+    executor_tls_cert: str = ""
+    executor_tls_key: str = ""
+    api_key: str = ""
 
 
 def env_name(flag: str) -> str:
@@ -32,6 +47,20 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -51,7 +80,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         epilog=f"Every flag can also be set as {ENV_PREFIX}<FLAG>, e.g. {ENV_PREFIX}EXECUTOR; the flag wins.",
     )
 
-    def add(flag: str, type_, help_text: str, **kwargs) -> None:
+    def add(flag: str, type_, help_text: str, secret: bool = False, **kwargs) -> None:
         default = getattr(defaults, flag.lstrip("-").replace("-", "_"))
         raw = env.get(env_name(flag))
         if raw is not None:
@@ -61,7 +90,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                 parser.error(f"{env_name(flag)}={raw!r}: {e}")
             if default not in kwargs.get("choices", (default,)):
                 parser.error(f"{env_name(flag)}={raw!r}: choose from {', '.join(kwargs['choices'])}")
-        parser.add_argument(flag, type=type_, default=default, help=f"{help_text} (default: %(default)s)", **kwargs)
+        shown = f"env {env_name(flag)}" if secret else "default: %(default)s"
+        parser.add_argument(flag, type=type_, default=default, help=f"{help_text} ({shown})", **kwargs)
 
     add("--executor", str, "executor service address HOST:PORT")
     add("--host", str, "address to serve the public API on")
@@ -70,6 +100,17 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--max-num-batched-tokens", _positive_int, "most tokens computed in one step")
     add("--max-queued-requests", _positive_int, "requests waiting to be scheduled before RESOURCE_EXHAUSTED")
     add("--log-level", str.upper, "logging level", choices=LOG_LEVELS)
+    add("--max-queued-tokens", _positive_int, "prompt tokens waiting to be scheduled before RESOURCE_EXHAUSTED")
+    add("--max-message-bytes", _positive_int, "largest public-API message, each way")
+    add("--step-timeout", _positive_float, "seconds an executor call may take before the scheduler recovers")
+    add("--shutdown-grace", _non_negative_float, "seconds requests in flight get to finish on SIGTERM")
+    add("--tls-cert", str, "PEM certificate chain of the public API (with --tls-key: serve TLS)")
+    add("--tls-key", str, "PEM private key of --tls-cert")
+    add("--tls-ca", str, "PEM CA: the public API then requires client certificates it signed")
+    add("--executor-tls-ca", str, "PEM CA that signed the executor's certificate: TLS to the executor")
+    add("--executor-tls-cert", str, "PEM client certificate for an executor that requires mutual TLS")
+    add("--executor-tls-key", str, "PEM private key of --executor-tls-cert")
+    add("--api-key", str, "clients must send 'authorization: Bearer <key>'; prefer the environment", secret=True)
     return parser
 
 

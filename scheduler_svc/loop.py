@@ -6,24 +6,27 @@ and wake the loop. The loop thread admits new requests, applies cancellations
 text, and hands every output of the step to ``deliver`` in one call. When there
 is nothing to do it sleeps on a condition variable.
 
-A failed step (executor gone, restarted, or a plan it refused) fails every
-request in flight with UNAVAILABLE and discards the engine; the next request
-reconnects through ``connect`` (which resets the executor), so a later
-recovery policy only has to replace ``_fail_all``.
+A failed step (executor gone, restarted, hung past its deadline, or a plan it
+refused) loses no request: the loop reports NOT_SERVING, retries with backoff
+until ``Engine.recover`` succeeds, and every request carries on by recompute.
+``stop`` drains: no new requests, those in flight get a grace period, the rest
+end with ABORT.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from nanoserve.v1 import executor_pb2
+from scheduler_svc.backoff import Backoff
 from scheduler_svc.detokenizer import TextStream
-from scheduler_svc.engine import Engine, TokenOutput
+from scheduler_svc.engine import Engine, IncompatibleExecutor, TokenOutput
 from scheduler_svc.requests import PreparedRequest, public_error
 from scheduler_svc.sampling import InvalidRequest
 from scheduler_svc.sequence import FinishReason, Sequence
@@ -33,15 +36,27 @@ log = logging.getLogger("nanoserve.scheduler")
 
 # Status names (grpc.StatusCode members) a request can fail with.
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
+RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 UNAVAILABLE = "UNAVAILABLE"
+INTERNAL = "INTERNAL"
+# Steps failing one after another right after a successful recovery: the executor refuses this very work.
+MAX_FAILED_STEPS = 3
 
 
 class QueueFull(RuntimeError):
-    """Too many requests wait to be scheduled; the caller should retry later."""
+    """Too many requests or prompt tokens wait to be scheduled; the caller should retry later."""
 
 
 class LoopStopped(RuntimeError):
     """The loop is shutting down and takes no more requests."""
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    """Bounds on what waits to be scheduled (not yet producing tokens); beyond them submit refuses."""
+
+    max_requests: int = 1024
+    max_tokens: int = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,8 @@ class RequestHandle:
     sink: object
     # Set by the loop thread once the last output (finish or error) is on its way.
     answered: bool = False
+    # Set by the loop thread once the request no longer counts against the queue limits.
+    dequeued: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,49 +125,52 @@ class _Active:
     text: TextStream | None
 
 
-@dataclass
-class _Counters:
-    """Totals since start, kept across engine rebuilds."""
-
-    steps: int = 0
-    finished: dict[FinishReason, int] = field(default_factory=lambda: dict.fromkeys(FinishReason, 0))
-    prefix_hit_tokens: int = 0
-    preemptions: int = 0
-
-
 Deliver = Callable[[list[tuple[RequestHandle, RequestOutput]]], None]
+OnServing = Callable[[bool], None]
 
 
 def describe_failure(error: Exception) -> str:
     if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
-        return f"the executor failed a step ({error.code().name}: {error.details()}); retry the request"
-    return f"the executor failed a step ({type(error).__name__}: {error}); retry the request"
+        return f"{error.code().name}: {error.details()}"
+    return f"{type(error).__name__}: {error}"
 
 
 class EngineLoop:
     def __init__(
         self,
         engine: Engine,
-        connect: Callable[[], Engine],
         tokenizer: ModelTokenizer | None,
         deliver: Deliver,
-        max_queued_requests: int,
+        limits: QueueLimits,
+        on_serving: OnServing = lambda serving: None,
     ) -> None:
-        self.engine: Engine | None = engine
+        """``on_serving(False)`` when the executor fails, ``on_serving(True)`` once it is back (loop thread)."""
+        self.engine = engine
         self.info = engine.info
-        self.connect = connect
         self.tokenizer = tokenizer
         self.deliver = deliver
-        self.max_queued_requests = max_queued_requests
+        self.limits = limits
+        self.on_serving = on_serving
         self._wakeup = threading.Condition()
         self._inbox: list[RequestHandle] = []
         self._cancelled: list[RequestHandle] = []
-        self._num_queued = 0
+        # Requests and prompt tokens counted against ``limits``: from submit until the first token or the answer.
+        self._queued_requests = 0
+        self._queued_tokens = 0
+        self._dequeued_requests = 0
+        self._dequeued_tokens = 0
         self._stopping = False
+        self._drain_deadline: float | None = None
         self._active: dict[RequestHandle, _Active] = {}
         self._by_seq_id: dict[int, _Active] = {}
         self._outbox: list[tuple[RequestHandle, RequestOutput]] = []
-        self._counters = _Counters()
+        self._finished: dict[FinishReason, int] = dict.fromkeys(FinishReason, 0)
+        # Executor outage: set while the loop waits for the executor to come back.
+        self._down = False
+        self._retry_at = 0.0
+        self._backoff = Backoff()
+        self._incompatible: str | None = None
+        self._failed_steps = 0
         self.stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -160,14 +180,24 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, prepared: PreparedRequest, sink: object) -> RequestHandle:
-        """Queue a validated request; raise QueueFull or LoopStopped when it cannot be taken."""
+        """Queue a validated request; raise QueueFull, LoopStopped or InvalidRequest when it cannot be taken."""
         handle = RequestHandle(prepared, sink)
+        n = len(prepared.prompt_token_ids)
+        limits = self.limits
+        if n > limits.max_tokens:
+            raise InvalidRequest("prompt", f"{n} tokens is more than this server queues at once "
+                                           f"(--max-queued-tokens {limits.max_tokens})")
         with self._wakeup:
             if self._stopping:
-                raise LoopStopped("the scheduler is shutting down")
-            if self._num_queued >= self.max_queued_requests:
-                raise QueueFull(f"{self._num_queued} requests are already waiting to be scheduled; retry later")
-            self._num_queued += 1
+                raise LoopStopped("the scheduler is shutting down; retry on another replica or later")
+            if self._queued_requests >= limits.max_requests:
+                raise QueueFull(f"{self._queued_requests} requests are already waiting to be scheduled "
+                                f"(--max-queued-requests {limits.max_requests}); retry later")
+            if self._queued_tokens + n > limits.max_tokens:
+                raise QueueFull(f"{self._queued_tokens} prompt tokens are already waiting to be scheduled and "
+                                f"{n} more would pass --max-queued-tokens {limits.max_tokens}; retry later")
+            self._queued_requests += 1
+            self._queued_tokens += n
             self._inbox.append(handle)
             self._wakeup.notify()
         return handle
@@ -178,56 +208,78 @@ class EngineLoop:
             self._cancelled.append(handle)
             self._wakeup.notify()
 
-    def stop(self, timeout_s: float | None = None) -> None:
-        """Finish every request with ABORT, tell the executor, and end the loop thread."""
+    def stop(self, grace_s: float = 0.0, join_timeout_s: float | None = None) -> None:
+        """Take no more requests, let those in flight finish for ``grace_s`` seconds, abort the rest, end the thread.
+
+        Blocks until the loop thread ended, or ``join_timeout_s`` passed.
+        """
         with self._wakeup:
-            self._stopping = True
+            if not self._stopping:
+                self._stopping = True
+                self._drain_deadline = time.monotonic() + grace_s
             self._wakeup.notify()
         if self._thread.is_alive():
-            self._thread.join(timeout_s)
+            self._thread.join(join_timeout_s)
 
     # The loop thread.
 
     def _has_work(self) -> bool:
         engine = self.engine
-        return engine is not None and (engine.has_unfinished() or bool(engine.scheduler.released_seq_ids))
+        return engine.has_unfinished() or bool(engine.scheduler.released_seq_ids)
 
     def _run(self) -> None:
-        busy = False
         while True:
             with self._wakeup:
-                while not (busy or self._inbox or self._cancelled or self._stopping):
-                    self._wakeup.wait()
+                self._wait()
                 inbox, self._inbox = self._inbox, []
                 cancelled, self._cancelled = self._cancelled, []
-                stopping = self._stopping
-            if stopping:
-                self._shutdown(inbox)
-                return
             try:
-                self._iterate(inbox, cancelled)
-            except Exception as e:  # any failure must reach the callers, not kill the loop
-                log.error("engine step failed: %s", e, exc_info=not isinstance(e, grpc.RpcError))
-                self._fail_all(describe_failure(e), inbox)
-            busy = self._has_work()
+                self._admit(inbox)
+                self._abort(cancelled)
+                if self._down:
+                    if time.monotonic() >= self._retry_at:
+                        self._recover()
+                elif self._has_work():
+                    self._step()
+            except Exception as e:  # a bug in the loop: answer every caller, then start over on a reset executor
+                log.exception("engine loop failed: %s", e)
+                self._fail_all(INTERNAL, f"internal scheduler error ({type(e).__name__}); retry the request")
+                self._go_down()
+            if self._drained():
+                self._shutdown()
+                return
             self._publish()
 
-    def _iterate(self, inbox: list[RequestHandle], cancelled: list[RequestHandle]) -> None:
-        self._admit(inbox)
-        self._abort(cancelled)
-        if self._has_work():
-            self._step()
-        if self._has_work() and not self.engine.has_unfinished():
-            # Idle now: answer the callers, then have the executor drop what finished (a drop-only
-            # plan), so that once the stats say idle the executor holds nothing either.
-            self._deliver()
-            self.engine.step()
+    def _wait(self) -> None:
+        """Sleep (lock held) until there is something to do: requests, cancels, a step, a retry, the drain's end."""
+        while not (self._inbox or self._cancelled):
+            wake_at = []
+            if self._down:
+                wake_at.append(self._retry_at)
+            elif self._has_work():
+                return
+            if self._drain_deadline is not None:
+                if not self._active:
+                    return
+                wake_at.append(self._drain_deadline)
+            timeout = min(wake_at) - time.monotonic() if wake_at else None
+            if timeout is not None and timeout <= 0:
+                return
+            self._wakeup.wait(timeout)
+
+    def _drained(self) -> bool:
+        """Stopping, and either nothing is left in flight or the grace period is over."""
+        with self._wakeup:
+            if self._drain_deadline is None:
+                return False
+            return time.monotonic() >= self._drain_deadline or not (self._active or self._inbox)
 
     def _admit(self, handles: list[RequestHandle]) -> None:
         for handle in handles:
-            if self.engine is None and not self._reconnect(handle):
-                continue
             prepared = handle.prepared
+            if self._incompatible is not None:
+                self._emit(handle, RequestOutput(error=RequestError(UNAVAILABLE, self._incompatible)))
+                continue
             try:
                 seq = self.engine.add_request(prepared.prompt_token_ids, prepared.params)
             except InvalidRequest as e:
@@ -241,18 +293,6 @@ class EngineLoop:
             log.debug("request %s admitted as seq %d (%d prompt tokens)", prepared.request_id, seq.seq_id,
                       len(prepared.prompt_token_ids))
 
-    def _reconnect(self, handle: RequestHandle) -> bool:
-        """Rebuild the engine on a reset executor after a failure; fail ``handle`` if that fails too."""
-        try:
-            self.engine = self.connect()
-        except Exception as e:  # the request must get an answer whatever went wrong
-            message = f"the executor is unavailable ({e}); retry later"
-            self._emit(handle, RequestOutput(error=RequestError(UNAVAILABLE, message)))
-            return False
-        self.info = self.engine.info
-        log.info("reconnected to executor instance %s", self.info.instance_id)
-        return True
-
     def _abort(self, handles: list[RequestHandle]) -> None:
         for handle in handles:
             active = self._active.get(handle)
@@ -263,13 +303,76 @@ class EngineLoop:
             log.debug("request %s aborted by the client", handle.prepared.request_id)
 
     def _step(self) -> None:
-        outputs = self.engine.step()
+        """One engine step; then, once idle, a drop-only plan so that idle stats mean an empty executor too."""
+        outputs = self._executor_step()
+        if outputs is None:
+            return
         for out in outputs:
             active = self._by_seq_id[out.seq.seq_id]
             output = self._on_token(active, out)
             self._emit(active.handle, output)
             if output.finish_reason is not None:
                 self._forget(active, output.finish_reason)
+        if self._has_work() and not self.engine.has_unfinished():
+            self._deliver()
+            self._executor_step()
+
+    def _executor_step(self) -> list[TokenOutput] | None:
+        """``Engine.step``; None when the executor failed it (the loop then waits for the executor)."""
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # gone, restarted, past --step-timeout, or it refused the plan
+            self._step_failed(e)
+            return None
+        self._failed_steps = 0
+        return outputs
+
+    def _step_failed(self, error: Exception) -> None:
+        self._failed_steps += 1
+        reason = describe_failure(error)
+        log.warning("executor step failed (%s); %d requests wait for it to come back", reason, len(self._active))
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            log.error("the executor failed the same work %d times in a row; failing the requests in flight",
+                      self._failed_steps)
+            self._failed_steps = 0
+            self._fail_all(INTERNAL, f"the executor keeps failing this work ({reason}); retry the request")
+        self._go_down()
+
+    def _go_down(self) -> None:
+        """Report NOT_SERVING and try to recover at once, then with backoff."""
+        if not self._down:
+            self._down = True
+            self._backoff.reset()
+            self.on_serving(False)
+        self._retry_at = time.monotonic()
+
+    def _recover(self) -> None:
+        """One attempt to carry on with the executor: handshake, reset, requeue every request for recompute."""
+        try:
+            dropped = self.engine.recover()
+        except IncompatibleExecutor as e:
+            if self._incompatible is None:
+                log.error("%s; requests fail with UNAVAILABLE until the right executor is back", e)
+            self._incompatible = f"{e}; requests cannot carry over"
+            self._fail_all(UNAVAILABLE, self._incompatible)
+            self._retry_at = time.monotonic() + self._backoff.next()
+            return
+        except Exception as e:  # the executor is still down, or hung: retry later
+            delay = self._backoff.next()
+            log.warning("executor not back (%s); retrying in %.1fs", describe_failure(e), delay)
+            self._retry_at = time.monotonic() + delay
+            return
+        self._down, self._incompatible = False, None
+        self.info = self.engine.info
+        for seq in dropped:
+            active = self._by_seq_id[seq.seq_id]
+            message = (f"the restarted executor's KV cache ({self.info.num_blocks} blocks) is too small for this "
+                       "request; retry with a shorter prompt or max_tokens")
+            self._emit(active.handle, RequestOutput(error=RequestError(RESOURCE_EXHAUSTED, message)))
+            self._forget(active, FinishReason.ABORT)
+        log.info("executor instance %s is back: %d requests resume by recompute, %d too large for it",
+                 self.info.instance_id, len(self._active), len(dropped))
+        self.on_serving(True)
 
     def _on_token(self, active: _Active, out: TokenOutput) -> RequestOutput:
         """Text, stop strings and finish reason for one sampled token."""
@@ -295,46 +398,48 @@ class EngineLoop:
     def _forget(self, active: _Active, reason: FinishReason) -> None:
         del self._active[active.handle]
         del self._by_seq_id[active.seq.seq_id]
-        self._counters.finished[reason] += 1
+        self._finished[reason] += 1
+        self._dequeue(active.handle)
 
-    def _fail_all(self, message: str, inbox: list[RequestHandle]) -> None:
-        """Answer every request in flight with UNAVAILABLE and drop the engine; the next request reconnects.
+    def _fail_all(self, code: str, message: str) -> None:
+        """Answer every request in flight with ``code`` and free its blocks."""
+        for active in list(self._active.values()):
+            self.engine.abort(active.seq)
+            self._emit(active.handle, RequestOutput(error=RequestError(code, message)))
+            self._forget(active, FinishReason.ABORT)
 
-        Requests of this iteration's ``inbox`` that were neither admitted nor answered yet fail too.
-        """
-        for handle in [*self._active, *inbox]:
-            if not handle.answered:
-                self._emit(handle, RequestOutput(error=RequestError(UNAVAILABLE, message)))
-        self._active.clear()
-        self._by_seq_id.clear()
-        self._retire_engine()
-
-    def _retire_engine(self) -> None:
-        if self.engine is not None:
-            self._counters.steps += self.engine.num_steps
-            self._counters.prefix_hit_tokens += self.engine.scheduler.num_prefix_hit_tokens
-            self._counters.preemptions += self.engine.scheduler.num_preemptions
-        self.engine = None
-
-    def _shutdown(self, inbox: list[RequestHandle]) -> None:
-        """Abort everything, tell the executor to drop it, and answer each caller."""
-        for handle in inbox:
+    def _shutdown(self) -> None:
+        """The grace period is over: abort what is left, tell the executor to drop it, answer each caller."""
+        with self._wakeup:
+            leftover, self._inbox = self._inbox, []
+        for handle in leftover:
             usage = Usage(len(handle.prepared.prompt_token_ids), 0, 0)
             self._emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage))
+        num_aborted = len(self._active) + len(leftover)
         for active in list(self._active.values()):
             self.engine.abort(active.seq)
             self._emit(active.handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=self._usage(active.seq)))
             self._forget(active, FinishReason.ABORT)
-        if self._has_work():
+        if num_aborted:
+            log.warning("shutdown grace period over: %d requests aborted", num_aborted)
+        if not self._down and self._has_work():
             try:
                 self.engine.step()
             except Exception as e:  # shutting down anyway; the executor is reset on the next start
-                log.warning("could not tell the executor to drop aborted requests: %s", e)
+                log.warning("could not tell the executor to drop aborted requests: %s", describe_failure(e))
         self._publish()
 
     def _emit(self, handle: RequestHandle, output: RequestOutput) -> None:
         handle.answered = output.is_last
+        self._dequeue(handle)
         self._outbox.append((handle, output))
+
+    def _dequeue(self, handle: RequestHandle) -> None:
+        """The request produces output or is done: it stops counting against the queue limits."""
+        if not handle.dequeued:
+            handle.dequeued = True
+            self._dequeued_requests += 1
+            self._dequeued_tokens += len(handle.prepared.prompt_token_ids)
 
     def _deliver(self) -> None:
         """Hand the outputs gathered so far over in one call."""
@@ -343,34 +448,27 @@ class EngineLoop:
             self.deliver(outbox)
 
     def _publish(self) -> None:
-        """End of an iteration: deliver the outputs, refresh the stats and the queue count."""
+        """End of an iteration: deliver the outputs, refresh the stats, release queue room."""
         self._deliver()
         self.stats = self._snapshot()
         with self._wakeup:
-            self._num_queued = len(self._inbox) + self.stats.num_waiting
+            self._queued_requests -= self._dequeued_requests
+            self._queued_tokens -= self._dequeued_tokens
+        self._dequeued_requests = self._dequeued_tokens = 0
 
     def _snapshot(self) -> LoopStats:
-        c = self._counters
         engine = self.engine
-        totals = dict(
-            num_steps=c.steps,
-            num_finished_stop=c.finished[FinishReason.STOP],
-            num_finished_length=c.finished[FinishReason.LENGTH],
-            num_aborted=c.finished[FinishReason.ABORT],
-            num_prefix_cache_hit_tokens=c.prefix_hit_tokens,
-            num_preemptions=c.preemptions,
-        )
-        if engine is None:
-            return LoopStats(num_blocks=self.info.num_blocks, num_free_blocks=self.info.num_blocks, **totals)
         scheduler, blocks = engine.scheduler, engine.block_manager
-        totals["num_steps"] += engine.num_steps
-        totals["num_prefix_cache_hit_tokens"] += scheduler.num_prefix_hit_tokens
-        totals["num_preemptions"] += scheduler.num_preemptions
         return LoopStats(
             num_waiting=len(scheduler.waiting),
             num_running=len(scheduler.running),
             num_blocks=blocks.num_blocks,
             num_free_blocks=blocks.num_free_blocks,
             num_cached_blocks=blocks.num_cached_blocks,
-            **totals,
+            num_steps=engine.num_steps,
+            num_finished_stop=self._finished[FinishReason.STOP],
+            num_finished_length=self._finished[FinishReason.LENGTH],
+            num_aborted=self._finished[FinishReason.ABORT],
+            num_prefix_cache_hit_tokens=scheduler.num_prefix_hit_tokens,
+            num_preemptions=scheduler.num_preemptions,
         )

@@ -22,6 +22,7 @@ class RemoteExecutor:
 
     ``credentials`` (``security.channel_credentials``) make the channel TLS, with a
     client certificate for an executor that requires mutual TLS; plaintext without.
+    ``step_timeout_s`` bounds every call, so a hung executor fails like a dead one.
     """
 
     def __init__(self, target: str, step_timeout_s: float | None = None,
@@ -32,13 +33,14 @@ class RemoteExecutor:
         self.stub = pb_grpc.ExecutorStub(self.channel)
 
     def get_info(self, timeout_s: float | None = None, wait_for_ready: bool = False) -> pb.ExecutorInfo:
-        return self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready)
+        timeout = self.step_timeout_s if timeout_s is None else timeout_s
+        return self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout, wait_for_ready=wait_for_ready)
 
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
         return self.stub.Step(plan, timeout=self.step_timeout_s)
 
     def reset(self) -> int:
-        return self.stub.Reset(pb.ResetRequest()).num_dropped_requests
+        return self.stub.Reset(pb.ResetRequest(), timeout=self.step_timeout_s).num_dropped_requests
 
     def close(self) -> None:
         self.channel.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator
@@ -14,14 +15,17 @@ from grpc_reflection.v1alpha import reflection
 from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.backoff import Backoff
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor import Executor
-from scheduler_svc.loop import EngineLoop, LoopStopped, QueueFull, RequestHandle, RequestOutput
+from scheduler_svc.loop import EngineLoop, LoopStopped, QueueFull, QueueLimits, RequestHandle, RequestOutput
+from scheduler_svc.malformed import MalformedRequest, MalformedRequestInterceptor
 from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.requests import prepare
 from scheduler_svc.sampling import InvalidRequest
 from scheduler_svc.scheduler import SchedulerConfig
+from scheduler_svc.security import ApiKeyInterceptor, TLSConfig, bind, channel_credentials, transport_name
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.tokenizer import ModelTokenizer
 
@@ -33,9 +37,8 @@ FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
-FIRST_RETRY_S = 0.1
-MAX_RETRY_S = 5.0
-SHUTDOWN_GRACE_S = 5.0
+# After the engine loop ended: time for the handlers to send their last responses.
+SERVER_STOP_GRACE_S = 5.0
 
 
 def token_logprob(token_id: int, lp: executor_pb2.TokenLogprobs) -> pb.TokenLogprob:
@@ -85,13 +88,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> tuple[RequestHandle, asyncio.Queue[RequestOutput]]:
         loop = await self._ready(context)
-        try:
-            prepared = await asyncio.to_thread(prepare, request, loop.info, self.tokenizer)
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a GenerateRequest: {request.reason}")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         try:
+            prepared = await asyncio.to_thread(prepare, request, loop.info, self.tokenizer)
             return loop.submit(prepared, queue), queue
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except LoopStopped as e:
@@ -184,63 +188,86 @@ def deliver_to_event_loop(aio_loop: asyncio.AbstractEventLoop):
     return deliver
 
 
+def executor_client(config: ServiceConfig) -> RemoteExecutor:
+    """The executor service at ``config.executor``, over TLS when an ``--executor-tls-*`` flag is set."""
+    tls = TLSConfig.from_flags(config.executor_tls_cert, config.executor_tls_key, config.executor_tls_ca)
+    credentials = channel_credentials(tls) if tls else None
+    return RemoteExecutor(config.executor, step_timeout_s=config.step_timeout, credentials=credentials)
+
+
 class SchedulerServer:
     """The gRPC server, its health status, and the engine loop once the executor answered."""
 
     def __init__(self, config: ServiceConfig, executor: Executor | None = None) -> None:
         """Serve ``executor`` (an in-process one in tests), or by default the executor service at config.executor."""
         self.config = config
-        self.server = grpc.aio.server()
+        options = [("grpc.max_receive_message_length", config.max_message_bytes),
+                   ("grpc.max_send_message_length", config.max_message_bytes)]
+        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+        interceptors.append(MalformedRequestInterceptor(SERVICE_NAME))
+        self.server = grpc.aio.server(interceptors=interceptors, options=options)
         self.servicer = GenerationServicer(config.executor)
         self.health = health.aio.HealthServicer()
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind the scheduler to {config.host}:{config.port}")
-        self.executor = executor if executor is not None else RemoteExecutor(config.executor)
+        self.tls = TLSConfig.from_flags(config.tls_cert, config.tls_key, config.tls_ca)
+        self.port = bind(self.server, config.host, config.port, self.tls)
+        self.executor = executor if executor is not None else executor_client(config)
         self.loop: EngineLoop | None = None
         self.stopping = asyncio.Event()
         self.stopped = False
+        # What health should say once the executor answered; the engine loop flips it on outages.
+        self.serving = False
+        self._health_lock = asyncio.Lock()
 
-    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
+    async def _sync_health(self) -> None:
+        """Publish the current status; serialized, and each update reads the latest state, so the last one wins."""
+        async with self._health_lock:
+            serving = self.serving and not self.stopping.is_set()
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, status)
+
+    def _on_serving(self, aio_loop: asyncio.AbstractEventLoop):
+        """The engine loop's ``on_serving``: called on its thread, applied on the event loop."""
+
+        def on_serving(serving: bool) -> None:
+            self.serving = serving
+            aio_loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._sync_health()))
+
+        return on_serving
 
     async def start(self) -> None:
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._sync_health()
         await self.server.start()
-        log.info("scheduler listening on %s:%d executor=%s", self.config.host, self.port, self.config.executor)
+        log.info("scheduler listening on %s:%d (%s%s) executor=%s", self.config.host, self.port,
+                 transport_name(self.tls), ", API key" if self.config.api_key else "", self.config.executor)
 
     async def connect(self) -> bool:
         """Retry the executor handshake with exponential backoff; False if asked to stop first."""
-        delay = FIRST_RETRY_S
+        backoff = Backoff()
         while not self.stopping.is_set():
             try:
                 engine = await asyncio.to_thread(connect_engine, self.executor, self.config)
                 break
             except grpc.RpcError as e:
+                delay = backoff.next()
                 log.warning("executor %s not ready (%s: %s); retrying in %.1fs",
                             self.config.executor, e.code().name, e.details(), delay)
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), delay)
-            except asyncio.TimeoutError:
-                delay = min(2 * delay, MAX_RETRY_S)
         else:
             return False
         info = engine.info
         tokenizer = ModelTokenizer.from_info(info)
-        self.loop = EngineLoop(
-            engine,
-            lambda: connect_engine(self.executor, self.config),
-            tokenizer,
-            deliver_to_event_loop(asyncio.get_running_loop()),
-            self.config.max_queued_requests,
-        )
+        aio_loop = asyncio.get_running_loop()
+        limits = QueueLimits(self.config.max_queued_requests, self.config.max_queued_tokens)
+        self.loop = EngineLoop(engine, tokenizer, deliver_to_event_loop(aio_loop), limits, self._on_serving(aio_loop))
         self.loop.start()
         self.servicer.attach(self.loop, tokenizer)
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.serving = True
+        await self._sync_health()
         log.info(
             "executor ready model=%s blocks=%dx%d max_model_len=%d vocab=%d tokenizer=%s instance=%s",
             info.model_id, info.num_blocks, info.block_size, info.max_model_len, info.vocab_size,
@@ -249,21 +276,22 @@ class SchedulerServer:
         return True
 
     async def stop(self) -> None:
-        """Refuse new work, abort what runs (callers get FINISH_REASON_ABORT), then close the server."""
+        """NOT_SERVING and refuse new work; requests in flight get ``--shutdown-grace`` seconds, the rest ABORT."""
         if self.stopped:
             return
         self.stopped = True
         self.stopping.set()
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._sync_health()
         if self.loop is not None:
-            await asyncio.to_thread(self.loop.stop, SHUTDOWN_GRACE_S)
-        await self.server.stop(SHUTDOWN_GRACE_S)
+            grace = self.config.shutdown_grace
+            await asyncio.to_thread(self.loop.stop, grace, grace + self.config.step_timeout)
+        await self.server.stop(SERVER_STOP_GRACE_S)
         if isinstance(self.executor, RemoteExecutor):
             self.executor.close()
 
 
 async def serve(config: ServiceConfig) -> None:
-    """Serve until SIGTERM or SIGINT."""
+    """Serve until SIGTERM or SIGINT, then drain (see ``SchedulerServer.stop``)."""
     scheduler = SchedulerServer(config)
     await scheduler.start()
     aio_loop = asyncio.get_running_loop()
@@ -271,5 +299,5 @@ async def serve(config: ServiceConfig) -> None:
         aio_loop.add_signal_handler(signum, scheduler.stopping.set)
     if await scheduler.connect():
         await scheduler.stopping.wait()
-    log.info("scheduler stopping")
+    log.info("scheduler stopping: %.0fs for the requests in flight", config.shutdown_grace)
     await scheduler.stop()

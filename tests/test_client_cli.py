@@ -127,7 +127,7 @@ def test_a_bad_command_line_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_a_generation_cut_short_by_a_server_shutdown_exits_1(tmp_path: Path) -> None:
     port = free_port()
     executor = executor_argv("shadow", port, {"max_model_len": 16_000})
-    with running_stack(executor, tmp_path, executor_port=port) as stack:
+    with running_stack(executor, tmp_path, executor_port=port, shutdown_grace=0) as stack:
         cli = subprocess.Popen([str(NANOSERVE), "generate", "--server", stack.target, "--token-ids", "1,2,3",
                                 "--max-tokens", "15000", "--ignore-eos"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

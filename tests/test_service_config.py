@@ -45,3 +45,28 @@ def test_bad_values_are_refused(argv: list[str], env: dict[str, str], capsys: py
 
 def test_env_names():
     assert env_name("--max-num-batched-tokens") == "NANOSERVE_MAX_NUM_BATCHED_TOKENS"
+
+
+def test_reliability_and_security_flags_come_from_the_environment_too():
+    env = {"NANOSERVE_MAX_QUEUED_TOKENS": "4096", "NANOSERVE_STEP_TIMEOUT": "2.5", "NANOSERVE_SHUTDOWN_GRACE": "0",
+           "NANOSERVE_MAX_MESSAGE_BYTES": "1024", "NANOSERVE_API_KEY": "k", "NANOSERVE_TLS_CERT": "c.pem",
+           "NANOSERVE_EXECUTOR_TLS_CA": "ca.pem"}
+    config = parse_config([], env=env)
+    assert (config.max_queued_tokens, config.step_timeout, config.shutdown_grace, config.max_message_bytes) == (
+        4096, 2.5, 0.0, 1024)
+    assert (config.api_key, config.tls_cert, config.executor_tls_ca) == ("k", "c.pem", "ca.pem")
+
+
+def test_the_api_key_never_shows_in_help(capsys: pytest.CaptureFixture):
+    with pytest.raises(SystemExit):
+        parse_config(["--help"], env={"NANOSERVE_API_KEY": "s3cret"})
+    out = capsys.readouterr().out
+    assert "s3cret" not in out and "NANOSERVE_API_KEY" in out
+
+
+@pytest.mark.parametrize("argv", [["--step-timeout", "0"], ["--step-timeout", "nan"], ["--shutdown-grace", "-1"],
+                                  ["--shutdown-grace", "inf"], ["--max-queued-tokens", "0"]])
+def test_bad_timeouts_and_bounds_are_refused(argv: list[str]):
+    with pytest.raises(SystemExit) as e:
+        parse_config(argv, env={})
+    assert e.value.code == 2

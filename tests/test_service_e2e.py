@@ -338,44 +338,9 @@ def test_reflection_lists_the_services(stack: Stack):
     assert {"nanoserve.v1.Generation", "grpc.health.v1.Health"} <= set(services)
 
 
-def test_a_dead_executor_fails_the_stream_with_unavailable_and_a_restarted_one_serves_again(tmp_path: Path):
+def test_sigterm_without_grace_aborts_streams_and_exits_cleanly(tmp_path: Path):
     port = free_port()
-    with running_stack(executor_argv("shadow", port, SHADOW), tmp_path, executor_port=port) as s:
-        responses = s.stub.Generate(token_request([1, 2, 3], 300, ignore_eos=True))
-        next(responses)
-        s.executor.kill()
-        s.executor.wait()
-        with pytest.raises(grpc.RpcError) as e:
-            list(responses)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "the executor failed a step" in e.value.details()
-        assert_idle(s.stub)
-        restarted = spawn(executor_argv("shadow", port, SHADOW), tmp_path / "executor-restarted.log")
-        try:
-            response = generate_once_when_available(s.stub, token_request([1, 2, 3], 5, ignore_eos=True))
-            reference = shadow_reference([[1, 2, 3]], [SamplingParams(max_tokens=5, ignore_eos=True)])[0]
-            assert list(response.token_ids) == reference.token_ids
-            assert_executor_clean(s)
-        finally:
-            stop_process(restarted)
-
-
-def generate_once_when_available(
-    stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, timeout_s: float = 30
-) -> pb.GenerateResponse:
-    """Retry UNAVAILABLE, as a client does while an executor comes back."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return stub.GenerateOnce(request)
-        except grpc.RpcError as e:
-            assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, e
-            time.sleep(0.2)
-
-
-def test_sigterm_aborts_streams_and_exits_cleanly(tmp_path: Path):
-    port = free_port()
-    with running_stack(executor_argv("shadow", port, SHADOW), tmp_path, executor_port=port) as s:
+    with running_stack(executor_argv("shadow", port, SHADOW), tmp_path, executor_port=port, shutdown_grace=0) as s:
         responses = s.stub.Generate(token_request([1, 2, 3], 380, ignore_eos=True))
         next(responses)
         s.scheduler.terminate()

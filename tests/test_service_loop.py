@@ -29,28 +29,19 @@ def shadow(**kwargs) -> ShadowExecutor:
 
 
 class RecordingExecutor:
-    """Keeps every plan; fails the next step, or every call while ``down``, when told to."""
+    """Keeps every plan."""
 
     def __init__(self, inner: ShadowExecutor) -> None:
         self.inner = inner
         self.plans: list[executor_pb2.StepPlan] = []
-        self.fail_next_step = False
-        self.down = False
 
     def get_info(self) -> executor_pb2.ExecutorInfo:
         return self.inner.get_info()
 
     def reset(self) -> int:
-        if self.down:
-            raise ConnectionError("injected: executor down")
         return self.inner.reset()
 
     def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
-        if self.down:
-            raise ConnectionError("injected: executor down")
-        if self.fail_next_step:
-            self.fail_next_step = False
-            raise ConnectionError("injected executor failure")
         copy = executor_pb2.StepPlan()
         copy.CopyFrom(plan)
         self.plans.append(copy)
@@ -145,63 +136,11 @@ def test_a_deadline_aborts_the_request_and_frees_its_blocks():
     assert len(executor.inner.inner.table) == 0
 
 
-def test_an_executor_failure_fails_the_requests_in_flight_and_the_next_request_recovers():
+def test_shutdown_without_grace_ends_streams_with_abort_and_clears_the_executor():
     executor = RecordingExecutor(shadow(num_blocks=1024))
 
     async def run():
-        async with in_process_scheduler(executor) as s:
-            stub = s.stub
-            calls = [stub.Generate(token_request([i, 2, 3], 1000, ignore_eos=True)) for i in range(1, 4)]
-            for call in calls:
-                async for _ in call:
-                    break
-            executor.fail_next_step = True
-            errors = []
-            for call in calls:
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    [r async for r in call]
-                errors.append(e.value)
-            await assert_idle_async(stub)
-            after = await stream(stub, token_request([5, 6], 4, ignore_eos=True))
-            await assert_idle_async(stub)
-            return errors, after
-
-    errors, after = asyncio.run(run())
-    for e in errors:
-        assert e.code() == grpc.StatusCode.UNAVAILABLE
-        assert "the executor failed a step" in e.details() and "injected executor failure" in e.details()
-    assert after.token_ids == expected_tokens([5, 6], 4)
-    assert len(executor.inner.table) == 0
-
-
-def test_while_the_executor_stays_down_new_requests_get_unavailable():
-    executor = RecordingExecutor(shadow())
-
-    async def run():
-        async with in_process_scheduler(executor) as s:
-            executor.down = True
-            with pytest.raises(grpc.aio.AioRpcError) as failed_step:
-                await s.stub.GenerateOnce(token_request([1, 2], 4))
-            with pytest.raises(grpc.aio.AioRpcError) as no_reconnect:
-                await s.stub.GenerateOnce(token_request([1, 2], 4))
-            stats = await assert_idle_async(s.stub)
-            executor.down = False
-            recovered = await s.stub.GenerateOnce(token_request([1, 2], 4, ignore_eos=True))
-            await assert_idle_async(s.stub)
-            return failed_step.value, no_reconnect.value, stats, recovered
-
-    failed_step, no_reconnect, stats, recovered = asyncio.run(run())
-    assert failed_step.code() == grpc.StatusCode.UNAVAILABLE and "failed a step" in failed_step.details()
-    assert no_reconnect.code() == grpc.StatusCode.UNAVAILABLE and "unavailable" in no_reconnect.details()
-    assert stats.num_free_blocks == stats.num_blocks == 64
-    assert list(recovered.token_ids) == expected_tokens([1, 2], 4)
-
-
-def test_shutdown_ends_streams_with_abort_and_clears_the_executor():
-    executor = RecordingExecutor(shadow(num_blocks=1024))
-
-    async def run():
-        async with in_process_scheduler(executor) as s:
+        async with in_process_scheduler(executor, shutdown_grace=0) as s:
             call = s.stub.Generate(token_request([1, 2], 3000, ignore_eos=True))
             async for _ in call:
                 break
