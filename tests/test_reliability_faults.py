@@ -36,7 +36,7 @@ from tests.service_fixtures import (
 )
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-SHADOW = dict(num_blocks=512, block_size=4, vocab_size=50, max_model_len=1024, eos_token_ids=0)
+SHADOW = dict(num_blocks=4096, block_size=4, vocab_size=50, max_model_len=1024, eos_token_ids=0)
 
 
 def greedy_request(prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> pb.GenerateRequest:
@@ -50,9 +50,10 @@ def expected(prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> li
                               max_model_len=SHADOW["max_model_len"])
 
 
-def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
+def workload(n: int, seed: int, min_tokens: int = 100, max_tokens: int = 200) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(1, 50) for _ in range(rng.randint(1, 40))], rng.randint(100, 200)) for _ in range(n)]
+    return [([rng.randrange(1, 50) for _ in range(rng.randint(1, 40))], rng.randint(min_tokens, max_tokens))
+            for _ in range(n)]
 
 
 def assert_executor_clean(stack: Stack) -> None:
@@ -80,7 +81,7 @@ async def streams_through(
 
 
 def test_executor_killed_mid_generation_and_restarted_every_stream_completes_exactly(tmp_path: Path):
-    work = workload(16, seed=3)
+    work = workload(16, seed=3, min_tokens=400, max_tokens=600)
     port = free_port()
     with running_stack(executor_argv("shadow", port, SHADOW), tmp_path, executor_port=port) as s:
         restarted = []
@@ -115,8 +116,8 @@ def test_a_hung_executor_times_out_and_the_streams_resume_when_it_answers_again(
                 s.executor.send_signal(signal.SIGCONT)
             wait_serving(s.target, s.scheduler)
 
-        tokens = asyncio.run(streams_through(s, work, hang_for_a_while))
-        assert tokens == [expected(p, m) for p, m in work]
+        tokens = asyncio.run(streams_through(s, work, hang_for_a_while, ignore_eos=True))
+        assert tokens == [expected(p, m, ignore_eos=True) for p, m in work]
         assert "DEADLINE_EXCEEDED" in s.logs()
         assert_executor_clean(s)
 

@@ -140,6 +140,7 @@ def test_streams_pause_through_an_outage_and_finish_with_the_undisturbed_tokens(
 
 def test_requests_too_large_for_the_restarted_executor_fail_with_resource_exhausted():
     executor = FlakyExecutor(num_blocks=64)
+    executor.step_delay_s = 0.05
 
     async def run():
         async with scheduler(executor) as s:
@@ -158,6 +159,7 @@ def test_requests_too_large_for_the_restarted_executor_fail_with_resource_exhaus
 
 def test_an_executor_with_another_vocabulary_fails_requests_until_the_right_one_is_back():
     executor = FlakyExecutor()
+    executor.step_delay_s = 0.01
 
     async def run():
         async with scheduler(executor) as s:
@@ -267,6 +269,7 @@ def test_shutdown_lets_requests_in_flight_finish_and_refuses_new_ones():
 
 def test_shutdown_aborts_what_is_left_when_the_grace_period_ends():
     executor = FlakyExecutor(num_blocks=256)
+    executor.step_delay_s = 0.01
 
     async def run():
         async with in_process_scheduler(executor, shutdown_grace=0.5) as s:

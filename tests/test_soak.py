@@ -40,7 +40,7 @@ CANCEL_FRACTION = 0.1
 RESTART_AT = NUM_REQUESTS // 2
 REQUEST_TIMEOUT_S = 120.0
 SOAK_TIMEOUT_S = 1500.0
-SHADOW = dict(num_blocks=1024, block_size=4, vocab_size=50, max_model_len=512, eos_token_ids=0)
+SHADOW = dict(num_blocks=1024, block_size=4, vocab_size=50, max_model_len=1024, eos_token_ids=0)
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +65,7 @@ def rss_kib(pid: int) -> int:
 
 async def one_request(stub: pb_grpc.GenerationStub, rng: random.Random, tally: Tally) -> None:
     prompt = [rng.randrange(1, 50) for _ in range(rng.randint(1, 100))]
-    max_tokens = rng.randint(1, 200)
+    max_tokens = rng.randint(1, 400)
     cancel_after_s = rng.uniform(0, 0.3) if rng.random() < CANCEL_FRACTION else None
     request = token_request(prompt, max_tokens)
     request.sampling.temperature = 0
@@ -84,7 +84,7 @@ async def one_request(stub: pb_grpc.GenerationStub, rng: random.Random, tally: T
         tally.failures.append(f"{e.code().name}: {e.details()}")
         return
     tally.completed += 1
-    tally.wrong += tokens != reference_generate(prompt, max_tokens, 50, {0}, max_model_len=512)
+    tally.wrong += tokens != reference_generate(prompt, max_tokens, 50, {0}, max_model_len=1024)
 
 
 async def read_all(call: grpc.aio.UnaryStreamCall) -> list[int]:
