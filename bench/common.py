@@ -18,6 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tqdm import tqdm
 
 HOST = "127.0.0.1"
+# Children run ``python -m`` from here, so ``bench`` resolves wherever the benchmark was started.
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ class Child:
     def __init__(self, name: str, argv: list[str], log_path: Path | None = None) -> None:
         self.name = name
         self.log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
 
     def wait_serving(self, target: str, timeout_s: float) -> None:
         """Poll grpc.health.v1 until SERVING; raise when the process dies or ``timeout_s`` passes."""
