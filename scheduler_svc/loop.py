@@ -41,6 +41,8 @@ UNAVAILABLE = "UNAVAILABLE"
 INTERNAL = "INTERNAL"
 # Steps failing one after another right after a successful recovery: the executor refuses this very work.
 MAX_FAILED_STEPS = 3
+# An idle loop checks the executor this often, so health turns NOT_SERVING without waiting for a request.
+IDLE_PROBE_S = 2.0
 
 
 class QueueFull(RuntimeError):
@@ -168,6 +170,7 @@ class EngineLoop:
         # Executor outage: set while the loop waits for the executor to come back.
         self._down = False
         self._retry_at = 0.0
+        self._probe_at = time.monotonic() + IDLE_PROBE_S
         self._backoff = Backoff()
         self._incompatible: str | None = None
         self._failed_steps = 0
@@ -241,6 +244,8 @@ class EngineLoop:
                         self._recover()
                 elif self._has_work():
                     self._step()
+                elif time.monotonic() >= self._probe_at:
+                    self._probe()
             except Exception as e:  # a bug in the loop: answer every caller, then start over on a reset executor
                 log.exception("engine loop failed: %s", e)
                 self._fail_all(INTERNAL, f"internal scheduler error ({type(e).__name__}); retry the request")
@@ -251,19 +256,21 @@ class EngineLoop:
             self._publish()
 
     def _wait(self) -> None:
-        """Sleep (lock held) until there is something to do: requests, cancels, a step, a retry, the drain's end."""
+        """Sleep (lock held) until there is work: requests, cancels, a step, a retry, a probe, the drain's end."""
         while not (self._inbox or self._cancelled):
             wake_at = []
             if self._down:
                 wake_at.append(self._retry_at)
             elif self._has_work():
                 return
+            else:
+                wake_at.append(self._probe_at)
             if self._drain_deadline is not None:
                 if not self._active:
                     return
                 wake_at.append(self._drain_deadline)
-            timeout = min(wake_at) - time.monotonic() if wake_at else None
-            if timeout is not None and timeout <= 0:
+            timeout = min(wake_at) - time.monotonic()
+            if timeout <= 0:
                 return
             self._wakeup.wait(timeout)
 
@@ -337,6 +344,18 @@ class EngineLoop:
             self._failed_steps = 0
             self._fail_all(INTERNAL, f"the executor keeps failing this work ({reason}); retry the request")
         self._go_down()
+
+    def _probe(self) -> None:
+        """Idle: is the executor still there, and still the same instance?"""
+        try:
+            info = self.engine.executor.get_info()
+        except Exception as e:  # gone or hung: as if a step had failed
+            log.warning("executor unreachable while idle (%s)", describe_failure(e))
+            self._go_down()
+            return
+        if info.instance_id != self.info.instance_id:
+            log.warning("executor restarted while idle (instance %s)", info.instance_id)
+            self._go_down()
 
     def _go_down(self) -> None:
         """Report NOT_SERVING and try to recover at once, then with backoff."""
@@ -448,8 +467,9 @@ class EngineLoop:
             self.deliver(outbox)
 
     def _publish(self) -> None:
-        """End of an iteration: deliver the outputs, refresh the stats, release queue room."""
+        """End of an iteration: deliver the outputs, refresh the stats, release queue room, postpone the probe."""
         self._deliver()
+        self._probe_at = time.monotonic() + IDLE_PROBE_S
         self.stats = self._snapshot()
         with self._wakeup:
             self._queued_requests -= self._dequeued_requests

@@ -227,3 +227,19 @@ def test_an_executor_restarted_with_another_vocabulary_is_refused_until_the_righ
             assert s.logs().count("restart the scheduler to switch models") == 1, "logged once, not per attempt"
         finally:
             stop_process(right)
+
+
+def test_health_follows_an_executor_that_dies_and_returns_while_idle(tmp_path: Path):
+    port = free_port()
+    with running_stack(executor_argv("shadow", port, SHADOW), tmp_path, executor_port=port) as s:
+        s.executor.kill()
+        s.executor.wait()
+        assert wait_health(s.target, s.scheduler, (NOT_SERVING,), timeout_s=10) == NOT_SERVING
+        waiting = s.stub.GenerateOnce.future(greedy_request([1, 2, 3], 5))
+        restarted = spawn(executor_argv("shadow", port, SHADOW), tmp_path / "executor-restarted.log")
+        try:
+            wait_serving(s.target, s.scheduler)
+            assert list(waiting.result(timeout=30).token_ids) == expected([1, 2, 3], 5)
+            assert_executor_clean(s)
+        finally:
+            stop_process(restarted)

@@ -35,7 +35,9 @@ from tests.service_fixtures import (
 pytestmark = pytest.mark.soak
 
 NUM_REQUESTS = 10_000
-CONCURRENCY = 64
+# About four minutes of arrivals.
+ARRIVALS_PER_S = 40.0
+MAX_IN_FLIGHT = 256
 CANCEL_FRACTION = 0.1
 RESTART_AT = NUM_REQUESTS // 2
 REQUEST_TIMEOUT_S = 120.0
@@ -95,21 +97,26 @@ async def read_all(call: grpc.aio.UnaryStreamCall) -> list[int]:
 
 
 async def drive(stack: Stack, restart: threading.Event) -> Tally:
+    """Poisson arrivals at ARRIVALS_PER_S, at most MAX_IN_FLIGHT at once: minutes of steady, bursty traffic."""
     tally = Tally()
-    issued = 0
     rng = random.Random(2026)
+    in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
 
-    async def worker(stub: pb_grpc.GenerationStub) -> None:
-        nonlocal issued
-        while issued < NUM_REQUESTS:
-            issued += 1
-            if issued == RESTART_AT:
-                restart.set()
+    async def bounded(stub: pb_grpc.GenerationStub) -> None:
+        async with in_flight:
             await one_request(stub, rng, tally)
 
+    async def issue(stub: pb_grpc.GenerationStub) -> None:
+        tasks = []
+        for i in range(NUM_REQUESTS):
+            if i == RESTART_AT:
+                restart.set()
+            await asyncio.sleep(rng.expovariate(ARRIVALS_PER_S))
+            tasks.append(asyncio.ensure_future(bounded(stub)))
+        await asyncio.gather(*tasks)
+
     async with grpc.aio.insecure_channel(stack.target) as channel:
-        stub = pb_grpc.GenerationStub(channel)
-        await asyncio.wait_for(asyncio.gather(*(worker(stub) for _ in range(CONCURRENCY))), SOAK_TIMEOUT_S)
+        await asyncio.wait_for(issue(pb_grpc.GenerationStub(channel)), SOAK_TIMEOUT_S)
     return tally
 
 
