@@ -115,8 +115,9 @@ class ModelRunner:
         self.config.check_tensor_parallel(tp_size())
         self.device = rank_device(options.resolved_device(), tp_rank())
         self.dtype = getattr(torch, options.resolved_dtype())
-        if self.device.type == "cpu" and options.threads:
-            torch.set_num_threads(options.threads)
+        if self.device.type == "cpu":
+            # Ranks on one CPU share its cores instead of each taking all of them.
+            torch.set_num_threads(options.threads or max(1, torch.get_num_threads() // tp_size()))
         self.max_model_len = options.max_model_len or self.config.max_position_embeddings
         if self.max_model_len > self.config.max_position_embeddings:
             raise UnsupportedModel(

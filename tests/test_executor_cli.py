@@ -1,0 +1,54 @@
+"""``python -m executor_svc`` serves a model over gRPC; flags and NANOSERVE_* variables configure it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from executor_svc.__main__ import build_parser, options_from_args
+from executor_svc.config import ExecutorOptions
+from executor_svc.model_executor import ModelExecutor
+from scheduler_svc.engine import Engine
+from scheduler_svc.remote import RemoteExecutor
+from scheduler_svc.sampling import SamplingParams
+from tests.model_fixtures import tiny_model_folders  # noqa: F401
+from tests.service_fixtures import free_port
+from tests.test_model_parity import random_prompts
+
+
+def test_flags_win_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NANOSERVE_BLOCK_SIZE", "32")
+    monkeypatch.setenv("NANOSERVE_KV_CACHE_MEMORY", "512M")
+    monkeypatch.setenv("NANOSERVE_ENFORCE_EAGER", "true")
+    options = options_from_args(build_parser().parse_args(["--kv-cache-memory", "2GiB", "--threads", "3"]))
+    assert (options.block_size, options.kv_cache_memory, options.threads) == (32, 2 << 30, 3)
+    assert options.enforce_eager is True
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--kv-cache-memory", "lots"])
+
+
+def test_served_executor_generates_what_the_in_process_one_does(tiny_model_folders: dict[str, Path]) -> None:  # noqa: F811
+    port = free_port()
+    folder = str(tiny_model_folders["qwen3"])
+    env = {**os.environ, "NANOSERVE_BLOCK_SIZE": "8", "NANOSERVE_MODEL": folder}
+    argv = [sys.executable, "-m", "executor_svc", "--port", str(port), "--kv-cache-memory", "4M"]
+    server = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        remote = RemoteExecutor(f"127.0.0.1:{port}")
+        info = remote.get_info(timeout_s=120, wait_for_ready=True)
+        assert (info.architecture, info.block_size, info.model_id) == ("Qwen3ForCausalLM", 8, folder)
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        prompts = random_prompts(3)[:4]
+        served = [c.token_ids for c in Engine(remote).generate(prompts, params)]
+        local = ModelExecutor(ExecutorOptions(model=folder, block_size=8, kv_cache_memory=4 << 20))
+        assert served == [c.token_ids for c in Engine(local).generate(prompts, params)]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        output, _ = server.communicate(timeout=30)
+    assert server.returncode == 0, output
+    assert "KV blocks of 8 tokens" in output
