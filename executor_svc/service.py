@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
@@ -43,6 +44,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 return self.executor.step(plan)
             except PlanError as e:
                 context.abort(getattr(grpc.StatusCode, e.code), str(e))
+
+    def StepStream(self, plans: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
+        for plan in plans:
+            yield self.Step(plan, context)
 
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> pb.ResetResponse:
         with self.lock:

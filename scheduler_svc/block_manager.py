@@ -115,23 +115,27 @@ class BlockManager:
         seq.num_cached_tokens = 0
         seq.block_table.clear()
 
+    def needs_block(self, seq: Sequence) -> bool:
+        """True when the token decoded next (the last one) starts a new block."""
+        return (len(seq) - 1) % self.block_size == 0
+
     def can_append(self, seq: Sequence) -> bool:
         """True when the token decoded next has a slot (a new block if needed)."""
-        return len(self.free_block_ids) >= (len(seq) % self.block_size == 1)
+        return bool(self.free_block_ids) or not self.needs_block(seq)
 
     def may_append(self, seq: Sequence) -> None:
-        if len(seq) % self.block_size == 1:
+        if self.needs_block(seq):
             seq.block_table.append(self._take_free_block())
 
-    def hash_blocks(self, seq: Sequence) -> None:
-        """Register the blocks this step's tokens filled; their KV now exists.
+    def hash_blocks(self, seq: Sequence, first_token: int, end_token: int) -> None:
+        """Register the blocks that computing tokens [first_token, end_token) filled; their KV now exists.
 
         When another sequence already registered the same content (two prompts
         sharing a prefix in one step), the first registration stays and this
         block keeps its hash only to chain the next one.
         """
-        start = seq.num_cached_tokens // self.block_size
-        end = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
+        start = first_token // self.block_size
+        end = end_token // self.block_size
         if start == end:
             return
         h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else NO_HASH

@@ -2,12 +2,19 @@
 
 The gRPC scheduler service runs this same object in its engine loop; tests and
 benchmarks drive it directly with a local executor.
+
+With ``overlap`` the engine keeps one step in flight: it schedules and sends step
+N+1 before it collects step N, so the executor never waits for the scheduler. The
+executor feeds its own sampled tokens into the next decode, and a sequence that
+turns out to have finished at step N just wastes its slot in step N+1.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from nanoserve.v1 import executor_pb2 as pb
@@ -15,7 +22,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.executor import Executor
 from scheduler_svc.planner import Planner
 from scheduler_svc.sampling import InvalidRequest, SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig, StepRecord
 from scheduler_svc.sequence import FinishReason, Sequence
 
 
@@ -46,6 +53,28 @@ class StepTimings:
     postprocess_s: float = 0.0
 
 
+@dataclass(slots=True)
+class Launched:
+    """A step sent to the executor: its booking and its result (a future while it runs)."""
+
+    record: StepRecord
+    result: Future[pb.StepResult] | pb.StepResult
+    schedule_s: float
+    plan_s: float
+
+
+Submit = Callable[[pb.StepPlan], Future[pb.StepResult]]
+
+
+def submitter(executor: Executor) -> Submit:
+    """The executor's own ordered stream when it has one, else one worker thread (which keeps order)."""
+    submit = getattr(executor, "submit", None)
+    if submit is not None:
+        return submit
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor")
+    return lambda plan: worker.submit(executor.step, plan)
+
+
 @dataclass
 class Completion:
     """A finished request, as ``generate`` returns it."""
@@ -59,8 +88,11 @@ class Completion:
 class Engine:
     """Drives one executor: validates requests, schedules, plans, postprocesses."""
 
-    def __init__(self, executor: Executor, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, executor: Executor, config: SchedulerConfig | None = None, overlap: bool = False) -> None:
         self.executor = executor
+        self.overlap = overlap
+        self._submit: Submit | None = None
+        self._in_flight: Launched | None = None
         self.config = config or SchedulerConfig()
         self.info = executor.get_info()
         self.scheduler = Scheduler(
@@ -108,34 +140,59 @@ class Engine:
         self.scheduler.finish(seq, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
-        return not self.scheduler.is_finished()
+        return self._in_flight is not None or not self.scheduler.is_finished()
 
     def step(self) -> list[TokenOutput]:
-        """Run one step; return the tokens it produced (finished sequences included)."""
+        """Run one step; return the tokens it produced (finished sequences included).
+
+        With overlap, the step collected is the one launched by the previous call, and the
+        next one is launched before waiting for it.
+        """
+        if not self.overlap:
+            launched = self._launch(self.executor.step)
+            if launched is None:
+                self._flush_released()
+                return []
+            return self._collect(launched)
+        if self._submit is None:
+            self._submit = submitter(self.executor)
+        if self._in_flight is None:
+            self._in_flight = self._launch(self._submit)
+            if self._in_flight is None:
+                self._flush_released()
+                return []
+        current, self._in_flight = self._in_flight, self._launch(self._submit)
+        return self._collect(current)
+
+    def _launch(self, run: Callable[[pb.StepPlan], Future[pb.StepResult] | pb.StepResult]) -> Launched | None:
+        """Schedule, plan and book a step, and hand its plan to ``run``; None when nothing can run."""
         if self.scheduler.is_finished():
-            self._flush_released()
-            return []
+            return None
         t0 = time.perf_counter()
         seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:  # every running sequence awaits its final token from the step in flight
+            return None
         t1 = time.perf_counter()
         plan, ordered = self.planner.build(seqs, is_prefill, self.scheduler.drain_released())
+        record = self.scheduler.advance(ordered, is_prefill)
         t2 = time.perf_counter()
-        result = self.executor.step(plan)
-        t3 = time.perf_counter()
+        return Launched(record, run(plan), t1 - t0, t2 - t1)
+
+    def _collect(self, launched: Launched) -> list[TokenOutput]:
+        """Wait for a launched step and settle its tokens."""
+        t0 = time.perf_counter()
+        result = launched.result.result() if isinstance(launched.result, Future) else launched.result
+        t1 = time.perf_counter()
         if result.instance_id != self.info.instance_id:
             raise ExecutorRestarted(
                 f"executor instance changed from {self.info.instance_id} to {result.instance_id}"
             )
         self.num_steps += 1
-        advanced = self.scheduler.postprocess(ordered, list(result.token_ids), is_prefill)
-        logprobs = result.logprobs
-        if logprobs:
-            # ``advanced`` keeps plan order, so each sequence's logprobs are found by its plan index.
-            index = {id(seq): i for i, seq in enumerate(ordered)}
-            outputs = [TokenOutput(seq, seq.token_ids[-1], logprobs[index[id(seq)]]) for seq in advanced]
-        else:
-            outputs = [TokenOutput(seq, seq.token_ids[-1], None) for seq in advanced]
-        self.last_timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+        token_ids = list(result.token_ids)
+        advanced = self.scheduler.settle(launched.record, token_ids)
+        seqs, logprobs = launched.record.seqs, result.logprobs
+        outputs = [TokenOutput(seqs[i], token_ids[i], logprobs[i] if logprobs else None) for i in advanced]
+        self.last_timings = StepTimings(launched.schedule_s, launched.plan_s, t1 - t0, time.perf_counter() - t1)
         return outputs
 
     def recover(self) -> list[Sequence]:
@@ -153,11 +210,18 @@ class Engine:
                 f"the executor now serves {info.model_id!r} (vocab {info.vocab_size}), "
                 f"not {old.model_id!r} (vocab {old.vocab_size}); restart the scheduler to switch models"
             )
+        self._abandon_in_flight()
         self.executor.reset()
         self.info = info
         self.scheduler.max_model_len = info.max_model_len
         self.planner.forget_all()
         return self.scheduler.requeue_all(BlockManager(info.num_blocks, info.block_size))
+
+    def _abandon_in_flight(self) -> None:
+        """Let a step still queued at the executor end (its outcome no longer matters) before a reset."""
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None and isinstance(launched.result, Future):
+            wait([launched.result])
 
     def _flush_released(self) -> None:
         """Tell an idle executor to drop requests that finished in the last step."""

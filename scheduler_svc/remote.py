@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections import deque
+from concurrent.futures import Future
+
 import grpc
 
 from nanoserve.v1 import executor_pb2 as pb
@@ -31,6 +36,7 @@ class RemoteExecutor:
         self.step_timeout_s = step_timeout_s
         self.channel = secure_or_insecure_channel(target, credentials, CHANNEL_OPTIONS)
         self.stub = pb_grpc.ExecutorStub(self.channel)
+        self._stream: StepStream | None = None
 
     def get_info(self, timeout_s: float | None = None, wait_for_ready: bool = False) -> pb.ExecutorInfo:
         timeout = self.step_timeout_s if timeout_s is None else timeout_s
@@ -39,8 +45,61 @@ class RemoteExecutor:
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
         return self.stub.Step(plan, timeout=self.step_timeout_s)
 
+    def submit(self, plan: pb.StepPlan) -> Future[pb.StepResult]:
+        """Send ``plan`` down the step stream without waiting; results resolve in the order sent."""
+        stream = self._stream
+        if stream is None or stream.closed:
+            stream = self._stream = StepStream(self.stub)
+        return stream.submit(plan)
+
     def reset(self) -> int:
         return self.stub.Reset(pb.ResetRequest(), timeout=self.step_timeout_s).num_dropped_requests
 
     def close(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
         self.channel.close()
+
+
+class StepStream:
+    """One ``StepStream`` call: plans go out as they are submitted, a reader thread matches each
+    result to the oldest unanswered plan. When the stream ends, every unanswered plan fails with
+    the stream's error and the stream is ``closed``; the next ``submit`` opens a new one."""
+
+    def __init__(self, stub: pb_grpc.ExecutorStub) -> None:
+        self._plans: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
+        self._waiting: deque[Future[pb.StepResult]] = deque()
+        self._lock = threading.Lock()
+        self.closed = False
+        self._call = stub.StepStream(iter(self._plans.get, None))
+        threading.Thread(target=self._read, name="step-stream", daemon=True).start()
+
+    def submit(self, plan: pb.StepPlan) -> Future[pb.StepResult]:
+        future: Future[pb.StepResult] = Future()
+        with self._lock:
+            if self.closed:
+                future.set_exception(ConnectionError("the step stream is closed"))
+                return future
+            self._waiting.append(future)
+            self._plans.put(plan)
+        return future
+
+    def cancel(self) -> None:
+        self._plans.put(None)
+        self._call.cancel()
+
+    def _read(self) -> None:
+        error: Exception = ConnectionError("the executor closed the step stream")
+        try:
+            for result in self._call:
+                with self._lock:
+                    future = self._waiting.popleft()
+                future.set_result(result)
+        except grpc.RpcError as e:
+            error = e
+        with self._lock:
+            self.closed = True
+            waiting, self._waiting = self._waiting, deque()
+        self._plans.put(None)
+        for future in waiting:
+            future.set_exception(error)

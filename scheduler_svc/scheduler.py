@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler_svc.sequence import PENDING, FinishReason, Sequence, SequenceStatus
 
 
 @dataclass
@@ -21,6 +21,17 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """A step booked by ``advance``, waiting for its tokens in ``settle``: per sequence, the first
+    token it computes, how many, and where its sampled token goes (-1: dropped, an unfinished chunk)."""
+
+    seqs: list[Sequence]
+    starts: list[int]
+    counts: list[int]
+    slots: list[int]
 
 
 class Scheduler:
@@ -107,9 +118,13 @@ class Scheduler:
         # may_append are inlined (a block is needed only when the last one is full) to keep it cheap.
         block_manager, block_size, running = self.block_manager, self.block_size, self.running
         free_block_ids = block_manager.free_block_ids
+        held: list[Sequence] = []
         while running and len(scheduled) < self.max_num_seqs:
             seq = running.popleft()
-            needs_block = len(seq.token_ids) % block_size == 1
+            if seq.final_token_pending:
+                held.append(seq)
+                continue
+            needs_block = (len(seq.token_ids) - 1) % block_size == 0
             while needs_block and not free_block_ids:
                 if running:
                     self.preempt(running.pop())
@@ -121,9 +136,10 @@ class Scheduler:
                 if needs_block:
                     block_manager.may_append(seq)
                 scheduled.append(seq)
-        if not scheduled:
+        if not scheduled and not held:
             raise RuntimeError("nothing can be scheduled: a sequence needs more KV blocks than exist")
-        self.running.extendleft(reversed(scheduled))
+        running.extendleft(reversed(held))
+        running.extendleft(reversed(scheduled))
         return scheduled, False
 
     def preempt(self, seq: Sequence) -> None:
@@ -133,31 +149,59 @@ class Scheduler:
         self.num_preemptions += 1
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
-        """Apply the sampled tokens; return the sequences that gained a token.
+        """Apply the sampled tokens; return the sequences that gained a token."""
+        return [seqs[i] for i in self.settle(self.advance(seqs, is_prefill), token_ids)]
 
-        This runs for every scheduled sequence every step, so the per-sequence work is
-        inlined: blocks are hashed only when this step filled one, and the stop checks read
-        local names.
+    def advance(self, seqs: list[Sequence], is_prefill: bool) -> StepRecord:
+        """Book a scheduled step as computed, before its tokens are known.
+
+        Its tokens count as cached, and each sequence that keeps this step's token (all but an
+        unfinished prefill chunk) gets a PENDING slot for it, so the next step can be scheduled
+        while this one runs. ``settle`` fills the slots.
+        """
+        starts, counts, slots = [], [], []
+        max_model_len = self.max_model_len
+        for seq in seqs:
+            start, count = seq.num_cached_tokens, seq.num_scheduled_tokens
+            seq.num_cached_tokens = start + count
+            seq.num_scheduled_tokens = 0
+            tokens = seq.token_ids
+            slot = -1
+            if not is_prefill or start + count == len(tokens):
+                slot = len(tokens)
+                tokens.append(PENDING)
+                if slot + 1 - seq.num_prompt_tokens >= seq.params.max_tokens or slot + 1 >= max_model_len:
+                    seq.final_token_pending = True
+            starts.append(start)
+            counts.append(count)
+            slots.append(slot)
+        return StepRecord(seqs, starts, counts, slots)
+
+    def settle(self, record: StepRecord, token_ids: list[int]) -> list[int]:
+        """Put a step's tokens in place; return the positions in the step of the sequences that gained one.
+
+        This runs for every scheduled sequence every step, so the per-sequence work is inlined:
+        blocks are hashed only when the step filled one (their tokens are all known by now), and
+        a sequence finishes on EOS, a stop token or its length limit.
         """
         advanced = []
         block_size, hash_blocks = self.block_size, self.block_manager.hash_blocks
         eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
-        for seq, token_id in zip(seqs, token_ids, strict=True):
-            num_cached = seq.num_cached_tokens
-            end = num_cached + seq.num_scheduled_tokens
-            if num_cached // block_size != end // block_size:
-                hash_blocks(seq)
-            seq.num_cached_tokens = end
-            seq.num_scheduled_tokens = 0
-            tokens = seq.token_ids
-            if is_prefill and end < len(tokens):
+        rows = zip(record.seqs, record.starts, record.counts, record.slots, token_ids, strict=True)
+        for i, (seq, start, count, slot, token_id) in enumerate(rows):
+            if seq.is_finished:  # aborted or stopped while its step was in flight
                 continue
-            tokens.append(token_id)
-            advanced.append(seq)
+            end = start + count
+            if seq.block_table and start // block_size != end // block_size:
+                hash_blocks(seq, start, end)
+            if slot < 0:
+                continue
+            seq.token_ids[slot] = token_id
+            advanced.append(i)
             params = seq.params
             if (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids:
                 self.finish(seq, FinishReason.STOP)
-            elif len(tokens) - seq.num_prompt_tokens >= params.max_tokens or len(tokens) >= max_model_len:
+            elif slot + 1 - seq.num_prompt_tokens >= params.max_tokens or slot + 1 >= max_model_len:
                 self.finish(seq, FinishReason.LENGTH)
         return advanced
 
@@ -172,6 +216,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.num_scheduled_tokens = 0
+        _drop_pending(seq)
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -191,6 +236,7 @@ class Scheduler:
         self.released_seq_ids.clear()
         dropped = []
         for seq in live:
+            _drop_pending(seq)
             seq.block_table.clear()
             seq.num_cached_tokens = seq.num_scheduled_tokens = 0
             seq.block_size = self.block_size
@@ -206,3 +252,11 @@ class Scheduler:
     def drain_released(self) -> list[int]:
         released, self.released_seq_ids = self.released_seq_ids, []
         return released
+
+
+def _drop_pending(seq: Sequence) -> None:
+    """Forget tokens of steps that will not be settled (the sequence ended, or the executor was lost)."""
+    tokens = seq.token_ids
+    while tokens[-1] == PENDING:
+        tokens.pop()
+    seq.final_token_pending = False

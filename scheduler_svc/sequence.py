@@ -6,6 +6,9 @@ from enum import Enum, auto
 
 from scheduler_svc.sampling import SamplingParams
 
+# Stands in a sequence's token list for a token its in-flight step has not returned yet.
+PENDING = -1
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -42,6 +45,9 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         # Prompt tokens served from the prefix cache at the first allocation.
         self.num_prefix_hit_tokens: int | None = None
+        # True once the token in flight is its last (max_tokens or the model's length): it is not
+        # scheduled again while it waits for that token.
+        self.final_token_pending = False
 
     def __len__(self) -> int:
         return len(self.token_ids)

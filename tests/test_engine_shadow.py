@@ -6,13 +6,15 @@ import random
 
 import pytest
 
+from executor_svc.service import build_server
 from executor_svc.shadow import ShadowExecutor
 from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.engine import Engine
+from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import SchedulerConfig
 from tests.conftest import EOS
-from tests.shadow_helpers import RecordingExecutor, assert_matches_reference
+from tests.shadow_helpers import RecordingExecutor, assert_matches_reference, expected
 
 
 def random_prompts(rng: random.Random, n: int, prefix_len: int = 0, lo: int = 1, hi: int = 20) -> list[list[int]]:
@@ -149,3 +151,65 @@ def test_rejected_plan_leaves_executor_state_unchanged():
         engine.step()
     engine.step()
     assert len(executor.table) == 0 and engine.block_manager.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3])
+def test_tiny_blocks_decode_across_block_boundaries(block_size):
+    engine, _ = recording_engine(num_blocks=200, block_size=block_size)
+    rng = random.Random(6)
+    prompts = random_prompts(rng, 5, lo=1, hi=7)
+    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True) for _ in prompts]
+    assert_matches_reference(engine, prompts, params, engine.generate(prompts, params))
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def computed_ends(plan: pb.StepPlan) -> dict[int, int]:
+    """The context length each request reaches in ``plan``."""
+    ends = {r.request_id: r.num_computed_tokens + r.num_scheduled_tokens for r in plan.new_requests}
+    cached = plan.cached_requests
+    for rid, computed, scheduled in zip(
+        cached.request_ids, cached.num_computed_tokens, cached.num_scheduled_tokens, strict=True
+    ):
+        ends[rid] = computed + scheduled
+    return ends
+
+
+def test_overlap_keeps_a_step_in_flight_and_outputs_unchanged():
+    executor = RecordingExecutor(ShadowExecutor(64, 4, 50, (EOS,)))
+    engine = Engine(executor, SchedulerConfig(8, 64), overlap=True)
+    rng = random.Random(8)
+    prompts = random_prompts(rng, 8, lo=3, hi=12)
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(2, 15), ignore_eos=True) for _ in prompts]
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    engine.step()
+    assert engine._in_flight is not None, "the next step is launched before this one is collected"
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()
+    for prompt, p, seq in zip(prompts, params, seqs, strict=True):
+        assert seq.completion_token_ids == expected(engine, prompt, p)
+    limits = {seq.seq_id: len(p) + sp.max_tokens - 1 for seq, p, sp in zip(seqs, prompts, params, strict=True)}
+    for plan in executor.plans:
+        for rid, end in computed_ends(plan).items():
+            assert end <= limits[rid], "a sequence whose last token was in flight was scheduled again"
+    assert len(executor.table) == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_overlap_over_the_grpc_step_stream():
+    executor = ShadowExecutor(48, 4, 50, (EOS,))
+    server, port = build_server(executor, "127.0.0.1", 0)
+    server.start()
+    remote = RemoteExecutor(f"127.0.0.1:{port}")
+    try:
+        engine = Engine(remote, SchedulerConfig(6, 32), overlap=True)
+        rng = random.Random(9)
+        prompts = random_prompts(rng, 12, lo=2, hi=25)
+        params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 20)) for _ in prompts]
+        outputs = engine.generate(prompts, params)
+        assert_matches_reference(engine, prompts, params, outputs)
+        assert engine.scheduler.num_preemptions > 0
+        assert len(executor.table) == 0
+    finally:
+        remote.close()
+        server.stop(None)

@@ -44,6 +44,11 @@ class ExecutorStub:
                 request_serializer=nanoserve_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
                 response_deserializer=nanoserve_dot_v1_dot_executor__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/nanoserve.v1.Executor/StepStream',
+                request_serializer=nanoserve_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
+                response_deserializer=nanoserve_dot_v1_dot_executor__pb2.StepResult.FromString,
+                _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/nanoserve.v1.Executor/Reset',
                 request_serializer=nanoserve_dot_v1_dot_executor__pb2.ResetRequest.SerializeToString,
@@ -71,6 +76,15 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepStream(self, request_iterator, context):
+        """The same steps over one stream: plans run in the order sent and results
+        come back in that order, so a scheduler can send step N+1 while step N
+        runs (overlap). A rejected plan ends the stream with its status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Reset(self, request, context):
         """Drop every request's state (a new scheduler starts from a clean executor).
         """
@@ -88,6 +102,11 @@ def add_ExecutorServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=nanoserve_dot_v1_dot_executor__pb2.StepPlan.FromString,
+                    response_serializer=nanoserve_dot_v1_dot_executor__pb2.StepResult.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=nanoserve_dot_v1_dot_executor__pb2.StepPlan.FromString,
                     response_serializer=nanoserve_dot_v1_dot_executor__pb2.StepResult.SerializeToString,
             ),
@@ -149,6 +168,33 @@ class Executor:
             request,
             target,
             '/nanoserve.v1.Executor/Step',
+            nanoserve_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
+            nanoserve_dot_v1_dot_executor__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/nanoserve.v1.Executor/StepStream',
             nanoserve_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
             nanoserve_dot_v1_dot_executor__pb2.StepResult.FromString,
             options,
