@@ -11,7 +11,10 @@ from executor_svc.config import ExecutorOptions, UnsupportedModel
 from executor_svc.model_executor import ModelExecutor
 from executor_svc.requests import PlanError
 from nanoserve.v1 import executor_pb2 as pb
+from scheduler_svc.engine import Engine
+from scheduler_svc.sampling import SamplingParams
 from tests.model_fixtures import smollm2_folder, tiny_model_folders  # noqa: F401
+from tests.test_model_parity import random_prompts
 
 GREEDY = pb.SamplingParams(temperature=0.0)
 KV_BYTES = 4 << 20
@@ -92,3 +95,19 @@ def test_embedded_model_handshake(smollm2_folder: Path) -> None:  # noqa: F811
     assert (list(info.eos_token_ids), info.bos_token_id, info.max_model_len) == ([2], 1, 8192)
     assert "<|im_start|>" in info.chat_template
     assert json.loads(info.tokenizer_json)["model"]["vocab"]["<|im_end|>"] == 2
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_mostly_agrees_with_float32_on_the_first_token(
+    tiny_model_folders: dict[str, Path], dtype: str  # noqa: F811
+) -> None:
+    folder = str(tiny_model_folders["qwen3"])
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    prompts = random_prompts(1)
+    first = {}
+    for name in ("float32", dtype):
+        executor = ModelExecutor(ExecutorOptions(model=folder, dtype=name, block_size=8, kv_cache_memory=KV_BYTES))
+        assert executor.get_info().dtype == name
+        first[name] = [c.token_ids for c in Engine(executor).generate(prompts, params)]
+    # Rounding may flip a near-tie of the random model; a broken half-precision path agrees on none.
+    assert sum(a == b for a, b in zip(first[dtype], first["float32"], strict=True)) >= 6
