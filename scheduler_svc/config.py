@@ -36,6 +36,8 @@ class ServiceConfig:
     executor_tls_cert: str = ""
     executor_tls_key: str = ""
     api_key: str = ""
+    # Keep one step in flight: schedule step N+1 while the executor runs step N.
+    overlap: bool = False
 
 
 def env_name(flag: str) -> str:
@@ -62,6 +64,13 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise argparse.ArgumentTypeError(f"must be true or false, got {text}")
+    return value in ("1", "true", "yes", "on")
 
 
 def _port(text: str) -> int:
@@ -111,6 +120,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--executor-tls-cert", str, "PEM client certificate for an executor that requires mutual TLS")
     add("--executor-tls-key", str, "PEM private key of --executor-tls-cert")
     add("--api-key", str, "clients must send 'authorization: Bearer <key>'; prefer the environment", secret=True)
+    add("--overlap", _bool, "schedule step N+1 while the executor runs step N", nargs="?", const=True)
     return parser
 
 

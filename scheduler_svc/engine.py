@@ -88,9 +88,14 @@ class Completion:
 class Engine:
     """Drives one executor: validates requests, schedules, plans, postprocesses."""
 
-    def __init__(self, executor: Executor, config: SchedulerConfig | None = None, overlap: bool = False) -> None:
+    def __init__(
+        self, executor: Executor, config: SchedulerConfig | None = None, overlap: bool = False,
+        step_timeout_s: float | None = None,
+    ) -> None:
         self.executor = executor
         self.overlap = overlap
+        # Bounds the wait for a step in flight (a synchronous executor bounds its own calls).
+        self.step_timeout_s = step_timeout_s
         self._submit: Submit | None = None
         self._in_flight: Launched | None = None
         self.config = config or SchedulerConfig()
@@ -181,7 +186,9 @@ class Engine:
     def _collect(self, launched: Launched) -> list[TokenOutput]:
         """Wait for a launched step and settle its tokens."""
         t0 = time.perf_counter()
-        result = launched.result.result() if isinstance(launched.result, Future) else launched.result
+        result = launched.result
+        if isinstance(result, Future):
+            result = result.result(timeout=self.step_timeout_s)
         t1 = time.perf_counter()
         if result.instance_id != self.info.instance_id:
             raise ExecutorRestarted(
@@ -221,7 +228,7 @@ class Engine:
         """Let a step still queued at the executor end (its outcome no longer matters) before a reset."""
         launched, self._in_flight = self._in_flight, None
         if launched is not None and isinstance(launched.result, Future):
-            wait([launched.result])
+            wait([launched.result], timeout=self.step_timeout_s)
 
     def _flush_released(self) -> None:
         """Tell an idle executor to drop requests that finished in the last step."""

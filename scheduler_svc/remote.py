@@ -53,6 +53,10 @@ class RemoteExecutor:
         return stream.submit(plan)
 
     def reset(self) -> int:
+        """Drop every request's state, and the step stream: no answer of an older step can come back."""
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
         return self.stub.Reset(pb.ResetRequest(), timeout=self.step_timeout_s).num_dropped_requests
 
     def close(self) -> None:

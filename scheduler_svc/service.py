@@ -64,7 +64,10 @@ def to_response(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateRes
 def connect_engine(executor: Executor, config: ServiceConfig) -> Engine:
     """Handshake with a reset executor: a new scheduler never inherits another one's requests."""
     executor.reset()
-    return Engine(executor, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens))
+    return Engine(
+        executor, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+        overlap=config.overlap, step_timeout_s=config.step_timeout,
+    )
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):

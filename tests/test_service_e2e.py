@@ -152,7 +152,24 @@ def assert_executor_clean(stack: Stack) -> None:
     assert stack.executor_reset() == 0, "the executor still held requests the scheduler had finished"
 
 
+@pytest.fixture(scope="module")
+def overlap_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The shadow stack with the scheduler keeping one step in flight over the executor's step stream."""
+    port = free_port()
+    log_dir = tmp_path_factory.mktemp("stack-overlap")
+    with running_stack(SHADOW_BACKEND.argv(port), log_dir, executor_port=port, overlap="true", **SCHEDULER) as s:
+        yield s
+
+
 def test_32_concurrent_streams_get_exactly_the_in_process_engine_tokens(stack: Stack, backend: Backend):
+    check_32_concurrent_streams(stack, backend)
+
+
+def test_32_concurrent_streams_with_overlap_get_the_same_tokens(overlap_stack: Stack):
+    check_32_concurrent_streams(overlap_stack, SHADOW_BACKEND)
+
+
+def check_32_concurrent_streams(stack: Stack, backend: Backend) -> None:
     prompts, max_tokens = random_workload(32, seed=1)
     expected = backend.reference(prompts, [greedy(m) for m in max_tokens])
 
