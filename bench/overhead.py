@@ -4,9 +4,11 @@ The null executor (``executor_svc.shadow_server.NullExecutor``, served by the sa
 gRPC servicer as every executor) runs in its own process and answers every plan
 with a fixed token at once, so a step's time is all scheduling, plan building, the
 RPC (serialise, transport, deserialise) and postprocessing. Peers, same engine and
-plans: ``grpc`` (the unary Step RPC the scheduler uses), ``stream`` (the same plans
-over one bidirectional stream, a candidate protocol change measured here only) and
-``in-process`` (no gRPC), which makes the hop's cost visible as a ratio. Each batch
+plans: ``grpc`` (the unary Step RPC), ``stream`` (the same plans over the StepStream
+RPC, one at a time), ``overlap`` (the engine keeps one step in flight over StepStream,
+as ``nanoserve-scheduler --overlap`` does; its figure is the wall time per step, since
+its phases overlap) and ``in-process`` (no gRPC), which makes the hop's cost visible
+as a ratio. Each batch
 runs its prefills first, then times ``--steps`` decode steps of ``--batch``
 sequences of context ``--context``.
 """
@@ -14,16 +16,13 @@ sequences of context ``--context``.
 from __future__ import annotations
 
 import argparse
-import queue
 import random
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import grpc
 
 from bench.common import HOST, Child, free_port, print_table, progress, write_json
 from executor_svc.service import build_server
@@ -32,14 +31,13 @@ from executor_svc.shadow_server import parse_args as null_server_args
 from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor import Executor
-from scheduler_svc.remote import CHANNEL_OPTIONS, RemoteExecutor
+from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import SchedulerConfig
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
-STREAM_METHOD = "/nanoserve.bench.StepStream/Steps"
-PEERS = ("grpc", "stream", "in-process")
+PEERS = ("grpc", "stream", "overlap", "in-process")
 
 
 @dataclass
@@ -73,9 +71,9 @@ def geometry(batch: int, context: int, steps: int) -> tuple[int, int]:
     return max_model_len, batch * -(-max_model_len // BLOCK_SIZE)
 
 
-def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps: int) -> Phases:
+def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps: int, overlap: bool) -> Phases:
     """Prefill ``batch`` distinct prompts of ``context`` tokens, then time ``steps`` decode steps after ``warmup``."""
-    engine = Engine(executor, SchedulerConfig(max_num_seqs=max(batch, 1)))
+    engine = Engine(executor, SchedulerConfig(max_num_seqs=max(batch, 1)), overlap=overlap)
     rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_tokens=engine.info.max_model_len - context, ignore_eos=True)
     seqs = [engine.add_request([rng.randrange(VOCAB_SIZE) for _ in range(context)], params) for _ in range(batch)]
@@ -91,36 +89,26 @@ def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps
         t = engine.last_timings
         for i, v in enumerate((t.schedule_s, t.plan_s, t.execute_s, t.postprocess_s, wall, cpu)):
             sums[i] += v
-    assert all(len(s.token_ids) == context + 1 + warmup + steps for s in seqs), "a sequence was preempted"
+    assert engine.scheduler.num_preemptions == 0, "a sequence was preempted"
     for seq in seqs:
         engine.abort(seq)
+    while engine.has_unfinished():
+        engine.step()
     engine.step()
     return Phases(*(1e6 * s / steps for s in sums))
 
 
-class StreamingExecutor:
-    """Plans over one bidirectional stream (a request iterator fed from a queue), one result per plan.
+class OneAtATimeOverStream:
+    """The executor's StepStream RPC used synchronously: each plan waits for its result."""
 
-    The handshake stays the unary GetInfo; only Step moves to the stream.
-    """
-
-    def __init__(self, target: str, info: pb.ExecutorInfo) -> None:
-        self.info = info
-        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self.plans: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
-        steps = self.channel.stream_stream(STREAM_METHOD, pb.StepPlan.SerializeToString, pb.StepResult.FromString)
-        self.results = steps(iter(self.plans.get, None))
+    def __init__(self, remote: RemoteExecutor) -> None:
+        self.remote = remote
 
     def get_info(self) -> pb.ExecutorInfo:
-        return self.info
+        return self.remote.get_info()
 
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
-        self.plans.put(plan)
-        return next(self.results)
-
-    def close(self) -> None:
-        self.plans.put(None)
-        self.channel.close()
+        return self.remote.submit(plan).result()
 
 
 def in_process_null(max_model_len: int, num_blocks: int) -> NullExecutor:
@@ -130,17 +118,8 @@ def in_process_null(max_model_len: int, num_blocks: int) -> NullExecutor:
 
 
 def serve_null(port: int, max_model_len: int, num_blocks: int) -> None:
-    """The child process: the null executor behind the executor servicer, plus the streaming method."""
-    executor = in_process_null(max_model_len, num_blocks)
-
-    def steps(plans: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
-        for plan in plans:
-            yield executor.step(plan)
-
-    server, _ = build_server(executor, HOST, port)
-    handler = grpc.stream_stream_rpc_method_handler(steps, pb.StepPlan.FromString, pb.StepResult.SerializeToString)
-    service, method = STREAM_METHOD.strip("/").split("/")
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {method: handler}),))
+    """The child process: the null executor behind the executor servicer."""
+    server, _ = build_server(in_process_null(max_model_len, num_blocks), HOST, port)
     server.start()
     server.wait_for_termination()
 
@@ -183,10 +162,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     with null_server(port, max_model_len, num_blocks) as server:
         target = f"{HOST}:{port}"
         server.wait_serving(target, timeout_s=60)
-        remote = RemoteExecutor(target)
-        executors = {"grpc": remote, "in-process": in_process_null(max_model_len, num_blocks)}
-        if "stream" in peers:
-            executors["stream"] = StreamingExecutor(target, remote.get_info())
+        remote, streamed = RemoteExecutor(target), RemoteExecutor(target)
+        executors = {"grpc": remote, "stream": OneAtATimeOverStream(streamed), "overlap": streamed,
+                     "in-process": in_process_null(max_model_len, num_blocks)}
         runs = [(peer, batch) for batch in args.batch for peer in peers]
         timed: dict[tuple[str, int], list[Phases]] = {run: [] for run in runs}
         # Peers alternate within each repeat, so load drift on a shared machine hits them alike.
@@ -194,19 +172,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
             for _ in range(args.repeats):
                 for peer, batch in runs:
                     timed[peer, batch].append(time_decode(executors[peer], batch, args.context, args.warmup,
-                                                          args.steps))
+                                                          args.steps, overlap=peer == "overlap"))
                     bar.update()
         results = {run: Phases.median(runs_of) for run, runs_of in timed.items()}
-        if "stream" in executors:
-            executors["stream"].close()
         remote.close()
+        streamed.close()
     print(f"W4: decode steps of context {args.context}, null executor, median of {args.repeats} runs of "
           f"{args.steps} steps (us per step)")
     rows = []
     for (peer, batch), p in results.items():
         baseline = results.get(("in-process", batch))
-        rows.append([batch, peer, p.schedule_us + p.plan_us, p.plan_us, p.execute_us, p.postprocess_us, p.total_us,
-                     1e6 / p.wall_us, p.total_us / baseline.total_us if baseline else "-", p.cpu_us])
+        total = per_step_us(peer, p)
+        rows.append([batch, peer, p.schedule_us + p.plan_us, p.plan_us, p.execute_us, p.postprocess_us, total,
+                     1e6 / p.wall_us, total / baseline.total_us if baseline else "-", p.cpu_us])
     print_table(["batch", "executor", "schedule+plan", "(plan)", "execute/RPC", "postprocess", "total",
                  "steps/s", "x in-process", "CPU"], rows)
     figures = figures_of(results, args.context, args.steps, args.repeats)
@@ -214,12 +192,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     return figures
 
 
+def per_step_us(peer: str, p: Phases) -> float:
+    """The W4 figure of a peer: its phases' sum, or the wall time per step where the phases overlap."""
+    return p.wall_us if peer == "overlap" else p.total_us
+
+
 def figures_of(results: dict[tuple[str, int], Phases], context: int, steps: int, repeats: int) -> dict[str, float]:
-    """The unprefixed keys are the unary gRPC path (the W4 figure); ``stream_`` and ``inprocess_`` are the peers."""
+    """The unprefixed keys are the unary gRPC path (the W4 figure); ``stream_``, ``overlap_`` and
+    ``inprocess_`` are the peers."""
     figures: dict[str, float] = {"context": context, "steps": steps, "repeats": repeats}
     for (peer, batch), p in results.items():
-        prefix = {"grpc": "", "stream": "stream_", "in-process": "inprocess_"}[peer]
-        figures[f"{prefix}us_per_step_b{batch}"] = p.total_us
+        prefix = {"grpc": "", "stream": "stream_", "overlap": "overlap_", "in-process": "inprocess_"}[peer]
+        figures[f"{prefix}us_per_step_b{batch}"] = per_step_us(peer, p)
         figures[f"{prefix}steps_per_s_b{batch}"] = 1e6 / p.wall_us
         figures[f"{prefix}schedule_us_b{batch}"] = p.schedule_us + p.plan_us
         figures[f"{prefix}plan_us_b{batch}"] = p.plan_us
@@ -227,7 +211,8 @@ def figures_of(results: dict[tuple[str, int], Phases], context: int, steps: int,
         figures[f"{prefix}postprocess_us_b{batch}"] = p.postprocess_us
         figures[f"{prefix}cpu_us_b{batch}"] = p.cpu_us
         if ("in-process", batch) in results and peer != "in-process":
-            figures[f"{prefix or 'grpc_'}over_inprocess_b{batch}"] = p.total_us / results["in-process", batch].total_us
+            baseline = results["in-process", batch].total_us
+            figures[f"{prefix or 'grpc_'}over_inprocess_b{batch}"] = per_step_us(peer, p) / baseline
     return figures
 
 

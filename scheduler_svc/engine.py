@@ -61,6 +61,8 @@ class Launched:
     result: Future[pb.StepResult] | pb.StepResult
     schedule_s: float
     plan_s: float
+    # Time spent handing the plan over: the whole call for a synchronous executor.
+    send_s: float
 
 
 Submit = Callable[[pb.StepPlan], Future[pb.StepResult]]
@@ -181,7 +183,8 @@ class Engine:
         plan, ordered = self.planner.build(seqs, is_prefill, self.scheduler.drain_released())
         record = self.scheduler.advance(ordered, is_prefill)
         t2 = time.perf_counter()
-        return Launched(record, run(plan), t1 - t0, t2 - t1)
+        result = run(plan)
+        return Launched(record, result, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     def _collect(self, launched: Launched) -> list[TokenOutput]:
         """Wait for a launched step and settle its tokens."""
@@ -199,7 +202,9 @@ class Engine:
         advanced = self.scheduler.settle(launched.record, token_ids)
         seqs, logprobs = launched.record.seqs, result.logprobs
         outputs = [TokenOutput(seqs[i], token_ids[i], logprobs[i] if logprobs else None) for i in advanced]
-        self.last_timings = StepTimings(launched.schedule_s, launched.plan_s, t1 - t0, time.perf_counter() - t1)
+        self.last_timings = StepTimings(
+            launched.schedule_s, launched.plan_s, launched.send_s + t1 - t0, time.perf_counter() - t1
+        )
         return outputs
 
     def recover(self) -> list[Sequence]:

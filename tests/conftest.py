@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
+
+# Before torch loads: OpenMP's default spin-waiting makes small ops many times slower on shared cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
