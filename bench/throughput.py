@@ -5,17 +5,24 @@ weights, dtype and threads; throughput is sum(max_tokens) / wall seconds of
 generation, after model load and one warm-up. ``hf`` is transformers with naive
 batching (batches of 16 in order, left padding, every row of a batch generating
 the batch's largest max_tokens); ``inprocess`` is the scheduler Engine driving
-the ModelExecutor in this process. A peer is a function in ``PEERS``.
+the ModelExecutor in this process; ``split`` and ``split_overlap`` run the
+executor and the scheduler as two processes over gRPC (the latter with
+``--overlap``) and send every request at once through the public API with
+``client.api.AsyncClient``. A peer is a function in ``PEERS``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import resource
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 # Before torch loads OpenMP, for every peer alike: idle threads sleep instead of spinning, which on a
@@ -24,7 +31,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from bench.common import Workload, print_table, progress, w1, write_json  # noqa: E402
+from bench.common import HOST, Child, Workload, free_port, print_table, progress, w1, write_json  # noqa: E402
 
 HF_BATCH_SIZE = 16
 WARMUP_PROMPT = list(range(100, 132))
@@ -82,7 +89,54 @@ def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
     return time.perf_counter() - start
 
 
-PEERS: dict[str, Callable[[argparse.Namespace, Workload], float]] = {"hf": run_hf, "inprocess": run_inprocess}
+def run_split(args: argparse.Namespace, workload: Workload, overlap: bool) -> float:
+    """Executor and scheduler as subprocesses, every request sent at once through the public API."""
+
+    log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-w1-"))
+    executor_port, scheduler_port = free_port(), free_port()
+    executor_argv = [
+        sys.executable, "-m", "executor_svc", "--port", str(executor_port), "--model", args.model, "--device", "cpu",
+        "--dtype", args.dtype, "--block-size", str(args.block_size), "--kv-cache-memory", str(args.kv_cache_memory),
+        "--threads", str(args.threads),
+    ]
+    scheduler_argv = [
+        sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--port", str(scheduler_port),
+        "--overlap", str(overlap).lower(), "--log-level", "WARNING",
+    ]
+    target = f"{HOST}:{scheduler_port}"
+    with ExitStack() as stack:
+        executor = stack.enter_context(Child("executor", executor_argv, log_dir / "executor.log"))
+        executor.wait_serving(f"{HOST}:{executor_port}", timeout_s=600)
+        scheduler = stack.enter_context(Child("scheduler", scheduler_argv, log_dir / "scheduler.log"))
+        scheduler.wait_serving(target, timeout_s=60)
+        return asyncio.run(_drive(target, workload, "split+overlap" if overlap else "split"))
+
+
+async def _drive(target: str, workload: Workload, name: str) -> float:
+    from client.api import AsyncClient
+
+    async with AsyncClient(target) as client:
+        await client.generate(token_ids=WARMUP_PROMPT, max_tokens=4, temperature=0.0, ignore_eos=True)
+        with progress(total=sum(workload.max_tokens), desc=name, unit="tok") as bar:
+
+            async def one(prompt: list[int], max_tokens: int) -> None:
+                completion = await client.generate(
+                    token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+                )
+                assert len(completion.token_ids) == max_tokens, "a W1 request ended early"
+                bar.update(max_tokens)
+
+            start = time.perf_counter()
+            await asyncio.gather(*(one(p, m) for p, m in zip(workload.prompts, workload.max_tokens, strict=True)))
+            return time.perf_counter() - start
+
+
+PEERS: dict[str, Callable[[argparse.Namespace, Workload], float]] = {
+    "hf": run_hf,
+    "inprocess": run_inprocess,
+    "split": partial(run_split, overlap=False),
+    "split_overlap": partial(run_split, overlap=True),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,9 +146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads (W1: 2)")
     p.add_argument("--num-requests", type=int, default=None, help="run only the first N W1 requests")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers peer")
+    p.add_argument("--peers", nargs="+", choices=list(PEERS), default=list(PEERS), help="peers to run, in order")
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the in-process executor")
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="KV-cache bytes of the in-process executor")
-    p.add_argument("--json", type=Path, default=None, help="write hf_tok_s, inprocess_tok_s, peak_rss_mb here")
+    p.add_argument("--json", type=Path, default=None, help="write <peer>_tok_s, the ratios and peak_rss_mb here")
     return p.parse_args(argv)
 
 
@@ -103,18 +158,21 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     workload = w1().head(args.num_requests)
     tokens = sum(workload.max_tokens)
-    peers = [name for name in PEERS if not (name == "hf" and args.skip_hf)]
+    peers = [name for name in args.peers if not (name == "hf" and args.skip_hf)]
     seconds = {name: PEERS[name](args, workload) for name in peers}
     tok_s = {name: tokens / s for name, s in seconds.items()}
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"W1: {len(workload)} requests, {tokens} tokens, {args.dtype}, {args.threads} threads", file=sys.stderr)
-    baseline = tok_s.get("hf")
+    hf, inprocess = tok_s.get("hf"), tok_s.get("inprocess")
     print_table(
-        ["peer", "seconds", "tok/s", "vs hf"],
-        [[name, seconds[name], tok_s[name], tok_s[name] / baseline if baseline else "-"] for name in peers],
+        ["peer", "seconds", "tok/s", "vs hf", "vs inprocess"],
+        [[name, seconds[name], tok_s[name], tok_s[name] / hf if hf else "-",
+          tok_s[name] / inprocess if inprocess else "-"] for name in peers],
     )
-    print(f"peak RSS: {peak_rss_mb:.0f} MB")
-    write_json(args.json, {**{f"{name}_tok_s": value for name, value in tok_s.items()}, "peak_rss_mb": peak_rss_mb})
+    print(f"peak RSS of this process: {peak_rss_mb:.0f} MB")
+    ratios = {f"{name}_over_{base}": tok_s[name] / tok_s[base]
+              for name in peers for base in ("hf", "inprocess") if base in tok_s and name != base}
+    write_json(args.json, {**{f"{name}_tok_s": v for name, v in tok_s.items()}, **ratios, "peak_rss_mb": peak_rss_mb})
 
 
 if __name__ == "__main__":
