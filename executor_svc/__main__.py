@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("max-model-len", None, "longest context in tokens (default: the model's)", type=int)
     add("threads", None, "torch threads per rank on CPU (default: torch's choice)", type=int)
     add("enforce-eager", False, "never capture CUDA graphs", action="store_true")
+    add("tls-cert", "", "PEM certificate chain (with --tls-key: serve TLS)")
+    add("tls-key", "", "PEM private key of --tls-cert")
+    add("tls-ca", "", "PEM CA: only a scheduler with a client certificate it signed may connect (mutual TLS)")
     return p
 
 
@@ -81,8 +84,15 @@ def options_from_args(args: argparse.Namespace) -> ExecutorOptions:
 
 def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     options = options_from_args(args)
+    from scheduler_svc.security import TLSConfig
+
+    try:
+        tls = TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as e:
+        parser.error(str(e))
     # Before torch loads OpenMP: idle threads sleep instead of spinning. On a CPU shared with other
     # processes a spinning thread starves its descheduled peer; measured 10x slower decode steps.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -97,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         info.attention_backend, info.tensor_parallel_size,
     )
     try:
-        serve(executor, args.host, args.port)
+        serve(executor, args.host, args.port, tls=tls)
     finally:
         executor.close()
 

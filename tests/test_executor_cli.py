@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
 from executor_svc.__main__ import build_parser, options_from_args
@@ -16,9 +17,11 @@ from executor_svc.model_executor import ModelExecutor
 from scheduler_svc.engine import Engine
 from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.security import TLSConfig, channel_credentials
 from tests.model_fixtures import tiny_model_folders  # noqa: F401
 from tests.service_fixtures import free_port
 from tests.test_model_parity import random_prompts
+from tests.test_security import Certs, certs  # noqa: F401
 
 
 def test_flags_win_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -52,3 +55,25 @@ def test_served_executor_generates_what_the_in_process_one_does(tiny_model_folde
         output, _ = server.communicate(timeout=30)
     assert server.returncode == 0, output
     assert "KV blocks of 8 tokens" in output
+
+
+def test_executor_serves_mutual_tls(tiny_model_folders: dict[str, Path], certs: Certs) -> None:  # noqa: F811
+    port = free_port()
+    argv = [sys.executable, "-m", "executor_svc", "--port", str(port), "--kv-cache-memory", "4M",
+            "--model", str(tiny_model_folders["llama"]), "--tls-cert", certs.server_cert,
+            "--tls-key", certs.server_key, "--tls-ca", certs.ca]
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client_tls = TLSConfig(certs.client_cert, certs.client_key, certs.ca)
+        remote = RemoteExecutor(f"localhost:{port}", credentials=channel_credentials(client_tls))
+        remote.get_info(timeout_s=120, wait_for_ready=True)
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        assert all(len(c.token_ids) == 4 for c in Engine(remote).generate(random_prompts(5)[:2], params))
+        with pytest.raises(grpc.RpcError) as refused:
+            RemoteExecutor(f"127.0.0.1:{port}").get_info(timeout_s=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.send_signal(signal.SIGTERM)
+        output, _ = server.communicate(timeout=30)
+    assert server.returncode == 0, output
+    assert "mTLS" in output
