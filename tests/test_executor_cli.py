@@ -12,13 +12,11 @@ import grpc
 import pytest
 
 from executor_svc.__main__ import build_parser, options_from_args
-from executor_svc.config import ExecutorOptions
-from executor_svc.model_executor import ModelExecutor
 from scheduler_svc.engine import Engine
 from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.security import TLSConfig, channel_credentials
-from tests.model_fixtures import tiny_model_folders  # noqa: F401
+from tests.model_fixtures import hf_greedy, tiny_model_folders  # noqa: F401
 from tests.service_fixtures import free_port
 from tests.test_model_parity import random_prompts
 from tests.test_security import Certs, certs  # noqa: F401
@@ -35,7 +33,7 @@ def test_flags_win_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         build_parser().parse_args(["--kv-cache-memory", "lots"])
 
 
-def test_served_executor_generates_what_the_in_process_one_does(tiny_model_folders: dict[str, Path]) -> None:  # noqa: F811
+def test_served_executor_matches_hugging_face(tiny_model_folders: dict[str, Path]) -> None:  # noqa: F811
     port = free_port()
     folder = str(tiny_model_folders["qwen3"])
     env = {**os.environ, "NANOSERVE_BLOCK_SIZE": "8", "NANOSERVE_MODEL": folder}
@@ -48,8 +46,7 @@ def test_served_executor_generates_what_the_in_process_one_does(tiny_model_folde
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         prompts = random_prompts(3)[:4]
         served = [c.token_ids for c in Engine(remote).generate(prompts, params)]
-        local = ModelExecutor(ExecutorOptions(model=folder, block_size=8, kv_cache_memory=4 << 20))
-        assert served == [c.token_ids for c in Engine(local).generate(prompts, params)]
+        assert served == hf_greedy(Path(folder), prompts, max_new_tokens=12, stop_at_eos=False)
     finally:
         server.send_signal(signal.SIGTERM)
         output, _ = server.communicate(timeout=30)
