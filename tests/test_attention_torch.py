@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from executor_svc.attention import torch_backend
 from executor_svc.attention.base import AttentionMetadata
-from executor_svc.attention.torch_backend import TorchAttention
+from executor_svc.attention.torch_backend import TorchAttention, decode_groups, split_by_length
 
 HEAD_DIM = 16
 
@@ -132,6 +133,69 @@ def test_decode_mixed_context_lengths(num_heads: int, num_kv_heads: int, block_s
     scale = 0.3
     out = backend.decode(torch.cat(batch.q), batch.k_cache, batch.v_cache, batch.decode_meta(), scale)
     torch.testing.assert_close(out, batch.expected(scale), atol=1e-5, rtol=1e-5)
+
+
+def run_decode(batch: PagedBatch, scale: float, backend: TorchAttention | None = None) -> torch.Tensor:
+    backend = backend or TorchAttention()
+    backend.store_kv(batch.new_k(), batch.new_v(), batch.k_cache, batch.v_cache, batch.slot_mapping())
+    return backend.decode(torch.cat(batch.q), batch.k_cache, batch.v_cache, batch.decode_meta(), scale)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("max_tokens", [0, 40, 10**6])
+def test_decode_groups_of_similar_length(
+    num_heads: int, num_kv_heads: int, block_size: int, max_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unsorted odd lengths, ties and a long outlier; groups of one request each, of a few, or one for all."""
+    monkeypatch.setattr(torch_backend, "GROUP_MAX_BYTES", max_tokens * 2 * num_kv_heads * HEAD_DIM * 4)
+    ctx_lens = [33, 1, 17, 64, 17, 2, 31, 300, 16, 5, 33]
+    batch = PagedBatch(ctx_lens, [1] * len(ctx_lens), block_size, num_heads, num_kv_heads)
+    torch.testing.assert_close(run_decode(batch, 0.3), batch.expected(0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_split_by_length_trades_padding_for_groups() -> None:
+    lengths = [1, 2, 3, 100, 101, 400]
+    assert split_by_length(lengths, overhead=10**6, max_tokens=10**6) == [6]
+    assert split_by_length(lengths, overhead=0, max_tokens=10**6) == [1, 2, 3, 4, 5, 6]
+    assert split_by_length(lengths, overhead=50, max_tokens=10**6) == [3, 5, 6]
+    # At most 202 padded tokens per group: 100 and 101 still share one, 400 is alone however large.
+    assert split_by_length(lengths, overhead=10**6, max_tokens=202) == [3, 5, 6]
+    assert split_by_length([7, 7, 7, 7], overhead=1, max_tokens=14) == [2, 4]
+
+
+def test_decode_groups_cover_every_request_once() -> None:
+    block_tables = torch.tensor([[3, 1, -1], [0, -1, -1], [2, 4, 5]], dtype=torch.int32)
+    groups = decode_groups(block_tables, torch.tensor([7, 4, 9], dtype=torch.int32), 4, 2, max_tokens=10**6)
+    assert sorted(torch.cat([g.rows for g in groups]).tolist()) == [0, 1, 2]
+    (group,) = groups  # one group: padding 3 + 5 tokens costs less than a second group's overhead
+    assert group.rows.tolist() == [1, 0, 2] and group.length == 9
+    assert group.mask is not None and group.mask.sum().item() == 4 + 7 + 9
+    # Request 0, KV head 1, position 5: block 1 slot 1 -> cache row (1 * 4 + 1) * 2 + 1.
+    assert group.index.view(3, 2, 9)[1, 1, 5].item() == (1 * 4 + 1) * 2 + 1
+
+
+def test_decode_equal_lengths_need_no_mask() -> None:
+    (group,) = decode_groups(torch.tensor([[0, 1], [2, 3]]), torch.tensor([6, 6]), 4, 1, max_tokens=10**6)
+    assert group.mask is None
+    batch = PagedBatch([6, 6], [1, 1], 4, 4, 1)
+    torch.testing.assert_close(run_decode(batch, 0.5), batch.expected(0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_groups_rebuilt_for_each_step_shared_by_its_layers() -> None:
+    """Layers of one step share the groups; the next step (new metadata, longer contexts) gets new ones."""
+    backend = TorchAttention()
+    first, second = PagedBatch([5, 9], [1, 1], 4, 4, 2), PagedBatch([5, 9], [1, 1], 4, 4, 2)
+    second.k_cache.mul_(2)
+    second.k, second.q = [k * 2 for k in second.k], [-q for q in second.q]
+    meta = first.decode_meta()
+    for layer in (first, second):
+        layer.k_cache.view(-1, 2, HEAD_DIM)[layer.slot_mapping()] = layer.new_k()
+        layer.v_cache.view(-1, 2, HEAD_DIM)[layer.slot_mapping()] = layer.new_v()
+        out = backend.decode(torch.cat(layer.q), layer.k_cache, layer.v_cache, meta, 0.5)
+        torch.testing.assert_close(out, layer.expected(0.5), atol=1e-5, rtol=1e-5)
+    longer = PagedBatch([6, 10], [1, 1], 4, 4, 2)
+    torch.testing.assert_close(run_decode(longer, 0.5, backend), longer.expected(0.5), atol=1e-5, rtol=1e-5)
 
 
 def test_store_kv_skips_padding_slots() -> None:
