@@ -28,7 +28,7 @@ run-shadow: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
-	$(PY) -m pytest -m "not slow and not soak"
+	$(PY) -m pytest
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -m slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import socket
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tqdm import tqdm
 
 HOST = "127.0.0.1"
+SERVING = health_pb2.HealthCheckResponse.SERVING
 # Children run ``python -m`` from here, so ``bench`` resolves wherever the benchmark was started.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,12 +122,9 @@ class Child:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"the {self.name} exited with code {self.process.returncode}")
-                try:
-                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
-                    if status == health_pb2.HealthCheckResponse.SERVING:
+                with contextlib.suppress(grpc.RpcError):
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == SERVING:
                         return
-                except grpc.RpcError:
-                    pass
                 time.sleep(0.1)
         raise TimeoutError(f"the {self.name} did not serve on {target} within {timeout_s:.0f}s")
 

@@ -16,7 +16,7 @@ from tests.shadow_helpers import expected
 
 
 class ConnectionLost(RuntimeError):
-    pass
+    """What a killed executor process looks like to the engine."""
 
 
 class RestartingExecutor:

@@ -45,13 +45,6 @@ SOAK_TIMEOUT_S = 1500.0
 SHADOW = dict(num_blocks=1024, block_size=4, vocab_size=50, max_model_len=1024, eos_token_ids=0)
 
 
-@pytest.fixture(autouse=True)
-def only_when_asked(request: pytest.FixtureRequest) -> None:
-    """Minutes long: run by ``make soak`` (``-m soak``), not by a plain ``pytest tests``."""
-    if "soak" not in request.config.option.markexpr or "not soak" in request.config.option.markexpr:
-        pytest.skip("the soak runs with -m soak (make soak)")
-
-
 @dataclass
 class Tally:
     completed: int = 0
