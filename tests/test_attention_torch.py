@@ -10,6 +10,7 @@ import torch
 from executor_svc.attention import torch_backend
 from executor_svc.attention.base import AttentionMetadata
 from executor_svc.attention.torch_backend import TorchAttention, decode_groups, split_by_length
+from tests.attention_helpers import decode_meta, prefill_meta
 
 HEAD_DIM = 16
 
@@ -66,26 +67,10 @@ class PagedBatch:
         return torch.cat([self.slots(i, n - m, n) for i, (n, m) in pairs])
 
     def prefill_meta(self) -> AttentionMetadata:
-        cu_q = torch.tensor([0, *self.q_lens]).cumsum(0).to(torch.int32)
-        cu_k = torch.tensor([0, *self.ctx_lens]).cumsum(0).to(torch.int32)
-        return AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=self.slot_mapping(),
-            block_tables=self.block_tables,
-            cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k,
-            max_seqlen_q=max(self.q_lens),
-            max_seqlen_k=max(self.ctx_lens),
-            has_cached_context=self.ctx_lens != self.q_lens,
-        )
+        return prefill_meta(self.slot_mapping(), self.block_tables, self.ctx_lens, self.q_lens)
 
     def decode_meta(self) -> AttentionMetadata:
-        return AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=self.slot_mapping(),
-            block_tables=self.block_tables,
-            context_lens=torch.tensor(self.ctx_lens, dtype=torch.int32),
-        )
+        return decode_meta(self.slot_mapping(), self.block_tables, self.ctx_lens)
 
     def expected(self, scale: float) -> torch.Tensor:
         return torch.cat([dense_attention(q, k, v, scale) for q, k, v in zip(self.q, self.k, self.v, strict=True)])

@@ -20,6 +20,7 @@ from executor_svc.attention.base import AttentionMetadata
 from executor_svc.attention.flash_backend import FlashAttention
 from executor_svc.attention.torch_backend import TorchAttention
 from executor_svc.attention.triton_backend import TritonAttention
+from tests.attention_helpers import decode_meta, prefill_meta
 
 if not isinstance(tl.sum, InterpretedFunction):
     raise RuntimeError("these cases need the triton interpreter: run them with TRITON_INTERPRET=1")
@@ -59,24 +60,10 @@ class Batch:
         return torch.cat(slots)
 
     def prefill_meta(self) -> AttentionMetadata:
-        return AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=self.slot_mapping(),
-            block_tables=self.block_tables,
-            cu_seqlens_q=torch.tensor([0, *self.q_lens]).cumsum(0).to(torch.int32),
-            cu_seqlens_k=torch.tensor([0, *self.ctx_lens]).cumsum(0).to(torch.int32),
-            max_seqlen_q=max(self.q_lens),
-            max_seqlen_k=max(self.ctx_lens),
-            has_cached_context=self.ctx_lens != self.q_lens,
-        )
+        return prefill_meta(self.slot_mapping(), self.block_tables, self.ctx_lens, self.q_lens)
 
     def decode_meta(self) -> AttentionMetadata:
-        return AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=self.slot_mapping(),
-            block_tables=self.block_tables,
-            context_lens=torch.tensor(self.ctx_lens, dtype=torch.int32),
-        )
+        return decode_meta(self.slot_mapping(), self.block_tables, self.ctx_lens)
 
     def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's k, v stored into a copy of the caches by the reference backend."""
