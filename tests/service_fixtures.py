@@ -215,13 +215,18 @@ async def stream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> C
 
 
 class GatedExecutor:
-    """Wraps an executor so a test can hold every step until it opens the gate."""
+    """Wraps an executor so a test can hold every step until it opens the gate.
 
-    def __init__(self, inner: Executor) -> None:
+    With ``steps_before_closing`` the gate closes by itself after that many steps, so a test can
+    stop a fast executor at an exact point without racing it.
+    """
+
+    def __init__(self, inner: Executor, steps_before_closing: int | None = None) -> None:
         self.inner = inner
         self.open = threading.Event()
         self.entered = threading.Event()
         self.open.set()
+        self.steps_before_closing = steps_before_closing
 
     def get_info(self) -> executor_pb2.ExecutorInfo:
         return self.inner.get_info()
@@ -231,6 +236,10 @@ class GatedExecutor:
 
     def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
         self.entered.set()
+        if self.steps_before_closing is not None:
+            if self.steps_before_closing == 0:
+                self.open.clear()
+            self.steps_before_closing -= 1
         self.open.wait()
         return self.inner.step(plan)
 

@@ -117,14 +117,14 @@ def test_cancel_frees_blocks_at_once_and_the_executor_drops_the_request():
 
 
 def test_a_deadline_aborts_the_request_and_frees_its_blocks():
-    executor = GatedExecutor(RecordingExecutor(shadow()))
+    # The prefill step runs and gives the first token; the first decode step then waits at the gate.
+    executor = GatedExecutor(RecordingExecutor(shadow()), steps_before_closing=1)
 
     async def run():
         async with in_process_scheduler(executor) as s:
             call = s.stub.Generate(token_request([1, 2, 3], 100, ignore_eos=True), timeout=0.5)
             async for _ in call:
                 break
-            executor.open.clear()
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 [r async for r in call]
             executor.open.set()
