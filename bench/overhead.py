@@ -7,22 +7,26 @@ RPC (serialise, transport, deserialise) and postprocessing. Peers, same engine a
 plans: ``grpc`` (the unary Step RPC), ``stream`` (the same plans over the StepStream
 RPC, one at a time), ``overlap`` (the engine keeps one step in flight over StepStream,
 as ``nanoserve-scheduler --overlap`` does; its figure is the wall time per step, since
-its phases overlap) and ``in-process`` (no gRPC), which makes the hop's cost visible
-as a ratio. Each batch
-runs its prefills first, then times ``--steps`` decode steps of ``--batch``
+its phases overlap), ``in-process`` (no gRPC), which makes the hop's cost visible
+as a ratio, and ``floor`` (no engine: plan-sized bytes for result-sized bytes over a stream
+to an echo method of the same child), gRPC Python's own cost, under every peer over the hop.
+Each batch runs its prefills first, then times ``--steps`` decode steps of ``--batch``
 sequences of context ``--context``.
 """
 
 from __future__ import annotations
 
 import argparse
+import queue
 import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import grpc
 
 from bench.common import HOST, Child, free_port, print_table, progress, write_json
 from executor_svc.service import build_server
@@ -31,13 +35,14 @@ from executor_svc.shadow_server import parse_args as null_server_args
 from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.engine import Engine
 from scheduler_svc.executor import Executor
-from scheduler_svc.remote import RemoteExecutor
+from scheduler_svc.remote import CHANNEL_OPTIONS, RemoteExecutor
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import SchedulerConfig
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
-PEERS = ("grpc", "stream", "overlap", "in-process")
+PEERS = ("grpc", "stream", "overlap", "in-process", "floor")
+ECHO_SERVICE, ECHO_METHOD = "bench.Floor", "Echo"
 
 
 @dataclass
@@ -111,6 +116,51 @@ class OneAtATimeOverStream:
         return self.remote.submit(plan).result()
 
 
+class SizingNull(NullExecutor):
+    """The null executor noting the bytes of each decode plan and its result: the floor sends messages this size."""
+
+    def __init__(self, info: pb.ExecutorInfo) -> None:
+        super().__init__(info)
+        self.sizes: list[tuple[int, int]] = []
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        result = super().step(plan)
+        if not plan.is_prefill:
+            self.sizes.append((plan.ByteSize(), result.ByteSize()))
+        return result
+
+
+def decode_sizes(batch: int, context: int, steps: int, max_model_len: int, num_blocks: int) -> tuple[int, int]:
+    """Median (plan, result) bytes of the decode steps the other peers time at ``batch``."""
+    sizing = SizingNull(in_process_null(max_model_len, num_blocks).info)
+    time_decode(sizing, batch, context, 0, steps, overlap=False)
+    return statistics.median_low(sizing.sizes)
+
+
+def time_floor(channel: grpc.Channel, sizes: tuple[int, int], warmup: int, steps: int) -> Phases:
+    """Time ``steps`` round trips of plan-sized bytes for result-sized bytes after ``warmup``, sent as
+    ``StepStream`` sends plans: one stream fed by a queue, each message waiting for its answer."""
+    messages: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    call = channel.stream_stream(f"/{ECHO_SERVICE}/{ECHO_METHOD}")(iter(messages.get, None),
+                                                                    metadata=(("reply-bytes", str(sizes[1])),))
+    message = bytes(sizes[0])
+    for i in range(warmup + steps):
+        if i == warmup:
+            c0, t0 = time.thread_time(), time.perf_counter()
+        messages.put(message)
+        next(call)
+    wall_us, cpu_us = 1e6 * (time.perf_counter() - t0) / steps, 1e6 * (time.thread_time() - c0) / steps
+    messages.put(None)
+    return Phases(0.0, 0.0, wall_us, 0.0, wall_us, cpu_us)
+
+
+def echo(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+    """The floor's server side: answer each message at once with as many bytes as the call's metadata asks."""
+    reply = bytes(int(dict(context.invocation_metadata())["reply-bytes"]))
+    for _ in requests:
+        yield reply
+
+
 def in_process_null(max_model_len: int, num_blocks: int) -> NullExecutor:
     args = null_server_args(["--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE),
                              "--vocab-size", str(VOCAB_SIZE), "--max-model-len", str(max_model_len)])
@@ -118,8 +168,10 @@ def in_process_null(max_model_len: int, num_blocks: int) -> NullExecutor:
 
 
 def serve_null(port: int, max_model_len: int, num_blocks: int) -> None:
-    """The child process: the null executor behind the executor servicer."""
+    """The child process: the null executor behind the executor servicer, and the floor's echo on the same server."""
     server, _ = build_server(in_process_null(max_model_len, num_blocks), HOST, port)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        ECHO_SERVICE, {ECHO_METHOD: grpc.stream_stream_rpc_method_handler(echo)}),))
     server.start()
     server.wait_for_termination()
 
@@ -159,10 +211,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     max_model_len, num_blocks = geometry(max(args.batch), args.context, args.warmup + args.steps)
     port = free_port()
     peers = [p for p in PEERS if p in args.peers]
+    sizes = ({b: decode_sizes(b, args.context, args.steps, max_model_len, num_blocks) for b in args.batch}
+             if "floor" in peers else {})
     with null_server(port, max_model_len, num_blocks) as server:
         target = f"{HOST}:{port}"
         server.wait_serving(target, timeout_s=60)
         remote, streamed = RemoteExecutor(target), RemoteExecutor(target)
+        floor = grpc.insecure_channel(target, CHANNEL_OPTIONS)
         executors = {"grpc": remote, "stream": OneAtATimeOverStream(streamed), "overlap": streamed,
                      "in-process": in_process_null(max_model_len, num_blocks)}
         runs = [(peer, batch) for batch in args.batch for peer in peers]
@@ -171,12 +226,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         with progress(total=len(runs) * args.repeats, desc="W4 decode runs") as bar:
             for _ in range(args.repeats):
                 for peer, batch in runs:
-                    timed[peer, batch].append(time_decode(executors[peer], batch, args.context, args.warmup,
-                                                          args.steps, overlap=peer == "overlap"))
+                    timed[peer, batch].append(
+                        time_floor(floor, sizes[batch], args.warmup, args.steps) if peer == "floor" else
+                        time_decode(executors[peer], batch, args.context, args.warmup, args.steps,
+                                    overlap=peer == "overlap"))
                     bar.update()
         results = {run: Phases.median(runs_of) for run, runs_of in timed.items()}
         remote.close()
         streamed.close()
+        floor.close()
     print(f"W4: decode steps of context {args.context}, null executor, median of {args.repeats} runs of "
           f"{args.steps} steps (us per step)")
     rows = []
@@ -188,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     print_table(["batch", "executor", "schedule+plan", "(plan)", "execute/RPC", "postprocess", "total",
                  "steps/s", "x in-process", "CPU"], rows)
     figures = figures_of(results, args.context, args.steps, args.repeats)
+    for batch, (plan_bytes, result_bytes) in sizes.items():
+        figures[f"floor_plan_bytes_b{batch}"], figures[f"floor_result_bytes_b{batch}"] = plan_bytes, result_bytes
     write_json(args.json, figures)
     return figures
 
@@ -198,11 +258,11 @@ def per_step_us(peer: str, p: Phases) -> float:
 
 
 def figures_of(results: dict[tuple[str, int], Phases], context: int, steps: int, repeats: int) -> dict[str, float]:
-    """The unprefixed keys are the unary gRPC path (the W4 figure); ``stream_``, ``overlap_`` and
-    ``inprocess_`` are the peers."""
+    """The unprefixed keys are the unary gRPC path (the W4 figure); ``stream_``, ``overlap_``, ``inprocess_``
+    and ``floor_`` are the peers."""
     figures: dict[str, float] = {"context": context, "steps": steps, "repeats": repeats}
     for (peer, batch), p in results.items():
-        prefix = {"grpc": "", "stream": "stream_", "overlap": "overlap_", "in-process": "inprocess_"}[peer]
+        prefix = "" if peer == "grpc" else peer.replace("-", "") + "_"
         figures[f"{prefix}us_per_step_b{batch}"] = per_step_us(peer, p)
         figures[f"{prefix}steps_per_s_b{batch}"] = 1e6 / p.wall_us
         figures[f"{prefix}schedule_us_b{batch}"] = p.schedule_us + p.plan_us
