@@ -9,9 +9,10 @@ RPC, one at a time), ``overlap`` (the engine keeps one step in flight over StepS
 as ``nanoserve-scheduler --overlap`` does; its figure is the wall time per step, since
 its phases overlap), ``in-process`` (no gRPC), which makes the hop's cost visible
 as a ratio, and ``floor`` (no engine: plan-sized bytes for result-sized bytes over a stream
-to an echo method of the same child), gRPC Python's own cost, under every peer over the hop.
-Each batch runs its prefills first, then times ``--steps`` decode steps of ``--batch``
-sequences of context ``--context``.
+to an echo method of the same child), gRPC Python's own round trip: the least a peer that waits
+for each result can cost (``overlap`` keeps two in flight, so it can go under). Each batch runs
+its prefills first, then times ``--steps`` decode steps of ``--batch`` sequences of context
+``--context``.
 """
 
 from __future__ import annotations
