@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("gpu-memory-utilization", 0.9, "share of GPU memory to fill, KV cache included (default: %(default)s)",
         type=float)
-    add("attention-backend", None, "torch, triton or flash_attn (default: the best for the device)")
+    add("attention-backend", None, "cpu, torch, triton or flash_attn (default: the best for the device)")
     add("max-model-len", None, "longest context in tokens (default: the model's)", type=int)
     add("threads", None, "torch threads per rank on CPU (default: torch's choice)", type=int)
     add("enforce-eager", False, "never capture CUDA graphs", action="store_true")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import executor_svc.attention as attention
-from executor_svc.attention import available_backends, get_backend
+from executor_svc.attention import available_backends, cpu_kernels, get_backend
 from executor_svc.attention.base import AttentionMetadata
 from executor_svc.attention.flash_backend import FlashAttention
 from executor_svc.attention.torch_backend import TorchAttention
@@ -20,13 +20,21 @@ from executor_svc.attention.triton_backend import TritonAttention
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-def test_cpu_defaults_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def no_cpu_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a machine without a C compiler (tests/test_attention_cpu.py covers the kernel backend)."""
+    monkeypatch.setattr(cpu_kernels, "paged_decode_library", lambda: None)
+
+
+@pytest.mark.usefixtures("no_cpu_kernel")
+def test_cpu_without_the_kernel_defaults_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert available_backends(CPU) == ["torch"]
     assert isinstance(get_backend(None, CPU), TorchAttention)
     assert get_backend("auto", CPU).name == "torch"
 
 
+@pytest.mark.usefixtures("no_cpu_kernel")
 def test_unavailable_or_unknown_name_raises_with_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"'triton'.*\['torch'\]"):
@@ -35,6 +43,7 @@ def test_unavailable_or_unknown_name_raises_with_the_choices(monkeypatch: pytest
         get_backend("sdpa", CPU)
 
 
+@pytest.mark.usefixtures("no_cpu_kernel")
 def test_cpu_offers_triton_after_torch_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert available_backends(CPU) == ["torch", "triton"]

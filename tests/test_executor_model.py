@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from executor_svc.attention import available_backends
 from executor_svc.config import ExecutorOptions, UnsupportedModel
 from executor_svc.model_executor import ModelExecutor
 from executor_svc.requests import PlanError
@@ -15,6 +17,8 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.sampling import SamplingParams
 from tests.model_fixtures import smollm2_folder, tiny_model_folders  # noqa: F401
 from tests.test_model_parity import random_prompts
+
+CPU = torch.device("cpu")
 
 GREEDY = pb.SamplingParams(temperature=0.0)
 KV_BYTES = 4 << 20
@@ -40,7 +44,7 @@ def test_tiny_handshake(tiny_executor: ModelExecutor) -> None:
     assert info.num_blocks == KV_BYTES // 4096
     assert (info.architecture, info.vocab_size, info.max_model_len) == ("LlamaForCausalLM", 512, 512)
     assert (list(info.eos_token_ids), info.bos_token_id, info.block_size) == ([2], 1, 8)
-    assert (info.device, info.dtype, info.attention_backend) == ("cpu", "float32", "torch")
+    assert (info.device, info.dtype, info.attention_backend) == ("cpu", "float32", available_backends(CPU)[0])
     assert info.tensor_parallel_size == 1
     assert len(info.instance_id) == 32 and info.tokenizer_json == ""
 

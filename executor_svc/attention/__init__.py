@@ -23,16 +23,20 @@ def _importable(module: str) -> bool:
 def available_backends(device: torch.device) -> list[str]:
     """Backends that can run on ``device``, best first.
 
-    On the CPU, Triton runs only under its interpreter (``TRITON_INTERPRET=1``): useful for tests, too slow
-    to serve, so it comes after torch.
+    On the CPU, ``cpu`` (torch plus a C decode kernel) needs the kernel built, which happens here the first
+    time on a machine. Triton runs only under its interpreter (``TRITON_INTERPRET=1``): useful for tests,
+    too slow to serve, so it comes last.
     """
     if torch.device(device).type == "cuda":
         # Each kernel backend is named after the module it needs.
         kernel_backends = [name for name in ("flash_attn", "triton") if _importable(name)]
         return [*kernel_backends, "torch"]
+    from executor_svc.attention.cpu_kernels import paged_decode_library
+
+    choices = ["cpu", "torch"] if paged_decode_library() is not None else ["torch"]
     if os.environ.get("TRITON_INTERPRET") == "1" and _importable("triton"):
-        return ["torch", "triton"]
-    return ["torch"]
+        choices.append("triton")
+    return choices
 
 
 def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
@@ -52,6 +56,10 @@ def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
         from executor_svc.attention.triton_backend import TritonAttention
 
         return TritonAttention()
+    if name == "cpu":
+        from executor_svc.attention.cpu_backend import CpuAttention
+
+        return CpuAttention()
     from executor_svc.attention.torch_backend import TorchAttention
 
     return TorchAttention()

@@ -1,0 +1,49 @@
+"""The CPU default: torch attention for prefill, the C paged-decode kernel (``csrc/paged_decode.c``) for decode.
+
+Decode is where a CPU step spends its attention time, and torch can only attend to a gathered copy of
+each request's context; the kernel reads keys and values in place through the block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from executor_svc.attention.base import AttentionMetadata
+from executor_svc.attention.cpu_kernels import paged_decode_library
+from executor_svc.attention.torch_backend import TorchAttention
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class CpuAttention(TorchAttention):
+    """``TorchAttention`` with decode in the compiled kernel for float32 and bfloat16 caches."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        library = paged_decode_library()
+        if library is None:
+            raise RuntimeError("the CPU attention kernel could not be built (see the log); use the torch backend")
+        self._kernel = library.paged_decode
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        supported = k_cache.dtype in KERNEL_DTYPES and q.dtype == k_cache.dtype and k_cache.is_contiguous()
+        if q.device.type != "cpu" or not supported:
+            return super().decode(q, k_cache, v_cache, meta, scale)
+        num_seqs, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        q = q.contiguous()
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        lengths = meta.context_lens.to(torch.int32).contiguous()
+        out = torch.empty_like(q)
+        failed = self._kernel(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lengths.data_ptr(),
+            out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.shape[1],
+            int(q.dtype == torch.bfloat16), scale, torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+        return out
