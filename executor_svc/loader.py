@@ -17,6 +17,7 @@ from torch import nn
 
 from executor_svc.attention.base import AttentionBackend
 from executor_svc.config import ModelConfig, UnsupportedModel
+from executor_svc.layers.linear import prepack_for_cpu
 from executor_svc.models import MODEL_CLASSES
 
 PACKED = {
@@ -81,4 +82,5 @@ def load_model(
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, folder, config.tie_word_embeddings)
+    prepack_for_cpu(model)
     return model.eval()

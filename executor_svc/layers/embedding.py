@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.distributed import all_gather_last_dim, all_reduce, divide, tp_rank, tp_size
+from executor_svc.layers.linear import LinearBase
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -28,8 +29,8 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(y)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, LinearBase):
     """Logits of the given hidden rows, gathered over the ranks' vocabulary slices."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return all_gather_last_dim(F.linear(hidden, self.weight))
+        return all_gather_last_dim(self.matmul(hidden, None))
