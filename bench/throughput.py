@@ -25,9 +25,10 @@ from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
-# Before torch loads OpenMP, for every peer alike: idle threads sleep instead of spinning, which on a
-# CPU shared with other processes made small ops (KV gathers, attention) up to 10x slower.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from executor_svc.openmp import set_wait_policy
+
+# Before torch loads OpenMP, for every peer alike: the executor's short spin (executor_svc/openmp.py).
+set_wait_policy()
 
 import torch  # noqa: E402
 

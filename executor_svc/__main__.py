@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from executor_svc.config import DTYPES, ExecutorOptions
 from executor_svc.model_registry import DEFAULT_MODEL
+from executor_svc.openmp import set_wait_policy
 
 log = logging.getLogger("nanoserve.executor")
 
@@ -93,9 +94,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tls = TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
     except ValueError as e:
         parser.error(str(e))
-    # Before torch loads OpenMP: idle threads sleep instead of spinning. On a CPU shared with other
-    # processes a spinning thread starves its descheduled peer; measured 10x slower decode steps.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_wait_policy()
     from executor_svc.model_executor import ModelExecutor
     from executor_svc.service import serve
 
