@@ -93,7 +93,8 @@ class Sampler:
     ) -> SamplerOutput:
         """Sample row i of ``logits`` [batch, vocab] with ``params[i]`` at context position ``positions[i]``."""
         if all(is_plain_greedy(p) for p in params):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [])
+            # float32 first: the same argmax (bfloat16 widens exactly), 2.5x faster on the CPU than in bfloat16.
+            return SamplerOutput(logits.float().argmax(dim=-1).tolist(), [])
         rows = [RowParams.from_proto(p) for p in params]
         logits = logits.float()
         sampled = [i for i, row in enumerate(rows) if not row.greedy]
