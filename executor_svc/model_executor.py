@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -34,19 +33,8 @@ def read_chat_template(folder: Path) -> str:
 
 
 class ModelExecutor:
-    """Every torch call runs on one thread of its own, whichever thread calls ``step``.
-
-    libgomp gives each thread that starts parallel work its own team of OpenMP threads, and once a
-    process has more of them than CPUs it cuts their spin before sleeping (``executor_svc/openmp.py``)
-    to 100: steps arriving on changing gRPC worker threads ran 25 % slower on two cores.
-    """
-
     def __init__(self, options: ExecutorOptions | None = None) -> None:
-        self._torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
-        self._torch_thread.submit(self._load, options or ExecutorOptions()).result()
-
-    def _load(self, options: ExecutorOptions) -> None:
-        self.options = options
+        self.options = options = options or ExecutorOptions()
         self.folder = resolve_model(options.model)
         self.workers = []
         if options.tensor_parallel_size > 1:
@@ -88,7 +76,7 @@ class ModelExecutor:
         if not chunks:
             return result
         samples = [chunk.samples for chunk in chunks]  # before record_sampled moves the requests on
-        output, forward_ms, sample_ms = self._torch_thread.submit(self.runner.run, chunks).result()
+        output, forward_ms, sample_ms = self.runner.run(chunks)
         sampled = iter(output.token_ids)
         token_ids = [next(sampled) if s else 0 for s in samples]
         self.table.record_sampled(chunks, token_ids)
@@ -100,14 +88,10 @@ class ModelExecutor:
         return result
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (rank 0 only has work to do) and the torch thread."""
+        """Stop the tensor-parallel workers (rank 0 only has work to do)."""
         if self.workers:
-            self._torch_thread.submit(self._stop_workers).result()
-        self._torch_thread.shutdown()
-
-    def _stop_workers(self) -> None:
-        self.runner.stop_workers()
-        for worker in self.workers:
-            worker.join(timeout=30)
-        torch.distributed.destroy_process_group()
-        self.workers = []
+            self.runner.stop_workers()
+            for worker in self.workers:
+                worker.join(timeout=30)
+            torch.distributed.destroy_process_group()
+            self.workers = []

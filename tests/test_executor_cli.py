@@ -6,12 +6,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 
 from executor_svc.__main__ import build_parser, options_from_args
+from executor_svc.service import CallingThread
 from scheduler_svc.engine import Engine
 from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.sampling import SamplingParams
@@ -74,3 +77,19 @@ def test_executor_serves_mutual_tls(tiny_model_folders: dict[str, Path], certs: 
         output, _ = server.communicate(timeout=30)
     assert server.returncode == 0, output
     assert "mTLS" in output
+
+
+def test_calls_from_grpc_threads_run_on_the_serving_thread() -> None:
+    """torch work stays on one thread (one OpenMP team); errors reach the caller; stop ends the loop."""
+    calling = CallingThread()
+    runner = threading.Thread(target=calling.run)
+    runner.start()
+    with ThreadPoolExecutor(4) as pool:
+        idents = set(pool.map(lambda _: calling.call(threading.get_ident), range(16)))
+        failed = pool.submit(calling.call, int, "not a number")
+        with pytest.raises(ValueError, match="not a number"):
+            failed.result()
+    assert idents == {runner.ident}
+    calling.stop()
+    runner.join(timeout=5)
+    assert not runner.is_alive()
