@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Every generated token is checked against every stop string: bound that work per request, as TGI does.
+MAX_STOP_STRINGS = 16
 
 
 class InvalidRequest(ValueError):
@@ -50,6 +52,8 @@ class SamplingParams:
             raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.max_tokens < 1:
             raise InvalidRequest("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop", "stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):

@@ -71,6 +71,7 @@ def test_text_is_tokenized_with_special_tokens_unless_told_not_to(tokenizer: Mod
         (tokens(1, sampling=pb.SamplingOptions(min_p=2)), "sampling.min_p", "[0, 1]"),
         (tokens(1, sampling=pb.SamplingOptions(logprobs=21)), "sampling.logprobs", "[0, 20]"),
         (tokens(1, stopping=pb.StoppingOptions(stop=["a", ""])), "stopping.stop", "empty"),
+        (tokens(1, stopping=pb.StoppingOptions(stop=[f"s{i}" for i in range(17)])), "stopping.stop", "at most 16"),
     ],
 )
 def test_bad_input_names_its_field(
