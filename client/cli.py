@@ -44,8 +44,8 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=None, help="seconds before the call is abandoned")
     parser.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
                         help="sent as 'authorization: Bearer <key>' (default: env NANOSERVE_API_KEY)")
-    parser.add_argument("--tls-ca", default=os.environ.get("NANOSERVE_TLS_CA"),
-                        help="connect with TLS, verifying the server with this PEM CA (env NANOSERVE_TLS_CA)")
+    parser.add_argument("--tls-ca", default=os.environ.get("NANOSERVE_SERVER_CA"),
+                        help="connect with TLS, verifying the server with this PEM CA (env NANOSERVE_SERVER_CA)")
     parser.add_argument("--tls-cert", help="PEM client certificate, for a server that requires one")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from client.cli import EXIT_REJECTED, EXIT_UNAVAILABLE, main
+from client.cli import EXIT_REJECTED, EXIT_UNAVAILABLE, build_parser, main
 from nanoserve.v1 import generation_pb2 as pb
 from tests.service_fixtures import TOKENIZER_VOCAB_SIZE, executor_argv, free_port, running_stack
 
@@ -138,3 +138,12 @@ def test_a_generation_cut_short_by_a_server_shutdown_exits_1(tmp_path: Path) -> 
         stack.scheduler.terminate()
         _, err = cli.communicate(timeout=60)
     assert (cli.returncode, err) == (1, "error: ABORTED: the server ended the generation early (it is shutting down)\n")
+
+
+def test_the_server_ca_has_its_own_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NANOSERVE_TLS_CA makes a service require client certificates; the CLI must not read it as its CA."""
+    monkeypatch.setenv("NANOSERVE_TLS_CA", "services-client-ca.pem")
+    monkeypatch.delenv("NANOSERVE_SERVER_CA", raising=False)
+    assert build_parser().parse_args(["health"]).tls_ca is None
+    monkeypatch.setenv("NANOSERVE_SERVER_CA", "server-ca.pem")
+    assert build_parser().parse_args(["health"]).tls_ca == "server-ca.pem"
