@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,10 @@ def test_builds_once_per_machine_and_reports_a_broken_compiler(
     with caplog.at_level(logging.WARNING, logger="nanoserve.executor"):
         assert build() is None
     assert "could not build the CPU attention kernel" in caplog.text
+
+
+def test_loading_the_kernel_leaves_subnormal_floats_alone() -> None:
+    """A library built with -ffast-math would switch the whole process to flush-to-zero when it loads."""
+    assert cpu_kernels.paged_decode_library() is not None
+    assert sys.float_info.min / 4 > 0
+    assert torch.tensor([1e-40]).mul(1.0).item() != 0

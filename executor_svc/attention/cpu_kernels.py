@@ -27,7 +27,11 @@ from executor_svc.model_registry import cache_root
 log = logging.getLogger("nanoserve.executor")
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC"]
+FLAGS = [
+    "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+    # Reordered float sums vectorise; never -ffast-math, whose startup code sets flush-to-zero process-wide.
+    "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+]
 
 
 def _cpu_flags() -> str:

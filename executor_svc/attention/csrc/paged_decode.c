@@ -13,6 +13,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Let `omp simd` loops call glibc's vector expf (libmvec). glibc declares it only under -ffast-math,
+ * and a library built with -ffast-math sets flush-to-zero for the whole process when it loads. */
+#pragma omp declare simd notinbranch
+float expf(float);
+
 static inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -73,13 +78,16 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, con
     }
     for (int head = 0; head < num_heads; head++) {
         float *s = scores + head * stride, top = s[0], sum = 0.0f;
+#pragma omp simd reduction(max : top)
         for (int t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
 #pragma omp simd reduction(+ : sum)
         for (int t = 0; t < len; t++) {
             s[t] = expf(s[t] - top);
             sum += s[t];
         }
-        for (int t = 0; t < len; t++) s[t] /= sum;
+        float inverse = 1.0f / sum;
+#pragma omp simd
+        for (int t = 0; t < len; t++) s[t] *= inverse;
     }
     memset(acc, 0, sizeof(float) * num_heads * head_dim);
     for (int t = 0; t < len; t++) {
