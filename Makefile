@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROTOS := $(wildcard protos/nanoserve/v1/*.proto)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv run run-shadow test test-slow soak lint protos bench
+.PHONY: venv run run-shadow test test-slow soak lint protos bench gpu-check
 
 # The venv is rebuilt when pyproject.toml changes. torch comes first so that pip
 # takes the local CPU wheel instead of pulling a multi-GB CUDA build.
@@ -45,3 +45,7 @@ protos: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m bench.throughput
+
+# Only where a GPU is lent, with a CUDA build of torch: CUDA tests and W2 (see bench/gpu_check.sh).
+gpu-check:
+	bench/gpu_check.sh

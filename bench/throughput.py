@@ -1,7 +1,7 @@
-"""W1: offline throughput on the CPU (BENCHMARKS.md), every peer in one invocation.
+"""W1 (CPU) or W2 (GPU): offline throughput (BENCHMARKS.md), every peer in one invocation.
 
-Peers generate the same W1 requests (greedy, ``ignore_eos``) with the same
-weights, dtype and threads; throughput is sum(max_tokens) / wall seconds of
+Peers generate the same requests (``ignore_eos``; W1 greedy, W2 at temperature
+0.6) with the same weights, dtype and threads; throughput is sum(max_tokens) / wall seconds of
 generation, after model load and one warm-up. ``hf`` is transformers with naive
 batching (batches of 16 in order, left padding, every row of a batch generating
 the batch's largest max_tokens); ``inprocess`` is the scheduler Engine driving
@@ -32,7 +32,7 @@ set_wait_policy()
 
 import torch  # noqa: E402
 
-from bench.common import HOST, Child, Workload, free_port, print_table, progress, w1, write_json  # noqa: E402
+from bench.common import HOST, WORKLOADS, Child, Workload, free_port, print_table, progress, write_json  # noqa: E402
 
 HF_BATCH_SIZE = 16
 WARMUP_PROMPT = list(range(100, 132))
@@ -45,17 +45,20 @@ def run_hf(args: argparse.Namespace, workload: Workload) -> float:
 
     from executor_svc.model_registry import resolve_model
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=getattr(torch, args.dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=getattr(torch, args.dtype))
+    model = model.to(args.device).eval()
     pad_id = model.generation_config.pad_token_id or 0
+    greedy = workload.temperature == 0
+    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": workload.temperature}
 
     def generate(prompts: list[list[int]], new_tokens: int) -> None:
         width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=args.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=args.device)
         with torch.inference_mode():
             model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens, pad_token_id=pad_id,
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, pad_token_id=pad_id, **sampling,
             )
 
     generate([WARMUP_PROMPT], 4)
@@ -76,14 +79,16 @@ def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
     from scheduler_svc.sampling import SamplingParams
 
     options = ExecutorOptions(
-        model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        threads=args.threads, device="cpu",
+        model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=kv_cache_memory(args),
+        threads=args.threads, device=args.device, max_model_len=workload.max_model_len,
     )
     engine = Engine(ModelExecutor(options))
     engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     start = time.perf_counter()
     for prompt, max_tokens in zip(workload.prompts, workload.max_tokens, strict=True):
-        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        engine.add_request(
+            prompt, SamplingParams(temperature=workload.temperature, max_tokens=max_tokens, ignore_eos=True)
+        )
     with progress(total=sum(workload.max_tokens), desc="in-process", unit="tok") as bar:
         while engine.has_unfinished():
             bar.update(len(engine.step()))
@@ -96,10 +101,12 @@ def run_split(args: argparse.Namespace, workload: Workload, overlap: bool) -> fl
     log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-w1-"))
     executor_port, scheduler_port = free_port(), free_port()
     executor_argv = [
-        sys.executable, "-m", "executor_svc", "--port", str(executor_port), "--model", args.model, "--device", "cpu",
-        "--dtype", args.dtype, "--block-size", str(args.block_size), "--kv-cache-memory", str(args.kv_cache_memory),
-        "--threads", str(args.threads),
+        sys.executable, "-m", "executor_svc", "--port", str(executor_port), "--model", args.model,
+        "--device", args.device, "--dtype", args.dtype, "--block-size", str(args.block_size),
+        "--threads", str(args.threads), "--max-model-len", str(workload.max_model_len),
     ]
+    if kv_cache_memory(args) is not None:
+        executor_argv += ["--kv-cache-memory", str(kv_cache_memory(args))]
     scheduler_argv = [
         sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--port", str(scheduler_port),
         "--overlap", str(overlap).lower(), "--log-level", "WARNING",
@@ -122,7 +129,7 @@ async def _drive(target: str, workload: Workload, name: str) -> float:
 
             async def one(prompt: list[int], max_tokens: int) -> None:
                 completion = await client.generate(
-                    token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+                    token_ids=prompt, max_tokens=max_tokens, temperature=workload.temperature, ignore_eos=True
                 )
                 assert len(completion.token_ids) == max_tokens, "a W1 request ended early"
                 bar.update(max_tokens)
@@ -140,16 +147,27 @@ PEERS: dict[str, Callable[[argparse.Namespace, Workload], float]] = {
 }
 
 
+def kv_cache_memory(args: argparse.Namespace) -> int | None:
+    """The flag, else W1's 2 GiB on the CPU; on CUDA None lets the executor take its share of free memory."""
+    if args.kv_cache_memory is not None:
+        return args.kv_cache_memory
+    return 2 << 30 if args.device == "cpu" else None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded model name or local HF folder")
+    p.add_argument("--workload", default="w1", choices=("w1", "w2"), help="W1 (CPU, greedy) or W2 (GPU, T=0.6)")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="embedded model name or local HF folder (W2: python -m bench.random_model FOLDER)")
+    p.add_argument("--device", default="cpu", help="cpu (W1) or cuda (W2)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--threads", type=int, default=2, help="torch threads (W1: 2)")
-    p.add_argument("--num-requests", type=int, default=None, help="run only the first N W1 requests")
+    p.add_argument("--num-requests", type=int, default=None, help="run only the first N requests")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers peer")
     p.add_argument("--peers", nargs="+", choices=list(PEERS), default=list(PEERS), help="peers to run, in order")
-    p.add_argument("--block-size", type=int, default=16, help="KV block size of the in-process executor")
-    p.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="KV-cache bytes of the in-process executor")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size of the executor")
+    p.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="KV-cache bytes of the executor (default: 2 GiB on CPU, the free-memory share on CUDA)")
     p.add_argument("--json", type=Path, default=None, help="write <peer>_tok_s, the ratios and peak_rss_mb here")
     return p.parse_args(argv)
 
@@ -157,13 +175,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    workload = w1().head(args.num_requests)
+    workload = WORKLOADS[args.workload]().head(args.num_requests)
     tokens = sum(workload.max_tokens)
     peers = [name for name in args.peers if not (name == "hf" and args.skip_hf)]
     seconds = {name: PEERS[name](args, workload) for name in peers}
     tok_s = {name: tokens / s for name, s in seconds.items()}
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"W1: {len(workload)} requests, {tokens} tokens, {args.dtype}, {args.threads} threads", file=sys.stderr)
+    print(f"{workload.name.upper()}: {len(workload)} requests, {tokens} tokens, {args.dtype}, {args.device}, "
+          f"{args.threads} threads", file=sys.stderr)
     hf, inprocess = tok_s.get("hf"), tok_s.get("inprocess")
     print_table(
         ["peer", "seconds", "tok/s", "vs hf", "vs inprocess"],

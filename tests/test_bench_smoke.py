@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import random
 
-from bench import overhead, serving
+import torch
+
+from bench import overhead, random_model, serving, throughput
 from bench.common import w1, w2
 
 
@@ -38,3 +40,15 @@ def test_serving_on_a_shadow_stack_writes_its_keys(tmp_path):
     assert figures["request_rate"] == 50
     for key in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
         assert figures[key] > 0
+
+
+def test_w2_runs_on_a_shrunken_random_qwen3(tmp_path):
+    """The W2 path (random Qwen3 weights, temperature 0.6, its own max_model_len) end to end, on the CPU."""
+    folder = random_model.save_random_qwen3(
+        tmp_path / "qwen3", torch.float32, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+        vocab_size=10240,
+    )
+    path = tmp_path / "w2.json"
+    throughput.main(["--workload", "w2", "--model", str(folder), "--num-requests", "1", "--peers", "inprocess",
+                     "--kv-cache-memory", str(64 << 20), "--json", str(path)])
+    assert json.loads(path.read_text())["inprocess_tok_s"] > 0

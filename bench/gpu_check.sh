@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Everything to check when a GPU is lent, in one run: the CUDA tests (each attention backend against
+# transformers, CUDA graphs against eager), then W2 with random-weight Qwen3-0.6B in bfloat16, in-process
+# and split. Usage: bench/gpu_check.sh [OUT_DIR]  (default ./gpu-check; a log and w2.json land there).
+# Needs a CUDA build of torch (and flash-attn for that backend) in the Python it runs: $PYTHON or python.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-gpu-check}
+py=${PYTHON:-python}
+mkdir -p "$out"
+exec > >(tee "$out/log.txt") 2>&1
+status=0
+step() {
+  echo "== $*"
+  "$@" || { echo "== FAILED ($?): $*"; status=1; }
+}
+step nvidia-smi
+step "$py" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+step "$py" -m pytest -q -rs tests/test_cuda.py
+model="$out/qwen3-0.6b-random"
+[ -f "$model/config.json" ] || step "$py" -m bench.random_model "$model"
+step "$py" -m bench.throughput --workload w2 --device cuda --dtype bfloat16 --model "$model" \
+  --peers inprocess split --json "$out/w2.json"
+exit $status

@@ -1,0 +1,60 @@
+"""On a CUDA device: every attention backend, CUDA graphs, and the kernels compiled for real.
+
+Skipped where there is no GPU (CI); ``bench/gpu_check.sh`` runs it when one is lent. The
+interpreted Triton cases (tests/triton_kernel_cases.py) check the kernels' logic on the CPU;
+these check what only a GPU build shows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor_svc.attention import available_backends
+from executor_svc.attention.flash_backend import FLASH_PAGE_MULTIPLE
+from executor_svc.config import ExecutorOptions
+from executor_svc.model_executor import ModelExecutor
+from scheduler_svc.engine import Engine
+from scheduler_svc.sampling import SamplingParams
+from tests.model_fixtures import hf_greedy, tiny_model_folders  # noqa: F401
+from tests.test_model_parity import random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CUDA = torch.device("cuda")
+NEW_TOKENS = 32
+
+
+def cuda_tokens(folder: Path, backend: str, dtype: str, enforce_eager: bool, block_size: int = 16) -> list[list[int]]:
+    options = ExecutorOptions(
+        model=str(folder), device="cuda", dtype=dtype, attention_backend=backend, block_size=block_size,
+        kv_cache_memory=256 << 20, enforce_eager=enforce_eager,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [c.token_ids for c in Engine(ModelExecutor(options)).generate(random_prompts(7), params)]
+
+
+def backends() -> list[str]:
+    return available_backends(CUDA) if torch.cuda.is_available() else []
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_float32_greedy_matches_hf(tiny_model_folders: dict[str, Path], family: str, backend: str) -> None:  # noqa: F811
+    """Float32 on the GPU (TF32 off, torch's default) gives transformers' CPU tokens, eager and with graphs."""
+    folder = tiny_model_folders[family]
+    expected = hf_greedy(folder, random_prompts(7), NEW_TOKENS, stop_at_eos=False)
+    assert cuda_tokens(folder, backend, "float32", enforce_eager=True) == expected
+    assert cuda_tokens(folder, backend, "float32", enforce_eager=False) == expected
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_cuda_graphs_give_the_eager_tokens_in_bfloat16(tiny_model_folders: dict[str, Path], backend: str) -> None:  # noqa: F811
+    """Replaying captured decode graphs changes nothing; flash-attn's paged path needs pages of 256."""
+    block_size = FLASH_PAGE_MULTIPLE if backend == "flash_attn" else 16
+    folder = tiny_model_folders["qwen3"]
+    eager = cuda_tokens(folder, backend, "bfloat16", enforce_eager=True, block_size=block_size)
+    assert cuda_tokens(folder, backend, "bfloat16", enforce_eager=False, block_size=block_size) == eager
+
