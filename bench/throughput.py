@@ -105,8 +105,8 @@ def run_split(args: argparse.Namespace, workload: Workload, overlap: bool) -> fl
         "--device", args.device, "--dtype", args.dtype, "--block-size", str(args.block_size),
         "--threads", str(args.threads), "--max-model-len", str(workload.max_model_len),
     ]
-    if kv_cache_memory(args) is not None:
-        executor_argv += ["--kv-cache-memory", str(kv_cache_memory(args))]
+    if (kv_bytes := kv_cache_memory(args)) is not None:
+        executor_argv += ["--kv-cache-memory", str(kv_bytes)]
     scheduler_argv = [
         sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--port", str(scheduler_port),
         "--overlap", str(overlap).lower(), "--log-level", "WARNING",

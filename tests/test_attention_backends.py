@@ -10,12 +10,12 @@ import torch
 
 import executor_svc.attention as attention
 from executor_svc.attention import available_backends, cpu_kernels, get_backend
-from executor_svc.attention.base import AttentionMetadata
 from executor_svc.attention.flash_backend import FlashAttention
 from executor_svc.attention.torch_backend import TorchAttention
 
 # Imported before any test sets TRITON_INTERPRET, so the kernels stay compiled ones for this process.
 from executor_svc.attention.triton_backend import TritonAttention
+from tests.attention_helpers import decode_meta, prefill_meta
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -132,17 +132,8 @@ def test_flash_prefill_passes_packed_or_paged_context(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn())
     ctx_lens, q_lens = [300, 170], [45, 170]
     q, k, v, k_cache, v_cache, tables, slots = paged_step(ctx_lens, q_lens, 256)
-    for cached, lens in [(True, ctx_lens), (False, q_lens)]:
-        meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=slots,
-            block_tables=tables,
-            cu_seqlens_q=torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32),
-            cu_seqlens_k=torch.tensor([0, *lens]).cumsum(0).to(torch.int32),
-            max_seqlen_q=max(q_lens),
-            max_seqlen_k=max(lens),
-            has_cached_context=cached,
-        )
+    for lens in (ctx_lens, q_lens):  # paged context from the cache, then each request's own packed keys
+        meta = prefill_meta(slots, tables, lens, q_lens)
         out = FlashAttention().prefill(q, k, v, k_cache, v_cache, meta, 0.25)
         expected = TorchAttention().prefill(q, k, v, k_cache, v_cache, meta, 0.25)
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
@@ -152,12 +143,7 @@ def test_flash_decode_reads_the_cache_through_block_tables(monkeypatch: pytest.M
     monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn())
     ctx_lens = [400, 9]
     q, _, _, k_cache, v_cache, tables, slots = paged_step(ctx_lens, [1, 1], 256)
-    meta = AttentionMetadata(
-        is_prefill=False,
-        slot_mapping=slots,
-        block_tables=tables,
-        context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
-    )
+    meta = decode_meta(slots, tables, ctx_lens)
     out = FlashAttention().decode(q, k_cache, v_cache, meta, 0.25)
     expected = TorchAttention().decode(q, k_cache, v_cache, meta, 0.25)
     assert out.shape == q.shape
