@@ -12,7 +12,9 @@ as a ratio, and ``floor`` (no engine: plan-sized bytes for result-sized bytes ov
 to an echo method of the same child), gRPC Python's own round trip: the least a peer that waits
 for each result can cost (``overlap`` keeps two in flight, so it can go under). Each batch runs
 its prefills first, then times ``--steps`` decode steps of ``--batch`` sequences of context
-``--context``.
+``--context``. With ``--num-scheduler-steps N`` every peer plans N decode steps at a time
+(``nanoserve-scheduler --num-scheduler-steps``) and the floor sends one message per N steps;
+figures stay per decode step.
 """
 
 from __future__ import annotations
@@ -71,24 +73,31 @@ class Phases:
         return Phases(*(statistics.median(getattr(r, f) for r in runs) for f in Phases.__dataclass_fields__))
 
 
-def geometry(batch: int, context: int, steps: int) -> tuple[int, int]:
-    """(max_model_len, num_blocks) so that ``batch`` sequences decode ``steps`` tokens past ``context`` unpreempted."""
-    max_model_len = context + steps + BLOCK_SIZE
+def geometry(batch: int, context: int, steps: int, num_steps: int) -> tuple[int, int]:
+    """(max_model_len, num_blocks) so that ``batch`` sequences decode ``steps`` tokens past ``context`` unpreempted,
+    with room for the plans in flight (``num_steps`` decode steps each)."""
+    max_model_len = context + steps + 2 * num_steps + BLOCK_SIZE
     return max_model_len, batch * -(-max_model_len // BLOCK_SIZE)
 
 
-def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps: int, overlap: bool) -> Phases:
-    """Prefill ``batch`` distinct prompts of ``context`` tokens, then time ``steps`` decode steps after ``warmup``."""
-    engine = Engine(executor, SchedulerConfig(max_num_seqs=max(batch, 1)), overlap=overlap)
+def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps: int, overlap: bool,
+                num_steps: int = 1) -> Phases:
+    """Prefill ``batch`` distinct prompts of ``context`` tokens, then time ``steps`` decode steps after ``warmup``.
+
+    With ``num_steps`` decode steps per plan, ``steps // num_steps`` plans are timed and every figure is per
+    decode step (a plan's cost divided by ``num_steps``)."""
+    config = SchedulerConfig(max_num_seqs=max(batch, 1), num_scheduler_steps=num_steps)
+    engine = Engine(executor, config, overlap=overlap)
     rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_tokens=engine.info.max_model_len - context, ignore_eos=True)
     seqs = [engine.add_request([rng.randrange(VOCAB_SIZE) for _ in range(context)], params) for _ in range(batch)]
     while any(s.num_completion_tokens == 0 for s in seqs):
         engine.step()
-    for _ in range(warmup):
+    for _ in range(-(-warmup // num_steps)):
         engine.step()
     sums = [0.0] * 6
-    for _ in range(steps):
+    plans = max(steps // num_steps, 1)
+    for _ in range(plans):
         c0, t0 = time.thread_time(), time.perf_counter()
         engine.step()
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
@@ -101,7 +110,7 @@ def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps
     while engine.has_unfinished():
         engine.step()
     engine.step()
-    return Phases(*(1e6 * s / steps for s in sums))
+    return Phases(*(1e6 * s / (plans * num_steps) for s in sums))
 
 
 class OneAtATimeOverStream:
@@ -131,16 +140,19 @@ class SizingNull(NullExecutor):
         return result
 
 
-def decode_sizes(batch: int, context: int, steps: int, max_model_len: int, num_blocks: int) -> tuple[int, int]:
-    """Median (plan, result) bytes of the decode steps the other peers time at ``batch``."""
+def decode_sizes(batch: int, context: int, steps: int, max_model_len: int, num_blocks: int,
+                 num_steps: int) -> tuple[int, int]:
+    """Median (plan, result) bytes of the decode plans the other peers time at ``batch``."""
     sizing = SizingNull(in_process_null(max_model_len, num_blocks).info)
-    time_decode(sizing, batch, context, 0, steps, overlap=False)
+    time_decode(sizing, batch, context, 0, steps, overlap=False, num_steps=num_steps)
     return statistics.median_low(sizing.sizes)
 
 
-def time_floor(channel: grpc.Channel, sizes: tuple[int, int], warmup: int, steps: int) -> Phases:
-    """Time ``steps`` round trips of plan-sized bytes for result-sized bytes after ``warmup``, sent as
-    ``StepStream`` sends plans: one stream fed by a queue, each message waiting for its answer."""
+def time_floor(channel: grpc.Channel, sizes: tuple[int, int], warmup: int, steps: int, num_steps: int) -> Phases:
+    """Time round trips of plan-sized bytes for result-sized bytes after a warm-up, sent as ``StepStream``
+    sends plans: one stream fed by a queue, each message waiting for its answer. One round trip per plan
+    of ``num_steps`` decode steps; figures are per decode step."""
+    warmup, steps = -(-warmup // num_steps), max(steps // num_steps, 1)
     messages: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
     call = channel.stream_stream(f"/{ECHO_SERVICE}/{ECHO_METHOD}")(iter(messages.get, None),
                                                                     metadata=(("reply-bytes", str(sizes[1])),))
@@ -150,7 +162,9 @@ def time_floor(channel: grpc.Channel, sizes: tuple[int, int], warmup: int, steps
             c0, t0 = time.thread_time(), time.perf_counter()
         messages.put(message)
         next(call)
-    wall_us, cpu_us = 1e6 * (time.perf_counter() - t0) / steps, 1e6 * (time.thread_time() - c0) / steps
+    decode_steps = steps * num_steps
+    wall_us = 1e6 * (time.perf_counter() - t0) / decode_steps
+    cpu_us = 1e6 * (time.thread_time() - c0) / decode_steps
     messages.put(None)
     return Phases(0.0, 0.0, wall_us, 0.0, wall_us, cpu_us)
 
@@ -194,6 +208,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=20, help="untimed decode steps first (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=5, help="runs per batch and peer; medians are reported "
                         "(default: %(default)s)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per plan (multi-step "
+                        "scheduling, as nanoserve-scheduler --num-scheduler-steps); figures stay per decode step "
+                        "(default: %(default)s)")
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS),
                         help="executors to time (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
@@ -209,11 +226,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     if args.serve is not None:
         serve_null(args.serve, args.max_model_len, args.num_blocks)
         return {}
-    max_model_len, num_blocks = geometry(max(args.batch), args.context, args.warmup + args.steps)
+    num_steps = args.num_scheduler_steps
+    if num_steps < 1:
+        raise SystemExit(f"--num-scheduler-steps must be >= 1, got {num_steps}")
+    max_model_len, num_blocks = geometry(max(args.batch), args.context, args.warmup + args.steps, num_steps)
     port = free_port()
     peers = [p for p in PEERS if p in args.peers]
-    sizes = ({b: decode_sizes(b, args.context, args.steps, max_model_len, num_blocks) for b in args.batch}
-             if "floor" in peers else {})
+    sizes = ({b: decode_sizes(b, args.context, args.steps, max_model_len, num_blocks, num_steps)
+              for b in args.batch} if "floor" in peers else {})
     with null_server(port, max_model_len, num_blocks) as server:
         target = f"{HOST}:{port}"
         server.wait_serving(target, timeout_s=60)
@@ -228,16 +248,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
             for _ in range(args.repeats):
                 for peer, batch in runs:
                     timed[peer, batch].append(
-                        time_floor(floor, sizes[batch], args.warmup, args.steps) if peer == "floor" else
+                        time_floor(floor, sizes[batch], args.warmup, args.steps, num_steps) if peer == "floor" else
                         time_decode(executors[peer], batch, args.context, args.warmup, args.steps,
-                                    overlap=peer == "overlap"))
+                                    overlap=peer == "overlap", num_steps=num_steps))
                     bar.update()
         results = {run: Phases.median(runs_of) for run, runs_of in timed.items()}
         remote.close()
         streamed.close()
         floor.close()
-    print(f"W4: decode steps of context {args.context}, null executor, median of {args.repeats} runs of "
-          f"{args.steps} steps (us per step)")
+    print(f"W4: decode steps of context {args.context}, null executor, {num_steps} decode step(s) per plan, "
+          f"median of {args.repeats} runs of {args.steps} steps (us per decode step)")
     rows = []
     for (peer, batch), p in results.items():
         baseline = results.get(("in-process", batch))
@@ -247,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     print_table(["batch", "executor", "schedule+plan", "(plan)", "execute/RPC", "postprocess", "total",
                  "steps/s", "x in-process", "CPU"], rows)
     figures = figures_of(results, args.context, args.steps, args.repeats)
+    figures["num_scheduler_steps"] = num_steps
     for batch, (plan_bytes, result_bytes) in sizes.items():
         figures[f"floor_plan_bytes_b{batch}"], figures[f"floor_result_bytes_b{batch}"] = plan_bytes, result_bytes
     write_json(args.json, figures)

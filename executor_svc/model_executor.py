@@ -18,7 +18,7 @@ from executor_svc.config import ExecutorOptions
 from executor_svc.distributed import free_init_method, init_group, spawn_workers
 from executor_svc.model_registry import resolve_model
 from executor_svc.model_runner import ModelRunner, rank_device, worker_main
-from executor_svc.requests import RequestTable
+from executor_svc.requests import RequestTable, Sampled, ScheduledChunk
 from nanoserve.v1 import executor_pb2 as pb
 
 
@@ -75,17 +75,20 @@ class ModelExecutor:
         result = pb.StepResult(instance_id=self.info.instance_id, step_id=plan.step_id)
         if not chunks:
             return result
-        samples = [chunk.samples for chunk in chunks]  # before record_sampled moves the requests on
-        output, forward_ms, sample_ms = self.runner.run(chunks)
-        sampled = iter(output.token_ids)
-        token_ids = [next(sampled) if s else 0 for s in samples]
-        self.table.record_sampled(chunks, token_ids)
-        result.token_ids.extend(token_ids)
-        result.forward_ms, result.sample_ms = forward_ms, sample_ms
-        if output.logprobs:
-            entries = iter(output.logprobs)
-            result.logprobs.extend(next(entries) if s else pb.TokenLogprobs() for s in samples)
+        sampled = self.table.run_steps(chunks, lambda step_chunks: self._forward(step_chunks, result))
+        result.token_ids.extend(token_id for token_id, _ in sampled)
+        if any(logprobs is not None for _, logprobs in sampled):
+            result.logprobs.extend(logprobs or pb.TokenLogprobs() for _, logprobs in sampled)
         return result
+
+    def _forward(self, chunks: list[ScheduledChunk], result: pb.StepResult) -> list[Sampled]:
+        """One forward pass and sampling over ``chunks``; its times add up in ``result``."""
+        output, forward_ms, sample_ms = self.runner.run(chunks)
+        result.forward_ms += forward_ms
+        result.sample_ms += sample_ms
+        token_ids = iter(output.token_ids)
+        logprobs = iter(output.logprobs or ())
+        return [(next(token_ids), next(logprobs, None)) if chunk.samples else (0, None) for chunk in chunks]
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (rank 0 only has work to do)."""

@@ -6,9 +6,13 @@ whole before any of it is applied, so a rejected plan changes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanoserve.v1 import executor_pb2 as pb
+
+# A sampled token id and, when the request asked for them, its logprobs.
+Sampled = tuple[int, pb.TokenLogprobs | None]
 
 INVALID = "INVALID_ARGUMENT"
 PRECONDITION = "FAILED_PRECONDITION"
@@ -38,11 +42,13 @@ class RequestState:
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """The tokens ``[start, start + num_tokens)`` of ``state`` computed this step."""
+    """The tokens ``[start, start + num_tokens)`` of ``state`` computed this step; a decode chunk
+    with ``num_steps`` > 1 then decodes that many tokens back to back (multi-step decode)."""
 
     state: RequestState
     start: int
     num_tokens: int
+    num_steps: int = 1
 
     @property
     def end(self) -> int:
@@ -93,6 +99,9 @@ class RequestTable:
                 state.block_table += new_block_ids[offset : offset + n_new]
                 offset += n_new
             chunks.append(ScheduledChunk(state, computed, scheduled))
+        if cached.num_decode_steps:  # validated: no new requests, one entry per cached one
+            for chunk, num_steps in zip(chunks, cached.num_decode_steps, strict=True):
+                chunk.num_steps = num_steps
         return chunks
 
     def record_sampled(self, chunks: list[ScheduledChunk], token_ids: list[int]) -> None:
@@ -103,6 +112,28 @@ class RequestTable:
             if end == len(state.token_ids):
                 state.token_ids.append(token_id)
             state.num_computed_tokens = end
+
+    def run_steps(
+        self, chunks: list[ScheduledChunk], step: Callable[[list[ScheduledChunk]], list[Sampled]]
+    ) -> list[Sampled]:
+        """Run ``step`` (compute and sample one token per chunk, in order; 0 for a chunk that does not sample)
+        and record its tokens, once per decode step the chunks ask for, each step feeding the tokens of the one
+        before. Returns every chunk's tokens in the order sampled, chunks in plan order."""
+        if all(chunk.num_steps == 1 for chunk in chunks):
+            outputs = step(chunks)
+            self.record_sampled(chunks, [token_id for token_id, _ in outputs])
+            return outputs
+        per_chunk: list[list[Sampled]] = [[] for _ in chunks]
+        active = list(range(len(chunks)))
+        current = chunks
+        for done in range(1, max(chunk.num_steps for chunk in chunks) + 1):
+            outputs = step(current)
+            self.record_sampled(current, [token_id for token_id, _ in outputs])
+            for i, output in zip(active, outputs, strict=True):
+                per_chunk[i].append(output)
+            active = [i for i in active if chunks[i].num_steps > done]
+            current = [ScheduledChunk(chunks[i].state, chunks[i].state.num_computed_tokens, 1) for i in active]
+        return [output for outputs in per_chunk for output in outputs]
 
     def _check_blocks(self, request_id: int, block_ids, needed_tokens: int, table_len: int) -> None:
         bad = next((b for b in block_ids if b >= self.num_blocks), None)
@@ -144,10 +175,14 @@ class RequestTable:
             cached.new_block_ids
         ):
             raise PlanError(INVALID, "cached_requests columns have different lengths")
+        steps = list(cached.num_decode_steps) or [1] * len(cached.request_ids)
+        if cached.num_decode_steps:
+            self._validate_multi_step(plan, steps)
         new_block_ids = list(cached.new_block_ids)
         requests, block_size = self.requests, self.block_size
         offset = 0
-        for rid, computed, scheduled, n_new in zip(cached.request_ids, *map(list, columns), strict=True):
+        rows = zip(cached.request_ids, *map(list, columns), steps, strict=True)
+        for rid, computed, scheduled, n_new, num_steps in rows:
             state = requests.get(rid)
             if state is None or rid in dropped or rid in seen:
                 raise PlanError(PRECONDITION, f"cached request {rid} is unknown to this executor")
@@ -158,12 +193,26 @@ class RequestTable:
                     f"request {rid}: plan says {computed} tokens computed, executor has "
                     f"{state.num_computed_tokens}",
                 )
-            end = computed + scheduled
-            if scheduled < 1 or end > len(state.token_ids):
+            if scheduled < 1 or computed + scheduled > len(state.token_ids):
                 raise PlanError(
                     INVALID, f"request {rid}: cannot schedule {scheduled} tokens after {computed} computed"
                 )
+            end = computed + scheduled + num_steps - 1
             # A request that gains no block and whose table already covers the chunk has nothing to check.
             if n_new or len(state.block_table) * block_size < end:
                 self._check_blocks(rid, new_block_ids[offset : offset + n_new], end, len(state.block_table) + n_new)
                 offset += n_new
+
+    @staticmethod
+    def _validate_multi_step(plan: pb.StepPlan, steps: list[int]) -> None:
+        cached = plan.cached_requests
+        if plan.is_prefill or plan.new_requests:
+            raise PlanError(INVALID, "num_decode_steps is for decode plans only (no prefill, no new requests)")
+        if len(steps) != len(cached.request_ids):
+            raise PlanError(INVALID, "num_decode_steps needs one entry per cached request")
+        for rid, scheduled, num_steps in zip(cached.request_ids, cached.num_scheduled_tokens, steps, strict=True):
+            if num_steps < 1 or scheduled != 1:
+                raise PlanError(
+                    INVALID, f"request {rid}: a multi-step decode needs 1 scheduled token and >= 1 steps, got "
+                    f"{scheduled} and {num_steps}",
+                )

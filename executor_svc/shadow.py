@@ -15,7 +15,7 @@ import uuid
 import numpy as np
 import xxhash
 
-from executor_svc.requests import RequestTable
+from executor_svc.requests import RequestTable, Sampled, ScheduledChunk
 from nanoserve.v1 import executor_pb2 as pb
 
 EMPTY_SLOT = -1
@@ -93,19 +93,23 @@ class ShadowExecutor:
         return np.asarray(block_table, dtype=np.int64)[positions // bs] * bs + positions % bs
 
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
-        chunks = self.table.apply(plan)
-        token_ids = []
+        sampled = self.table.run_steps(self.table.apply(plan), self._compute)
+        return pb.StepResult(instance_id=self.info.instance_id, step_id=plan.step_id,
+                             token_ids=[token_id for token_id, _ in sampled])
+
+    def _compute(self, chunks: list[ScheduledChunk]) -> list[Sampled]:
+        """Write each chunk's tokens into its KV slots, then derive each sampled token from the KV read back."""
         for chunk in chunks:
             state = chunk.state
             self.kv[self._slots(state.block_table, chunk.start, chunk.end)] = state.token_ids[
                 chunk.start : chunk.end
             ]
+        sampled: list[Sampled] = []
         for chunk in chunks:
             if not chunk.samples:
-                token_ids.append(0)
+                sampled.append((0, None))
                 continue
             context = self.kv[self._slots(chunk.state.block_table, 0, chunk.end)]
             seed = chunk.state.sampling.seed if chunk.state.sampling.HasField("seed") else None
-            token_ids.append(next_token(context, self.info.vocab_size, seed))
-        self.table.record_sampled(chunks, token_ids)
-        return pb.StepResult(instance_id=self.info.instance_id, step_id=plan.step_id, token_ids=token_ids)
+            sampled.append((next_token(context, self.info.vocab_size, seed), None))
+        return sampled

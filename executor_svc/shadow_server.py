@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from executor_svc.requests import RequestTable
+from executor_svc.requests import RequestTable, Sampled, ScheduledChunk
 from executor_svc.service import serve
 from executor_svc.shadow import ShadowExecutor
 from nanoserve.v1 import executor_pb2 as pb
@@ -54,7 +54,8 @@ class NullExecutor:
         return self.info
 
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
-        n = len(plan.new_requests) + len(plan.cached_requests.request_ids)
+        cached = plan.cached_requests
+        n = len(plan.new_requests) + (sum(cached.num_decode_steps) or len(cached.request_ids))
         return pb.StepResult(instance_id=self.info.instance_id, step_id=plan.step_id, token_ids=[NULL_TOKEN_ID] * n)
 
     def reset(self) -> int:
@@ -80,13 +81,17 @@ class EchoExecutor:
         chunks = self.table.apply(plan)
         for new in plan.new_requests:
             self.prompt_lens.setdefault(new.request_id, len(new.token_ids))
-        token_ids = []
+        sampled = self.table.run_steps(chunks, self._echo)
+        return pb.StepResult(instance_id=self.info.instance_id, step_id=plan.step_id,
+                             token_ids=[token_id for token_id, _ in sampled])
+
+    def _echo(self, chunks: list[ScheduledChunk]) -> list[Sampled]:
+        sampled: list[Sampled] = []
         for chunk in chunks:
             tokens = chunk.state.token_ids
             n_prompt = self.prompt_lens[chunk.state.request_id]
-            token_ids.append(tokens[(len(tokens) - n_prompt) % n_prompt] if chunk.samples else 0)
-        self.table.record_sampled(chunks, token_ids)
-        return pb.StepResult(instance_id=self.info.instance_id, step_id=plan.step_id, token_ids=token_ids)
+            sampled.append((tokens[(len(tokens) - n_prompt) % n_prompt] if chunk.samples else 0, None))
+        return sampled
 
     def reset(self) -> int:
         self.prompt_lens.clear()

@@ -54,7 +54,8 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
-    def _take_free_block(self) -> int:
+    def take_free_block(self) -> int:
+        """Hand out the least recently freed block, dropping its prefix-cache registration."""
         block_id = self.free_block_ids.popleft()
         block = self.blocks[block_id]
         assert block.ref_count == 0
@@ -101,7 +102,7 @@ class BlockManager:
                 block.ref_count = 1
             seq.block_table.append(block_id)
         for _ in range(num_cached_blocks, seq.num_blocks):
-            seq.block_table.append(self._take_free_block())
+            seq.block_table.append(self.take_free_block())
         seq.num_cached_tokens = num_cached_blocks * self.block_size
 
     def deallocate(self, seq: Sequence) -> None:
@@ -114,18 +115,6 @@ class BlockManager:
                 self.free_block_ids.append(block_id)
         seq.num_cached_tokens = 0
         seq.block_table.clear()
-
-    def needs_block(self, seq: Sequence) -> bool:
-        """True when the token decoded next (the last one) starts a new block."""
-        return (len(seq) - 1) % self.block_size == 0
-
-    def can_append(self, seq: Sequence) -> bool:
-        """True when the token decoded next has a slot (a new block if needed)."""
-        return bool(self.free_block_ids) or not self.needs_block(seq)
-
-    def may_append(self, seq: Sequence) -> None:
-        if self.needs_block(seq):
-            seq.block_table.append(self._take_free_block())
 
     def hash_blocks(self, seq: Sequence, first_token: int, end_token: int) -> None:
         """Register the blocks that computing tokens [first_token, end_token) filled; their KV now exists.

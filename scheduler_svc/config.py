@@ -38,6 +38,8 @@ class ServiceConfig:
     api_key: str = ""
     # Keep one step in flight: schedule step N+1 while the executor runs step N.
     overlap: bool = False
+    # Decode steps per plan (multi-step scheduling): the executor feeds its own tokens in between.
+    num_scheduler_steps: int = 1
 
 
 def env_name(flag: str) -> str:
@@ -121,6 +123,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--executor-tls-key", str, "PEM private key of --executor-tls-cert")
     add("--api-key", str, "clients must send 'authorization: Bearer <key>'; prefer the environment", secret=True)
     add("--overlap", _bool, "schedule step N+1 while the executor runs step N", nargs="?", const=True)
+    add("--num-scheduler-steps", _positive_int, "decode steps per plan: the scheduling and the RPC are paid once "
+        "per this many steps, and EOS and stop strings are seen (and new requests start) only between plans")
     return parser
 
 

@@ -22,7 +22,7 @@ from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.executor import Executor
 from scheduler_svc.planner import Planner
 from scheduler_svc.sampling import InvalidRequest, SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig, StepRecord
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig, StepRecord, TokenOutput
 from scheduler_svc.sequence import FinishReason, Sequence
 
 
@@ -32,15 +32,6 @@ class ExecutorRestarted(RuntimeError):
 
 class IncompatibleExecutor(RuntimeError):
     """The executor came back serving another model or vocabulary; requests cannot carry over."""
-
-
-@dataclass(slots=True)
-class TokenOutput:
-    """One completion token a step produced for ``seq``."""
-
-    seq: Sequence
-    token_id: int
-    logprobs: pb.TokenLogprobs | None
 
 
 @dataclass
@@ -146,6 +137,12 @@ class Engine:
         """Stop ``seq`` now; its blocks are free at once, the executor drops it next step."""
         self.scheduler.finish(seq, FinishReason.ABORT)
 
+    def stop_at(self, seq: Sequence, position: int) -> None:
+        """End ``seq`` with STOP at its token ``position`` (a stop string ends there); tokens that a
+        multi-step plan sampled after it are dropped."""
+        del seq.token_ids[position + 1 :]
+        self.scheduler.finish(seq, FinishReason.STOP)
+
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or not self.scheduler.is_finished()
 
@@ -198,10 +195,8 @@ class Engine:
                 f"executor instance changed from {self.info.instance_id} to {result.instance_id}"
             )
         self.num_steps += 1
-        token_ids = list(result.token_ids)
-        advanced = self.scheduler.settle(launched.record, token_ids)
-        seqs, logprobs = launched.record.seqs, result.logprobs
-        outputs = [TokenOutput(seqs[i], token_ids[i], logprobs[i] if logprobs else None) for i in advanced]
+        outputs = self.scheduler.settle(launched.record, list(result.token_ids), result.logprobs)
+
         self.last_timings = StepTimings(
             launched.schedule_s, launched.plan_s, launched.send_s + t1 - t0, time.perf_counter() - t1
         )

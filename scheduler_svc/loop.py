@@ -394,21 +394,28 @@ class EngineLoop:
         self.on_serving(True)
 
     def _on_token(self, active: _Active, out: TokenOutput) -> RequestOutput:
-        """Text, stop strings and finish reason for one sampled token."""
-        seq = out.seq
+        """Text, stop strings and finish reason for the tokens one step sampled for a request."""
+        seq, token_ids = out.seq, out.token_ids
         text, stopped = "", False
         if active.text is not None:
-            if not (seq.is_finished and seq.finish_reason is FinishReason.STOP):
-                text, stopped = active.text.push(out.token_id)
-            if not stopped and seq.is_finished:
+            last = len(token_ids) - 1
+            for k, token_id in enumerate(token_ids):
+                if k == last and out.final and seq.finish_reason is FinishReason.STOP:
+                    break  # an EOS or stop token ends the text without being part of it
+                piece, stopped = active.text.push(token_id)
+                text += piece
+                if stopped:
+                    if k < last or not out.final:
+                        self.engine.stop_at(seq, out.position + k)
+                    token_ids = token_ids[: k + 1]
+                    break
+            if not stopped and out.final:
                 tail, stopped = active.text.finish()
                 text += tail
-            if stopped:
-                self.engine.scheduler.finish(seq, FinishReason.STOP)
-        reason = FinishReason.STOP if stopped else seq.finish_reason
-        logprobs = [out.logprobs] if out.logprobs is not None and seq.params.logprobs is not None else []
+        reason = FinishReason.STOP if stopped else (seq.finish_reason if out.final else None)
+        logprobs = out.logprobs[: len(token_ids)] if out.logprobs and seq.params.logprobs is not None else []
         usage = self._usage(seq) if reason is not None else None
-        return RequestOutput(text, [out.token_id], logprobs, reason, usage)
+        return RequestOutput(text, token_ids, logprobs, reason, usage)
 
     @staticmethod
     def _usage(seq: Sequence) -> Usage:

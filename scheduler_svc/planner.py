@@ -59,7 +59,11 @@ class Planner:
             cached = plan.cached_requests
             cached.request_ids.extend([seq.seq_id for seq in cached_seqs])
             cached.num_computed_tokens.extend([seq.num_cached_tokens for seq in cached_seqs])
-            cached.num_scheduled_tokens.extend([seq.num_scheduled_tokens for seq in cached_seqs])
+            scheduled = [seq.num_scheduled_tokens for seq in cached_seqs]
+            if not is_prefill and max(scheduled) > 1:  # multi-step decode: one fed token, then the executor's own
+                cached.num_decode_steps.extend(scheduled)
+                scheduled = [1] * len(scheduled)
+            cached.num_scheduled_tokens.extend(scheduled)
             cached.num_new_blocks.extend(num_new_blocks)
             cached.new_block_ids.extend(new_block_ids)
         return plan, new_seqs + cached_seqs

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.sequence import PENDING, FinishReason, Sequence, SequenceStatus
@@ -15,8 +17,14 @@ class SchedulerConfig:
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # Decode tokens per sequence per plan (vLLM's multi-step scheduling): the executor feeds each
+    # sampled token into the next forward pass itself, so the scheduling, the RPC and the plan are
+    # paid once per this many decode steps. Stops (EOS, stop strings) are seen after the whole plan.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -24,14 +32,29 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class TokenOutput:
+    """The completion tokens a step produced for ``seq`` (several under multi-step decode), the first at
+    ``position`` in its token ids, with the executor's logprobs of each when it sent them; ``final`` when
+    the last of them ended the sequence."""
+
+    seq: Sequence
+    token_ids: list[int]
+    logprobs: list[Any] | None
+    position: int
+    final: bool
+
+
+@dataclass(slots=True)
 class StepRecord:
     """A step booked by ``advance``, waiting for its tokens in ``settle``: per sequence, the first
-    token it computes, how many, and where its sampled token goes (-1: dropped, an unfinished chunk)."""
+    token it computes, how many, and where its first sampled token goes (-1: dropped, an unfinished
+    chunk). A decode sequence samples one token per computed token (more than one in multi-step)."""
 
     seqs: list[Sequence]
     starts: list[int]
     counts: list[int]
     slots: list[int]
+    is_prefill: bool
 
 
 class Scheduler:
@@ -41,7 +64,9 @@ class Scheduler:
     sequence of a batch may be chunked, and a chunked sequence stays at the
     head until its prompt is computed. Decode runs only when no prefill was
     scheduled; when a block cannot be appended, the tail of ``running`` is
-    preempted (its blocks freed, recomputed later).
+    preempted (its blocks freed, recomputed later). A decode sequence is
+    scheduled for up to ``num_scheduler_steps`` tokens, never past its
+    max_tokens or the model's length.
     """
 
     def __init__(
@@ -53,6 +78,7 @@ class Scheduler:
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.num_scheduler_steps = config.num_scheduler_steps
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.eos_token_ids = eos_token_ids
@@ -114,27 +140,36 @@ class Scheduler:
         if scheduled:
             return scheduled, True
 
-        # The decode loop runs once per running sequence every step: BlockManager.can_append and
-        # may_append are inlined (a block is needed only when the last one is full) to keep it cheap.
+        # The decode loop runs once per running sequence every step: the block bookkeeping is inlined
+        # (with one token per step a block is needed only when the last one is full) to keep it cheap.
         block_manager, block_size, running = self.block_manager, self.block_size, self.running
-        free_block_ids = block_manager.free_block_ids
+        free_block_ids, num_steps = block_manager.free_block_ids, self.num_scheduler_steps
+        max_model_len = self.max_model_len
         held: list[Sequence] = []
+        steps = 1
         while running and len(scheduled) < self.max_num_seqs:
             seq = running.popleft()
             if seq.final_token_pending:
                 held.append(seq)
                 continue
-            needs_block = (len(seq.token_ids) - 1) % block_size == 0
-            while needs_block and not free_block_ids:
+            num_tokens = len(seq.token_ids)
+            if num_steps > 1:
+                left = seq.params.max_tokens - (num_tokens - seq.num_prompt_tokens)
+                steps = min(num_steps, left, max_model_len - num_tokens)
+                # KV is written for positions num_tokens - 1 .. num_tokens + steps - 2.
+                blocks_needed = (num_tokens + steps - 2) // block_size + 1 - len(seq.block_table)
+            else:
+                blocks_needed = (num_tokens - 1) % block_size == 0
+            while blocks_needed and len(free_block_ids) < blocks_needed:
                 if running:
                     self.preempt(running.pop())
                 else:
                     self.preempt(seq)
                     break
             else:
-                seq.num_scheduled_tokens = 1
-                if needs_block:
-                    block_manager.may_append(seq)
+                seq.num_scheduled_tokens = steps
+                if blocks_needed:
+                    seq.block_table.extend([block_manager.take_free_block() for _ in range(blocks_needed)])
                 scheduled.append(seq)
         if not scheduled and not held:
             raise RuntimeError("nothing can be scheduled: a sequence needs more KV blocks than exist")
@@ -150,13 +185,13 @@ class Scheduler:
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
         """Apply the sampled tokens; return the sequences that gained a token."""
-        return [seqs[i] for i in self.settle(self.advance(seqs, is_prefill), token_ids)]
+        return [out.seq for out in self.settle(self.advance(seqs, is_prefill), token_ids)]
 
     def advance(self, seqs: list[Sequence], is_prefill: bool) -> StepRecord:
         """Book a scheduled step as computed, before its tokens are known.
 
-        Its tokens count as cached, and each sequence that keeps this step's token (all but an
-        unfinished prefill chunk) gets a PENDING slot for it, so the next step can be scheduled
+        Its tokens count as cached, and each sequence that keeps this step's tokens (all but an
+        unfinished prefill chunk) gets a PENDING slot for each, so the next step can be scheduled
         while this one runs. ``settle`` fills the slots.
         """
         starts, counts, slots = [], [], []
@@ -169,41 +204,84 @@ class Scheduler:
             slot = -1
             if not is_prefill or start + count == len(tokens):
                 slot = len(tokens)
-                tokens.append(PENDING)
-                if slot + 1 - seq.num_prompt_tokens >= seq.params.max_tokens or slot + 1 >= max_model_len:
+                if is_prefill or count == 1:
+                    tokens.append(PENDING)
+                    last = slot + 1
+                else:
+                    tokens.extend([PENDING] * count)
+                    last = slot + count
+                if last - seq.num_prompt_tokens >= seq.params.max_tokens or last >= max_model_len:
                     seq.final_token_pending = True
             starts.append(start)
             counts.append(count)
             slots.append(slot)
-        return StepRecord(seqs, starts, counts, slots)
+        return StepRecord(seqs, starts, counts, slots, is_prefill)
 
-    def settle(self, record: StepRecord, token_ids: list[int]) -> list[int]:
-        """Put a step's tokens in place; return the positions in the step of the sequences that gained one.
+    def settle(self, record: StepRecord, token_ids: list[int], logprobs: Collection[Any] = ()) -> list[TokenOutput]:
+        """Put a step's tokens in place; return what each sequence gained. ``logprobs``, when the
+        executor sent them, are parallel to ``token_ids`` and passed through.
 
         This runs for every scheduled sequence every step, so the per-sequence work is inlined:
         blocks are hashed only when the step filled one (their tokens are all known by now), and
-        a sequence finishes on EOS, a stop token or its length limit.
+        a sequence finishes on EOS, a stop token or its length limit; tokens a multi-step decode
+        sampled past that are dropped.
         """
-        advanced = []
+        settled = []
         block_size, hash_blocks = self.block_size, self.block_manager.hash_blocks
         eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
-        rows = zip(record.seqs, record.starts, record.counts, record.slots, token_ids, strict=True)
-        for i, (seq, start, count, slot, token_id) in enumerate(rows):
+        one_each = record.is_prefill or len(token_ids) == len(record.seqs)
+        expected = len(record.seqs) if one_each else sum(record.counts)
+        if len(token_ids) != expected:
+            raise ValueError(f"the executor returned {len(token_ids)} tokens for a step that samples {expected}")
+        logprobs = logprobs if len(logprobs) else None
+        offset = 0  # of this sequence's first token in token_ids, in a multi-step decode
+        rows = zip(record.seqs, record.starts, record.counts, record.slots, strict=True)
+        for i, (seq, start, count, slot) in enumerate(rows):
+            if not one_each:
+                first, offset = offset, offset + count
             if seq.is_finished:  # aborted or stopped while its step was in flight
                 continue
-            end = start + count
-            if seq.block_table and start // block_size != end // block_size:
-                hash_blocks(seq, start, end)
-            if slot < 0:
-                continue
-            seq.token_ids[slot] = token_id
-            advanced.append(i)
-            params = seq.params
-            if (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids:
-                self.finish(seq, FinishReason.STOP)
-            elif slot + 1 - seq.num_prompt_tokens >= params.max_tokens or slot + 1 >= max_model_len:
-                self.finish(seq, FinishReason.LENGTH)
-        return advanced
+            computed_end = start + count
+            reason = None
+            if slot >= 0:
+                if one_each:
+                    token_id = token_ids[i]
+                    seq.token_ids[slot] = token_id
+                    params = seq.params
+                    if (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids:
+                        reason = FinishReason.STOP
+                    elif slot + 1 - seq.num_prompt_tokens >= params.max_tokens or slot + 1 >= max_model_len:
+                        reason = FinishReason.LENGTH
+                    settled.append(TokenOutput(seq, [token_id], logprobs and [logprobs[i]], slot,
+                                               reason is not None))
+                else:
+                    kept, reason = self._multi_step_tokens(seq, slot, token_ids[first:offset])
+                    end = first + kept
+                    settled.append(TokenOutput(seq, token_ids[first:end], logprobs and logprobs[first:end],
+                                               slot, reason is not None))
+                    # KV past the last kept token belongs to dropped tokens.
+                    computed_end = min(computed_end, slot + kept)
+            if seq.block_table and start // block_size != computed_end // block_size:
+                hash_blocks(seq, start, computed_end)
+            if reason is not None:
+                self.finish(seq, reason)
+        return settled
+
+    def _multi_step_tokens(self, seq: Sequence, slot: int, sampled: list[int]) -> tuple[int, FinishReason | None]:
+        """Place a multi-step decode's tokens from ``slot`` on, up to the first that stops ``seq``.
+        Returns how many it keeps and why it finishes (None: it goes on)."""
+        params = seq.params
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        kept, reason = len(sampled), None
+        if params.stop_token_ids or not eos.isdisjoint(sampled):
+            stop = next((k for k, t in enumerate(sampled) if t in eos or t in params.stop_token_ids), None)
+            if stop is not None:
+                kept, reason = stop + 1, FinishReason.STOP
+        seq.token_ids[slot : slot + kept] = sampled[:kept]
+        last = slot + kept
+        if reason is None and (last - seq.num_prompt_tokens >= params.max_tokens or last >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        return kept, reason
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End ``seq`` wherever it is (finished, stop string, abort) and free its blocks."""

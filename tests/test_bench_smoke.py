@@ -32,6 +32,17 @@ def test_overhead_writes_its_keys(tmp_path):
             assert figures[f"{key}_b{batch}"] > 0
 
 
+def test_overhead_with_multi_step_plans(tmp_path):
+    path = tmp_path / "w4.json"
+    overhead.main(["--batch", "3", "--context", "32", "--steps", "8", "--warmup", "4", "--repeats", "1",
+                   "--num-scheduler-steps", "4", "--peers", "grpc", "in-process", "floor", "--json", str(path)])
+    figures = json.loads(path.read_text())
+    assert figures["num_scheduler_steps"] == 4
+    assert figures["us_per_step_b3"] > 0 and figures["inprocess_us_per_step_b3"] > 0
+    # A multi-step plan of 3 sequences returns 3 x 4 tokens: the floor's reply is sized from it.
+    assert figures["floor_result_bytes_b3"] >= 12
+
+
 def test_serving_on_a_shadow_stack_writes_its_keys(tmp_path):
     path = tmp_path / "w3.json"
     serving.main(["--launch", "shadow", "--num-prompts", "3", "--request-rate", "50", "--json", str(path)])

@@ -54,13 +54,14 @@ def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
         assert list(executor.kv[block_id * bs:(block_id + 1) * bs]) == block.token_ids, "a hash names stale KV"
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize(("overlap", "num_steps"), [(False, 1), (True, 1), (False, 5), (True, 3)],
+                         ids=["sync", "overlap", "multi-step", "multi-step-overlap"])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
-def test_engine_matches_sequential_reference(overlap, workload):
+def test_engine_matches_sequential_reference(overlap, num_steps, workload):
     block_size, num_blocks, budget, max_num_seqs, prefixes, requests = workload
     executor = ShadowExecutor(num_blocks, block_size, VOCAB, (EOS,), max_model_len=4096)
-    engine = Engine(executor, SchedulerConfig(max_num_seqs, budget), overlap=overlap)
+    engine = Engine(executor, SchedulerConfig(max_num_seqs, budget, num_steps), overlap=overlap)
     pending = []
     for prefix_choice, tail, max_tokens, ignore_eos, arrival in requests:
         prompt = (prefixes[prefix_choice] if prefix_choice < len(prefixes) else []) + tail

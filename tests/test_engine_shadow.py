@@ -213,3 +213,80 @@ def test_overlap_over_the_grpc_step_stream():
     finally:
         remote.close()
         server.stop(None)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_multi_step_decode_sends_fewer_plans_and_outputs_are_unchanged(overlap):
+    executor = RecordingExecutor(ShadowExecutor(40, 4, 50, (EOS,), max_model_len=40))
+    engine = Engine(executor, SchedulerConfig(8, 64, num_scheduler_steps=6), overlap=overlap)
+    rng = random.Random(11)
+    prompts = random_prompts(rng, 10, lo=2, hi=30)
+    # EOS stops some inside a plan, the 40-token model length caps others.
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 30), ignore_eos=i % 3 == 0)
+              for i in range(len(prompts))]
+    outputs = engine.generate(prompts, params)
+    assert_matches_reference(engine, prompts, params, outputs)
+    assert any(out.finish_reason.value == "stop" and len(out.token_ids) % 6 for out in outputs)
+    decode_plans = [p for p in executor.plans if not p.is_prefill and p.cached_requests.request_ids]
+    steps = [list(p.cached_requests.num_decode_steps) for p in decode_plans]
+    assert max(max(s, default=1) for s in steps) == 6
+    assert all(not s or len(s) == len(p.cached_requests.request_ids) for s, p in zip(steps, decode_plans, strict=True))
+    decode_tokens = sum(len(out.token_ids) - 1 for out in outputs)
+    assert len(decode_plans) < decode_tokens / 6 + len(prompts), "multi-step should need few decode plans"
+    assert len(executor.table) == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_multi_step_decode_over_grpc_with_preemption():
+    executor = ShadowExecutor(24, 4, 50, (EOS,))
+    server, port = build_server(executor, "127.0.0.1", 0)
+    server.start()
+    remote = RemoteExecutor(f"127.0.0.1:{port}")
+    try:
+        engine = Engine(remote, SchedulerConfig(6, 32, num_scheduler_steps=4))
+        rng = random.Random(12)
+        prompts = random_prompts(rng, 12, lo=2, hi=25)
+        params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 30)) for _ in prompts]
+        outputs = engine.generate(prompts, params)
+        assert_matches_reference(engine, prompts, params, outputs)
+        assert engine.scheduler.num_preemptions > 0
+        assert len(executor.table) == 0
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        remote.close()
+        server.stop(None)
+
+
+def test_multi_step_plans_the_executor_cannot_run_are_refused_whole():
+    from executor_svc.requests import PlanError
+
+    executor = ShadowExecutor(8, 4, 50, (EOS,))
+    engine = Engine(executor, SchedulerConfig(8, 64))
+    seq = engine.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=4))
+    engine.step()  # prefill: 6 tokens held, 5 computed, 2 blocks
+    before = {k: (list(v.token_ids), list(v.block_table), v.num_computed_tokens)
+              for k, v in executor.table.requests.items()}
+
+    def decode(**fields):
+        cached = dict(request_ids=[seq.seq_id], num_computed_tokens=[5], num_scheduled_tokens=[1], num_new_blocks=[0])
+        return pb.StepPlan(cached_requests=pb.CachedRequests(**(cached | fields)))
+
+    bad_plans = {
+        "more steps than its blocks hold": decode(num_decode_steps=[4]),
+        "zero steps": decode(num_decode_steps=[0]),
+        "two scheduled tokens": decode(num_decode_steps=[2], num_scheduled_tokens=[2]),
+        "one entry too many": decode(num_decode_steps=[2, 2]),
+        "a prefill plan": pb.StepPlan(is_prefill=True, cached_requests=decode(num_decode_steps=[2]).cached_requests),
+    }
+    for why, plan in bad_plans.items():
+        with pytest.raises(PlanError) as err:
+            executor.step(plan)
+        assert err.value.code == "INVALID_ARGUMENT", why
+        after = {k: (list(v.token_ids), list(v.block_table), v.num_computed_tokens)
+                 for k, v in executor.table.requests.items()}
+        assert after == before, why
+    result = executor.step(decode(num_decode_steps=[3]))  # positions 5..7: the two blocks hold them
+    assert len(result.token_ids) == 3 and executor.table.requests[seq.seq_id].num_computed_tokens == 8
+    engine.abort(seq)
+    engine.step()
+    assert len(executor.table) == 0 and engine.block_manager.num_free_blocks == 8

@@ -115,3 +115,29 @@ def test_half_precision_mostly_agrees_with_float32_on_the_first_token(
         first[name] = [c.token_ids for c in Engine(executor).generate(prompts, params)]
     # Rounding may flip a near-tie of the random model; a broken half-precision path agrees on none.
     assert sum(a == b for a, b in zip(first[dtype], first["float32"], strict=True)) >= 6
+
+
+def test_multi_step_decode_equals_single_steps_with_logprobs(tiny_executor: ModelExecutor) -> None:
+    asks = pb.SamplingParams(temperature=0.0, num_logprobs=2)
+    prompt = [7, 8, 9, 10, 11]
+    first = tiny_executor.step(pb.StepPlan(step_id=20, is_prefill=True,
+                                           new_requests=[new_request(6, prompt, 5, asks), new_request(7, prompt, 5)]))
+    assert first.token_ids[0] == first.token_ids[1]
+
+    def decode(request_ids: list[int], computed: int, steps: list[int] | None = None) -> pb.StepResult:
+        n = len(request_ids)
+        cached = pb.CachedRequests(request_ids=request_ids, num_computed_tokens=[computed] * n,
+                                   num_scheduled_tokens=[1] * n, num_new_blocks=[0] * n,
+                                   num_decode_steps=steps or [])
+        return tiny_executor.step(pb.StepPlan(cached_requests=cached))
+
+    single = [decode([6], 5 + k) for k in range(3)]
+    multi = decode([7], 5, [3])
+    assert list(multi.token_ids) == [r.token_ids[0] for r in single]
+    assert not multi.logprobs, "request 7 asked for no logprobs"
+    both = decode([6, 7], 8, [2, 1])
+    assert len(both.token_ids) == 3 and len(both.logprobs) == 3
+    assert list(both.logprobs[0].top_token_ids)[0] == both.token_ids[0] and not both.logprobs[2].top_token_ids
+    assert both.token_ids[2] == both.token_ids[0], "the same history gives the same token, whatever the steps"
+    assert tiny_executor.table.requests[6].num_computed_tokens == 10
+    tiny_executor.step(pb.StepPlan(finished_request_ids=[6, 7]))

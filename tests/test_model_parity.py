@@ -48,6 +48,7 @@ class ParityRun:
     reference: list[list[int]]
     batched: list[list[int]]
     chunked: list[list[int]]
+    multi_step: list[list[int]]
     prefix_hit_tokens: int
     chunk_budget: int
     longest_prompt: int
@@ -72,10 +73,14 @@ def run_parity(
     chunked_engine = Engine(executor, SchedulerConfig(max_num_batched_tokens=chunk_budget))
     with_repeats = prompts + [prompts[i] for i in REPEATED]
     chunked = [c.token_ids for c in chunked_engine.generate(with_repeats, params)]
+    multi_step_engine = Engine(executor, SchedulerConfig(num_scheduler_steps=8))
+    multi_step = [c.token_ids for c in multi_step_engine.generate(prompts, params)]
+    assert multi_step_engine.block_manager.num_free_blocks == multi_step_engine.block_manager.num_blocks
     return ParityRun(
         reference,
         batched,
         chunked,
+        multi_step,
         chunked_engine.scheduler.num_prefix_hit_tokens,
         chunk_budget,
         max(len(p) for p in prompts),
@@ -122,6 +127,10 @@ def parity(request: pytest.FixtureRequest) -> ParityRun:
 
 def test_continuous_batch_matches_hf(parity: ParityRun) -> None:
     assert parity.batched == parity.reference
+
+
+def test_multi_step_decode_matches_hf(parity: ParityRun) -> None:
+    assert parity.multi_step == parity.reference
 
 
 def test_chunked_prefill_matches_hf(parity: ParityRun) -> None:

@@ -161,12 +161,26 @@ def overlap_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield s
 
 
+@pytest.fixture(scope="module")
+def multi_step_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The shadow stack planning 6 decode steps at a time, with overlap."""
+    port = free_port()
+    log_dir = tmp_path_factory.mktemp("stack-multi-step")
+    with running_stack(SHADOW_BACKEND.argv(port), log_dir, executor_port=port, overlap="true",
+                       num_scheduler_steps=6, **SCHEDULER) as s:
+        yield s
+
+
 def test_32_concurrent_streams_get_exactly_the_in_process_engine_tokens(stack: Stack, backend: Backend):
     check_32_concurrent_streams(stack, backend)
 
 
 def test_32_concurrent_streams_with_overlap_get_the_same_tokens(overlap_stack: Stack):
     check_32_concurrent_streams(overlap_stack, SHADOW_BACKEND)
+
+
+def test_32_concurrent_streams_with_multi_step_decode_get_the_same_tokens(multi_step_stack: Stack):
+    check_32_concurrent_streams(multi_step_stack, SHADOW_BACKEND)
 
 
 def check_32_concurrent_streams(stack: Stack, backend: Backend) -> None:

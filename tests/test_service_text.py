@@ -41,8 +41,9 @@ def tokenizer(tokenizer_json: str) -> ModelTokenizer:
     return ModelTokenizer(tokenizer_json, CHATML_TEMPLATE, None, (EOS_ID,))
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, tokenizer_json: str):
+@pytest.fixture(scope="module", params=[1, 5], ids=["single-step", "multi-step"])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tokenizer_json: str):
+    """The echo stack; again with 5 decode steps per plan, so stops land inside a plan (blocks hold 4 tokens)."""
     files = tmp_path_factory.mktemp("echo-files")
     (files / "tokenizer.json").write_text(tokenizer_json)
     (files / "chat_template.jinja").write_text(CHATML_TEMPLATE)
@@ -52,7 +53,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tokenizer_json: str):
         eos_token_ids=EOS_ID, tokenizer_json=files / "tokenizer.json", chat_template=files / "chat_template.jinja",
     )
     with running_stack(executor_argv("echo", port, options), tmp_path_factory.mktemp("echo-stack"),
-                       executor_port=port) as s:
+                       executor_port=port, num_scheduler_steps=request.param) as s:
         yield s
 
 
