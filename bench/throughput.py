@@ -25,10 +25,13 @@ from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
+from executor_svc.malloc import keep_heap_memory
 from executor_svc.openmp import set_wait_policy
 
-# Before torch loads OpenMP, for every peer alike: the executor's short spin (executor_svc/openmp.py).
+# Before torch loads OpenMP, for every peer alike: the executor's short spin (executor_svc/openmp.py),
+# and its malloc thresholds (executor_svc/malloc.py).
 set_wait_policy()
+keep_heap_memory()
 
 import torch  # noqa: E402
 

@@ -22,6 +22,7 @@ from executor_svc.attention.base import AttentionMetadata
 from executor_svc.config import DEFAULT_CPU_KV_CACHE_BYTES, ExecutorOptions, ModelConfig, UnsupportedModel
 from executor_svc.distributed import all_reduce_min, broadcast_object, init_group, tp_rank, tp_size
 from executor_svc.loader import load_model
+from executor_svc.malloc import keep_heap_memory
 from executor_svc.requests import RequestState, ScheduledChunk
 from executor_svc.sampler import Sampler, SamplerOutput
 from nanoserve.v1 import executor_pb2 as pb
@@ -118,6 +119,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             # Ranks on one CPU share its cores instead of each taking all of them.
             torch.set_num_threads(options.threads or max(1, torch.get_num_threads() // tp_size()))
+            keep_heap_memory()
         self.max_model_len = options.max_model_len or self.config.max_position_embeddings
         if self.max_model_len > self.config.max_position_embeddings:
             raise UnsupportedModel(

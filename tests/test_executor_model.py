@@ -141,3 +141,53 @@ def test_multi_step_decode_equals_single_steps_with_logprobs(tiny_executor: Mode
     assert both.token_ids[2] == both.token_ids[0], "the same history gives the same token, whatever the steps"
     assert tiny_executor.table.requests[6].num_computed_tokens == 10
     tiny_executor.step(pb.StepPlan(finished_request_ids=[6, 7]))
+
+
+def test_a_long_cpu_prefill_runs_the_mlp_in_chunks_with_the_same_tokens(
+    tiny_model_folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    from executor_svc.models.llama import LlamaMLP
+
+    folder = str(tiny_model_folders["qwen3"])
+    prompts = random_prompts(3)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    executor = ModelExecutor(ExecutorOptions(model=folder, block_size=8, kv_cache_memory=KV_BYTES, threads=1))
+    whole = [c.token_ids for c in Engine(executor).generate(prompts, params)]
+    calls = []
+    mlp = LlamaMLP._mlp
+    monkeypatch.setattr(LlamaMLP, "_mlp", lambda self, x: calls.append(x.shape[0]) or mlp(self, x))
+    # The tiny models' gate_up is 256 wide: 1 KiB a row in float32, so 7 rows per chunk.
+    monkeypatch.setattr(LlamaMLP, "CPU_CHUNK_BYTES", 7 * 1024)
+    chunked = [c.token_ids for c in Engine(executor).generate(prompts, params)]
+    assert chunked == whole
+    assert max(calls) == 7 and len(calls) > len(prompts) * 8, "the prefill ran in chunks of 7 rows"
+
+
+FAULTS_ON_REUSE = """
+import ctypes, resource, sys
+from executor_svc.malloc import keep_heap_memory
+if sys.argv[1] == "keep":
+    assert keep_heap_memory()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+size = 24 << 20
+for _ in range(2):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    libc.free(block)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_keep_heap_memory_reuses_a_freed_24_mib_block_without_page_faults() -> None:
+    import subprocess
+    import sys
+
+    def faults(mode: str) -> int:
+        run = subprocess.run([sys.executable, "-c", FAULTS_ON_REUSE, mode], capture_output=True, text=True, check=True)
+        return int(run.stdout)
+
+    pages = (24 << 20) >> 12
+    assert faults("default") > pages // 2, "glibc's defaults hand the second block fresh pages"
+    assert faults("keep") < pages // 20, "kept on the heap, the freed block's pages are reused"

@@ -51,6 +51,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """gate_up, SiLU-and-mul, down. On the CPU a long prefill runs in row chunks whose activations stay
+    under ``CPU_CHUNK_BYTES``: below glibc's 32 MiB mmap threshold they reuse heap memory instead of
+    page-faulting in fresh pages every layer (``executor_svc/malloc.py``), and they stay in cache."""
+
+    CPU_CHUNK_BYTES = 24 << 20
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size = config.intermediate_size
@@ -59,6 +65,13 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            rows = max(1, self.CPU_CHUNK_BYTES // (sum(self.gate_up_proj.shard_sizes) * x.element_size()))
+            if x.shape[0] > rows:
+                return torch.cat([self._mlp(part) for part in x.split(rows)])
+        return self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
