@@ -2,7 +2,8 @@
 
 Peers generate the same requests (``ignore_eos``; W1 greedy, W2 at temperature
 0.6) with the same weights, dtype and threads; throughput is sum(max_tokens) / wall seconds of
-generation, after model load and one warm-up. ``hf`` is transformers with naive
+generation, after model load and one warm-up (with ``--repeats``, the median of the
+peer's runs, rounds alternating between peers). ``hf`` is transformers with naive
 batching (batches of 16 in order, left padding, every row of a batch generating
 the batch's largest max_tokens); ``inprocess`` is the scheduler Engine driving
 the ModelExecutor in this process; ``split`` and ``split_overlap`` run the
@@ -17,6 +18,7 @@ import argparse
 import asyncio
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -171,6 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the executor")
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="KV-cache bytes of the executor (default: 2 GiB on CPU, the free-memory share on CUDA)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every peer, in turn; each peer's median "
+                   "counts (this machine's load drifts between runs, and alternating rounds spreads it alike)")
     p.add_argument("--json", type=Path, default=None, help="write <peer>_tok_s, the ratios and peak_rss_mb here")
     return p.parse_args(argv)
 
@@ -181,21 +185,28 @@ def main(argv: list[str] | None = None) -> None:
     workload = WORKLOADS[args.workload]().head(args.num_requests)
     tokens = sum(workload.max_tokens)
     peers = [name for name in args.peers if not (name == "hf" and args.skip_hf)]
-    seconds = {name: PEERS[name](args, workload) for name in peers}
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    runs: dict[str, list[float]] = {name: [] for name in peers}
+    for _ in range(args.repeats):
+        for name in peers:
+            runs[name].append(PEERS[name](args, workload))
+    seconds = {name: statistics.median(times) for name, times in runs.items()}
     tok_s = {name: tokens / s for name, s in seconds.items()}
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"{workload.name.upper()}: {len(workload)} requests, {tokens} tokens, {args.dtype}, {args.device}, "
           f"{args.threads} threads", file=sys.stderr)
     hf, inprocess = tok_s.get("hf"), tok_s.get("inprocess")
     print_table(
-        ["peer", "seconds", "tok/s", "vs hf", "vs inprocess"],
-        [[name, seconds[name], tok_s[name], tok_s[name] / hf if hf else "-",
+        ["peer", "seconds", "runs (s)", "tok/s", "vs hf", "vs inprocess"],
+        [[name, seconds[name], " ".join(f"{t:.1f}" for t in runs[name]), tok_s[name], tok_s[name] / hf if hf else "-",
           tok_s[name] / inprocess if inprocess else "-"] for name in peers],
     )
     print(f"peak RSS of this process: {peak_rss_mb:.0f} MB")
     ratios = {f"{name}_over_{base}": tok_s[name] / tok_s[base]
               for name in peers for base in ("hf", "inprocess") if base in tok_s and name != base}
-    write_json(args.json, {**{f"{name}_tok_s": v for name, v in tok_s.items()}, **ratios, "peak_rss_mb": peak_rss_mb})
+    write_json(args.json, {**{f"{name}_tok_s": v for name, v in tok_s.items()}, **ratios, "peak_rss_mb": peak_rss_mb,
+                           "repeats": args.repeats})
 
 
 if __name__ == "__main__":
