@@ -196,25 +196,6 @@ def test_overlap_keeps_a_step_in_flight_and_outputs_unchanged():
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_overlap_over_the_grpc_step_stream():
-    executor = ShadowExecutor(48, 4, 50, (EOS,))
-    server, port = build_server(executor, "127.0.0.1", 0)
-    server.start()
-    remote = RemoteExecutor(f"127.0.0.1:{port}")
-    try:
-        engine = Engine(remote, SchedulerConfig(6, 32), overlap=True)
-        rng = random.Random(9)
-        prompts = random_prompts(rng, 12, lo=2, hi=25)
-        params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 20)) for _ in prompts]
-        outputs = engine.generate(prompts, params)
-        assert_matches_reference(engine, prompts, params, outputs)
-        assert engine.scheduler.num_preemptions > 0
-        assert len(executor.table) == 0
-    finally:
-        remote.close()
-        server.stop(None)
-
-
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_multi_step_decode_sends_fewer_plans_and_outputs_are_unchanged(overlap):
     executor = RecordingExecutor(ShadowExecutor(40, 4, 50, (EOS,), max_model_len=40))
@@ -237,14 +218,16 @@ def test_multi_step_decode_sends_fewer_plans_and_outputs_are_unchanged(overlap):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_multi_step_decode_over_grpc_with_preemption():
-    executor = ShadowExecutor(24, 4, 50, (EOS,))
+@pytest.mark.parametrize(("overlap", "num_steps", "num_blocks"), [(True, 1, 48), (False, 4, 24), (True, 4, 24)],
+                         ids=["overlap", "multi-step", "multi-step-overlap"])
+def test_over_grpc_with_preemption(overlap, num_steps, num_blocks):
+    executor = ShadowExecutor(num_blocks, 4, 50, (EOS,))
     server, port = build_server(executor, "127.0.0.1", 0)
     server.start()
     remote = RemoteExecutor(f"127.0.0.1:{port}")
     try:
-        engine = Engine(remote, SchedulerConfig(6, 32, num_scheduler_steps=4))
-        rng = random.Random(12)
+        engine = Engine(remote, SchedulerConfig(6, 32, num_scheduler_steps=num_steps), overlap=overlap)
+        rng = random.Random(9)
         prompts = random_prompts(rng, 12, lo=2, hi=25)
         params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 30)) for _ in prompts]
         outputs = engine.generate(prompts, params)
