@@ -82,12 +82,13 @@ def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
     from executor_svc.model_executor import ModelExecutor
     from scheduler_svc.engine import Engine
     from scheduler_svc.sampling import SamplingParams
+    from scheduler_svc.scheduler import SchedulerConfig
 
     options = ExecutorOptions(
         model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=kv_cache_memory(args),
         threads=args.threads, device=args.device, max_model_len=workload.max_model_len,
     )
-    engine = Engine(ModelExecutor(options))
+    engine = Engine(ModelExecutor(options), SchedulerConfig(num_scheduler_steps=args.num_scheduler_steps))
     engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     start = time.perf_counter()
     for prompt, max_tokens in zip(workload.prompts, workload.max_tokens, strict=True):
@@ -114,7 +115,8 @@ def run_split(args: argparse.Namespace, workload: Workload, overlap: bool) -> fl
         executor_argv += ["--kv-cache-memory", str(kv_bytes)]
     scheduler_argv = [
         sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--port", str(scheduler_port),
-        "--overlap", str(overlap).lower(), "--log-level", "WARNING",
+        "--overlap", str(overlap).lower(), "--num-scheduler-steps", str(args.num_scheduler_steps),
+        "--log-level", "WARNING",
     ]
     target = f"{HOST}:{scheduler_port}"
     with ExitStack() as stack:
@@ -173,6 +175,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the executor")
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="KV-cache bytes of the executor (default: 2 GiB on CPU, the free-memory share on CUDA)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps per plan of the engine peers (nanoserve-scheduler --num-scheduler-steps)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every peer, in turn; each peer's median "
                    "counts (this machine's load drifts between runs, and alternating rounds spreads it alike)")
     p.add_argument("--json", type=Path, default=None, help="write <peer>_tok_s, the ratios and peak_rss_mb here")
