@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 
 from nanoserve.v1 import executor_pb2 as pb
 
@@ -175,13 +176,13 @@ class RequestTable:
             cached.new_block_ids
         ):
             raise PlanError(INVALID, "cached_requests columns have different lengths")
-        steps = list(cached.num_decode_steps) or [1] * len(cached.request_ids)
-        if cached.num_decode_steps:
+        steps = list(cached.num_decode_steps)
+        if steps:
             self._validate_multi_step(plan, steps)
         new_block_ids = list(cached.new_block_ids)
         requests, block_size = self.requests, self.block_size
         offset = 0
-        rows = zip(cached.request_ids, *map(list, columns), steps, strict=True)
+        rows = zip(cached.request_ids, *map(list, columns), steps or repeat(1, len(cached.request_ids)), strict=True)
         for rid, computed, scheduled, n_new, num_steps in rows:
             state = requests.get(rid)
             if state is None or rid in dropped or rid in seen:

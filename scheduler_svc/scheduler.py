@@ -229,8 +229,8 @@ class Scheduler:
         settled = []
         block_size, hash_blocks = self.block_size, self.block_manager.hash_blocks
         eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
-        one_each = record.is_prefill or len(token_ids) == len(record.seqs)
-        expected = len(record.seqs) if one_each else sum(record.counts)
+        expected = len(record.seqs) if record.is_prefill else sum(record.counts)
+        one_each = expected == len(record.seqs)  # a prefill, or a decode of one step per sequence
         if len(token_ids) != expected:
             raise ValueError(f"the executor returned {len(token_ids)} tokens for a step that samples {expected}")
         logprobs = logprobs if len(logprobs) else None
