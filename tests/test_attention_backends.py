@@ -23,7 +23,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 @pytest.fixture
 def no_cpu_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """As on a machine without a C compiler (tests/test_attention_cpu.py covers the kernel backend)."""
-    monkeypatch.setattr(cpu_kernels, "paged_decode_library", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "kernel_library", lambda: None)
 
 
 @pytest.mark.usefixtures("no_cpu_kernel")

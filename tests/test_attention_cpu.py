@@ -18,7 +18,7 @@ from tests.test_attention_torch import BLOCK_SIZES, HEADS, PagedBatch, run_decod
 CPU = torch.device("cpu")
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernels.paged_decode_library() is None, reason="no C compiler here to build the CPU attention kernel"
+    cpu_kernels.kernel_library() is None, reason="no C compiler here to build the CPU attention kernel"
 )
 
 
@@ -65,7 +65,7 @@ def test_cpu_prefers_the_kernel_backend(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_without_the_kernel_cpu_serves_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(cpu_kernels, "paged_decode_library", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "kernel_library", lambda: None)
     assert available_backends(CPU) == ["torch"]
     assert get_backend(None, CPU).name == "torch"
     with pytest.raises(ValueError, match=r"'cpu'.*\['torch'\]"):
@@ -75,24 +75,24 @@ def test_without_the_kernel_cpu_serves_torch(monkeypatch: pytest.MonkeyPatch) ->
 def test_builds_once_per_machine_and_reports_a_broken_compiler(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    build = cpu_kernels.paged_decode_library.__wrapped__
+    build = cpu_kernels.kernel_library.__wrapped__
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
     with caplog.at_level(logging.INFO, logger="nanoserve.executor"):
         assert build() is not None
         assert build() is not None
-    assert sum("built the CPU attention kernel" in r.message for r in caplog.records) == 1
-    assert len(list((tmp_path / "kernels").glob("paged_decode-*.so"))) == 1
+    assert sum("built the CPU kernels" in r.message for r in caplog.records) == 1
+    assert len(list((tmp_path / "kernels").glob("cpu_kernels-*.so"))) == 1
 
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "other"))
     monkeypatch.setenv("CC", "false")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="nanoserve.executor"):
         assert build() is None
-    assert "could not build the CPU attention kernel" in caplog.text
+    assert "could not build the CPU kernels" in caplog.text
 
 
 def test_loading_the_kernel_leaves_subnormal_floats_alone() -> None:
     """A library built with -ffast-math would switch the whole process to flush-to-zero when it loads."""
-    assert cpu_kernels.paged_decode_library() is not None
+    assert cpu_kernels.kernel_library() is not None
     assert sys.float_info.min / 4 > 0
     assert torch.tensor([1e-40]).mul(1.0).item() != 0

@@ -1,7 +1,9 @@
 """The CPU default: torch attention for prefill, the C paged-decode kernel (``csrc/paged_decode.c``) for decode.
 
 Decode is where a CPU step spends its attention time, and torch can only attend to a gathered copy of
-each request's context; the kernel reads keys and values in place through the block tables.
+each request's context; the kernel reads keys and values in place through the block tables. Keys and
+values go into the cache by a C copy too (``csrc/fused_ops.c``): torch's masked ``index_copy_`` took
+several ops a layer for a few kilobytes.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from executor_svc.attention.base import AttentionMetadata
-from executor_svc.attention.cpu_kernels import paged_decode_library
+from executor_svc.attention.cpu_kernels import kernel_library
 from executor_svc.attention.torch_backend import TorchAttention
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -22,10 +24,27 @@ class CpuAttention(TorchAttention):
 
     def __init__(self) -> None:
         super().__init__()
-        library = paged_decode_library()
+        library = kernel_library()
         if library is None:
             raise RuntimeError("the CPU attention kernel could not be built (see the log); use the torch backend")
         self._kernel = library.paged_decode
+        self._store = library.store_kv
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        rows_contiguous = k.shape[0] > 0 and k[0].is_contiguous() and v[0].is_contiguous()
+        layouts = k.shape[1:] == k_cache.shape[2:] and k_cache.is_contiguous() and v_cache.is_contiguous()
+        dtypes = k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and slot_mapping.dtype == torch.int64
+        if k.device.type != "cpu" or not (rows_contiguous and layouts and dtypes):
+            return super().store_kv(k, v, k_cache, v_cache, slot_mapping)
+        slots = slot_mapping.contiguous()
+        outside = self._store(
+            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            slots.data_ptr(), k.shape[0], k_cache.shape[0] * k_cache.shape[1], k[0].numel(), k.element_size(),
+        )
+        if outside:
+            raise IndexError(f"{outside} cache slots are past the cache's {k_cache.shape[0]} blocks")
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float

@@ -1,6 +1,6 @@
 """Builds and loads the C kernels in ``csrc/`` with the system C compiler, once per machine.
 
-The library is compiled for the CPU it runs on (``-march=native``) into ``$NANOSERVE_CACHE/kernels``,
+All sources make one library, compiled for the CPU it runs on (``-march=native``) into ``$NANOSERVE_CACHE/kernels``,
 named by a hash of the source, the flags and the CPU's feature flags, so a cache shared between
 machines never hands one a library built for another. No compiler, or a failed build, means no
 kernel: the caller falls back to plain torch.
@@ -20,17 +20,19 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch  # noqa: F401  (imported before any kernel library: see paged_decode_library)
+import torch  # noqa: F401  (imported before any kernel library: see kernel_library)
 
 from executor_svc.model_registry import cache_root
 
 log = logging.getLogger("nanoserve.executor")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.c"))
 FLAGS = [
     "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
     # Reordered float sums vectorise; never -ffast-math, whose startup code sets flush-to-zero process-wide.
     "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+    # a * b + c stays two roundings, as in torch (fused_ops.c matches its elementwise ops); intrinsics still FMA.
+    "-ffp-contract=off",
 ]
 
 
@@ -44,10 +46,11 @@ def _cpu_flags() -> str:
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), platform.machine().encode(),
+    sources = [source.read_bytes() for source in SOURCES]
+    for part in (*sources, " ".join(FLAGS).encode(), compiler.encode(), platform.machine().encode(),
                  _cpu_flags().encode()):
         key.update(part)
-    return cache_root() / "kernels" / f"{SOURCE.stem}-{key.hexdigest()[:16]}.so"
+    return cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
 def _build(compiler: str, target: Path) -> None:
@@ -56,18 +59,18 @@ def _build(compiler: str, target: Path) -> None:
     # Build beside the target and rename: processes starting together never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], check=True, capture_output=True,
                        text=True)
         os.replace(built, target)
-    log.info("built the CPU attention kernel %s in %.1f s", target.name, time.perf_counter() - started)
+    log.info("built the CPU kernels %s in %.1f s", target.name, time.perf_counter() - started)
 
 
 @functools.cache
-def paged_decode_library() -> ctypes.CDLL | None:
+def kernel_library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None (logged once) when it cannot be built here."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.info("no C compiler found: the CPU attention kernel is unavailable, using torch attention")
+        log.info("no C compiler found: the CPU kernels are unavailable, using torch")
         return None
     target = _library_path(compiler)
     try:
@@ -77,10 +80,17 @@ def paged_decode_library() -> ctypes.CDLL | None:
         library = ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = e.stderr if isinstance(e, subprocess.CalledProcessError) else e
-        log.warning("could not build the CPU attention kernel (%s): using torch attention", detail)
+        log.warning("could not build the CPU kernels (%s): using torch", detail)
         return None
-    library.paged_decode.restype = ctypes.c_int
-    library.paged_decode.argtypes = [
-        *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 7, ctypes.c_float, ctypes.c_int,
-    ]
+    pointer, size, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    library.paged_decode.restype = i32
+    library.paged_decode.argtypes = [*[pointer] * 6, *[i32] * 7, f32, i32]
+    library.rms_norm.restype = None
+    library.rms_norm.argtypes = [pointer, size, pointer, pointer, pointer, size, i32, f32, i32, i32]
+    library.silu_and_mul.restype = None
+    library.silu_and_mul.argtypes = [pointer, pointer, size, i32, i32, i32]
+    library.rotary.restype = None
+    library.rotary.argtypes = [pointer, size, pointer, size, pointer, pointer, pointer, size, i32, i32, i32, i32, i32]
+    library.store_kv.restype = size
+    library.store_kv.argtypes = [pointer, size, pointer, size, pointer, pointer, pointer, size, size, i32, i32]
     return library

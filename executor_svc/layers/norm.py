@@ -1,9 +1,14 @@
-"""RMSNorm with the optional residual add fused in front, computed in float32 like transformers."""
+"""RMSNorm with the optional residual add fused in front, computed in float32 like transformers.
+
+On the CPU one C kernel does both (``cpu_fused.rms_norm``); the torch code here is the reference.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from executor_svc.layers import cpu_fused
 
 
 class RMSNorm(nn.Module):
@@ -21,8 +26,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""
+        """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual), the sum written into
+        ``residual`` (the decoder's running residual, which nothing else holds)."""
+        fused = cpu_fused.rms_norm(x, residual, self.weight, self.eps)
+        if fused is not None:
+            return fused if residual is None else (fused, residual)
         if residual is None:
             return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        residual.add_(x)
+        return self._norm(residual), residual

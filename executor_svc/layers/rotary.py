@@ -1,13 +1,16 @@
 """Rotary position embedding (the rotate-half form of Llama/Qwen), from a precomputed table.
 
 cos and sin are computed in float32 from the positions, then cast to the
-model dtype, in the same order as transformers so float32 results match.
+model dtype, in the same order as transformers so float32 results match. On
+the CPU one C kernel rotates q and k in place (``cpu_fused.rotary``).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from executor_svc.layers import cpu_fused
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -26,6 +29,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] by their positions."""
+        fused = cpu_fused.rotary(positions, q, k, self.cos, self.sin)
+        if fused is not None:
+            return fused
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -1,0 +1,184 @@
+/* The decoder layer's elementwise work on the CPU, one pass over memory each instead of torch's chain of
+ * small ops (and, in bfloat16, their conversions to float32 and back): RMSNorm with the residual add,
+ * rotary embedding in place, SiLU-and-mul, and the store of keys and values into the paged cache.
+ *
+ * Every kernel rounds where the torch code it replaces rounds (executor_svc/layers/), so float32 results
+ * match torch's up to the order of a sum, and bfloat16 results round each intermediate to bfloat16 as torch
+ * does. Tensors are float32, or bfloat16 when `bf16` is set; rows may be strided (`*_stride`, in elements).
+ * Rows are shared among `num_threads` OpenMP threads when a call is large enough to pay for waking them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Let `omp simd` loops call glibc's vector expf (libmvec), as paged_decode.c does. */
+#pragma omp declare simd notinbranch
+float expf(float);
+
+/* Below this many elements (a decode batch of 64 rows, say) a call runs on the calling thread: waking the
+ * others costs more than they save. */
+#define PARALLEL_MIN_ELEMENTS (1 << 17)
+
+/* Round float32 to the nearest bfloat16 (ties to even), kept as a float32: what torch does to the result
+ * of every bfloat16 op. Branch-free so that loops over rows vectorise. */
+static inline float bf16_round(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits = f != f ? 0x7fc00000u : (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* One row of n elements into float32 `dst`. */
+static void load_row(const void *src, float *dst, int n, int bf16) {
+    if (!bf16) {
+        memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+    const uint16_t *s = src;
+#pragma omp simd
+    for (int i = 0; i < n; i++) {
+        uint32_t bits = (uint32_t)s[i] << 16;
+        memcpy(dst + i, &bits, sizeof bits);
+    }
+}
+
+/* One row of n float32 values into `dst` in the tensor's dtype (already rounded when bfloat16). */
+static void store_row(const float *src, void *dst, int n, int bf16) {
+    if (!bf16) {
+        memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+    uint16_t *d = dst;
+#pragma omp simd
+    for (int i = 0; i < n; i++) {
+        uint32_t bits;
+        float f = bf16_round(src[i]);
+        memcpy(&bits, &f, sizeof bits);
+        d[i] = (uint16_t)(bits >> 16);
+    }
+}
+
+/* Round every value of a row to the dtype (a no-op in float32). */
+static void round_row(float *row, int n, int bf16) {
+    if (!bf16) return;
+#pragma omp simd
+    for (int i = 0; i < n; i++) row[i] = bf16_round(row[i]);
+}
+
+static inline size_t element_size(int bf16) { return bf16 ? 2 : 4; }
+
+static inline const void *row_at(const void *base, int64_t element, int bf16) {
+    return (const char *)base + element * element_size(bf16);
+}
+
+/* out = weight * dtype(h * rsqrt(mean(h^2) + eps)) with h = x, or with residual given h = dtype(x + residual),
+ * written back to residual. x [rows, dim] with row stride x_stride; residual, out and weight contiguous. */
+void rms_norm(const void *x, int64_t x_stride, void *residual, const void *weight, void *out, int64_t rows, int dim,
+              float eps, int bf16, int num_threads) {
+    int threads = rows * dim >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
+#pragma omp parallel num_threads(threads)
+    {
+        float h[dim], r[dim], w[dim];
+        load_row(weight, w, dim, bf16);
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < rows; row++) {
+            load_row(row_at(x, row * x_stride, bf16), h, dim, bf16);
+            if (residual != NULL) {
+                void *res = (char *)residual + row * dim * element_size(bf16);
+                load_row(res, r, dim, bf16);
+#pragma omp simd
+                for (int i = 0; i < dim; i++) h[i] += r[i];
+                round_row(h, dim, bf16);
+                store_row(h, res, dim, bf16);
+            }
+            float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+            for (int i = 0; i < dim; i++) squares += h[i] * h[i];
+            float inverse = 1.0f / sqrtf(squares / (float)dim + eps);
+#pragma omp simd
+            for (int i = 0; i < dim; i++) h[i] *= inverse;
+            round_row(h, dim, bf16);
+#pragma omp simd
+            for (int i = 0; i < dim; i++) h[i] *= w[i];
+            store_row(h, (char *)out + row * dim * element_size(bf16), dim, bf16);
+        }
+    }
+}
+
+/* out [rows, d] = silu(x[:, :d]) * x[:, d:], x [rows, 2d] contiguous; silu(g) = g / (1 + exp(-g)). */
+void silu_and_mul(const void *x, void *out, int64_t rows, int d, int bf16, int num_threads) {
+    int threads = rows * d >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
+#pragma omp parallel num_threads(threads)
+    {
+        float g[d], u[d];
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < rows; row++) {
+            load_row(row_at(x, row * 2 * d, bf16), g, d, bf16);
+            load_row(row_at(x, row * 2 * d + d, bf16), u, d, bf16);
+#pragma omp simd
+            for (int i = 0; i < d; i++) g[i] = g[i] / (1.0f + expf(-g[i]));
+            round_row(g, d, bf16);
+#pragma omp simd
+            for (int i = 0; i < d; i++) g[i] *= u[i];
+            store_row(g, (char *)out + row * d * element_size(bf16), d, bf16);
+        }
+    }
+}
+
+/* Rotate q [tokens, num_heads, head_dim] and k [tokens, num_kv_heads, head_dim] in place (rows strided by
+ * q_stride and k_stride) by their positions: the rotate-half form, x * cos + rotate_half(x) * sin, with
+ * cos and sin [max_position, head_dim] in the model's dtype. */
+void rotary(void *q, int64_t q_stride, void *k, int64_t k_stride, const int64_t *positions, const void *cos_table,
+            const void *sin_table, int64_t tokens, int num_heads, int num_kv_heads, int head_dim, int bf16,
+            int num_threads) {
+    int half = head_dim / 2;
+    int threads = tokens * (num_heads + num_kv_heads) * head_dim >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
+#pragma omp parallel num_threads(threads)
+    {
+        float c[head_dim], s[head_dim], x[head_dim], a[head_dim], b[head_dim];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tokens; t++) {
+            load_row(row_at(cos_table, positions[t] * head_dim, bf16), c, head_dim, bf16);
+            load_row(row_at(sin_table, positions[t] * head_dim, bf16), s, head_dim, bf16);
+            for (int head = 0; head < num_heads + num_kv_heads; head++) {
+                void *at = head < num_heads
+                    ? (char *)q + (t * q_stride + (int64_t)head * head_dim) * element_size(bf16)
+                    : (char *)k + (t * k_stride + (int64_t)(head - num_heads) * head_dim) * element_size(bf16);
+                load_row(at, x, head_dim, bf16);
+                /* Two rounded products and a rounded sum, as torch's x * cos + rotate_half(x) * sin. */
+#pragma omp simd
+                for (int i = 0; i < half; i++) {
+                    a[i] = x[i] * c[i];
+                    b[i] = -x[half + i] * s[i];
+                    a[half + i] = x[half + i] * c[half + i];
+                    b[half + i] = x[i] * s[half + i];
+                }
+                round_row(a, head_dim, bf16);
+                round_row(b, head_dim, bf16);
+#pragma omp simd
+                for (int i = 0; i < head_dim; i++) a[i] += b[i];
+                store_row(a, at, head_dim, bf16);
+            }
+        }
+    }
+}
+
+/* Copy row t of k and v ([tokens, width] with row strides k_stride, v_stride) into slot slots[t] of
+ * k_cache and v_cache ([num_slots, width] contiguous); a negative slot (a padded row) is skipped. Returns the
+ * number of rows whose slot is past the cache, which are not written. */
+int64_t store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_cache, void *v_cache,
+                 const int64_t *slots, int64_t tokens, int64_t num_slots, int width, int element_size) {
+    size_t bytes = (size_t)width * element_size;
+    int64_t outside = 0;
+    for (int64_t t = 0; t < tokens; t++) {
+        if (slots[t] < 0) continue;
+        if (slots[t] >= num_slots) {
+            outside++;
+            continue;
+        }
+        memcpy((char *)k_cache + slots[t] * bytes, (const char *)k + t * k_stride * element_size, bytes);
+        memcpy((char *)v_cache + slots[t] * bytes, (const char *)v + t * v_stride * element_size, bytes);
+    }
+    return outside;
+}
