@@ -49,7 +49,7 @@ def assert_matches(out: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 300])
 def test_rms_norm_with_and_without_the_residual(dtype: torch.dtype, rows: int, torch_only) -> None:
-    """300 rows of 576 are past the size at which the kernel shares rows between threads."""
+    """One row runs on the calling thread, 300 rows of 576 on two."""
     norm = RMSNorm(576, 1e-5).to(dtype)
     norm.weight.data = torch.randn(576, dtype=dtype)
     x, residual = torch.randn(rows, 576, dtype=dtype) * 3, torch.randn(rows, 576, dtype=dtype)
@@ -76,7 +76,7 @@ def test_rms_norm_reads_strided_rows_and_leaves_other_layouts_to_torch() -> None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 100])
+@pytest.mark.parametrize("rows", [1, 64])
 def test_silu_and_mul(dtype: torch.dtype, rows: int, torch_only) -> None:
     x = torch.randn(rows, 2 * 1536, dtype=dtype) * 4
     x[0, :4] = torch.tensor([0.0, -90.0, 90.0, float("inf")])  # exp over- and underflow, silu(inf) = inf
