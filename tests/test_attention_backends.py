@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import executor_svc.attention as attention
-from executor_svc.attention import available_backends, cpu_kernels, get_backend
+from executor_svc import cpu_kernels
+from executor_svc.attention import available_backends, get_backend
 from executor_svc.attention.flash_backend import FlashAttention
 from executor_svc.attention.torch_backend import TorchAttention
 

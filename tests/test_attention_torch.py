@@ -31,7 +31,10 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 class PagedBatch:
     """Random requests laid out in a paged cache with shuffled (non-contiguous) block ids."""
 
-    def __init__(self, ctx_lens: list[int], q_lens: list[int], block_size: int, num_heads: int, num_kv_heads: int):
+    def __init__(
+        self, ctx_lens: list[int], q_lens: list[int], block_size: int, num_heads: int, num_kv_heads: int,
+        head_dim: int = HEAD_DIM,
+    ):
         gen = torch.Generator().manual_seed(sum(ctx_lens) * 31 + block_size)
         self.block_size, self.ctx_lens, self.q_lens = block_size, ctx_lens, q_lens
         blocks_per_seq = [-(-n // block_size) for n in ctx_lens]
@@ -40,15 +43,15 @@ class PagedBatch:
         self.tables = [[ids.pop() for _ in range(n)] for n in blocks_per_seq]
         width = max(blocks_per_seq) + 1
         self.block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in self.tables], dtype=torch.int32)
-        shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_cache, self.v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-        self.k = [torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen) for n in ctx_lens]
-        self.v = [torch.randn(n, num_kv_heads, HEAD_DIM, generator=gen) for n in ctx_lens]
-        self.q = [torch.randn(n, num_heads, HEAD_DIM, generator=gen) for n in q_lens]
+        self.k = [torch.randn(n, num_kv_heads, head_dim, generator=gen) for n in ctx_lens]
+        self.v = [torch.randn(n, num_kv_heads, head_dim, generator=gen) for n in ctx_lens]
+        self.q = [torch.randn(n, num_heads, head_dim, generator=gen) for n in q_lens]
         for i, (n, m) in enumerate(zip(ctx_lens, q_lens, strict=True)):
             cached = self.slots(i, 0, n - m)
-            self.k_cache.view(-1, num_kv_heads, HEAD_DIM)[cached] = self.k[i][: n - m]
-            self.v_cache.view(-1, num_kv_heads, HEAD_DIM)[cached] = self.v[i][: n - m]
+            self.k_cache.view(-1, num_kv_heads, head_dim)[cached] = self.k[i][: n - m]
+            self.v_cache.view(-1, num_kv_heads, head_dim)[cached] = self.v[i][: n - m]
 
     def slots(self, seq: int, start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.attention import cpu_kernels
+from executor_svc import cpu_kernels
 from executor_svc.attention.cpu_backend import CpuAttention
 from executor_svc.attention.torch_backend import TorchAttention
 from executor_svc.layers import cpu_fused

@@ -1,9 +1,9 @@
-"""The CPU default: torch attention for prefill, the C paged-decode kernel (``csrc/paged_decode.c``) for decode.
+"""The CPU default: torch attention for prefill, a C kernel (``executor_svc/csrc/paged_decode.c``) for decode.
 
 Decode is where a CPU step spends its attention time, and torch can only attend to a gathered copy of
 each request's context; the kernel reads keys and values in place through the block tables. Keys and
-values go into the cache by a C copy too (``csrc/fused_ops.c``): torch's masked ``index_copy_`` took
-several ops a layer for a few kilobytes.
+values go into the cache by a C copy too (``executor_svc/csrc/fused_ops.c``): torch's masked
+``index_copy_`` took several ops a layer for a few kilobytes.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from executor_svc.attention.base import AttentionMetadata
-from executor_svc.attention.cpu_kernels import kernel_library
 from executor_svc.attention.torch_backend import TorchAttention
+from executor_svc.cpu_kernels import kernel_library
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 

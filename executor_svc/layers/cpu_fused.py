@@ -1,4 +1,4 @@
-"""The decoder layer's elementwise ops as single C kernels on the CPU (``attention/csrc/fused_ops.c``).
+"""The decoder layer's elementwise ops as single C kernels on the CPU (``executor_svc/csrc/fused_ops.c``).
 
 In a CPU decode step these small ops cost as much as attention: torch runs each as several passes over
 memory, and in bfloat16 converts to float32 and back at every one. Each function here returns ``None``
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from executor_svc.attention import cpu_kernels
+from executor_svc import cpu_kernels
 
 DTYPES = (torch.float32, torch.bfloat16)
 
