@@ -93,4 +93,10 @@ def kernel_library() -> ctypes.CDLL | None:
     library.rotary.argtypes = [pointer, size, pointer, size, pointer, pointer, pointer, size, i32, i32, i32, i32, i32]
     library.store_kv.restype = size
     library.store_kv.argtypes = [pointer, size, pointer, size, pointer, pointer, pointer, size, size, i32, i32]
+    library.linear_packed_bytes.restype = size
+    library.linear_packed_bytes.argtypes = [size, size, i32]
+    library.linear_pack.restype = None
+    library.linear_pack.argtypes = [pointer, pointer, size, size, i32]
+    library.linear_forward.restype = None
+    library.linear_forward.argtypes = [pointer, size, pointer, pointer, pointer, size, size, size, i32, i32]
     return library

@@ -1,0 +1,88 @@
+"""The C linear kernel (``executor_svc/csrc/linear.c``) through ``PackedWeight``, and how layers get packed.
+
+float32 results may differ from torch's only by the order of the sums (no further from the float64 product
+than torch's own); bfloat16 ones are rounded once from float32 sums, as torch's are, so they match
+``F.linear`` except at a rare rounding edge.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from executor_svc import cpu_kernels
+from executor_svc.layers.linear import ColumnParallelLinear, PackedWeight, RowParallelLinear, prepack_for_cpu
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.kernel_library() is None, reason="no C compiler here to build the CPU kernels"
+)
+
+# SmolLM2's qkv and down projections, and shapes with every tail: n not a multiple of 16, odd and tiny k.
+SHAPES = [(960, 576), (576, 1536), (17, 33), (1, 3), (50, 2), (33, 577)]
+ROWS = [1, 7, 17, 64, 300]
+
+
+def check(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    theirs = F.linear(x, weight, bias)
+    assert out.dtype == x.dtype and out.shape == theirs.shape
+    if x.dtype == torch.float32:
+        assert (out.double() - exact).abs().max() <= 2 * (theirs.double() - exact).abs().max() + 1e-5
+    else:
+        assert (out != theirs).float().mean() <= 2e-3
+        torch.testing.assert_close(out.float(), theirs.float(), atol=1e-2, rtol=2**-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_matches_torch(dtype: torch.dtype, n: int, k: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(n * 1000 + k + rows)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    packed = PackedWeight.pack(weight)
+    check(packed.linear(x, None), x, weight, None)
+    check(packed.linear(x, bias), x, weight, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_and_batched_inputs(dtype: torch.dtype) -> None:
+    """Rows of a wider tensor (an odd offset and stride), and [batch, tokens, k] inputs."""
+    weight = torch.randn(48, 65).to(dtype)
+    wide = torch.randn(9, 131).to(dtype)
+    x = wide[:, 1:66]
+    packed = PackedWeight.pack(weight)
+    check(packed.linear(x, None), x, weight, None)
+    batched = torch.randn(2, 5, 65).to(dtype)
+    check(packed.linear(batched, None), batched, weight, None)
+
+
+def test_layers_are_packed_and_shared_weights_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packing replaces a layer's dense weight unless another module holds it too; without the kernel
+    library float32 goes to oneDNN and bfloat16 stays dense, with the same outputs."""
+    model = torch.nn.Sequential(ColumnParallelLinear(64, [32, 32], bias=True), RowParallelLinear(64, 64))
+    for module in model:
+        torch.nn.init.normal_(module.weight)
+    torch.nn.init.normal_(model[0].bias)
+    shared = torch.nn.Module()
+    shared.weight = model[1].weight
+    model.append(torch.nn.ModuleDict({"tied": shared}))
+    x = torch.randn(5, 64)
+    expected = model[1](model[0](x))
+    prepack_for_cpu(model)
+    assert model[0].packed_weight is not None and model[0].weight.numel() == 0
+    assert model[1].packed_weight is not None and model[1].weight.numel() == 64 * 64, "shared: kept"
+    torch.testing.assert_close(model[1](model[0](x)), expected, atol=1e-4, rtol=1e-4)
+
+    monkeypatch.setattr(cpu_kernels, "kernel_library", lambda: None)
+    fallback = [RowParallelLinear(64, 64), RowParallelLinear(64, 64).bfloat16()]
+    for layer in fallback:
+        torch.nn.init.normal_(layer.weight)
+    expected = [fallback[0](x), fallback[1](x.bfloat16())]
+    prepack_for_cpu(torch.nn.Sequential(*fallback))
+    assert fallback[0].onednn_weight is not None or not torch.backends.mkldnn.is_available()
+    assert fallback[1].packed_weight is None and fallback[1].onednn_weight is None
+    torch.testing.assert_close(fallback[0](x), expected[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(fallback[1](x.bfloat16()), expected[1])
