@@ -97,6 +97,6 @@ def kernel_library() -> ctypes.CDLL | None:
     library.linear_packed_bytes.argtypes = [size, size, i32]
     library.linear_pack.restype = None
     library.linear_pack.argtypes = [pointer, pointer, size, size, i32]
-    library.linear_forward.restype = None
+    library.linear_forward.restype = i32
     library.linear_forward.argtypes = [pointer, size, pointer, pointer, pointer, size, size, size, i32, i32]
     return library

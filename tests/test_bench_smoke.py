@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 import torch
 
-from bench import overhead, random_model, serving, throughput
+from bench import kernels, overhead, profile, random_model, serving, throughput
 from bench.common import w1, w2
+from executor_svc import cpu_kernels
 
 
 def test_workloads_draw_as_benchmarks_md_defines():
@@ -64,3 +66,25 @@ def test_w2_runs_on_a_shrunken_random_qwen3(tmp_path):
                      "--kv-cache-memory", str(64 << 20), "--repeats", "2", "--json", str(path)])
     figures = json.loads(path.read_text())
     assert figures["inprocess_tok_s"] > 0 and figures["repeats"] == 2
+
+
+@pytest.mark.skipif(cpu_kernels.kernel_library() is None, reason="no C compiler here to build the CPU kernels")
+def test_kernels_writes_its_keys(tmp_path):
+    path = tmp_path / "kernels.json"
+    kernels.main(["--dtype", "bfloat16", "--rows", "1", "3", "--repeats", "1", "--json", str(path)])
+    figures = json.loads(path.read_text())
+    for name in kernels.KERNELS:
+        for rows in (1, 3):
+            assert figures[f"{name}_{rows}_ms"] > 0 and figures[f"{name}_{rows}_torch_ms"] > 0
+
+
+def test_profile_accounts_for_the_run(tmp_path):
+    """Two W1 requests on the embedded model: the components add up to no more than the run."""
+    path = tmp_path / "profile.json"
+    profile.main(["--dtype", "bfloat16", "--num-requests", "2", "--json", str(path)])
+    figures = json.loads(path.read_text())
+    assert figures["prefill_steps"] >= 1 and figures["decode_steps"] > 10
+    assert figures["decode_linear_s"] > 0 and figures["decode_attention_s"] > 0
+    parts = [v for k, v in figures.items() if k.startswith(("prefill_", "decode_")) and k.endswith("_s")]
+    assert all(v >= 0 for v in parts)
+    assert sum(parts) <= figures["total_s"] * 1.01

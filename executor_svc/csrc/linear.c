@@ -80,11 +80,11 @@ static inline float lin_from_bf16(uint16_t h) {
     return f;
 }
 
-/* Everything one thread needs to compute rows [0, m) of the panels it owns. x is in 32-bit units (floats,
- * or pairs of bfloat16), rows x_stride units apart; w points at the first panel, panels ks * 16 units apart. */
 /* x is read in 32-bit units whatever its dtype, and a bfloat16 x may be only 2-byte aligned */
 typedef uint32_t lin_unit __attribute__((may_alias, aligned(2)));
 
+/* Everything one thread needs to compute rows [0, m) of the panels it owns. x is in 32-bit units (floats,
+ * or pairs of bfloat16), rows x_stride units apart; w points at the first panel, panels ks * 16 units apart. */
 typedef struct {
     const lin_unit *x;
     int64_t x_stride, m, n, ks;
@@ -254,8 +254,9 @@ static void lin_range(const lin_args *a, int64_t p0, int64_t p1) {
 
 #endif
 
-void linear_forward(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int64_t m,
-                    int64_t n, int64_t k, int bf16, int num_threads) {
+/* Returns 0, or 1 when the copy of an odd-shaped bfloat16 x could not be allocated (y is then not written). */
+int linear_forward(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int64_t m,
+                   int64_t n, int64_t k, int bf16, int num_threads) {
     const int64_t np = lin_panels(n), ks = lin_ksteps(k, bf16);
     lin_args a = {x, x_stride, m, n, ks, packed, bias, y, bf16};
     uint32_t *padded = NULL;
@@ -263,6 +264,7 @@ void linear_forward(const void *x, int64_t x_stride, const void *packed, const v
         /* odd k or odd row stride: copy x, with a zero after each odd row, so that every k step reads a
          * whole pair at a 4-byte offset */
         padded = malloc((size_t)(m * ks) * 4);
+        if (padded == NULL) return 1;
         for (int64_t r = 0; r < m; r++) {
             uint16_t *dst = (uint16_t *)(padded + r * ks);
             memcpy(dst, (const uint16_t *)x + r * x_stride, (size_t)k * 2);
@@ -286,4 +288,5 @@ void linear_forward(const void *x, int64_t x_stride, const void *packed, const v
         }
     }
     free(padded);
+    return 0;
 }

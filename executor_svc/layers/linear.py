@@ -55,10 +55,12 @@ class PackedWeight:
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.n, dtype=self.dtype)
         bias = None if bias is None else bias.to(self.dtype).contiguous()
-        cpu_kernels.kernel_library().linear_forward(
+        failed = cpu_kernels.kernel_library().linear_forward(
             rows.data_ptr(), rows.stride(0), self.data.data_ptr(), None if bias is None else bias.data_ptr(),
             out.data_ptr(), rows.shape[0], self.n, self.k, self.dtype == torch.bfloat16, torch.get_num_threads(),
         )
+        if failed:
+            raise MemoryError("the CPU linear kernel could not allocate its copy of the input")
         return out.view(*x.shape[:-1], self.n)
 
 
