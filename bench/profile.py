@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     rows, figures = [], {"total_s": total, "tok_s": sum(workload.max_tokens) / total}
     components = list(dict.fromkeys(name for name, _, _ in COMPONENTS))
     for phase in ("prefill", "decode"):
-        inside = sum(seconds[phase, name] for name in components)
+        inside = sum(seconds[phase, name] for name in components if name != "sampler")  # it runs after the forward
         parts = {name: seconds[phase, name] for name in components}
         parts["other (forward)"] = seconds[phase, "forward"] - inside
         parts["scheduling, batch"] = seconds[phase, "step"] - seconds[phase, "forward"] - seconds[phase, "sampler"]

@@ -6,7 +6,7 @@ FROM ${PYTHON_IMAGE}
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
     NANOSERVE_HOST=0.0.0.0 NANOSERVE_CACHE=/cache NANOSERVE_DEVICE=cpu
 
-# A C compiler for the CPU kernels (attention, elementwise ops), built on first start into the /cache volume.
+# A C compiler for the CPU kernels (linear layers, attention, elementwise ops), built on first start into /cache.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 
 # The CPU wheel first, so that the executor extra does not pull a multi-GB CUDA build.

@@ -89,10 +89,14 @@ def kernel_library() -> ctypes.CDLL | None:
     library.rms_norm.argtypes = [pointer, size, pointer, pointer, pointer, size, i32, f32, i32, i32]
     library.silu_and_mul.restype = None
     library.silu_and_mul.argtypes = [pointer, pointer, size, i32, i32, i32]
-    library.rotary.restype = None
-    library.rotary.argtypes = [pointer, size, pointer, size, pointer, pointer, pointer, size, i32, i32, i32, i32, i32]
+    library.rotary.restype = size
+    library.rotary.argtypes = [
+        pointer, size, pointer, size, pointer, pointer, pointer, size, size, i32, i32, i32, i32, i32,
+    ]
     library.store_kv.restype = size
     library.store_kv.argtypes = [pointer, size, pointer, size, pointer, pointer, pointer, size, size, i32, i32]
+    library.linear_is_vectorised.restype = i32
+    library.linear_is_vectorised.argtypes = []
     library.linear_packed_bytes.restype = size
     library.linear_packed_bytes.argtypes = [size, size, i32]
     library.linear_pack.restype = None

@@ -81,6 +81,7 @@ def test_silu_and_mul(dtype: torch.dtype, rows: int, torch_only) -> None:
     x = torch.randn(rows, 2 * 1536, dtype=dtype) * 4
     x[0, :4] = torch.tensor([0.0, -90.0, 90.0, float("inf")])  # exp over- and underflow, silu(inf) = inf
     x[0, 1536 : 1536 + 4] = 1.0
+    assert cpu_fused.silu_and_mul(x) is not None
     out, expected = SiluAndMul()(x), torch_only(SiluAndMul(), x)
     assert out.shape == (rows, 1536)
     assert_matches(out, expected)
@@ -111,14 +112,30 @@ def test_store_kv_matches_torch_and_skips_padded_rows(dtype: torch.dtype) -> Non
     k, v = (t.view(-1, 3, 8) for t in kv.chunk(2, dim=-1))
     slots = torch.tensor([5, -1, 0, 17, 9, -1])
     caches = [torch.zeros(5, 4, 3, 8, dtype=dtype) for _ in range(4)]
-    CpuAttention().store_kv(k, v, caches[0], caches[1], slots)
+    backend, calls = CpuAttention(), []
+    kernel = backend._store
+    backend._store = lambda *args: calls.append(args) or kernel(*args)
+    backend.store_kv(k, v, caches[0], caches[1], slots)
+    assert len(calls) == 1, "the C copy ran"
     TorchAttention().store_kv(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0].flatten(0, 1)[5].equal(k[0]) and caches[1].flatten(0, 1)[17].equal(v[3])
 
 
-def test_store_kv_refuses_a_slot_past_the_cache() -> None:
+def test_store_kv_refuses_a_slot_past_the_cache_and_writes_nothing() -> None:
     k = v = torch.randn(2, 3, 8)
     cache = torch.zeros(5, 4, 3, 8)
     with pytest.raises(IndexError, match="past the cache"):
         CpuAttention().store_kv(k, v, cache, cache.clone(), torch.tensor([0, 20]))
+    assert not cache.any()
+
+
+def test_rotary_refuses_a_position_past_its_table_and_leaves_odd_shapes_to_torch() -> None:
+    rotary = RotaryEmbedding(8, 16, 10000.0, torch.float32)
+    q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    before = q.clone()
+    with pytest.raises(IndexError, match="past the rotary table"):
+        cpu_fused.rotary(torch.tensor([3, 16]), q, k, rotary.cos, rotary.sin)
+    assert torch.equal(q, before)
+    assert cpu_fused.rotary(torch.tensor([1, 2]), q.view(2, 16), k, rotary.cos, rotary.sin) is None
+    assert cpu_fused.rotary(torch.tensor([1, 2, 3]), q, k, rotary.cos, rotary.sin) is None

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc import cpu_kernels
+from executor_svc.layers import linear
 from executor_svc.layers.linear import ColumnParallelLinear, PackedWeight, RowParallelLinear, prepack_for_cpu
 
 pytestmark = pytest.mark.skipif(
@@ -60,8 +61,9 @@ def test_strided_and_batched_inputs(dtype: torch.dtype) -> None:
 
 
 def test_layers_are_packed_and_shared_weights_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Packing replaces a layer's dense weight unless another module holds it too; without the kernel
-    library float32 goes to oneDNN and bfloat16 stays dense, with the same outputs."""
+    """Packing replaces a layer's dense weight unless another module holds it too; where the kernel cannot
+    help (no library, or no AVX-512) float32 goes to oneDNN and bfloat16 stays dense, with the same outputs."""
+    monkeypatch.setattr(linear, "packing_helps", lambda: True)
     model = torch.nn.Sequential(ColumnParallelLinear(64, [32, 32], bias=True), RowParallelLinear(64, 64))
     for module in model:
         torch.nn.init.normal_(module.weight)
@@ -76,7 +78,7 @@ def test_layers_are_packed_and_shared_weights_kept(monkeypatch: pytest.MonkeyPat
     assert model[1].packed_weight is not None and model[1].weight.numel() == 64 * 64, "shared: kept"
     torch.testing.assert_close(model[1](model[0](x)), expected, atol=1e-4, rtol=1e-4)
 
-    monkeypatch.setattr(cpu_kernels, "kernel_library", lambda: None)
+    monkeypatch.setattr(linear, "packing_helps", lambda: False)
     fallback = [RowParallelLinear(64, 64), RowParallelLinear(64, 64).bfloat16()]
     for layer in fallback:
         torch.nn.init.normal_(layer.weight)
@@ -86,3 +88,16 @@ def test_layers_are_packed_and_shared_weights_kept(monkeypatch: pytest.MonkeyPat
     assert fallback[1].packed_weight is None and fallback[1].onednn_weight is None
     torch.testing.assert_close(fallback[0](x), expected[0], atol=1e-4, rtol=1e-4)
     assert torch.equal(fallback[1](x.bfloat16()), expected[1])
+
+
+def test_packing_refuses_what_the_kernel_cannot_read() -> None:
+    with pytest.raises(ValueError, match="float16"):
+        PackedWeight.pack(torch.randn(4, 4).half())
+    with pytest.raises(ValueError, match=r"shape \(2, 3, 4\)"):
+        PackedWeight.pack(torch.randn(2, 3, 4))
+
+
+def test_a_transposed_weight_packs_as_its_values() -> None:
+    weight = torch.randn(33, 20).t()  # not contiguous: packed from a contiguous copy
+    x = torch.randn(3, 33)
+    check(PackedWeight.pack(weight).linear(x, None), x, weight, None)

@@ -34,9 +34,10 @@ class CpuAttention(TorchAttention):
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         rows_contiguous = k.shape[0] > 0 and k[0].is_contiguous() and v[0].is_contiguous()
+        shapes = k.shape == v.shape and k_cache.shape == v_cache.shape and slot_mapping.shape == k.shape[:1]
         layouts = k.shape[1:] == k_cache.shape[2:] and k_cache.is_contiguous() and v_cache.is_contiguous()
         dtypes = k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and slot_mapping.dtype == torch.int64
-        if k.device.type != "cpu" or not (rows_contiguous and layouts and dtypes):
+        if k.device.type != "cpu" or not (rows_contiguous and shapes and layouts and dtypes):
             return super().store_kv(k, v, k_cache, v_cache, slot_mapping)
         slots = slot_mapping.contiguous()
         outside = self._store(

@@ -128,10 +128,14 @@ void silu_and_mul(const void *x, void *out, int64_t rows, int d, int bf16, int n
 
 /* Rotate q [tokens, num_heads, head_dim] and k [tokens, num_kv_heads, head_dim] in place (rows strided by
  * q_stride and k_stride) by their positions: the rotate-half form, x * cos + rotate_half(x) * sin, with
- * cos and sin [max_position, head_dim] in the model's dtype. */
-void rotary(void *q, int64_t q_stride, void *k, int64_t k_stride, const int64_t *positions, const void *cos_table,
-            const void *sin_table, int64_t tokens, int num_heads, int num_kv_heads, int head_dim, int bf16,
-            int num_threads) {
+ * cos and sin [num_positions, head_dim] in the model's dtype. Returns the number of positions outside the
+ * tables; when there are any, nothing is rotated. */
+int64_t rotary(void *q, int64_t q_stride, void *k, int64_t k_stride, const int64_t *positions,
+               const void *cos_table, const void *sin_table, int64_t num_positions, int64_t tokens, int num_heads,
+               int num_kv_heads, int head_dim, int bf16, int num_threads) {
+    int64_t outside = 0;
+    for (int64_t t = 0; t < tokens; t++) outside += positions[t] < 0 || positions[t] >= num_positions;
+    if (outside) return outside;
     int half = head_dim / 2;
     int threads = tokens * (num_heads + num_kv_heads) * head_dim >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
 #pragma omp parallel num_threads(threads)
@@ -162,23 +166,22 @@ void rotary(void *q, int64_t q_stride, void *k, int64_t k_stride, const int64_t 
             }
         }
     }
+    return 0;
 }
 
 /* Copy row t of k and v ([tokens, width] with row strides k_stride, v_stride) into slot slots[t] of
  * k_cache and v_cache ([num_slots, width] contiguous); a negative slot (a padded row) is skipped. Returns the
- * number of rows whose slot is past the cache, which are not written. */
+ * number of rows whose slot is past the cache; when there are any, nothing is written. */
 int64_t store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_cache, void *v_cache,
-                 const int64_t *slots, int64_t tokens, int64_t num_slots, int width, int element_size) {
-    size_t bytes = (size_t)width * element_size;
+                 const int64_t *slots, int64_t tokens, int64_t num_slots, int width, int element_bytes) {
+    size_t bytes = (size_t)width * element_bytes;
     int64_t outside = 0;
+    for (int64_t t = 0; t < tokens; t++) outside += slots[t] >= num_slots;
+    if (outside) return outside;
     for (int64_t t = 0; t < tokens; t++) {
         if (slots[t] < 0) continue;
-        if (slots[t] >= num_slots) {
-            outside++;
-            continue;
-        }
-        memcpy((char *)k_cache + slots[t] * bytes, (const char *)k + t * k_stride * element_size, bytes);
-        memcpy((char *)v_cache + slots[t] * bytes, (const char *)v + t * v_stride * element_size, bytes);
+        memcpy((char *)k_cache + slots[t] * bytes, (const char *)k + t * k_stride * element_bytes, bytes);
+        memcpy((char *)v_cache + slots[t] * bytes, (const char *)v + t * v_stride * element_bytes, bytes);
     }
-    return outside;
+    return 0;
 }

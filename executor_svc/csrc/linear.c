@@ -37,6 +37,16 @@
 static inline int64_t lin_panels(int64_t n) { return (n + LIN_LANES - 1) / LIN_LANES; }
 static inline int64_t lin_ksteps(int64_t k, int bf16) { return bf16 ? (k + 1) / 2 : k; }
 
+/* 1 when this build has the AVX-512 kernel: the portable loops below are correct but slower than a
+ * vendor BLAS, so the caller keeps torch's GEMM without it. */
+int linear_is_vectorised(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int64_t linear_packed_bytes(int64_t n, int64_t k, int bf16) {
     return lin_panels(n) * lin_ksteps(k, bf16) * LIN_LANES * 4;
 }
@@ -94,7 +104,7 @@ typedef struct {
     int bf16;
 } lin_args;
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 
 #define LIN_INLINE static inline __attribute__((always_inline))
 

@@ -65,12 +65,19 @@ def rotary(
     """Rotate q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in place; (q, k), or None."""
     if not _usable(q, k, cos, sin) or not (cos.is_contiguous() and sin.is_contiguous()):
         return None
+    if q.dim() != 3 or k.dim() != 3 or not q.shape[2] == k.shape[2] == cos.shape[1] or cos.shape != sin.shape:
+        return None
     q_stride, k_stride = _row_stride(q), _row_stride(k)
     if q_stride is None or k_stride is None or positions.dtype != torch.int64 or not positions.is_contiguous():
         return None
-    cpu_kernels.kernel_library().rotary(
+    if not positions.shape == q.shape[:1] == k.shape[:1]:
+        return None
+    outside = cpu_kernels.kernel_library().rotary(
         q.data_ptr(), q_stride, k.data_ptr(), k_stride, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.dtype == torch.bfloat16, torch.get_num_threads(),
+        cos.shape[0], q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.dtype == torch.bfloat16,
+        torch.get_num_threads(),
     )
+    if outside:
+        raise IndexError(f"{outside} positions are past the rotary table's {cos.shape[0]}")
     return q, k
 

@@ -9,9 +9,9 @@ On the CPU, ``prepack_for_cpu`` packs each float32 or bfloat16 weight once after
 into the layout of our C kernel (``executor_svc/csrc/linear.c``), and that copy replaces the
 dense one. Decode multiplies a few rows (one per sequence) by each weight, where torch's GEMMs
 run far below the machine's peak; the kernel streams each weight once per call with the
-arithmetic overlapping the stream: 1.5-3x torch's speed at 1-64 rows, even with it up to
-thousands (prefill). Without a C compiler, float32 weights go to oneDNN instead (25-35 %
-faster than ``F.linear`` at decode's sizes).
+arithmetic overlapping the stream: 1.3-2.4x torch's speed at 1-64 rows (W1's machine), on par
+at thousands (prefill). Without a C compiler or AVX-512, float32 weights go to oneDNN instead
+(25-35 % faster than ``F.linear`` at decode's sizes).
 """
 
 from __future__ import annotations
@@ -40,13 +40,16 @@ class PackedWeight:
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> PackedWeight:
+        if weight.dtype not in PACKED_DTYPES or weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError(f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} on {weight.device}")
         library, bf16 = cpu_kernels.kernel_library(), weight.dtype == torch.bfloat16
+        weight = weight.contiguous()
         n, k = weight.shape
         size = library.linear_packed_bytes(n, k, bf16)
         buffer = torch.empty(size + 63, dtype=torch.uint8)
-        start = -buffer.data_ptr() % 64
+        start = -buffer.data_ptr() % 64  # the kernel's aligned loads
         data = buffer[start : start + size]
-        library.linear_pack(weight.contiguous().data_ptr(), data.data_ptr(), n, k, bf16)
+        library.linear_pack(weight.data_ptr(), data.data_ptr(), n, k, bf16)
         return cls(data, n, k, weight.dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -79,14 +82,22 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, bias)
 
 
+def packing_helps() -> bool:
+    """Whether the C kernel library is here and has the AVX-512 GEMM (its portable loops lose to torch's)."""
+    library = cpu_kernels.kernel_library()
+    return library is not None and library.linear_is_vectorised() == 1
+
+
 def prepack_for_cpu(model: nn.Module) -> None:
     """Give every float32 or bfloat16 CPU linear layer of ``model`` a packed copy of its weight: for the C
-    kernel, or without one (no compiler) for oneDNN, float32 only (see the module doc).
+    kernel, or where it cannot help (no compiler, no AVX-512) for oneDNN, float32 only (see the module doc).
 
     The dense weight is then emptied unless another module shares it (a tied LM head shares the
     embedding's), so packing costs no memory beyond such shared weights.
     """
-    with_kernel = cpu_kernels.kernel_library() is not None
+    if not any(isinstance(m, LinearBase) and m.weight.device.type == "cpu" for m in model.modules()):
+        return
+    with_kernel = packing_helps()
     if not with_kernel and not torch.backends.mkldnn.is_available():
         return
     holders = Counter(id(m.weight) for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor))
