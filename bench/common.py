@@ -121,12 +121,19 @@ class Child:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
-                    raise RuntimeError(f"the {self.name} exited with code {self.process.returncode}")
+                    raise RuntimeError(f"the {self.name} exited with code {self.process.returncode}{self._log_tail()}")
                 with contextlib.suppress(grpc.RpcError):
                     if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == SERVING:
                         return
                 time.sleep(0.1)
         raise TimeoutError(f"the {self.name} did not serve on {target} within {timeout_s:.0f}s")
+
+    def _log_tail(self, lines: int = 30) -> str:
+        if self.log is subprocess.DEVNULL:
+            return ""
+        self.log.flush()
+        tail = Path(self.log.name).read_text(errors="replace").splitlines()[-lines:]
+        return "; its log ends:\n" + "\n".join(tail)
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import resource
 import statistics
@@ -146,6 +147,14 @@ async def _drive(target: str, workload: Workload, name: str) -> float:
             return time.perf_counter() - start
 
 
+def release_gpu_memory() -> None:
+    """Hand a finished in-process peer's GPU memory back to the device: an executor started next sizes its KV
+    cache from the memory free then, and torch's allocator would otherwise keep the peer's cached."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 PEERS: dict[str, Callable[[argparse.Namespace, Workload], float]] = {
     "hf": run_hf,
     "inprocess": run_inprocess,
@@ -195,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.repeats):
         for name in peers:
             runs[name].append(PEERS[name](args, workload))
+            release_gpu_memory()
     seconds = {name: statistics.median(times) for name, times in runs.items()}
     tok_s = {name: tokens / s for name, s in seconds.items()}
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

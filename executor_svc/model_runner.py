@@ -129,9 +129,9 @@ class ModelRunner:
         self.block_size = options.block_size
         self.backend = get_backend(options.attention_backend, self.device)
         self.model = load_model(folder, self.config, self.backend, self.device, self.dtype)
+        self.graphs = None  # before the CUDA memory profile, whose forward runs eagerly
         self.num_blocks = self._allocate_kv_cache()
         self.sampler = Sampler()
-        self.graphs = None
         if self.device.type == "cuda" and not options.enforce_eager:
             self.graphs = DecodeGraphs.capture(self.model, self.max_model_len, self.block_size, self.device)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 
 import pytest
 import torch
@@ -88,3 +89,15 @@ def test_profile_accounts_for_the_run(tmp_path):
     parts = [v for k, v in figures.items() if k.startswith(("prefill_", "decode_")) and k.endswith("_s")]
     assert all(v >= 0 for v in parts)
     assert sum(parts) <= figures["total_s"] * 1.01
+
+
+def test_a_child_that_dies_shows_the_end_of_its_log(tmp_path):
+    from bench.common import Child
+
+    child = Child("executor", [sys.executable, "-c", "import sys; print('no KV block fits'); sys.exit(3)"],
+                  tmp_path / "executor.log")
+    try:
+        with pytest.raises(RuntimeError, match=r"exited with code 3; its log ends:\nno KV block fits"):
+            child.wait_serving("127.0.0.1:1", timeout_s=30)
+    finally:
+        child.stop()

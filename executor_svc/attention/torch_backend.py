@@ -160,7 +160,7 @@ class TorchAttention:
             # Query heads sharing a KV head become that head's query rows, so K/V are not repeated for GQA.
             qg = q.index_select(0, group.rows).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
             o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=group.mask, scale=scale)
-            out.index_copy_(0, group.rows, o.view(n, num_heads, head_dim))
+            out.index_copy_(0, group.rows, o.reshape(n, num_heads, head_dim))
         return out
 
     def _decode_groups(
