@@ -26,6 +26,12 @@ pytestmark = pytest.mark.skipif(
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(autouse=True)
+def seeded() -> None:
+    """The same random inputs every run: the bfloat16 checks count rare rounding-edge mismatches."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def torch_only(monkeypatch: pytest.MonkeyPatch):
     """Runs the layers' torch code: the reference."""
