@@ -35,6 +35,7 @@ from executor_svc.attention.cpu_backend import CpuAttention  # noqa: E402
 from executor_svc.attention.torch_backend import TorchAttention  # noqa: E402
 from executor_svc.layers import cpu_fused  # noqa: E402
 from executor_svc.layers.linear import PackedWeight  # noqa: E402
+from executor_svc.layers.norm import RMSNorm  # noqa: E402
 from executor_svc.layers.rotary import RotaryEmbedding, rotate_half  # noqa: E402
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
@@ -94,15 +95,13 @@ def decode_attention_peers(dtype: torch.dtype) -> Callable[[int], Peers]:
 
 
 def rms_norm_peers(dtype: torch.dtype) -> Callable[[int], Peers]:
-    weight = torch.randn(HIDDEN).to(dtype)
-
-    def torch_norm(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        h = (x + residual).float()
-        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    norm = RMSNorm(HIDDEN, 1e-5).to(dtype)
 
     def at(rows: int) -> Peers:
         x, residual = torch.randn(rows, HIDDEN).to(dtype), torch.randn(rows, HIDDEN).to(dtype)
-        return lambda: cpu_fused.rms_norm(x, residual.clone(), weight, 1e-5), lambda: torch_norm(x, residual)
+        # Both peers make a new sum: the layer's torch code (``_norm``) after torch's add, the kernel on a copy.
+        return (lambda: cpu_fused.rms_norm(x, residual.clone(), norm.weight, norm.eps),
+                lambda: norm._norm(x + residual))
 
     return at
 

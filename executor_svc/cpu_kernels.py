@@ -1,7 +1,7 @@
 """Builds and loads the C kernels in ``csrc/`` with the system C compiler, once per machine.
 
 All sources make one library, compiled for the CPU it runs on (``-march=native``) into ``$NANOSERVE_CACHE/kernels``,
-named by a hash of the source, the flags and the CPU's feature flags, so a cache shared between
+named by a hash of the sources and headers, the flags and the CPU's feature flags, so a cache shared between
 machines never hands one a library built for another. No compiler, or a failed build, means no
 kernel: the caller falls back to plain torch.
 """
@@ -26,7 +26,9 @@ from executor_svc.model_registry import cache_root
 
 log = logging.getLogger("nanoserve.executor")
 
-SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.c"))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.c"))
+HEADERS = sorted(CSRC.glob("*.h"))
 FLAGS = [
     "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
     # Reordered float sums vectorise; never -ffast-math, whose startup code sets flush-to-zero process-wide.
@@ -46,7 +48,7 @@ def _cpu_flags() -> str:
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
-    sources = [source.read_bytes() for source in SOURCES]
+    sources = [source.read_bytes() for source in SOURCES + HEADERS]
     for part in (*sources, " ".join(FLAGS).encode(), compiler.encode(), platform.machine().encode(),
                  _cpu_flags().encode()):
         key.update(part)

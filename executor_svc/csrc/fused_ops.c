@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 /* Let `omp simd` loops call glibc's vector expf (libmvec), as paged_decode.c does. */
 #pragma omp declare simd notinbranch
 float expf(float);
@@ -18,16 +20,6 @@ float expf(float);
 /* Below this many elements a call runs on the calling thread: waking the others costs more than they save
  * (measured: a decode batch of 64 rows of 576 already gains from two threads). */
 #define PARALLEL_MIN_ELEMENTS (1 << 15)
-
-/* Round float32 to the nearest bfloat16 (ties to even), kept as a float32: what torch does to the result
- * of every bfloat16 op. Branch-free so that loops over rows vectorise. */
-static inline float bf16_round(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits = f != f ? 0x7fc00000u : (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* One row of n elements into float32 `dst`. */
 static void load_row(const void *src, float *dst, int n, int bf16) {
@@ -37,10 +29,7 @@ static void load_row(const void *src, float *dst, int n, int bf16) {
     }
     const uint16_t *s = src;
 #pragma omp simd
-    for (int i = 0; i < n; i++) {
-        uint32_t bits = (uint32_t)s[i] << 16;
-        memcpy(dst + i, &bits, sizeof bits);
-    }
+    for (int i = 0; i < n; i++) dst[i] = bf16_to_float(s[i]);
 }
 
 /* One row of n float32 values into `dst` in the tensor's dtype (already rounded when bfloat16). */
@@ -51,12 +40,7 @@ static void store_row(const float *src, void *dst, int n, int bf16) {
     }
     uint16_t *d = dst;
 #pragma omp simd
-    for (int i = 0; i < n; i++) {
-        uint32_t bits;
-        float f = bf16_round(src[i]);
-        memcpy(&bits, &f, sizeof bits);
-        d[i] = (uint16_t)(bits >> 16);
-    }
+    for (int i = 0; i < n; i++) d[i] = float_to_bf16(src[i]);
 }
 
 /* Round every value of a row to the dtype (a no-op in float32). */

@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+
+#include "bf16.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -73,21 +75,6 @@ void linear_pack(const void *w, void *packed, int64_t n, int64_t k, int bf16) {
                     dst[(p * ks + s) * LIN_LANES + j] = row < n ? src[row * k + s] : 0.0f;
                 }
     }
-}
-
-/* float32 -> bfloat16 bits, nearest-even, NaN kept quiet: the same rounding as torch. */
-static inline uint16_t lin_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-static inline float lin_from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
 }
 
 /* x is read in 32-bit units whatever its dtype, and a bfloat16 x may be only 2-byte aligned */
@@ -238,9 +225,9 @@ static void lin_range(const lin_args *a, int64_t p0, int64_t p1) {
                 for (int64_t s = s0; s < s0 + LIN_KC && s < ks; s++) {
                     if (a->bf16) {
                         const uint16_t *xs = (const uint16_t *)(x + s), *ws = (const uint16_t *)(w + s * LIN_LANES);
-                        const float x0 = lin_from_bf16(xs[0]), x1 = lin_from_bf16(xs[1]);
+                        const float x0 = bf16_to_float(xs[0]), x1 = bf16_to_float(xs[1]);
                         for (int j = 0; j < LIN_LANES; j++)
-                            part[j] += x0 * lin_from_bf16(ws[2 * j]) + x1 * lin_from_bf16(ws[2 * j + 1]);
+                            part[j] += x0 * bf16_to_float(ws[2 * j]) + x1 * bf16_to_float(ws[2 * j + 1]);
                     } else {
                         const float xs = ((const float *)x)[s], *ws = (const float *)(w + s * LIN_LANES);
                         for (int j = 0; j < LIN_LANES; j++) part[j] += xs * ws[j];
@@ -251,8 +238,8 @@ static void lin_range(const lin_args *a, int64_t p0, int64_t p1) {
             for (int j = 0; j < LIN_LANES && p * LIN_LANES + j < a->n; j++) {
                 const int64_t col = p * LIN_LANES + j;
                 if (a->bf16) {
-                    const float b = a->bias ? lin_from_bf16(((const uint16_t *)a->bias)[col]) : 0.0f;
-                    ((uint16_t *)a->y)[r * a->n + col] = lin_to_bf16(acc[j] + b);
+                    const float b = a->bias ? bf16_to_float(((const uint16_t *)a->bias)[col]) : 0.0f;
+                    ((uint16_t *)a->y)[r * a->n + col] = float_to_bf16(acc[j] + b);
                 } else {
                     const float b = a->bias ? ((const float *)a->bias)[col] : 0.0f;
                     ((float *)a->y)[r * a->n + col] = acc[j] + b;

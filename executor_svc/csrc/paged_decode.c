@@ -21,25 +21,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 /* Let `omp simd` loops call glibc's vector expf (libmvec). glibc declares it only under -ffast-math,
  * and a library built with -ffast-math sets flush-to-zero for the whole process when it loads. */
 #pragma omp declare simd notinbranch
 float expf(float);
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if (isnan(f)) return 0x7fc0;
-    bits += 0x7fff + ((bits >> 16) & 1); /* round to nearest, ties to even */
-    return (uint16_t)(bits >> 16);
-}
 
 /* Row `row` of a [rows, n] tensor as float32: in place for float32, converted into `buf` for bfloat16. */
 static inline const float *load_row(const void *base, int64_t row, int n, int bf16, float *buf) {
