@@ -20,11 +20,11 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 run: $(VENV)/.installed
-	$(PY) -m scheduler_svc.stack
+	$(PY) -m client.stack
 
 # The same stack with the model-free shadow-KV executor (token ids only, no torch work).
 run-shadow: $(VENV)/.installed
-	$(PY) -m scheduler_svc.stack --shadow
+	$(PY) -m client.stack --shadow
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check .

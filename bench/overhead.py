@@ -32,13 +32,14 @@ from pathlib import Path
 import grpc
 
 from bench.common import HOST, Child, free_port, print_table, progress, write_json
+from common.channels import EXECUTOR_CHANNEL_OPTIONS
+from common.executor import Executor
 from executor_svc.service import build_server
 from executor_svc.shadow_server import NullExecutor, model_free_info
 from executor_svc.shadow_server import parse_args as null_server_args
 from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.engine import Engine
-from scheduler_svc.executor import Executor
-from scheduler_svc.remote import CHANNEL_OPTIONS, RemoteExecutor
+from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import SchedulerConfig
 
@@ -238,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         target = f"{HOST}:{port}"
         server.wait_serving(target, timeout_s=60)
         remote, streamed = RemoteExecutor(target), RemoteExecutor(target)
-        floor = grpc.insecure_channel(target, CHANNEL_OPTIONS)
+        floor = grpc.insecure_channel(target, EXECUTOR_CHANNEL_OPTIONS)
         executors = {"grpc": remote, "stream": OneAtATimeOverStream(streamed), "overlap": streamed,
                      "in-process": in_process_null(max_model_len, num_blocks)}
         runs = [(peer, batch) for batch in args.batch for peer in peers]

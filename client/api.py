@@ -16,22 +16,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client.errors import NanoserveError
 from client.requests import Message, build_request
 from client.results import Chunk, Completion
+from common.channels import PUBLIC_MAX_MESSAGE_BYTES, public_channel_options
+from common.security import TLSConfig, channel_credentials
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.security import TLSConfig, channel_credentials
 
 DEFAULT_TARGET = "127.0.0.1:50051"
-# The scheduler's default --max-message-bytes.
-MAX_MESSAGE_BYTES = 16 << 20
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
 
 
 def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -47,11 +37,11 @@ class Client:
     """
 
     def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None, api_key: str | None = None,
-                 tls: TLSConfig | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 tls: TLSConfig | None = None, max_message_bytes: int = PUBLIC_MAX_MESSAGE_BYTES) -> None:
         self.target = target
         self.timeout = timeout
         self.metadata = call_metadata(api_key)
-        options = channel_options(max_message_bytes)
+        options = public_channel_options(max_message_bytes)
         if tls is None:
             self.channel = grpc.insecure_channel(target, options=options)
         else:
@@ -121,7 +111,7 @@ class AsyncClient:
     """The asyncio twin of ``Client``; its channel opens on first use, inside the running event loop."""
 
     def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None, api_key: str | None = None,
-                 tls: TLSConfig | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 tls: TLSConfig | None = None, max_message_bytes: int = PUBLIC_MAX_MESSAGE_BYTES) -> None:
         self.target = target
         self.timeout = timeout
         self.metadata = call_metadata(api_key)
@@ -188,7 +178,7 @@ class AsyncClient:
 
     def _connect(self) -> None:
         if self.channel is None:
-            options = channel_options(self.max_message_bytes)
+            options = public_channel_options(self.max_message_bytes)
             if self.tls is None:
                 self.channel = grpc.aio.insecure_channel(self.target, options=options)
             else:

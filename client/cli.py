@@ -21,7 +21,7 @@ from google.protobuf.message import Message
 
 from client.api import DEFAULT_TARGET, Client
 from client.errors import NanoserveError
-from scheduler_svc.security import TLSConfig
+from common.security import TLSConfig
 
 EXIT_ERROR = 1
 EXIT_UNAVAILABLE = 3

@@ -10,8 +10,10 @@ import argparse
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from common.flags import EnvFlags, boolean, port, positive_float, positive_int
+from common.security import TLSConfig
 from executor_svc.config import DTYPES, ExecutorOptions
 from executor_svc.model_registry import DEFAULT_MODEL
 from executor_svc.openmp import set_wait_policy
@@ -29,45 +31,31 @@ def parse_bytes(text: str) -> int:
     return int(float(match[1]) * UNITS[match[2]])
 
 
-def env_default(flag: str, default: object) -> object:
-    return os.environ.get("NANOSERVE_" + flag.upper().replace("-", "_"), default)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nanoserve-executor", description=__doc__.splitlines()[0])
-
-    def add(flag: str, default: object, help: str, **kwargs: object) -> None:
-        p.add_argument(f"--{flag}", default=env_default(flag, default), help=help, **kwargs)
-
-    add("model", DEFAULT_MODEL, "embedded model name or a local Hugging Face folder (default: %(default)s)")
-    add("host", "127.0.0.1", "address to bind (default: %(default)s)")
-    add("port", 50052, "port to bind (default: %(default)s)", type=int)
-    add("device", None, "torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available, else cpu)")
-    add("dtype", None, "compute dtype (default: float32 on CPU, bfloat16 on CUDA)", choices=DTYPES)
-    add("tensor-parallel-size", 1, "ranks in the tensor-parallel group (default: %(default)s)", type=int)
-    add("block-size", 16, "tokens per KV-cache block (default: %(default)s)", type=int)
-    add(
-        "kv-cache-memory", None,
-        "KV-cache bytes per rank, e.g. 2GiB (default: 1GiB on CPU, the free memory share on CUDA)",
-        type=parse_bytes,
-    )
-    add("gpu-memory-utilization", 0.9, "share of GPU memory to fill, KV cache included (default: %(default)s)",
-        type=float)
-    add("attention-backend", None, "cpu, torch, triton or flash_attn (default: the best for the device)")
-    add("max-model-len", None, "longest context in tokens (default: the model's)", type=int)
-    add("threads", None, "torch threads per rank on CPU (default: torch's choice)", type=int)
-    add("enforce-eager", False, "never capture CUDA graphs", action="store_true")
-    add("tls-cert", "", "PEM certificate chain (with --tls-key: serve TLS)")
-    add("tls-key", "", "PEM private key of --tls-cert")
-    add("tls-ca", "", "PEM CA: only a scheduler with a client certificate it signed may connect (mutual TLS)")
+    flags = EnvFlags(p, os.environ if env is None else env)
+    add = flags.add
+    add("--model", str, DEFAULT_MODEL, "embedded model name or a local Hugging Face folder")
+    add("--host", str, "127.0.0.1", "address to bind")
+    add("--port", port, 50052, "port to bind")
+    add("--device", str, None, "torch device, e.g. cpu, cuda, cuda:1 (None: cuda when available, else cpu)")
+    add("--dtype", str, None, "compute dtype (None: float32 on CPU, bfloat16 on CUDA)", choices=DTYPES)
+    add("--tensor-parallel-size", positive_int, 1, "ranks in the tensor-parallel group")
+    add("--block-size", positive_int, 16, "tokens per KV-cache block")
+    add("--kv-cache-memory", parse_bytes, None,
+        "KV-cache bytes per rank, e.g. 2GiB (None: 1GiB on CPU, the free memory share on CUDA)")
+    add("--gpu-memory-utilization", positive_float, 0.9, "share of GPU memory to fill, KV cache included")
+    add("--attention-backend", str, None, "cpu, torch, triton or flash_attn (None: the best for the device)")
+    add("--max-model-len", positive_int, None, "longest context in tokens (None: the model's)")
+    add("--threads", positive_int, None, "torch threads per rank on CPU (None: torch's choice)")
+    add("--enforce-eager", boolean, False, "never capture CUDA graphs")
+    add("--tls-cert", str, "", "PEM certificate chain (with --tls-key: serve TLS)")
+    add("--tls-key", str, "", "PEM private key of --tls-cert")
+    add("--tls-ca", str, "", "PEM CA: only a scheduler with a client certificate it signed may connect (mutual TLS)")
     return p
 
 
 def options_from_args(args: argparse.Namespace) -> ExecutorOptions:
-    """argparse already ran string defaults (the environment) through each flag's type."""
-    enforce_eager = args.enforce_eager
-    if isinstance(enforce_eager, str):
-        enforce_eager = enforce_eager.lower() in ("1", "true", "yes")
     return ExecutorOptions(
         model=args.model,
         device=args.device,
@@ -79,7 +67,7 @@ def options_from_args(args: argparse.Namespace) -> ExecutorOptions:
         attention_backend=args.attention_backend,
         max_model_len=args.max_model_len,
         threads=args.threads,
-        enforce_eager=enforce_eager,
+        enforce_eager=args.enforce_eager,
     )
 
 
@@ -88,8 +76,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     options = options_from_args(args)
-    from scheduler_svc.security import TLSConfig
-
     try:
         tls = TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
     except ValueError as e:

@@ -14,22 +14,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.channels import EXECUTOR_SERVER_OPTIONS
+from common.executor import Executor
+from common.security import TLSConfig, bind, transport_name
 from executor_svc.requests import PlanError
 from nanoserve.v1 import executor_pb2 as pb
 from nanoserve.v1 import executor_pb2_grpc as pb_grpc
-from scheduler_svc.executor import Executor
-from scheduler_svc.security import TLSConfig, bind, transport_name
 
 log = logging.getLogger("nanoserve.executor")
 
 T = TypeVar("T")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
 
 
 def call_here(fn: Callable[..., T], *args: object) -> T:
@@ -109,7 +105,7 @@ def build_server(
     ``health_servicer`` to turn it NOT_SERVING later, ``call`` to run the executor's
     steps elsewhere than on gRPC's threads (``CallingThread.call``).
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=EXECUTOR_SERVER_OPTIONS)
     pb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(executor, call), server)
     health_servicer = health_servicer or health.HealthServicer()
     for name in ("", SERVICE_NAME):

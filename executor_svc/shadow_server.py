@@ -14,11 +14,11 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from common.security import TLSConfig
 from executor_svc.requests import RequestTable, Sampled, ScheduledChunk
 from executor_svc.service import serve
 from executor_svc.shadow import ShadowExecutor
 from nanoserve.v1 import executor_pb2 as pb
-from scheduler_svc.security import TLSConfig
 
 NULL_TOKEN_ID = 1
 

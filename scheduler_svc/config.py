@@ -7,7 +7,9 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-ENV_PREFIX = "NANOSERVE_"
+from common.channels import PUBLIC_MAX_MESSAGE_BYTES
+from common.flags import ENV_PREFIX, EnvFlags, boolean, non_negative_float, port, positive_float, positive_int
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -24,7 +26,7 @@ class ServiceConfig:
     # Prompt tokens of the requests waiting to be scheduled, before new ones are refused.
     max_queued_tokens: int = 1 << 20
     # Largest public-API message, each way.
-    max_message_bytes: int = 16 << 20
+    max_message_bytes: int = PUBLIC_MAX_MESSAGE_BYTES
     # Seconds one executor call may take before the executor counts as hung (and the scheduler recovers).
     step_timeout: float = 60.0
     # Seconds requests in flight get to finish on SIGTERM before they are aborted.
@@ -42,46 +44,6 @@ class ServiceConfig:
     num_scheduler_steps: int = 1
 
 
-def env_name(flag: str) -> str:
-    """``--max-num-seqs`` -> ``NANOSERVE_MAX_NUM_SEQS``."""
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise argparse.ArgumentTypeError(f"must be true or false, got {text}")
-    return value in ("1", "true", "yes", "on")
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value < 65536:
-        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
-    return value
-
-
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     """The parser; an environment variable sets a flag's default, so a flag on the command line wins."""
     defaults = ServiceConfig()
@@ -90,31 +52,23 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         description="The nanoserve scheduler service: the public Generation API in front of one executor.",
         epilog=f"Every flag can also be set as {ENV_PREFIX}<FLAG>, e.g. {ENV_PREFIX}EXECUTOR; the flag wins.",
     )
+    flags = EnvFlags(parser, env)
 
     def add(flag: str, type_, help_text: str, secret: bool = False, **kwargs) -> None:
         default = getattr(defaults, flag.lstrip("-").replace("-", "_"))
-        raw = env.get(env_name(flag))
-        if raw is not None:
-            try:
-                default = type_(raw)
-            except (ValueError, argparse.ArgumentTypeError) as e:
-                parser.error(f"{env_name(flag)}={raw!r}: {e}")
-            if default not in kwargs.get("choices", (default,)):
-                parser.error(f"{env_name(flag)}={raw!r}: choose from {', '.join(kwargs['choices'])}")
-        shown = f"env {env_name(flag)}" if secret else "default: %(default)s"
-        parser.add_argument(flag, type=type_, default=default, help=f"{help_text} ({shown})", **kwargs)
+        flags.add(flag, type_, default, help_text, secret=secret, **kwargs)
 
     add("--executor", str, "executor service address HOST:PORT")
     add("--host", str, "address to serve the public API on")
-    add("--port", _port, "port to serve the public API on (0 picks a free one)")
-    add("--max-num-seqs", _positive_int, "most sequences in one step")
-    add("--max-num-batched-tokens", _positive_int, "most tokens computed in one step")
-    add("--max-queued-requests", _positive_int, "requests waiting to be scheduled before RESOURCE_EXHAUSTED")
+    add("--port", port, "port to serve the public API on (0 picks a free one)")
+    add("--max-num-seqs", positive_int, "most sequences in one step")
+    add("--max-num-batched-tokens", positive_int, "most tokens computed in one step")
+    add("--max-queued-requests", positive_int, "requests waiting to be scheduled before RESOURCE_EXHAUSTED")
     add("--log-level", str.upper, "logging level", choices=LOG_LEVELS)
-    add("--max-queued-tokens", _positive_int, "prompt tokens waiting to be scheduled before RESOURCE_EXHAUSTED")
-    add("--max-message-bytes", _positive_int, "largest public-API message, each way")
-    add("--step-timeout", _positive_float, "seconds an executor call may take before the scheduler recovers")
-    add("--shutdown-grace", _non_negative_float, "seconds requests in flight get to finish on SIGTERM")
+    add("--max-queued-tokens", positive_int, "prompt tokens waiting to be scheduled before RESOURCE_EXHAUSTED")
+    add("--max-message-bytes", positive_int, "largest public-API message, each way")
+    add("--step-timeout", positive_float, "seconds an executor call may take before the scheduler recovers")
+    add("--shutdown-grace", non_negative_float, "seconds requests in flight get to finish on SIGTERM")
     add("--tls-cert", str, "PEM certificate chain of the public API (with --tls-key: serve TLS)")
     add("--tls-key", str, "PEM private key of --tls-cert")
     add("--tls-ca", str, "PEM CA: the public API then requires client certificates it signed")
@@ -122,8 +76,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--executor-tls-cert", str, "PEM client certificate for an executor that requires mutual TLS")
     add("--executor-tls-key", str, "PEM private key of --executor-tls-cert")
     add("--api-key", str, "clients must send 'authorization: Bearer <key>'; prefer the environment", secret=True)
-    add("--overlap", _bool, "schedule step N+1 while the executor runs step N", nargs="?", const=True)
-    add("--num-scheduler-steps", _positive_int, "decode steps per plan: the scheduling and the RPC are paid once "
+    add("--overlap", boolean, "schedule step N+1 while the executor runs step N")
+    add("--num-scheduler-steps", positive_int, "decode steps per plan: the scheduling and the RPC are paid once "
         "per this many steps, and EOS and stop strings are seen (and new requests start) only between plans")
     return parser
 

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+from common.executor import Executor
 from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.executor import Executor
 from scheduler_svc.planner import Planner
 from scheduler_svc.sampling import InvalidRequest, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, StepRecord, TokenOutput

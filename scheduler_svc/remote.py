@@ -9,17 +9,10 @@ from concurrent.futures import Future
 
 import grpc
 
+from common.channels import EXECUTOR_CHANNEL_OPTIONS
+from common.security import secure_or_insecure_channel
 from nanoserve.v1 import executor_pb2 as pb
 from nanoserve.v1 import executor_pb2_grpc as pb_grpc
-from scheduler_svc.security import secure_or_insecure_channel
-
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-]
 
 
 class RemoteExecutor:
@@ -34,7 +27,7 @@ class RemoteExecutor:
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self.target = target
         self.step_timeout_s = step_timeout_s
-        self.channel = secure_or_insecure_channel(target, credentials, CHANNEL_OPTIONS)
+        self.channel = secure_or_insecure_channel(target, credentials, EXECUTOR_CHANNEL_OPTIONS)
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self._stream: StepStream | None = None
 

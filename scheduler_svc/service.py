@@ -12,20 +12,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.executor import Executor
+from common.security import ApiKeyInterceptor, TLSConfig, bind, channel_credentials, transport_name
 from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.backoff import Backoff
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.engine import Engine
-from scheduler_svc.executor import Executor
 from scheduler_svc.loop import EngineLoop, LoopStopped, QueueFull, QueueLimits, RequestHandle, RequestOutput
 from scheduler_svc.malformed import MalformedRequest, MalformedRequestInterceptor
 from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.requests import prepare
 from scheduler_svc.sampling import InvalidRequest
 from scheduler_svc.scheduler import SchedulerConfig
-from scheduler_svc.security import ApiKeyInterceptor, TLSConfig, bind, channel_credentials, transport_name
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.tokenizer import ModelTokenizer
 

@@ -22,11 +22,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from common.executor import Executor
 from nanoserve.v1 import executor_pb2, executor_pb2_grpc
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.config import ServiceConfig
-from scheduler_svc.executor import Executor
 from scheduler_svc.service import SchedulerServer
 
 HOST = "127.0.0.1"

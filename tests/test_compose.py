@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from client import Client
-from scheduler_svc import stack
+from client import Client, stack
 from tests.service_fixtures import ROOT, free_port
 
 COMPOSE_FILES = ["docker-compose.yml", "docker-compose.cpu.yml"]
@@ -160,8 +159,8 @@ def test_cpu_stack_generates_when_its_services_run_as_local_processes() -> None:
 
 
 def start_make_run(*flags: str) -> tuple[subprocess.Popen, str]:
-    """``python -m scheduler_svc.stack`` as ``make run`` starts it, and the line it prints once both serve."""
-    process = subprocess.Popen([sys.executable, "-m", "scheduler_svc.stack", *flags], cwd=ROOT, text=True,
+    """``python -m client.stack`` as ``make run`` starts it, and the line it prints once both serve."""
+    process = subprocess.Popen([sys.executable, "-m", "client.stack", *flags], cwd=ROOT, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     ready = process.stdout.readline()
     assert ready.startswith("nanoserve: ready."), f"the stack printed {ready!r} instead of its ready line"

@@ -13,12 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from common.security import TLSConfig, channel_credentials
 from executor_svc.__main__ import build_parser, options_from_args
 from executor_svc.service import CallingThread
 from scheduler_svc.engine import Engine
 from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.security import TLSConfig, channel_credentials
 from tests.model_fixtures import hf_greedy, tiny_model_folders  # noqa: F401
 from tests.service_fixtures import free_port
 from tests.test_model_parity import random_prompts
@@ -34,6 +34,23 @@ def test_flags_win_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert options.enforce_eager is True
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--kv-cache-memory", "lots"])
+
+
+@pytest.mark.parametrize(("value", "expected"), [("on", True), ("yes", True), ("1", True), ("off", False),
+                                               ("false", False)])
+def test_enforce_eager_reads_every_boolean_word_the_scheduler_accepts(value: str, expected: bool) -> None:
+    """NANOSERVE_ENFORCE_EAGER=on was ignored: the executor knew only 1/true/yes."""
+    options = options_from_args(build_parser({"NANOSERVE_ENFORCE_EAGER": value}).parse_args([]))
+    assert options.enforce_eager is expected
+
+
+def test_a_bad_environment_value_names_its_variable(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        build_parser({"NANOSERVE_ENFORCE_EAGER": "sometimes"})
+    assert "NANOSERVE_ENFORCE_EAGER='sometimes'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser({"NANOSERVE_DTYPE": "int3"})
+    assert "choose from float32" in capsys.readouterr().err
 
 
 def test_served_executor_matches_hugging_face(tiny_model_folders: dict[str, Path]) -> None:  # noqa: F811

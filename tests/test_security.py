@@ -14,6 +14,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.security import (
+    ApiKeyInterceptor,
+    TLSConfig,
+    bearer_token,
+    bind,
+    channel_credentials,
+    is_loopback,
+)
 from executor_svc.service import build_server
 from executor_svc.shadow import ShadowExecutor
 from nanoserve.v1 import generation_pb2 as gen_pb
@@ -22,14 +30,6 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import SchedulerConfig
-from scheduler_svc.security import (
-    ApiKeyInterceptor,
-    TLSConfig,
-    bearer_token,
-    bind,
-    channel_credentials,
-    is_loopback,
-)
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.config import ServiceConfig, env_name, parse_config
+from common.flags import env_name
+from scheduler_svc.config import ServiceConfig, parse_config
 
 
 def test_defaults():

@@ -113,7 +113,7 @@ class Stack:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m scheduler_svc.stack", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m client.stack", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shadow", action="store_true",
                         help="run the model-free shadow executor instead of the model (token-id prompts only)")

@@ -1,7 +1,7 @@
-"""Transport security for both services: TLS/mTLS credentials, secure port binding, and the API-key check.
+"""Transport security: TLS/mTLS credentials, secure port binding, and the API-key check.
 
-It lives in the torch-free scheduler package so the scheduler, the executor and
-the scheduler's client side of the executor hop share one implementation.
+The scheduler, the executor, the scheduler's side of the executor hop and the client
+share this one implementation.
 """
 
 from __future__ import annotations

@@ -1,0 +1,81 @@
+"""Command-line flags that can also come from ``NANOSERVE_<FLAG>``, parsed the same way by every program.
+
+An environment variable is run through the flag's own type and choices, so a bad value fails at
+start-up naming the variable, and a flag on the command line wins over it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+
+ENV_PREFIX = "NANOSERVE_"
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def env_name(flag: str) -> str:
+    """``--max-num-seqs`` -> ``NANOSERVE_MAX_NUM_SEQS``."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in TRUE_WORDS + FALSE_WORDS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(TRUE_WORDS + FALSE_WORDS)}, got {text!r}")
+    return value in TRUE_WORDS
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
+    return value
+
+
+class EnvFlags:
+    """Adds flags to ``parser`` whose defaults ``env`` may override."""
+
+    def __init__(self, parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+        self.parser = parser
+        self.env = env
+
+    def add(self, flag: str, type_: Callable[[str], object], default: object, help_text: str,
+            secret: bool = False, **kwargs: object) -> None:
+        """``--flag`` of ``type_``; a boolean flag given bare means true (``--overlap``, ``--overlap off``)."""
+        name = env_name(flag)
+        raw = self.env.get(name)
+        if raw is not None:
+            try:
+                default = type_(raw)
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                self.parser.error(f"{name}={raw!r}: {e}")
+            choices = kwargs.get("choices")
+            if choices is not None and default not in choices:
+                self.parser.error(f"{name}={raw!r}: choose from {', '.join(map(str, choices))}")
+        if type_ is boolean:
+            kwargs.setdefault("nargs", "?")
+            kwargs.setdefault("const", True)
+        shown = f"env {name}" if secret else "default: %(default)s"
+        self.parser.add_argument(flag, type=type_, default=default, help=f"{help_text} ({shown})", **kwargs)
