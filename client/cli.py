@@ -52,17 +52,22 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
 
 def add_generation_args(parser: argparse.ArgumentParser) -> None:
     add_connection_args(parser)
-    parser.add_argument("--max-tokens", type=int, help="completion tokens at most (server default 256)")
+    # Unset options are not sent; "server default" is what the scheduler then applies (tests/test_defaults.py).
+    parser.add_argument("--max-tokens", type=int,
+                        help="completion tokens at most (server default 256, capped by the model length)")
     parser.add_argument("--temperature", type=float, help="0 is greedy (server default 1.0)")
-    parser.add_argument("--top-p", type=float)
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--min-p", type=float)
-    parser.add_argument("--seed", type=int, help="the same seed gives the same tokens")
-    parser.add_argument("--stop", action="append", help="a string that ends the generation (repeatable)")
+    parser.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] (server default 1.0)")
+    parser.add_argument("--top-k", type=int, help="keep the k most likely tokens, 0 disables (server default 0)")
+    parser.add_argument("--min-p", type=float, help="relative probability floor in [0, 1] (server default 0.0)")
+    parser.add_argument("--seed", type=int, help="the same seed gives the same tokens (server default none)")
+    parser.add_argument("--stop", action="append",
+                        help="a string that ends the generation, repeatable (server default none)")
     parser.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append",
-                        help="a token id that ends the generation (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past EOS")
-    parser.add_argument("--logprobs", type=int, help="with --json: logprobs of this many top tokens")
+                        help="a token id that ends the generation, repeatable (server default none)")
+    parser.add_argument("--ignore-eos", action="store_true", default=None,
+                        help="keep going past EOS (server default false)")
+    parser.add_argument("--logprobs", type=int,
+                        help="with --json: logprobs of this many top tokens (server default none)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (text, token_ids, finish_reason, usage) instead of streaming")
 

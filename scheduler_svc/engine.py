@@ -20,10 +20,13 @@ from dataclasses import dataclass
 from common.executor import Executor
 from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.errors import InvalidRequest
 from scheduler_svc.planner import Planner
-from scheduler_svc.sampling import InvalidRequest, SamplingParams
+from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, StepRecord, TokenOutput
 from scheduler_svc.sequence import FinishReason, Sequence
+from scheduler_svc.validation import ModelLimits, check_request
+from scheduler_svc.wire import logprobs_from_result
 
 
 class ExecutorRestarted(RuntimeError):
@@ -32,6 +35,10 @@ class ExecutorRestarted(RuntimeError):
 
 class IncompatibleExecutor(RuntimeError):
     """The executor came back serving another model or vocabulary; requests cannot carry over."""
+
+
+class StepMismatch(RuntimeError):
+    """A result answered another plan than the one awaited: the stream lost its order."""
 
 
 @dataclass
@@ -49,6 +56,7 @@ class Launched:
     """A step sent to the executor: its booking and its result (a future while it runs)."""
 
     record: StepRecord
+    step_id: int
     result: Future[pb.StepResult] | pb.StepResult
     schedule_s: float
     plan_s: float
@@ -57,15 +65,6 @@ class Launched:
 
 
 Submit = Callable[[pb.StepPlan], Future[pb.StepResult]]
-
-
-def submitter(executor: Executor) -> Submit:
-    """The executor's own ordered stream when it has one, else one worker thread (which keeps order)."""
-    submit = getattr(executor, "submit", None)
-    if submit is not None:
-        return submit
-    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor")
-    return lambda plan: worker.submit(executor.step, plan)
 
 
 @dataclass
@@ -90,6 +89,8 @@ class Engine:
         # Bounds the wait for a step in flight (a synchronous executor bounds its own calls).
         self.step_timeout_s = step_timeout_s
         self._submit: Submit | None = None
+        # Runs the steps of an executor without a stream of its own (an in-process one), in order.
+        self._worker: ThreadPoolExecutor | None = None
         self._in_flight: Launched | None = None
         self.config = config or SchedulerConfig()
         self.info = executor.get_info()
@@ -108,24 +109,20 @@ class Engine:
     def block_manager(self) -> BlockManager:
         return self.scheduler.block_manager
 
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidRequest("prompt", "the prompt is empty")
-        if len(token_ids) >= self.info.max_model_len:
-            raise InvalidRequest(
-                "prompt",
-                f"{len(token_ids)} tokens leave no room to generate: the model's maximum length "
-                f"is {self.info.max_model_len} tokens",
-            )
-        vocab = self.info.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits.of(self.info)
 
     def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request; raise InvalidRequest when it can never run."""
-        self.validate_prompt(token_ids)
-        params.validate()
+        """Check and queue a request; raise InvalidRequest when it can never run."""
+        check_request(token_ids, params, self.limits)
+        return self.enqueue(token_ids, params)
+
+    def enqueue(self, token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request already checked (``validation``) against this executor's limits.
+
+        The cache may have shrunk since (a restarted executor): then InvalidRequest still.
+        """
         seq = Sequence(next(self._seq_ids), token_ids, params, self.info.block_size)
         try:
             self.scheduler.add(seq)
@@ -159,7 +156,7 @@ class Engine:
                 return []
             return self._collect(launched)
         if self._submit is None:
-            self._submit = submitter(self.executor)
+            self._submit = self._submitter()
         if self._in_flight is None:
             self._in_flight = self._launch(self._submit)
             if self._in_flight is None:
@@ -167,6 +164,14 @@ class Engine:
                 return []
         current, self._in_flight = self._in_flight, self._launch(self._submit)
         return self._collect(current)
+
+    def _submitter(self) -> Submit:
+        """The executor's own ordered stream when it has one, else one worker thread (which keeps order)."""
+        submit = getattr(self.executor, "submit", None)
+        if submit is not None:
+            return submit
+        self._worker = worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor")
+        return lambda plan: worker.submit(self.executor.step, plan)
 
     def _launch(self, run: Callable[[pb.StepPlan], Future[pb.StepResult] | pb.StepResult]) -> Launched | None:
         """Schedule, plan and book a step, and hand its plan to ``run``; None when nothing can run."""
@@ -181,7 +186,7 @@ class Engine:
         record = self.scheduler.advance(ordered, is_prefill)
         t2 = time.perf_counter()
         result = run(plan)
-        return Launched(record, result, t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return Launched(record, plan.step_id, result, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     def _collect(self, launched: Launched) -> list[TokenOutput]:
         """Wait for a launched step and settle its tokens."""
@@ -194,13 +199,20 @@ class Engine:
             raise ExecutorRestarted(
                 f"executor instance changed from {self.info.instance_id} to {result.instance_id}"
             )
+        if result.step_id != launched.step_id:
+            raise StepMismatch(f"the executor answered step {result.step_id} where step {launched.step_id} was due")
         self.num_steps += 1
-        outputs = self.scheduler.settle(launched.record, list(result.token_ids), result.logprobs)
+        logprobs = logprobs_from_result(result) if result.logprobs else ()
+        outputs = self.scheduler.settle(launched.record, list(result.token_ids), logprobs)
 
         self.last_timings = StepTimings(
             launched.schedule_s, launched.plan_s, launched.send_s + t1 - t0, time.perf_counter() - t1
         )
         return outputs
+
+    def probe(self) -> bool:
+        """Whether the executor still answers as the same instance (it raises when it does not answer)."""
+        return self.executor.get_info().instance_id == self.info.instance_id
 
     def recover(self) -> list[Sequence]:
         """Carry on with a (re)started executor: handshake and reset it, then recompute every request.
@@ -225,9 +237,14 @@ class Engine:
         return self.scheduler.requeue_all(BlockManager(info.num_blocks, info.block_size))
 
     def _abandon_in_flight(self) -> None:
-        """Let a step still queued at the executor end (its outcome no longer matters) before a reset."""
+        """Forget the step in flight before a reset; its outcome no longer matters.
+
+        An in-process executor may still be running it on the worker thread and is not safe to reset
+        meanwhile, so that step is let end. An executor with its own stream is not waited for: its
+        reset cancels the stream, and a hung step would otherwise cost a second step timeout.
+        """
         launched, self._in_flight = self._in_flight, None
-        if launched is not None and isinstance(launched.result, Future):
+        if launched is not None and self._worker is not None and isinstance(launched.result, Future):
             wait([launched.result], timeout=self.step_timeout_s)
 
     def _flush_released(self) -> None:

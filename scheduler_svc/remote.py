@@ -14,25 +14,38 @@ from common.security import secure_or_insecure_channel
 from nanoserve.v1 import executor_pb2 as pb
 from nanoserve.v1 import executor_pb2_grpc as pb_grpc
 
+# GetInfo answers from memory, without waiting for a step: a deadline this short still fails only a hung executor,
+# and an idle probe then holds the loop (admission, cancellation) for at most this long.
+INFO_TIMEOUT_S = 5.0
+
+
+def describe_failure(error: Exception) -> str:
+    """One line for the log: the gRPC status and details, or the exception's type and message."""
+    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        return f"{error.code().name}: {error.details()}"
+    return f"{type(error).__name__}: {error}"
+
 
 class RemoteExecutor:
     """An ``Executor`` whose calls go over one reused channel to an executor service.
 
     ``credentials`` (``security.channel_credentials``) make the channel TLS, with a
     client certificate for an executor that requires mutual TLS; plaintext without.
-    ``step_timeout_s`` bounds every call, so a hung executor fails like a dead one.
+    ``step_timeout_s`` bounds every step and reset, ``info_timeout_s`` every GetInfo (the handshake and the
+    idle probe), so a hung executor fails like a dead one.
     """
 
     def __init__(self, target: str, step_timeout_s: float | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, info_timeout_s: float = INFO_TIMEOUT_S) -> None:
         self.target = target
         self.step_timeout_s = step_timeout_s
+        self.info_timeout_s = info_timeout_s if step_timeout_s is None else min(info_timeout_s, step_timeout_s)
         self.channel = secure_or_insecure_channel(target, credentials, EXECUTOR_CHANNEL_OPTIONS)
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self._stream: StepStream | None = None
 
     def get_info(self, timeout_s: float | None = None, wait_for_ready: bool = False) -> pb.ExecutorInfo:
-        timeout = self.step_timeout_s if timeout_s is None else timeout_s
+        timeout = self.info_timeout_s if timeout_s is None else timeout_s
         return self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout, wait_for_ready=wait_for_ready)
 
     def step(self, plan: pb.StepPlan) -> pb.StepResult:

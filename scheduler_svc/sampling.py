@@ -1,39 +1,55 @@
-"""Per-request sampling and stopping parameters, validated where they enter."""
+"""Per-request sampling and stopping parameters, and the one table of their defaults.
+
+``DEFAULTS`` is what an unset field of a GenerateRequest means; the proto comments, the
+CLI help and docs/client.md are tested against it (tests/test_defaults.py).
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+from scheduler_svc.errors import InvalidRequest
+
 MAX_LOGPROBS = 20
 # Every generated token is checked against every stop string: bound that work per request, as TGI does.
 MAX_STOP_STRINGS = 16
+# Stop token ids are a set looked up once per token; the bound keeps a request's plan-side state small.
+MAX_STOP_TOKEN_IDS = 64
 
-
-class InvalidRequest(ValueError):
-    """A request the engine refuses; ``field`` names what the caller must fix."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+# Field -> default. max_tokens is further capped by the room the prompt leaves in the model's length.
+DEFAULTS: dict[str, object] = {
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "seed": None,
+    "logprobs": None,
+    "max_tokens": 256,
+    "ignore_eos": False,
+    "stop": (),
+    "stop_token_ids": (),
+}
 
 
 @dataclass
 class SamplingParams:
-    """What to sample and when to stop. Defaults match vLLM's ``SamplingParams``."""
+    """What to sample and when to stop; checked on construction (``validate``)."""
 
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    logprobs: int | None = None
-    max_tokens: int = 256
-    ignore_eos: bool = False
+    temperature: float = DEFAULTS["temperature"]
+    top_k: int = DEFAULTS["top_k"]
+    top_p: float = DEFAULTS["top_p"]
+    min_p: float = DEFAULTS["min_p"]
+    seed: int | None = DEFAULTS["seed"]
+    logprobs: int | None = DEFAULTS["logprobs"]
+    max_tokens: int = DEFAULTS["max_tokens"]
+    ignore_eos: bool = DEFAULTS["ignore_eos"]
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    # A frozenset: looked up for every sampled token on the loop thread.
+    stop_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
+        self.stop_token_ids = frozenset(self.stop_token_ids)
         self.validate()
 
     def validate(self) -> None:
@@ -56,5 +72,8 @@ class SamplingParams:
             raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop", "stop strings must not be empty")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} distinct stop token ids, "
+                                                   f"got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids", "token ids must be >= 0")

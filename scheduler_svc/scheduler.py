@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.sequence import PENDING, FinishReason, Sequence, SequenceStatus
+from scheduler_svc.sequence import PENDING, FinishReason, Sequence, SequenceStatus, max_kv_blocks
 
 
 @dataclass
@@ -96,9 +96,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``; refuse one that could never fit in the whole cache."""
-        # The last sampled token is never fed back, so its KV never needs a slot.
-        max_kv_len = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len) - 1
-        blocks_needed = max(seq.num_blocks, (max_kv_len + self.block_size - 1) // self.block_size)
+        blocks_needed = max(seq.num_blocks, max_kv_blocks(seq.num_prompt_tokens, seq.params.max_tokens,
+                                                          self.max_model_len, self.block_size))
         if blocks_needed > self.block_manager.num_blocks:
             raise ValueError(
                 f"sequence needs {blocks_needed} KV blocks at its longest but the cache has "

@@ -10,6 +10,12 @@ from scheduler_svc.sampling import SamplingParams
 PENDING = -1
 
 
+def max_kv_blocks(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int) -> int:
+    """KV blocks a sequence holds at its longest; the last sampled token is never fed back, so needs no slot."""
+    max_kv_len = min(num_prompt_tokens + max_tokens, max_model_len) - 1
+    return (max(num_prompt_tokens, max_kv_len) + block_size - 1) // block_size
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()

@@ -12,53 +12,47 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.channels import message_size_options
 from common.executor import Executor
 from common.security import ApiKeyInterceptor, TLSConfig, bind, channel_credentials, transport_name
-from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.admission import QueueLimits
 from scheduler_svc.backoff import Backoff
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.engine import Engine
-from scheduler_svc.loop import EngineLoop, LoopStopped, QueueFull, QueueLimits, RequestHandle, RequestOutput
+from scheduler_svc.errors import (
+    CacheTooSmall,
+    EngineFailure,
+    ExecutorUnavailable,
+    InvalidRequest,
+    QueueFull,
+    RequestFailed,
+    ServerStopping,
+)
+from scheduler_svc.loop import EngineLoop, RequestHandle
 from scheduler_svc.malformed import MalformedRequest, MalformedRequestInterceptor
+from scheduler_svc.outputs import RequestOutput
 from scheduler_svc.remote import RemoteExecutor
-from scheduler_svc.requests import prepare
-from scheduler_svc.sampling import InvalidRequest
 from scheduler_svc.scheduler import SchedulerConfig
-from scheduler_svc.sequence import FinishReason
 from scheduler_svc.tokenizer import ModelTokenizer
+from scheduler_svc.validation import ModelLimits
+from scheduler_svc.wire import model_info, prepare, public_error, scheduler_stats, to_response
 
 log = logging.getLogger("nanoserve.scheduler")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-FINISH_REASONS = {
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+# Every way a request can fail, and the status a caller sees for it.
+STATUS_OF: dict[type[RequestFailed], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    CacheTooSmall: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ServerStopping: grpc.StatusCode.UNAVAILABLE,
+    ExecutorUnavailable: grpc.StatusCode.UNAVAILABLE,
+    EngineFailure: grpc.StatusCode.INTERNAL,
 }
 # After the engine loop ended: time for the handlers to send their last responses.
 SERVER_STOP_GRACE_S = 5.0
-
-
-def token_logprob(token_id: int, lp: executor_pb2.TokenLogprobs) -> pb.TokenLogprob:
-    top = [pb.Logprob(token_id=t, logprob=p) for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
-    return pb.TokenLogprob(token_id=token_id, logprob=lp.logprob, top=top)
-
-
-def to_response(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateResponse:
-    """Several loop outputs of one request as one response (the last one decides the finish)."""
-    response = pb.GenerateResponse(request_id=request_id, text="".join(o.text for o in outputs))
-    for o in outputs:
-        response.token_ids.extend(o.token_ids)
-        response.logprobs.extend(token_logprob(t, lp) for t, lp in zip(o.token_ids, o.logprobs, strict=False))
-    last = outputs[-1]
-    if last.finish_reason is not None:
-        response.finish_reason = FINISH_REASONS[last.finish_reason]
-        u = last.usage
-        response.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                                         cached_prompt_tokens=u.cached_prompt_tokens))
-    return response
 
 
 def connect_engine(executor: Executor, config: ServiceConfig) -> Engine:
@@ -87,6 +81,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, message)
         return self.loop
 
+    @staticmethod
+    async def _fail(context: grpc.aio.ServicerContext, error: RequestFailed) -> None:
+        """End the call with the status of ``error``; a refused field is named as GenerateRequest spells it."""
+        if isinstance(error, InvalidRequest):
+            error = public_error(error)
+        await context.abort(STATUS_OF[type(error)], str(error))
+
     async def _submit(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> tuple[RequestHandle, asyncio.Queue[RequestOutput]]:
@@ -95,14 +96,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a GenerateRequest: {request.reason}")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         try:
-            prepared = await asyncio.to_thread(prepare, request, loop.info, self.tokenizer)
+            prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
             return loop.submit(prepared, queue), queue
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except LoopStopped as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except RequestFailed as e:
+            await self._fail(context, e)
 
     @staticmethod
     async def _next_outputs(
@@ -114,7 +111,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             outputs.append(queue.get_nowait())
         error = outputs[-1].error
         if error is not None:
-            await context.abort(getattr(grpc.StatusCode, error.code), error.message)
+            await GenerationServicer._fail(context, error)
         return outputs
 
     async def Generate(
@@ -144,38 +141,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         loop = await self._ready(context)
-        info = loop.info
-        return pb.ModelInfo(
-            model_id=info.model_id,
-            architecture=info.architecture,
-            dtype=info.dtype,
-            device=info.device,
-            vocab_size=info.vocab_size,
-            max_model_len=info.max_model_len,
-            eos_token_ids=info.eos_token_ids,
-            has_chat_template=self.tokenizer is not None and self.tokenizer.has_chat_template,
-            has_tokenizer=self.tokenizer is not None,
-            block_size=info.block_size,
-            num_blocks=info.num_blocks,
-            executor_instance_id=info.instance_id,
-        )
+        return model_info(loop.info, self.tokenizer)
 
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.SchedulerStats:
         loop = await self._ready(context)
-        s = loop.stats
-        return pb.SchedulerStats(
-            num_waiting=s.num_waiting,
-            num_running=s.num_running,
-            num_blocks=s.num_blocks,
-            num_free_blocks=s.num_free_blocks,
-            num_cached_blocks=s.num_cached_blocks,
-            num_steps=s.num_steps,
-            num_finished_stop=s.num_finished_stop,
-            num_finished_length=s.num_finished_length,
-            num_aborted=s.num_aborted,
-            num_prefix_cache_hit_tokens=s.num_prefix_cache_hit_tokens,
-            num_preemptions=s.num_preemptions,
-        )
+        return scheduler_stats(loop.stats)
 
 
 def deliver_to_event_loop(aio_loop: asyncio.AbstractEventLoop):
@@ -204,8 +174,7 @@ class SchedulerServer:
     def __init__(self, config: ServiceConfig, executor: Executor | None = None) -> None:
         """Serve ``executor`` (an in-process one in tests), or by default the executor service at config.executor."""
         self.config = config
-        options = [("grpc.max_receive_message_length", config.max_message_bytes),
-                   ("grpc.max_send_message_length", config.max_message_bytes)]
+        options = message_size_options(config.max_message_bytes)
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
         interceptors.append(MalformedRequestInterceptor(SERVICE_NAME))
         self.server = grpc.aio.server(interceptors=interceptors, options=options)

@@ -11,7 +11,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from nanoserve.v1 import executor_pb2 as pb
-from scheduler_svc.sampling import InvalidRequest
+from scheduler_svc.errors import InvalidRequest
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 

@@ -8,12 +8,15 @@ import pytest
 
 from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.requests import DEFAULT_MAX_TOKENS, prepare
-from scheduler_svc.sampling import InvalidRequest
+from scheduler_svc.errors import InvalidRequest
+from scheduler_svc.sampling import DEFAULTS
+from scheduler_svc.validation import ModelLimits
+from scheduler_svc.wire import prepare
 from scheduler_svc.tokenizer import ModelTokenizer
 from tests.service_fixtures import CHATML_TEMPLATE, EOS_ID, byte_level_tokenizer
 
-INFO = executor_pb2.ExecutorInfo(vocab_size=300, max_model_len=64, eos_token_ids=[EOS_ID])
+INFO = ModelLimits.of(executor_pb2.ExecutorInfo(vocab_size=300, max_model_len=64, eos_token_ids=[EOS_ID],
+                                                num_blocks=64, block_size=16))
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +33,8 @@ def test_defaults_match_the_proto_documentation():
     p = prepared.params
     assert prepared.prompt_token_ids == [1, 2, 3]
     assert (p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.logprobs) == (1.0, 0, 1.0, 0.0, None, None)
-    assert (p.ignore_eos, p.stop, p.stop_token_ids) == (False, [], [])
-    assert p.max_tokens == min(DEFAULT_MAX_TOKENS, 64 - 3)
+    assert (p.ignore_eos, p.stop, p.stop_token_ids) == (False, [], frozenset())
+    assert p.max_tokens == min(DEFAULTS["max_tokens"], 64 - 3)
     assert len(prepared.request_id) == 32
 
 
@@ -45,7 +48,7 @@ def test_options_are_carried_over():
     p = prepared.params
     assert prepared.request_id == "r1"
     assert (p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.logprobs) == (0, 5, 0.5, 0.25, 7, 3)
-    assert (p.max_tokens, p.stop, p.stop_token_ids, p.ignore_eos) == (10, ["x"], [4], True)
+    assert (p.max_tokens, p.stop, p.stop_token_ids, p.ignore_eos) == (10, ["x"], {4}, True)
 
 
 def test_text_is_tokenized_with_special_tokens_unless_told_not_to(tokenizer: ModelTokenizer):
@@ -72,6 +75,7 @@ def test_text_is_tokenized_with_special_tokens_unless_told_not_to(tokenizer: Mod
         (tokens(1, sampling=pb.SamplingOptions(logprobs=21)), "sampling.logprobs", "[0, 20]"),
         (tokens(1, stopping=pb.StoppingOptions(stop=["a", ""])), "stopping.stop", "empty"),
         (tokens(1, stopping=pb.StoppingOptions(stop=[f"s{i}" for i in range(17)])), "stopping.stop", "at most 16"),
+        (tokens(1, stopping=pb.StoppingOptions(stop_token_ids=range(65))), "stopping.stop_token_ids", "at most 64"),
     ],
 )
 def test_bad_input_names_its_field(
@@ -81,6 +85,19 @@ def test_bad_input_names_its_field(
         prepare(request_, INFO, tokenizer)
     assert e.value.field == field
     assert str(e.value).startswith(f"{field}: ") and detail in str(e.value)
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused_before_it_is_queued():
+    small = ModelLimits(vocab_size=300, max_model_len=64, num_blocks=3, block_size=16)
+    with pytest.raises(InvalidRequest, match="stopping.max_tokens: sequence needs 4 KV blocks"):
+        prepare(tokens(1, stopping=pb.StoppingOptions(max_tokens=63)), small, None)
+    assert prepare(tokens(1, stopping=pb.StoppingOptions(max_tokens=48)), small, None).params.max_tokens == 48
+
+
+def test_stop_token_ids_are_bounded_and_held_as_a_set():
+    """Unbounded, they were scanned linearly on the loop thread for every sampled token."""
+    request = tokens(1, stopping=pb.StoppingOptions(stop_token_ids=[*range(64), 5]))
+    assert prepare(request, INFO, None).params.stop_token_ids == frozenset(range(64))
 
 
 @pytest.mark.parametrize(

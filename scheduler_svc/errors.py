@@ -1,0 +1,40 @@
+"""Why a request was refused or ended without finishing: one exception type per outcome a caller can act on.
+
+The core raises or reports these; each servicer maps them to its own status in one table
+(``service.STATUS_OF``), so no status name is decided twice.
+"""
+
+from __future__ import annotations
+
+
+class RequestFailed(Exception):
+    """Base of every reason a request fails; the message says what the caller can do."""
+
+
+class InvalidRequest(RequestFailed, ValueError):
+    """A request the engine refuses; ``field`` names what the caller must fix."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.reason = message
+
+
+class QueueFull(RequestFailed):
+    """Too many requests or prompt tokens wait to be scheduled; the caller should retry later."""
+
+
+class ServerStopping(RequestFailed):
+    """The scheduler is shutting down and takes no more requests."""
+
+
+class ExecutorUnavailable(RequestFailed):
+    """The executor serves something requests cannot carry over to (another model or vocabulary)."""
+
+
+class CacheTooSmall(RequestFailed):
+    """The restarted executor's KV cache cannot hold this request any more."""
+
+
+class EngineFailure(RequestFailed):
+    """The executor keeps failing this work, or the loop hit a bug; the request may be retried."""

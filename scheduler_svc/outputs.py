@@ -1,0 +1,93 @@
+"""Output processing, one request at a time: tokens to text, stop strings, finish reason and usage.
+
+It reads the sequence but never changes it: where a stop string ends a request before the
+last token the step sampled, it returns the position to stop at, and the loop applies it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.detokenizer import TextStream
+from scheduler_svc.errors import RequestFailed
+from scheduler_svc.scheduler import TokenOutput
+from scheduler_svc.sequence import FinishReason, Sequence
+from scheduler_svc.tokenizer import ModelTokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The executor's raw logprob of a sampled token and its top alternatives (best first)."""
+
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+    @classmethod
+    def of(cls, seq: Sequence) -> Usage:
+        return cls(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_prefix_hit_tokens or 0)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request; the last one carries finish_reason and usage, or an error."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: RequestFailed | None = None
+
+    @property
+    def is_last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Processed:
+    """A step's output for the caller, and where the loop must end the sequence (None: nowhere)."""
+
+    output: RequestOutput
+    stop_at: int | None = None
+
+
+class OutputProcessor:
+    """Turns one request's sampled tokens into text; without a tokenizer there is no text and no stop string."""
+
+    def __init__(self, tokenizer: ModelTokenizer | None, prompt_token_ids: list[int], stop: list[str]) -> None:
+        self.text = TextStream(tokenizer, prompt_token_ids, stop) if tokenizer is not None else None
+
+    def process(self, out: TokenOutput) -> Processed:
+        seq, token_ids = out.seq, out.token_ids
+        text, stopped, stop_at = "", False, None
+        if self.text is not None:
+            last = len(token_ids) - 1
+            for k, token_id in enumerate(token_ids):
+                if k == last and out.final and seq.finish_reason is FinishReason.STOP:
+                    break  # an EOS or stop token ends the text without being part of it
+                piece, stopped = self.text.push(token_id)
+                text += piece
+                if stopped:
+                    if k < last or not out.final:
+                        stop_at = out.position + k
+                    token_ids = token_ids[: k + 1]
+                    break
+            if not stopped and out.final:
+                tail, stopped = self.text.finish()
+                text += tail
+        reason = FinishReason.STOP if stopped else (seq.finish_reason if out.final else None)
+        logprobs = out.logprobs[: len(token_ids)] if out.logprobs and seq.params.logprobs is not None else []
+        usage = None
+        if reason is not None:
+            # Counted up to the last token kept, which is also where a stop string ends the sequence.
+            num_completion = out.position + len(token_ids) - seq.num_prompt_tokens
+            usage = Usage(seq.num_prompt_tokens, num_completion, seq.num_prefix_hit_tokens or 0)
+        return Processed(RequestOutput(text, token_ids, logprobs, reason, usage), stop_at)

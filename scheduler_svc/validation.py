@@ -1,0 +1,73 @@
+"""Every check a caller can trigger, in one place: what can never run is refused before it is queued.
+
+Both entries use it: the public API (``wire.prepare``, field names as in GenerateRequest) and
+the in-process ``Engine.add_request``. Past this point the engine assumes a request is valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_svc.errors import InvalidRequest
+from scheduler_svc.sampling import DEFAULTS, SamplingParams
+from scheduler_svc.sequence import max_kv_blocks
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the executor's handshake says about the room a request has."""
+
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+
+    @classmethod
+    def of(cls, info: object) -> ModelLimits:
+        """From an ExecutorInfo (or anything with its four fields)."""
+        return cls(info.vocab_size, info.max_model_len, info.num_blocks, info.block_size)
+
+
+def check_prompt(token_ids: list[int], limits: ModelLimits, field: str = "token_ids") -> None:
+    if not token_ids:
+        raise InvalidRequest(field, "the prompt is empty")
+    vocab = limits.vocab_size
+    bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest(field, f"token id {token_ids[bad]} at position {bad} is outside the vocabulary "
+                                    f"[0, {vocab})")
+    room = limits.max_model_len - len(token_ids)
+    if room < 1:
+        raise InvalidRequest("prompt", f"the prompt has {len(token_ids)} tokens, which leaves no room to generate "
+                                       f"within the model's maximum length of {limits.max_model_len} tokens")
+
+
+def completion_budget(requested: int | None, num_prompt_tokens: int, limits: ModelLimits) -> int:
+    """``requested`` max_tokens, or the default capped to the room the prompt leaves."""
+    room = limits.max_model_len - num_prompt_tokens
+    if requested is None:
+        return min(DEFAULTS["max_tokens"], room)
+    if requested < 1:
+        raise InvalidRequest("max_tokens", f"must be >= 1, got {requested}")
+    if requested > room:
+        raise InvalidRequest(
+            "max_tokens",
+            f"prompt of {num_prompt_tokens} tokens + max_tokens {requested} = {num_prompt_tokens + requested} "
+            f"exceeds the model's maximum length of {limits.max_model_len} tokens",
+        )
+    return requested
+
+
+def check_fits_cache(num_prompt_tokens: int, params: SamplingParams, limits: ModelLimits) -> None:
+    """Refuse a request that could not fit in the whole KV cache even alone."""
+    needed = max_kv_blocks(num_prompt_tokens, params.max_tokens, limits.max_model_len, limits.block_size)
+    if needed > limits.num_blocks:
+        raise InvalidRequest("max_tokens", f"sequence needs {needed} KV blocks at its longest but the cache has "
+                                           f"{limits.num_blocks}; shorten the prompt or max_tokens")
+
+
+def check_request(token_ids: list[int], params: SamplingParams, limits: ModelLimits) -> None:
+    """For a caller that built ``params`` itself (the in-process API), whose max_tokens may pass the model's
+    length: such a request ends there with LENGTH, as vLLM's offline engine does."""
+    check_prompt(token_ids, limits)
+    check_fits_cache(len(token_ids), params, limits)

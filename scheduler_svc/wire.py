@@ -1,0 +1,149 @@
+"""The scheduler's one translation to and from protobuf: public requests in, responses out, executor results in.
+
+The core (scheduler, block manager, sequence, output processing) sees only the plain objects made
+here. ``prepare`` also names each refusal by the GenerateRequest field a caller sets. Step plans are
+the exception: the planner builds them as protobuf directly, since that is all it does.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from nanoserve.v1 import executor_pb2
+from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc.errors import InvalidRequest
+from scheduler_svc.outputs import RequestOutput, TokenLogprobs
+from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.sequence import FinishReason
+from scheduler_svc.stats import LoopStats
+from scheduler_svc.tokenizer import ChatMessage, ModelTokenizer
+from scheduler_svc.validation import ModelLimits, check_fits_cache, check_prompt, completion_budget
+
+# Engine and SamplingParams field names -> the GenerateRequest field a caller sets.
+PROTO_FIELD = {
+    "token_ids": "tokens.token_ids",
+    "temperature": "sampling.temperature",
+    "top_k": "sampling.top_k",
+    "top_p": "sampling.top_p",
+    "min_p": "sampling.min_p",
+    "seed": "sampling.seed",
+    "logprobs": "sampling.logprobs",
+    "max_tokens": "stopping.max_tokens",
+    "stop": "stopping.stop",
+    "stop_token_ids": "stopping.stop_token_ids",
+}
+FINISH_REASONS = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def public_error(error: InvalidRequest) -> InvalidRequest:
+    """The same refusal, naming the field as a caller spells it in GenerateRequest."""
+    return InvalidRequest(PROTO_FIELD.get(error.field, error.field), error.reason)
+
+
+def prompt_token_ids(request: pb.GenerateRequest, tokenizer: ModelTokenizer | None) -> list[int]:
+    """The prompt as token ids, whichever form it came in (checked against the model later)."""
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequest("prompt", "no prompt set; send text, chat or tokens")
+    if kind == "tokens":
+        return list(request.tokens.token_ids)
+    if tokenizer is None:
+        raise InvalidRequest(kind, "this executor has no tokenizer; send the prompt as tokens")
+    if kind == "text":
+        if not request.text:
+            raise InvalidRequest("text", "the prompt is empty")
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        token_ids = tokenizer.encode(request.text, add_special_tokens=add_special)
+    else:
+        chat = request.chat
+        messages = [ChatMessage(m.role, m.content) for m in chat.messages]
+        add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        token_ids = tokenizer.encode_chat(messages, add_generation_prompt)
+    if not token_ids:
+        raise InvalidRequest(kind, "the prompt encodes to no tokens")
+    return token_ids
+
+
+def sampling_params(request: pb.GenerateRequest, budget: int) -> SamplingParams:
+    """Unset fields take ``sampling.DEFAULTS`` (SamplingParams' own defaults)."""
+    s, stopping = request.sampling, request.stopping
+    given = {name: getattr(s, name) for name in ("temperature", "top_p", "seed", "logprobs") if s.HasField(name)}
+    if stopping.HasField("ignore_eos"):
+        given["ignore_eos"] = stopping.ignore_eos
+    return SamplingParams(top_k=s.top_k, min_p=s.min_p, max_tokens=budget, stop=list(stopping.stop),
+                          stop_token_ids=stopping.stop_token_ids, **given)
+
+
+def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTokenizer | None) -> PreparedRequest:
+    """Validate and translate ``request``; raise InvalidRequest naming the first bad GenerateRequest field."""
+    try:
+        token_ids = prompt_token_ids(request, tokenizer)
+        check_prompt(token_ids, limits)
+        if request.stopping.stop and tokenizer is None:
+            raise InvalidRequest("stop", "stop strings need a tokenizer and this executor has none")
+        requested = request.stopping.max_tokens if request.stopping.HasField("max_tokens") else None
+        params = sampling_params(request, completion_budget(requested, len(token_ids), limits))
+        check_fits_cache(len(token_ids), params, limits)
+    except InvalidRequest as e:
+        raise public_error(e) from e
+    return PreparedRequest(request.request_id or uuid.uuid4().hex, token_ids, params)
+
+
+def logprobs_from_result(result: executor_pb2.StepResult) -> list[TokenLogprobs]:
+    """A step's logprobs, parallel to its token ids; empty when no request asked."""
+    return [TokenLogprobs(lp.logprob, tuple(lp.top_token_ids), tuple(lp.top_logprobs)) for lp in result.logprobs]
+
+
+def token_logprob(token_id: int, lp: TokenLogprobs) -> pb.TokenLogprob:
+    top = [pb.Logprob(token_id=t, logprob=p) for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
+    return pb.TokenLogprob(token_id=token_id, logprob=lp.logprob, top=top)
+
+
+def to_response(request_id: str, outputs: Iterable[RequestOutput]) -> pb.GenerateResponse:
+    """Several loop outputs of one request as one response (the last one decides the finish)."""
+    response = pb.GenerateResponse(request_id=request_id)
+    last = None
+    for last in outputs:
+        response.text += last.text
+        response.token_ids.extend(last.token_ids)
+        response.logprobs.extend(token_logprob(t, lp) for t, lp in zip(last.token_ids, last.logprobs, strict=False))
+    if last is not None and last.finish_reason is not None:
+        response.finish_reason = FINISH_REASONS[last.finish_reason]
+        u = last.usage
+        response.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                         cached_prompt_tokens=u.cached_prompt_tokens))
+    return response
+
+
+def model_info(info: executor_pb2.ExecutorInfo, tokenizer: ModelTokenizer | None) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        model_id=info.model_id,
+        architecture=info.architecture,
+        dtype=info.dtype,
+        device=info.device,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        eos_token_ids=info.eos_token_ids,
+        has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
+        has_tokenizer=tokenizer is not None,
+        block_size=info.block_size,
+        num_blocks=info.num_blocks,
+        executor_instance_id=info.instance_id,
+    )
+
+
+def scheduler_stats(stats: LoopStats) -> pb.SchedulerStats:
+    return pb.SchedulerStats(**vars(stats))

@@ -1,0 +1,143 @@
+"""Results that answer the wrong step, hung steps under overlap, and a hung executor's handshake."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import grpc
+import pytest
+
+from executor_svc.service import build_server
+from executor_svc.shadow import ShadowExecutor
+from nanoserve.v1 import executor_pb2 as pb
+from scheduler_svc.engine import Engine, StepMismatch
+from scheduler_svc.remote import RemoteExecutor
+from scheduler_svc.sampling import SamplingParams
+from tests.conftest import EOS, assert_all_blocks_free
+from tests.shadow_helpers import expected
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+class StaleResults:
+    """Answers one step with the result of the step before it, as a stream that lost its order would."""
+
+    def __init__(self, stale_at: int) -> None:
+        self.inner = ShadowExecutor(32, 4, 50, (EOS,))
+        self.stale_at, self.steps = stale_at, 0
+
+    def get_info(self) -> pb.ExecutorInfo:
+        return self.inner.get_info()
+
+    def reset(self) -> int:
+        return self.inner.reset()
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        self.steps += 1
+        result = self.inner.step(plan)
+        if self.steps == self.stale_at:
+            result.step_id -= 1
+        return result
+
+
+def test_a_result_for_another_step_is_refused_and_recovery_keeps_the_tokens():
+    executor = StaleResults(stale_at=3)
+    engine = Engine(executor)
+    seq = engine.add_request([1, 2, 3, 4, 5], GREEDY)
+    with pytest.raises(StepMismatch, match="answered step 2 where step 3 was due"):
+        while engine.has_unfinished():
+            engine.step()
+    assert engine.recover() == []
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()
+    assert seq.completion_token_ids == expected(engine, [1, 2, 3, 4, 5], GREEDY)
+    assert_all_blocks_free(engine.block_manager)
+
+
+class HangingStream:
+    """An executor with its own ordered stream (like ``RemoteExecutor``) whose steps hang from ``hang_at`` on.
+
+    Its reset returns at once, as a remote reset that cancels the stream does.
+    """
+
+    def __init__(self, hang_at: int) -> None:
+        self.inner = ShadowExecutor(32, 4, 50, (EOS,))
+        self.hang_at, self.steps = hang_at, 0
+
+    def get_info(self) -> pb.ExecutorInfo:
+        return self.inner.get_info()
+
+    def reset(self) -> int:
+        return self.inner.reset()
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        return self.inner.step(plan)
+
+    def submit(self, plan: pb.StepPlan) -> Future[pb.StepResult]:
+        self.steps += 1
+        future: Future[pb.StepResult] = Future()
+        if self.steps < self.hang_at:
+            future.set_result(self.inner.step(plan))
+        return future
+
+
+def test_a_hung_step_under_overlap_costs_one_step_timeout_before_recovery():
+    timeout = 0.4
+    engine = Engine(HangingStream(hang_at=3), overlap=True, step_timeout_s=timeout)
+    engine.add_request([1, 2, 3, 4, 5], GREEDY)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        while engine.has_unfinished():
+            engine.step()
+    failed = time.monotonic()
+    assert engine.recover() == []
+    recovered = time.monotonic()
+    assert failed - started < 2 * timeout
+    assert recovered - failed < timeout / 2, "recovery waited for the step queued behind the hung one"
+
+
+class HangingInfo:
+    """Serves GetInfo once, then hangs on it until released."""
+
+    def __init__(self) -> None:
+        self.inner = ShadowExecutor(32, 4, 50, (EOS,))
+        self.release = threading.Event()
+        self.calls = 0
+
+    def get_info(self) -> pb.ExecutorInfo:
+        self.calls += 1
+        if self.calls > 1:
+            self.release.wait(30)
+        return self.inner.get_info()
+
+    def reset(self) -> int:
+        return self.inner.reset()
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        return self.inner.step(plan)
+
+
+def test_the_idle_probe_has_its_own_short_deadline_not_the_step_timeout():
+    executor = HangingInfo()
+    server, port = build_server(executor, "127.0.0.1", 0)
+    server.start()
+    remote = RemoteExecutor(f"127.0.0.1:{port}", step_timeout_s=60, info_timeout_s=0.5)
+    try:
+        engine = Engine(remote)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as hung:
+            engine.probe()
+        assert hung.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 5, "the probe waited for the step timeout"
+    finally:
+        executor.release.set()
+        remote.close()
+        server.stop(0)
+
+
+def test_a_probe_deadline_never_outlasts_the_step_timeout():
+    assert RemoteExecutor("127.0.0.1:1", step_timeout_s=1.0).info_timeout_s == 1.0
+    assert RemoteExecutor("127.0.0.1:1", step_timeout_s=60.0).info_timeout_s == 5.0
