@@ -23,8 +23,9 @@ class PlanError(ValueError):
     """A plan refused without applying any of it.
 
     ``code`` is the gRPC status name the servicer answers with: INVALID_ARGUMENT
-    for a malformed plan, FAILED_PRECONDITION for one that contradicts the held
-    state (unknown request, wrong computed-token count).
+    for a malformed plan (one naming a request twice, whatever the held state),
+    FAILED_PRECONDITION for one that contradicts the held state (unknown
+    request, wrong computed-token count).
     """
 
     def __init__(self, code: str, message: str) -> None:
@@ -148,14 +149,21 @@ class RequestTable:
             )
 
     def _validate(self, plan: pb.StepPlan) -> None:
-        dropped = set(plan.finished_request_ids)
-        for request_id in dropped:
-            if request_id not in self.requests:
-                raise PlanError(PRECONDITION, f"finished request {request_id} is unknown to this executor")
+        # Each id at most once among the finished, and once among the new and cached: applying drops each
+        # finished id once. A finished request may come back as new (preempted), not as cached.
+        dropped: set[int] = set()
+        for rid in plan.finished_request_ids:
+            if rid in dropped:
+                raise PlanError(INVALID, f"request {rid} is finished twice in the plan")
+            if rid not in self.requests:
+                raise PlanError(PRECONDITION, f"finished request {rid} is unknown to this executor")
+            dropped.add(rid)
         seen: set[int] = set()
         for new in plan.new_requests:
             rid = new.request_id
-            if (rid in self.requests and rid not in dropped) or rid in seen:
+            if rid in seen:
+                raise PlanError(INVALID, f"request {rid} is named twice among the plan's new requests")
+            if rid in self.requests and rid not in dropped:
                 raise PlanError(PRECONDITION, f"new request {rid} is already held by this executor")
             seen.add(rid)
             n = len(new.token_ids)
@@ -184,8 +192,12 @@ class RequestTable:
         offset = 0
         rows = zip(cached.request_ids, *map(list, columns), steps or repeat(1, len(cached.request_ids)), strict=True)
         for rid, computed, scheduled, n_new, num_steps in rows:
+            if rid in seen:
+                raise PlanError(INVALID, f"request {rid} is named twice among the plan's new and cached requests")
+            if rid in dropped:
+                raise PlanError(INVALID, f"request {rid} is both finished and cached in the plan")
             state = requests.get(rid)
-            if state is None or rid in dropped or rid in seen:
+            if state is None:
                 raise PlanError(PRECONDITION, f"cached request {rid} is unknown to this executor")
             seen.add(rid)
             if computed != state.num_computed_tokens:
