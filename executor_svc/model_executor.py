@@ -19,6 +19,8 @@ from executor_svc.distributed import free_init_method, init_group, spawn_workers
 from executor_svc.model_registry import resolve_model
 from executor_svc.model_runner import ModelRunner, rank_device, worker_main
 from executor_svc.requests import RequestTable, Sampled, ScheduledChunk
+from executor_svc.values import StepOutput
+from executor_svc.wire import step_result
 from nanoserve.v1 import executor_pb2 as pb
 
 
@@ -72,22 +74,21 @@ class ModelExecutor:
 
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
         chunks = self.table.apply(plan)
-        result = pb.StepResult(instance_id=self.info.instance_id, step_id=plan.step_id)
-        if not chunks:
-            return result
-        sampled = self.table.run_steps(chunks, lambda step_chunks: self._forward(step_chunks, result))
-        result.token_ids.extend(token_id for token_id, _ in sampled)
-        if any(logprobs is not None for _, logprobs in sampled):
-            result.logprobs.extend(logprobs or pb.TokenLogprobs() for _, logprobs in sampled)
-        return result
+        output = StepOutput()
+        if chunks:
+            sampled = self.table.run_steps(chunks, lambda step_chunks: self._forward(step_chunks, output))
+            output.token_ids = [token_id for token_id, _ in sampled]
+            if any(logprobs is not None for _, logprobs in sampled):
+                output.logprobs = [logprobs for _, logprobs in sampled]
+        return step_result(self.info.instance_id, plan.step_id, output)
 
-    def _forward(self, chunks: list[ScheduledChunk], result: pb.StepResult) -> list[Sampled]:
-        """One forward pass and sampling over ``chunks``; its times add up in ``result``."""
-        output, forward_ms, sample_ms = self.runner.run(chunks)
-        result.forward_ms += forward_ms
-        result.sample_ms += sample_ms
-        token_ids = iter(output.token_ids)
-        logprobs = iter(output.logprobs or ())
+    def _forward(self, chunks: list[ScheduledChunk], output: StepOutput) -> list[Sampled]:
+        """One forward pass and sampling over ``chunks``; its times add up in ``output``."""
+        sampler_output, forward_ms, sample_ms = self.runner.run(chunks)
+        output.forward_ms += forward_ms
+        output.sample_ms += sample_ms
+        token_ids = iter(sampler_output.token_ids)
+        logprobs = iter(sampler_output.logprobs)
         return [(next(token_ids), next(logprobs, None)) if chunk.samples else (0, None) for chunk in chunks]
 
     def close(self) -> None:

@@ -10,10 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
 
+from executor_svc import wire
+from executor_svc.values import SamplingSettings, TokenLogprobs
 from nanoserve.v1 import executor_pb2 as pb
 
 # A sampled token id and, when the request asked for them, its logprobs.
-Sampled = tuple[int, pb.TokenLogprobs | None]
+Sampled = tuple[int, TokenLogprobs | None]
 
 INVALID = "INVALID_ARGUMENT"
 PRECONDITION = "FAILED_PRECONDITION"
@@ -39,7 +41,7 @@ class RequestState:
     token_ids: list[int]
     block_table: list[int]
     num_computed_tokens: int
-    sampling: pb.SamplingParams
+    sampling: SamplingSettings
 
 
 @dataclass(slots=True)
@@ -78,14 +80,21 @@ class RequestTable:
         return n
 
     def apply(self, plan: pb.StepPlan) -> list[ScheduledChunk]:
-        """Validate ``plan`` against the held state, then apply it; chunks in result order."""
+        """Validate ``plan`` against the held state, then apply it; chunks in result order.
+
+        A new request's sampling params are translated here, once for its lifetime in the table.
+        """
         self._validate(plan)
         for request_id in plan.finished_request_ids:
             del self.requests[request_id]
         chunks = []
         for new in plan.new_requests:
             state = RequestState(
-                new.request_id, list(new.token_ids), list(new.block_table), new.num_computed_tokens, new.sampling
+                new.request_id,
+                list(new.token_ids),
+                list(new.block_table),
+                new.num_computed_tokens,
+                wire.sampling_settings(new.sampling),
             )
             self.requests[new.request_id] = state
             chunks.append(ScheduledChunk(state, new.num_computed_tokens, new.num_scheduled_tokens))

@@ -16,6 +16,8 @@ import numpy as np
 import xxhash
 
 from executor_svc.requests import RequestTable, Sampled, ScheduledChunk
+from executor_svc.values import StepOutput
+from executor_svc.wire import step_result
 from nanoserve.v1 import executor_pb2 as pb
 
 EMPTY_SLOT = -1
@@ -94,8 +96,7 @@ class ShadowExecutor:
 
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
         sampled = self.table.run_steps(self.table.apply(plan), self._compute)
-        return pb.StepResult(instance_id=self.info.instance_id, step_id=plan.step_id,
-                             token_ids=[token_id for token_id, _ in sampled])
+        return step_result(self.info.instance_id, plan.step_id, StepOutput([token_id for token_id, _ in sampled]))
 
     def _compute(self, chunks: list[ScheduledChunk]) -> list[Sampled]:
         """Write each chunk's tokens into its KV slots, then derive each sampled token from the KV read back."""
@@ -110,6 +111,5 @@ class ShadowExecutor:
                 sampled.append((0, None))
                 continue
             context = self.kv[self._slots(chunk.state.block_table, 0, chunk.end)]
-            seed = chunk.state.sampling.seed if chunk.state.sampling.HasField("seed") else None
-            sampled.append((next_token(context, self.info.vocab_size, seed), None))
+            sampled.append((next_token(context, self.info.vocab_size, chunk.state.sampling.seed), None))
         return sampled

@@ -18,6 +18,8 @@ from common.security import TLSConfig
 from executor_svc.requests import RequestTable, Sampled, ScheduledChunk
 from executor_svc.service import serve
 from executor_svc.shadow import ShadowExecutor
+from executor_svc.values import StepOutput
+from executor_svc.wire import step_result
 from nanoserve.v1 import executor_pb2 as pb
 
 NULL_TOKEN_ID = 1
@@ -56,7 +58,7 @@ class NullExecutor:
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
         cached = plan.cached_requests
         n = len(plan.new_requests) + (sum(cached.num_decode_steps) or len(cached.request_ids))
-        return pb.StepResult(instance_id=self.info.instance_id, step_id=plan.step_id, token_ids=[NULL_TOKEN_ID] * n)
+        return step_result(self.info.instance_id, plan.step_id, StepOutput([NULL_TOKEN_ID] * n))
 
     def reset(self) -> int:
         return 0
@@ -82,8 +84,7 @@ class EchoExecutor:
         for new in plan.new_requests:
             self.prompt_lens.setdefault(new.request_id, len(new.token_ids))
         sampled = self.table.run_steps(chunks, self._echo)
-        return pb.StepResult(instance_id=self.info.instance_id, step_id=plan.step_id,
-                             token_ids=[token_id for token_id, _ in sampled])
+        return step_result(self.info.instance_id, plan.step_id, StepOutput([token_id for token_id, _ in sampled]))
 
     def _echo(self, chunks: list[ScheduledChunk]) -> list[Sampled]:
         sampled: list[Sampled] = []
