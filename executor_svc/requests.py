@@ -1,21 +1,19 @@
 """The executor's copy of each request, updated from plan deltas.
 
-Shared by every executor (model runner, shadow-KV, null): a plan is checked
-whole before any of it is applied, so a rejected plan changes nothing.
+Shared by every executor (model runner, shadow-KV, echo): a plan is checked
+whole before any of it is applied, so a rejected plan changes nothing. The
+table validates and applies plans and records the tokens sampled; the forward
+passes that sample them are the step code's (``executor_svc.steps``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
 
 from executor_svc import wire
-from executor_svc.values import SamplingSettings, TokenLogprobs
+from executor_svc.values import SamplingSettings
 from nanoserve.v1 import executor_pb2 as pb
-
-# A sampled token id and, when the request asked for them, its logprobs.
-Sampled = tuple[int, TokenLogprobs | None]
 
 INVALID = "INVALID_ARGUMENT"
 PRECONDITION = "FAILED_PRECONDITION"
@@ -123,28 +121,6 @@ class RequestTable:
             if end == len(state.token_ids):
                 state.token_ids.append(token_id)
             state.num_computed_tokens = end
-
-    def run_steps(
-        self, chunks: list[ScheduledChunk], step: Callable[[list[ScheduledChunk]], list[Sampled]]
-    ) -> list[Sampled]:
-        """Run ``step`` (compute and sample one token per chunk, in order; 0 for a chunk that does not sample)
-        and record its tokens, once per decode step the chunks ask for, each step feeding the tokens of the one
-        before. Returns every chunk's tokens in the order sampled, chunks in plan order."""
-        if all(chunk.num_steps == 1 for chunk in chunks):
-            outputs = step(chunks)
-            self.record_sampled(chunks, [token_id for token_id, _ in outputs])
-            return outputs
-        per_chunk: list[list[Sampled]] = [[] for _ in chunks]
-        active = list(range(len(chunks)))
-        current = chunks
-        for done in range(1, max(chunk.num_steps for chunk in chunks) + 1):
-            outputs = step(current)
-            self.record_sampled(current, [token_id for token_id, _ in outputs])
-            for i, output in zip(active, outputs, strict=True):
-                per_chunk[i].append(output)
-            active = [i for i in active if chunks[i].num_steps > done]
-            current = [ScheduledChunk(chunks[i].state, chunks[i].state.num_computed_tokens, 1) for i in active]
-        return [output for outputs in per_chunk for output in outputs]
 
     def _check_blocks(self, request_id: int, block_ids, needed_tokens: int, table_len: int) -> None:
         bad = next((b for b in block_ids if b >= self.num_blocks), None)
