@@ -1,9 +1,10 @@
 """The real executor: a Hugging Face llama-family model behind the step-plan contract.
 
 ``RequestTable`` validates and applies each plan (a rejected plan changes
-nothing), the model runner computes and samples, and the table records the
-sampled tokens. Under tensor parallelism this object lives on rank 0 and the
-other ranks are worker processes it starts and stops.
+nothing), ``run_forward_passes`` has the model runner compute and sample once
+per decode step, and the table records the sampled tokens. Under tensor
+parallelism this object lives on rank 0 and the other ranks are worker
+processes it starts and stops.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from executor_svc.config import ExecutorOptions
 from executor_svc.distributed import free_init_method, init_group, spawn_workers
 from executor_svc.model_registry import resolve_model
 from executor_svc.model_runner import ModelRunner, rank_device, worker_main
-from executor_svc.requests import RequestTable, Sampled, ScheduledChunk
+from executor_svc.requests import RequestTable, ScheduledChunk
+from executor_svc.steps import run_forward_passes
+from executor_svc.values import StepOutput
+from executor_svc.wire import step_result
 from nanoserve.v1 import executor_pb2 as pb
 
 
@@ -71,24 +75,18 @@ class ModelExecutor:
         return self.table.reset()
 
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
-        chunks = self.table.apply(plan)
-        result = pb.StepResult(instance_id=self.info.instance_id, step_id=plan.step_id)
-        if not chunks:
-            return result
-        sampled = self.table.run_steps(chunks, lambda step_chunks: self._forward(step_chunks, result))
-        result.token_ids.extend(token_id for token_id, _ in sampled)
-        if any(logprobs is not None for _, logprobs in sampled):
-            result.logprobs.extend(logprobs or pb.TokenLogprobs() for _, logprobs in sampled)
-        return result
+        output = run_forward_passes(self.table, self.table.apply(plan), self._forward)
+        return step_result(self.info.instance_id, plan.step_id, output)
 
-    def _forward(self, chunks: list[ScheduledChunk], result: pb.StepResult) -> list[Sampled]:
-        """One forward pass and sampling over ``chunks``; its times add up in ``result``."""
-        output, forward_ms, sample_ms = self.runner.run(chunks)
-        result.forward_ms += forward_ms
-        result.sample_ms += sample_ms
-        token_ids = iter(output.token_ids)
-        logprobs = iter(output.logprobs or ())
-        return [(next(token_ids), next(logprobs, None)) if chunk.samples else (0, None) for chunk in chunks]
+    def _forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
+        """One forward pass and sampling over ``chunks``: 0, and no logprobs, for a chunk short of its end."""
+        sampled, forward_ms, sample_ms = self.runner.run(chunks)
+        token_ids = iter(sampled.token_ids)
+        output = StepOutput([next(token_ids) if chunk.samples else 0 for chunk in chunks], [], forward_ms, sample_ms)
+        if sampled.logprobs:
+            logprobs = iter(sampled.logprobs)
+            output.logprobs = [next(logprobs) if chunk.samples else None for chunk in chunks]
+        return output
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (rank 0 only has work to do)."""

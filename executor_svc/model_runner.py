@@ -25,7 +25,7 @@ from executor_svc.loader import load_model
 from executor_svc.malloc import keep_heap_memory
 from executor_svc.requests import RequestState, ScheduledChunk
 from executor_svc.sampler import Sampler, SamplerOutput
-from nanoserve.v1 import executor_pb2 as pb
+from executor_svc.values import SamplingSettings
 
 log = logging.getLogger("nanoserve.executor")
 
@@ -154,7 +154,7 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         self._attach_kv_cache(num_blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
-        state = RequestState(0, [0] * num_tokens, list(range(num_blocks)), 0, pb.SamplingParams())
+        state = RequestState(0, [0] * num_tokens, list(range(num_blocks)), 0, SamplingSettings())
         self.execute(prepare_input([ScheduledChunk(state, 0, num_tokens)], self.block_size))
         self._attach_kv_cache(0)
         torch.cuda.synchronize(self.device)

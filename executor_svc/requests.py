@@ -1,19 +1,19 @@
 """The executor's copy of each request, updated from plan deltas.
 
-Shared by every executor (model runner, shadow-KV, null): a plan is checked
-whole before any of it is applied, so a rejected plan changes nothing.
+Shared by every executor (model runner, shadow-KV, echo): a plan is checked
+whole before any of it is applied, so a rejected plan changes nothing. The
+table validates and applies plans and records the tokens sampled; the forward
+passes that sample them are the step code's (``executor_svc.steps``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
 
+from executor_svc import wire
+from executor_svc.values import SamplingSettings
 from nanoserve.v1 import executor_pb2 as pb
-
-# A sampled token id and, when the request asked for them, its logprobs.
-Sampled = tuple[int, pb.TokenLogprobs | None]
 
 INVALID = "INVALID_ARGUMENT"
 PRECONDITION = "FAILED_PRECONDITION"
@@ -23,8 +23,9 @@ class PlanError(ValueError):
     """A plan refused without applying any of it.
 
     ``code`` is the gRPC status name the servicer answers with: INVALID_ARGUMENT
-    for a malformed plan, FAILED_PRECONDITION for one that contradicts the held
-    state (unknown request, wrong computed-token count).
+    for a malformed plan (one naming a request twice, whatever the held state),
+    FAILED_PRECONDITION for one that contradicts the held state (unknown
+    request, wrong computed-token count).
     """
 
     def __init__(self, code: str, message: str) -> None:
@@ -38,7 +39,7 @@ class RequestState:
     token_ids: list[int]
     block_table: list[int]
     num_computed_tokens: int
-    sampling: pb.SamplingParams
+    sampling: SamplingSettings
 
 
 @dataclass(slots=True)
@@ -77,14 +78,21 @@ class RequestTable:
         return n
 
     def apply(self, plan: pb.StepPlan) -> list[ScheduledChunk]:
-        """Validate ``plan`` against the held state, then apply it; chunks in result order."""
+        """Validate ``plan`` against the held state, then apply it; chunks in result order.
+
+        A new request's sampling params are translated here, once for its lifetime in the table.
+        """
         self._validate(plan)
         for request_id in plan.finished_request_ids:
             del self.requests[request_id]
         chunks = []
         for new in plan.new_requests:
             state = RequestState(
-                new.request_id, list(new.token_ids), list(new.block_table), new.num_computed_tokens, new.sampling
+                new.request_id,
+                list(new.token_ids),
+                list(new.block_table),
+                new.num_computed_tokens,
+                wire.sampling_settings(new.sampling),
             )
             self.requests[new.request_id] = state
             chunks.append(ScheduledChunk(state, new.num_computed_tokens, new.num_scheduled_tokens))
@@ -114,28 +122,6 @@ class RequestTable:
                 state.token_ids.append(token_id)
             state.num_computed_tokens = end
 
-    def run_steps(
-        self, chunks: list[ScheduledChunk], step: Callable[[list[ScheduledChunk]], list[Sampled]]
-    ) -> list[Sampled]:
-        """Run ``step`` (compute and sample one token per chunk, in order; 0 for a chunk that does not sample)
-        and record its tokens, once per decode step the chunks ask for, each step feeding the tokens of the one
-        before. Returns every chunk's tokens in the order sampled, chunks in plan order."""
-        if all(chunk.num_steps == 1 for chunk in chunks):
-            outputs = step(chunks)
-            self.record_sampled(chunks, [token_id for token_id, _ in outputs])
-            return outputs
-        per_chunk: list[list[Sampled]] = [[] for _ in chunks]
-        active = list(range(len(chunks)))
-        current = chunks
-        for done in range(1, max(chunk.num_steps for chunk in chunks) + 1):
-            outputs = step(current)
-            self.record_sampled(current, [token_id for token_id, _ in outputs])
-            for i, output in zip(active, outputs, strict=True):
-                per_chunk[i].append(output)
-            active = [i for i in active if chunks[i].num_steps > done]
-            current = [ScheduledChunk(chunks[i].state, chunks[i].state.num_computed_tokens, 1) for i in active]
-        return [output for outputs in per_chunk for output in outputs]
-
     def _check_blocks(self, request_id: int, block_ids, needed_tokens: int, table_len: int) -> None:
         bad = next((b for b in block_ids if b >= self.num_blocks), None)
         if bad is not None:
@@ -148,14 +134,21 @@ class RequestTable:
             )
 
     def _validate(self, plan: pb.StepPlan) -> None:
-        dropped = set(plan.finished_request_ids)
-        for request_id in dropped:
-            if request_id not in self.requests:
-                raise PlanError(PRECONDITION, f"finished request {request_id} is unknown to this executor")
+        # Each id at most once among the finished, and once among the new and cached: applying drops each
+        # finished id once. A finished request may come back as new (preempted), not as cached.
+        dropped: set[int] = set()
+        for rid in plan.finished_request_ids:
+            if rid in dropped:
+                raise PlanError(INVALID, f"request {rid} is finished twice in the plan")
+            if rid not in self.requests:
+                raise PlanError(PRECONDITION, f"finished request {rid} is unknown to this executor")
+            dropped.add(rid)
         seen: set[int] = set()
         for new in plan.new_requests:
             rid = new.request_id
-            if (rid in self.requests and rid not in dropped) or rid in seen:
+            if rid in seen:
+                raise PlanError(INVALID, f"request {rid} is named twice among the plan's new requests")
+            if rid in self.requests and rid not in dropped:
                 raise PlanError(PRECONDITION, f"new request {rid} is already held by this executor")
             seen.add(rid)
             n = len(new.token_ids)
@@ -184,8 +177,12 @@ class RequestTable:
         offset = 0
         rows = zip(cached.request_ids, *map(list, columns), steps or repeat(1, len(cached.request_ids)), strict=True)
         for rid, computed, scheduled, n_new, num_steps in rows:
+            if rid in seen:
+                raise PlanError(INVALID, f"request {rid} is named twice among the plan's new and cached requests")
+            if rid in dropped:
+                raise PlanError(INVALID, f"request {rid} is both finished and cached in the plan")
             state = requests.get(rid)
-            if state is None or rid in dropped or rid in seen:
+            if state is None:
                 raise PlanError(PRECONDITION, f"cached request {rid} is unknown to this executor")
             seen.add(rid)
             if computed != state.num_computed_tokens:

@@ -3,7 +3,8 @@
 Pipeline for a sampled row (all in float32): logits / temperature, then top-k,
 top-p, min-p (the Hugging Face order; vLLM applies min-p first, which differs
 only when top-p and min-p are combined), then one draw. Greedy rows
-(temperature below ``GREEDY_BELOW``) take the argmax, ties to the lowest id.
+(temperature below ``values.GREEDY_BELOW``) take the argmax, ties to the lowest id.
+Rows come as plain ``SamplingSettings``; logprobs leave as plain ``TokenLogprobs``.
 
 A draw is an exponential race, ``argmax(probs / q)`` with ``q ~ Exp(1)`` per
 vocab entry, which picks token i with probability ``probs[i]`` and lets every
@@ -28,58 +29,23 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from nanoserve.v1 import executor_pb2 as pb
+from executor_svc.values import SamplingSettings, TokenLogprobs
 
-# Temperatures below this are greedy: dividing by them would overflow the logits.
-GREEDY_BELOW = 1e-5
 # Top-p without top-k first ranks only this many best tokens; a row whose nucleus may be wider sorts the vocabulary.
 NUCLEUS_WINDOW = 1024
-
-
-@dataclass(frozen=True)
-class RowParams:
-    """One request's sampling settings with the proto defaults filled in."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int | None
-    num_logprobs: int | None
-
-    @classmethod
-    def from_proto(cls, params: pb.SamplingParams) -> RowParams:
-        return cls(
-            temperature=params.temperature if params.HasField("temperature") else 1.0,
-            top_k=params.top_k,
-            top_p=params.top_p if params.HasField("top_p") else 1.0,
-            min_p=params.min_p,
-            seed=params.seed if params.HasField("seed") else None,
-            num_logprobs=params.num_logprobs if params.HasField("num_logprobs") else None,
-        )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Shaped like StepResult.logprobs: one entry per row (empty for rows that did
+    # Shaped like StepResult.logprobs: one entry per row (None for rows that did
     # not ask) when any row asked, otherwise no entries at all.
-    logprobs: list[pb.TokenLogprobs]
+    logprobs: list[TokenLogprobs | None]
 
 
 def seeded_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
     """The generator of a seeded request's draw at ``position``; it depends on nothing else."""
     return torch.Generator(device=device).manual_seed(xxhash.xxh64_intdigest(position.to_bytes(8, "little"), seed))
-
-
-def is_plain_greedy(params: pb.SamplingParams) -> bool:
-    """Greedy without logprobs, checked straight on the proto for the hot path."""
-    greedy = params.HasField("temperature") and params.temperature < GREEDY_BELOW
-    return greedy and not params.HasField("num_logprobs")
 
 
 class Sampler:
@@ -89,13 +55,12 @@ class Sampler:
         self.generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(
-        self, logits: torch.Tensor, params: Sequence[pb.SamplingParams], positions: Sequence[int]
+        self, logits: torch.Tensor, rows: Sequence[SamplingSettings], positions: Sequence[int]
     ) -> SamplerOutput:
-        """Sample row i of ``logits`` [batch, vocab] with ``params[i]`` at context position ``positions[i]``."""
-        if all(is_plain_greedy(p) for p in params):
+        """Sample row i of ``logits`` [batch, vocab] with ``rows[i]`` at context position ``positions[i]``."""
+        if all(row.plain_greedy for row in rows):
             # float32 first: the same argmax (bfloat16 widens exactly), 2.5x faster on the CPU than in bfloat16.
             return SamplerOutput(logits.float().argmax(dim=-1).tolist(), [])
-        rows = [RowParams.from_proto(p) for p in params]
         logits = logits.float()
         sampled = [i for i, row in enumerate(rows) if not row.greedy]
         if len(sampled) == len(rows):
@@ -110,7 +75,7 @@ class Sampler:
                 token_ids.index_copy_(0, index, drawn)
         return SamplerOutput(token_ids.tolist(), token_logprobs(logits, token_ids, rows))
 
-    def draw(self, logits: torch.Tensor, rows: list[RowParams], positions: list[int]) -> torch.Tensor:
+    def draw(self, logits: torch.Tensor, rows: Sequence[SamplingSettings], positions: list[int]) -> torch.Tensor:
         """One token per row: the exponential race over the filtered probabilities."""
         probs = filtered_probs(logits, rows)
         return probs.div_(self.exponential_noise(probs, rows, positions)).argmax(dim=-1)
@@ -126,7 +91,9 @@ class Sampler:
             self.generators[device] = generator
         return generator
 
-    def exponential_noise(self, probs: torch.Tensor, rows: list[RowParams], positions: list[int]) -> torch.Tensor:
+    def exponential_noise(
+        self, probs: torch.Tensor, rows: Sequence[SamplingSettings], positions: list[int]
+    ) -> torch.Tensor:
         """Exp(1) noise shaped like ``probs``: per-(seed, position) for seeded rows, shared otherwise."""
         noise = torch.empty_like(probs)
         unseeded = [i for i, row in enumerate(rows) if row.seed is None]
@@ -143,7 +110,7 @@ class Sampler:
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
-def filtered_probs(logits: torch.Tensor, rows: list[RowParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingSettings]) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p; filtered tokens get exactly 0."""
     device = logits.device
     vocab = logits.shape[1]
@@ -211,7 +178,9 @@ def rank_and_mask(logits: torch.Tensor, width: int, top_k: list[int], top_p: lis
     return torch.full_like(logits, float("-inf")).scatter_(1, order, ordered)
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[RowParams]) -> list[pb.TokenLogprobs]:
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingSettings]
+) -> list[TokenLogprobs | None]:
     """Raw-distribution logprobs of each row's token and its top n, for the rows that asked."""
     asked = [row.num_logprobs for row in rows]
     if all(n is None for n in asked):
@@ -222,8 +191,6 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[Row
     top_values, top_ids = logprobs.topk(n_max, dim=-1)
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     return [
-        pb.TokenLogprobs()
-        if n is None
-        else pb.TokenLogprobs(logprob=chosen[i], top_token_ids=top_ids[i][:n], top_logprobs=top_values[i][:n])
+        None if n is None else TokenLogprobs(chosen[i], top_ids[i][:n], top_values[i][:n])
         for i, n in enumerate(asked)
     ]

@@ -15,7 +15,10 @@ import uuid
 import numpy as np
 import xxhash
 
-from executor_svc.requests import RequestTable, Sampled, ScheduledChunk
+from executor_svc.requests import RequestTable, ScheduledChunk
+from executor_svc.steps import run_forward_passes
+from executor_svc.values import StepOutput
+from executor_svc.wire import step_result
 from nanoserve.v1 import executor_pb2 as pb
 
 EMPTY_SLOT = -1
@@ -93,23 +96,21 @@ class ShadowExecutor:
         return np.asarray(block_table, dtype=np.int64)[positions // bs] * bs + positions % bs
 
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
-        sampled = self.table.run_steps(self.table.apply(plan), self._compute)
-        return pb.StepResult(instance_id=self.info.instance_id, step_id=plan.step_id,
-                             token_ids=[token_id for token_id, _ in sampled])
+        output = run_forward_passes(self.table, self.table.apply(plan), self._compute)
+        return step_result(self.info.instance_id, plan.step_id, output)
 
-    def _compute(self, chunks: list[ScheduledChunk]) -> list[Sampled]:
+    def _compute(self, chunks: list[ScheduledChunk]) -> StepOutput:
         """Write each chunk's tokens into its KV slots, then derive each sampled token from the KV read back."""
         for chunk in chunks:
             state = chunk.state
             self.kv[self._slots(state.block_table, chunk.start, chunk.end)] = state.token_ids[
                 chunk.start : chunk.end
             ]
-        sampled: list[Sampled] = []
+        token_ids = []
         for chunk in chunks:
             if not chunk.samples:
-                sampled.append((0, None))
+                token_ids.append(0)
                 continue
             context = self.kv[self._slots(chunk.state.block_table, 0, chunk.end)]
-            seed = chunk.state.sampling.seed if chunk.state.sampling.HasField("seed") else None
-            sampled.append((next_token(context, self.info.vocab_size, seed), None))
-        return sampled
+            token_ids.append(next_token(context, self.info.vocab_size, chunk.state.sampling.seed))
+        return StepOutput(token_ids)

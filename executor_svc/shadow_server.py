@@ -15,9 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from common.security import TLSConfig
-from executor_svc.requests import RequestTable, Sampled, ScheduledChunk
+from executor_svc.requests import RequestTable, ScheduledChunk
 from executor_svc.service import serve
 from executor_svc.shadow import ShadowExecutor
+from executor_svc.steps import run_forward_passes
+from executor_svc.values import StepOutput
+from executor_svc.wire import step_result
 from nanoserve.v1 import executor_pb2 as pb
 
 NULL_TOKEN_ID = 1
@@ -56,7 +59,7 @@ class NullExecutor:
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
         cached = plan.cached_requests
         n = len(plan.new_requests) + (sum(cached.num_decode_steps) or len(cached.request_ids))
-        return pb.StepResult(instance_id=self.info.instance_id, step_id=plan.step_id, token_ids=[NULL_TOKEN_ID] * n)
+        return step_result(self.info.instance_id, plan.step_id, StepOutput([NULL_TOKEN_ID] * n))
 
     def reset(self) -> int:
         return 0
@@ -81,17 +84,15 @@ class EchoExecutor:
         chunks = self.table.apply(plan)
         for new in plan.new_requests:
             self.prompt_lens.setdefault(new.request_id, len(new.token_ids))
-        sampled = self.table.run_steps(chunks, self._echo)
-        return pb.StepResult(instance_id=self.info.instance_id, step_id=plan.step_id,
-                             token_ids=[token_id for token_id, _ in sampled])
+        return step_result(self.info.instance_id, plan.step_id, run_forward_passes(self.table, chunks, self._echo))
 
-    def _echo(self, chunks: list[ScheduledChunk]) -> list[Sampled]:
-        sampled: list[Sampled] = []
+    def _echo(self, chunks: list[ScheduledChunk]) -> StepOutput:
+        token_ids = []
         for chunk in chunks:
             tokens = chunk.state.token_ids
             n_prompt = self.prompt_lens[chunk.state.request_id]
-            sampled.append((tokens[(len(tokens) - n_prompt) % n_prompt] if chunk.samples else 0, None))
-        return sampled
+            token_ids.append(tokens[(len(tokens) - n_prompt) % n_prompt] if chunk.samples else 0)
+        return StepOutput(token_ids)
 
     def reset(self) -> int:
         self.prompt_lens.clear()

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import random
 
+import grpc
 import pytest
 
+from executor_svc.requests import PlanError
 from executor_svc.service import build_server
 from executor_svc.shadow import ShadowExecutor
 from nanoserve.v1 import executor_pb2 as pb
+from nanoserve.v1 import executor_pb2_grpc as pb_grpc
 from scheduler_svc.engine import Engine
 from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.sampling import SamplingParams
@@ -125,8 +128,6 @@ def test_shadow_executor_exposes_scheduler_mistakes(fault):
 
 
 def test_rejected_plan_leaves_executor_state_unchanged():
-    from executor_svc.requests import PlanError
-
     executor = ShadowExecutor(8, 4, 50, (EOS,))
     engine = Engine(executor, SchedulerConfig(8, 64))
     seq = engine.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=4))
@@ -151,6 +152,84 @@ def test_rejected_plan_leaves_executor_state_unchanged():
         engine.step()
     engine.step()
     assert len(executor.table) == 0 and engine.block_manager.num_free_blocks == 8
+
+
+def two_held_requests() -> ShadowExecutor:
+    """A shadow executor holding requests 1 and 2, each with a prefilled 5-token prompt (6 tokens, 5 computed)."""
+    executor = ShadowExecutor(8, 4, 50, (EOS,))
+    executor.step(pb.StepPlan(is_prefill=True, new_requests=[
+        pb.NewRequest(request_id=rid, token_ids=[rid, 2, 3, 4, 5], block_table=[2 * rid - 2, 2 * rid - 1],
+                      num_scheduled_tokens=5)
+        for rid in (1, 2)
+    ]))
+    return executor
+
+
+def held_state(executor: ShadowExecutor) -> tuple[dict[int, tuple[list[int], list[int], int]], list[int]]:
+    """Everything a plan may change: each request's tokens, block table and computed count, and the KV."""
+    requests = {k: (list(v.token_ids), list(v.block_table), v.num_computed_tokens)
+                for k, v in executor.table.requests.items()}
+    return requests, executor.kv.tolist()
+
+
+def decode(request_ids: list[int], computed: list[int]) -> pb.CachedRequests:
+    n = len(request_ids)
+    return pb.CachedRequests(request_ids=request_ids, num_computed_tokens=computed, num_scheduled_tokens=[1] * n,
+                             num_new_blocks=[0] * n)
+
+
+NEW_3 = pb.NewRequest(request_id=3, token_ids=[1, 2], block_table=[4], num_scheduled_tokens=2)
+# Each plan and the request it names twice.
+NAMED_TWICE = {
+    "finished twice": (pb.StepPlan(finished_request_ids=[1, 1]), 1),
+    "finished twice among others": (pb.StepPlan(finished_request_ids=[2, 1, 2]), 2),
+    "finished and cached": (pb.StepPlan(finished_request_ids=[1], cached_requests=decode([1, 2], [5, 5])), 1),
+    "cached twice": (pb.StepPlan(cached_requests=decode([1, 2, 1], [5, 5, 5])), 1),
+    "new twice": (pb.StepPlan(is_prefill=True, new_requests=[NEW_3, NEW_3]), 3),
+    "new and cached": (pb.StepPlan(new_requests=[NEW_3], cached_requests=decode([3], [2])), 3),
+}
+
+
+@pytest.mark.parametrize("why", NAMED_TWICE)
+def test_a_plan_naming_a_request_twice_is_refused_whole(why: str):
+    plan, named_twice = NAMED_TWICE[why]
+    executor = two_held_requests()
+    before = held_state(executor)
+    with pytest.raises(PlanError) as err:
+        executor.step(plan)
+    assert err.value.code == "INVALID_ARGUMENT", why
+    assert str(err.value).startswith(f"request {named_twice} "), err.value
+    assert held_state(executor) == before, why
+    # Still serving: the decode the refused plan did not run gives the tokens of a never-refused executor.
+    untouched = two_held_requests()
+    assert executor.step(pb.StepPlan(cached_requests=decode([1, 2], [5, 5]))).token_ids == untouched.step(
+        pb.StepPlan(cached_requests=decode([1, 2], [5, 5]))).token_ids
+
+
+def test_a_finished_request_may_come_back_as_new_in_the_same_plan():
+    executor = two_held_requests()
+    recompute = pb.NewRequest(request_id=1, token_ids=[1, 2, 3, 4, 5], block_table=[4, 5], num_scheduled_tokens=5)
+    result = executor.step(pb.StepPlan(is_prefill=True, finished_request_ids=[1], new_requests=[recompute]))
+    assert list(result.token_ids) == [two_held_requests().table.requests[1].token_ids[-1]]
+    assert executor.table.requests[1].block_table == [4, 5] and len(executor.table) == 2
+
+
+def test_over_grpc_a_plan_naming_a_request_twice_is_invalid_argument_and_changes_nothing():
+    executor = two_held_requests()
+    before = held_state(executor)
+    server, port = build_server(executor, "127.0.0.1", 0)
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ExecutorStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Step(pb.StepPlan(finished_request_ids=[2, 2]), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "request 2" in err.value.details()
+            assert held_state(executor) == before
+            assert stub.Reset(pb.ResetRequest(), timeout=10).num_dropped_requests == 2
+    finally:
+        server.stop(None)
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 3])
@@ -241,8 +320,6 @@ def test_over_grpc_with_preemption(overlap, num_steps, num_blocks):
 
 
 def test_multi_step_plans_the_executor_cannot_run_are_refused_whole():
-    from executor_svc.requests import PlanError
-
     executor = ShadowExecutor(8, 4, 50, (EOS,))
     engine = Engine(executor, SchedulerConfig(8, 64))
     seq = engine.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=4))

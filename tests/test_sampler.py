@@ -13,8 +13,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from executor_svc.sampler import NUCLEUS_WINDOW, RowParams, Sampler, filtered_probs
-from nanoserve.v1 import executor_pb2 as pb
+from executor_svc.sampler import NUCLEUS_WINDOW, Sampler, filtered_probs
+from executor_svc.values import SamplingSettings
 
 # Ids deliberately not in rank order: ranked, the ids are 3, 1, 5, 2, 4, 0.
 PROBS = [0.04, 0.25, 0.10, 0.40, 0.06, 0.15]
@@ -23,7 +23,7 @@ VOCAB = len(PROBS)
 DRAWS = 20_000
 
 
-def draw(logits: torch.Tensor, params: pb.SamplingParams, n: int = DRAWS) -> list[int]:
+def draw(logits: torch.Tensor, params: SamplingSettings, n: int = DRAWS) -> list[int]:
     """``n`` unseeded draws of one row's distribution, made as one batch of identical rows."""
     return Sampler(seed=0)(logits.expand(n, -1), [params] * n, [0] * n).token_ids
 
@@ -45,7 +45,7 @@ def assert_follows(tokens: list[int], expected: list[float]) -> None:
 def test_greedy_is_argmax_with_ties_to_lowest_id() -> None:
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1)).bfloat16()
     logits[2, [5, 40, 77]] = 50.0
-    greedy = pb.SamplingParams(temperature=0.0)
+    greedy = SamplingSettings(temperature=0.0)
     tokens = Sampler(seed=0)(logits, [greedy] * 8, list(range(8))).token_ids
     assert tokens == logits.float().argmax(dim=-1).tolist()
     assert tokens[2] == 5
@@ -54,8 +54,8 @@ def test_greedy_is_argmax_with_ties_to_lowest_id() -> None:
 def test_greedy_rows_in_a_mixed_batch_stay_argmax() -> None:
     logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(2))
     logits[4, [9, 60]] = 50.0
-    greedy, sampled = pb.SamplingParams(temperature=0.0), pb.SamplingParams(temperature=1.5, top_p=0.9)
-    params = [greedy, sampled, greedy, sampled, greedy, pb.SamplingParams(temperature=1e-40, num_logprobs=2)]
+    greedy, sampled = SamplingSettings(temperature=0.0), SamplingSettings(temperature=1.5, top_p=0.9)
+    params = [greedy, sampled, greedy, sampled, greedy, SamplingSettings(temperature=1e-40, num_logprobs=2)]
     tokens = Sampler(seed=0)(logits, params, [3] * 6).token_ids
     argmax = logits.argmax(dim=-1).tolist()
     assert [tokens[i] for i in (0, 2, 4, 5)] == [argmax[i] for i in (0, 2, 4, 5)]
@@ -64,41 +64,41 @@ def test_greedy_rows_in_a_mixed_batch_stay_argmax() -> None:
 
 def test_greedy_batch_draws_no_randomness() -> None:
     logits = torch.zeros(16, 1000)
-    unseeded = [pb.SamplingParams()] * 16
+    unseeded = [SamplingSettings()] * 16
     used = Sampler(seed=3)
-    used(logits, [pb.SamplingParams(temperature=0.0)] * 16, [0] * 16)
+    used(logits, [SamplingSettings(temperature=0.0)] * 16, [0] * 16)
     assert used(logits, unseeded, [0] * 16).token_ids == Sampler(seed=3)(logits, unseeded, [0] * 16).token_ids
 
 
 def test_default_params_sample_the_softmax() -> None:
-    assert_follows(draw(LOGITS, pb.SamplingParams()), PROBS)
+    assert_follows(draw(LOGITS, SamplingSettings()), PROBS)
 
 
 @pytest.mark.parametrize(
     ("params", "allowed"),
     [
-        (pb.SamplingParams(top_k=3), {3, 1, 5}),
-        (pb.SamplingParams(top_k=1), {3}),
-        (pb.SamplingParams(top_k=100), set(range(VOCAB))),
-        (pb.SamplingParams(top_k=0), set(range(VOCAB))),
+        (SamplingSettings(top_k=3), {3, 1, 5}),
+        (SamplingSettings(top_k=1), {3}),
+        (SamplingSettings(top_k=100), set(range(VOCAB))),
+        (SamplingSettings(top_k=0), set(range(VOCAB))),
         # Cumulative mass by rank: 0.40, 0.65, 0.80, 0.90, 0.96, 1.00.
-        (pb.SamplingParams(top_p=0.6), {3, 1}),
-        (pb.SamplingParams(top_p=0.3), {3}),
-        (pb.SamplingParams(top_p=0.7), {3, 1, 5}),
-        (pb.SamplingParams(top_p=1.0), set(range(VOCAB))),
+        (SamplingSettings(top_p=0.6), {3, 1}),
+        (SamplingSettings(top_p=0.3), {3}),
+        (SamplingSettings(top_p=0.7), {3, 1, 5}),
+        (SamplingSettings(top_p=1.0), set(range(VOCAB))),
         # min_p x 0.40 is the threshold.
-        (pb.SamplingParams(min_p=0.3), {3, 1, 5}),
-        (pb.SamplingParams(min_p=0.2), {3, 1, 5, 2}),
-        (pb.SamplingParams(min_p=1.0), {3}),
-        (pb.SamplingParams(min_p=0.0), set(range(VOCAB))),
+        (SamplingSettings(min_p=0.3), {3, 1, 5}),
+        (SamplingSettings(min_p=0.2), {3, 1, 5, 2}),
+        (SamplingSettings(min_p=1.0), {3}),
+        (SamplingSettings(min_p=0.0), set(range(VOCAB))),
         # Top-p sees the top-k survivors renormalised: 0.44, 0.72, 0.89, 1.00.
-        (pb.SamplingParams(top_k=4, top_p=0.85), {3, 1, 5}),
+        (SamplingSettings(top_k=4, top_p=0.85), {3, 1, 5}),
         # Top-p before min-p (Hugging Face order): top-p keeps 4, min-p 0.2 keeps the same 4.
-        (pb.SamplingParams(top_p=0.85, min_p=0.2), {3, 1, 5, 2}),
-        (pb.SamplingParams(top_k=5, top_p=0.95, min_p=0.3), {3, 1, 5}),
+        (SamplingSettings(top_p=0.85, min_p=0.2), {3, 1, 5, 2}),
+        (SamplingSettings(top_k=5, top_p=0.95, min_p=0.3), {3, 1, 5}),
     ],
 )
-def test_filters_keep_their_defined_set(params: pb.SamplingParams, allowed: set[int]) -> None:
+def test_filters_keep_their_defined_set(params: SamplingSettings, allowed: set[int]) -> None:
     assert_follows(draw(LOGITS, params), restricted(PROBS, allowed))
 
 
@@ -106,19 +106,19 @@ def test_filters_keep_their_defined_set(params: pb.SamplingParams, allowed: set[
 def test_temperature_sharpens_or_flattens(temperature: float) -> None:
     scaled = [p ** (1 / temperature) for p in PROBS]
     expected = [w / sum(scaled) for w in scaled]
-    assert_follows(draw(LOGITS, pb.SamplingParams(temperature=temperature)), expected)
+    assert_follows(draw(LOGITS, SamplingSettings(temperature=temperature)), expected)
 
 
 def test_top_k_keeps_exactly_k_of_tied_tokens() -> None:
-    tokens = draw(torch.zeros(VOCAB), pb.SamplingParams(top_k=2))
+    tokens = draw(torch.zeros(VOCAB), SamplingSettings(top_k=2))
     assert_follows(tokens, restricted([1.0] * VOCAB, set(tokens)))
     assert len(set(tokens)) == 2
 
 
 UNRANKED_CASES = [
-    (pb.SamplingParams(min_p=0.2, seed=4), {3, 1, 5, 2}),
-    (pb.SamplingParams(temperature=0.0), {3}),
-    (pb.SamplingParams(), set(range(VOCAB))),
+    (SamplingSettings(min_p=0.2, seed=4), {3, 1, 5, 2}),
+    (SamplingSettings(temperature=0.0), {3}),
+    (SamplingSettings(), set(range(VOCAB))),
 ]
 
 
@@ -127,19 +127,19 @@ UNRANKED_CASES = [
     [
         # A row with top-p but no top-k makes the whole vocabulary ranked.
         [
-            (pb.SamplingParams(top_k=3), {3, 1, 5}),
-            (pb.SamplingParams(top_p=0.6), {3, 1}),
-            (pb.SamplingParams(top_k=4, top_p=0.85), {3, 1, 5}),
+            (SamplingSettings(top_k=3), {3, 1, 5}),
+            (SamplingSettings(top_p=0.6), {3, 1}),
+            (SamplingSettings(top_k=4, top_p=0.85), {3, 1, 5}),
         ],
         # Every ranked row has a top-k, so only the best 5 are ranked; top-5 mass: 0.42, 0.68, 0.83, ...
         [
-            (pb.SamplingParams(top_k=3), {3, 1, 5}),
-            (pb.SamplingParams(top_k=1, top_p=0.9), {3}),
-            (pb.SamplingParams(top_k=5, top_p=0.6), {3, 1}),
+            (SamplingSettings(top_k=3), {3, 1, 5}),
+            (SamplingSettings(top_k=1, top_p=0.9), {3}),
+            (SamplingSettings(top_k=5, top_p=0.6), {3, 1}),
         ],
     ],
 )
-def test_rows_with_different_filters_share_a_batch(ranked_cases: list[tuple[pb.SamplingParams, set[int]]]) -> None:
+def test_rows_with_different_filters_share_a_batch(ranked_cases: list[tuple[SamplingSettings, set[int]]]) -> None:
     cases = ranked_cases + UNRANKED_CASES
     params = [case for case, _ in cases] * (DRAWS // len(cases))
     tokens = Sampler(seed=0)(LOGITS.expand(len(params), -1), params, list(range(len(params)))).token_ids
@@ -151,12 +151,11 @@ def test_filters_apply_after_temperature() -> None:
     # At temperature 0.5 the ranked mass is 0.615, 0.855, ...; top-p 0.75 keeps 2 (at 1.0 it would keep 3).
     scaled = [p**2 for p in PROBS]
     expected = restricted(scaled, {3, 1})
-    assert_follows(draw(LOGITS, pb.SamplingParams(temperature=0.5, top_p=0.75)), expected)
+    assert_follows(draw(LOGITS, SamplingSettings(temperature=0.5, top_p=0.75)), expected)
 
 
-def reference_probs(logits: torch.Tensor, params: pb.SamplingParams) -> torch.Tensor:
+def reference_probs(logits: torch.Tensor, row: SamplingSettings) -> torch.Tensor:
     """The filter definitions applied one token at a time, in float64."""
-    row = RowParams.from_proto(params)
     probs = (logits.double() / row.temperature).softmax(dim=-1)
     ranked = probs.argsort(descending=True).tolist()
     kept = ranked[: row.top_k] if row.top_k else ranked
@@ -173,11 +172,11 @@ def reference_probs(logits: torch.Tensor, params: pb.SamplingParams) -> torch.Te
 
 
 LARGE_VOCAB_CASES = [
-    pb.SamplingParams(top_p=0.5),
-    pb.SamplingParams(temperature=3.0, top_p=0.99),
-    pb.SamplingParams(top_k=2000, top_p=0.9),
-    pb.SamplingParams(temperature=0.7, top_k=40, top_p=0.8, min_p=0.05),
-    pb.SamplingParams(top_k=3000),
+    SamplingSettings(top_p=0.5),
+    SamplingSettings(temperature=3.0, top_p=0.99),
+    SamplingSettings(top_k=2000, top_p=0.9),
+    SamplingSettings(temperature=0.7, top_k=40, top_p=0.8, min_p=0.05),
+    SamplingSettings(top_k=3000),
 ]
 
 
@@ -196,7 +195,7 @@ def test_filters_match_their_definition_on_a_large_vocab(groups: list[list[int]]
     assert 1 < (expected[0] > 0).sum() < NUCLEUS_WINDOW < (expected[1] > 0).sum()
     probs = torch.empty_like(logits)
     for group in groups:
-        probs[group] = filtered_probs(logits[group], [RowParams.from_proto(LARGE_VOCAB_CASES[i]) for i in group])
+        probs[group] = filtered_probs(logits[group], [LARGE_VOCAB_CASES[i] for i in group])
     assert torch.equal(probs > 0, expected > 0)
     assert torch.allclose(probs.double(), expected, atol=1e-6)
 
@@ -205,23 +204,23 @@ def test_masked_logits_are_never_sampled() -> None:
     logits = torch.zeros(VOCAB)
     logits[[0, 4]] = float("-inf")
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        tokens = draw(logits.to(dtype), pb.SamplingParams(top_p=0.99), n=2000)
+        tokens = draw(logits.to(dtype), SamplingSettings(top_p=0.99), n=2000)
         assert set(tokens) == {1, 2, 3, 5}
 
 
 def test_seeded_draws_follow_the_distribution() -> None:
-    params = [pb.SamplingParams(top_k=3, seed=s) for s in range(DRAWS)]
+    params = [SamplingSettings(top_k=3, seed=s) for s in range(DRAWS)]
     tokens = Sampler(seed=0)(LOGITS.expand(DRAWS, -1), params, [7] * DRAWS).token_ids
     assert_follows(tokens, restricted(PROBS, {3, 1, 5}))
 
 
 # A batch holding the request under test: logits, params, positions, and the request's row.
-Batch = tuple[torch.Tensor, list[pb.SamplingParams], list[int], int]
-MakeBatch = Callable[[torch.Tensor, pb.SamplingParams, int], Batch]
+Batch = tuple[torch.Tensor, list[SamplingSettings], list[int], int]
+MakeBatch = Callable[[torch.Tensor, SamplingSettings, int], Batch]
 
 
 def seeded_stream(
-    make_batch: MakeBatch, sampler: Sampler, logits: torch.Tensor, params: pb.SamplingParams
+    make_batch: MakeBatch, sampler: Sampler, logits: torch.Tensor, params: SamplingSettings
 ) -> list[int]:
     """The request's token at positions 0..29, each sampled inside the batch ``make_batch`` builds."""
     tokens = []
@@ -231,20 +230,20 @@ def seeded_stream(
     return tokens
 
 
-def alone(logits: torch.Tensor, params: pb.SamplingParams, position: int) -> Batch:
+def alone(logits: torch.Tensor, params: SamplingSettings, position: int) -> Batch:
     return logits.unsqueeze(0), [params], [position], 0
 
 
 def among_others(at: int) -> MakeBatch:
     """A batch of other requests (greedy, unseeded, seeded, filtered, with logprobs) with ours at row ``at``."""
 
-    def make(logits: torch.Tensor, params: pb.SamplingParams, position: int) -> Batch:
+    def make(logits: torch.Tensor, params: SamplingSettings, position: int) -> Batch:
         others = torch.randn(4, logits.shape[0], generator=torch.Generator().manual_seed(position))
         other_params = [
-            pb.SamplingParams(temperature=0.0),
-            pb.SamplingParams(temperature=0.7, min_p=0.1, num_logprobs=3),
-            pb.SamplingParams(seed=99, top_k=5),
-            pb.SamplingParams(),
+            SamplingSettings(temperature=0.0),
+            SamplingSettings(temperature=0.7, min_p=0.1, num_logprobs=3),
+            SamplingSettings(seed=99, top_k=5),
+            SamplingSettings(),
         ]
         rows = torch.cat([others[:at], logits.unsqueeze(0), others[at:]])
         row_params = other_params[:at] + [params] + other_params[at:]
@@ -255,9 +254,9 @@ def among_others(at: int) -> MakeBatch:
 
 
 @pytest.mark.parametrize(
-    "params", [pb.SamplingParams(seed=1234), pb.SamplingParams(seed=2**64 - 1, temperature=0.8, top_p=0.9)]
+    "params", [SamplingSettings(seed=1234), SamplingSettings(seed=2**64 - 1, temperature=0.8, top_p=0.9)]
 )
-def test_seeded_request_ignores_batch_and_history(params: pb.SamplingParams) -> None:
+def test_seeded_request_ignores_batch_and_history(params: SamplingSettings) -> None:
     logits = torch.randn(50, generator=torch.Generator().manual_seed(5))
     reference = seeded_stream(alone, Sampler(seed=0), logits, params)
     assert len(set(reference)) > 5, "a seeded stream must still vary with position"
@@ -271,7 +270,7 @@ def test_seeded_request_ignores_batch_and_history(params: pb.SamplingParams) -> 
 
 def test_seeded_request_matches_in_reduced_precision() -> None:
     logits = torch.randn(50, generator=torch.Generator().manual_seed(6)).bfloat16()
-    params = pb.SamplingParams(seed=7, top_k=20)
+    params = SamplingSettings(seed=7, top_k=20)
     sampler = Sampler(seed=0)
     assert seeded_stream(alone, sampler, logits, params) == seeded_stream(alone, sampler, logits.float(), params)
 
@@ -279,13 +278,13 @@ def test_seeded_request_matches_in_reduced_precision() -> None:
 def test_different_seeds_give_different_streams() -> None:
     logits = torch.randn(50, generator=torch.Generator().manual_seed(5))
     sampler = Sampler(seed=0)
-    first = seeded_stream(alone, sampler, logits, pb.SamplingParams(seed=1))
-    assert first != seeded_stream(alone, sampler, logits, pb.SamplingParams(seed=2))
+    first = seeded_stream(alone, sampler, logits, SamplingSettings(seed=1))
+    assert first != seeded_stream(alone, sampler, logits, SamplingSettings(seed=2))
 
 
 def test_unseeded_rows_vary() -> None:
     logits = torch.zeros(64, 1000)
-    params = [pb.SamplingParams()] * 64
+    params = [SamplingSettings()] * 64
     sampler = Sampler(seed=11)
     first = sampler(logits, params, [0] * 64).token_ids
     assert len(set(first)) > 32, "rows of one batch draw independently"
@@ -295,10 +294,10 @@ def test_unseeded_rows_vary() -> None:
 def test_logprobs_are_the_raw_log_softmax_most_likely_first() -> None:
     logits = torch.randn(4, 20, generator=torch.Generator().manual_seed(8)).half()
     params = [
-        pb.SamplingParams(temperature=0.0, num_logprobs=3),
-        pb.SamplingParams(temperature=0.5, top_k=2, num_logprobs=5, seed=3),
-        pb.SamplingParams(),
-        pb.SamplingParams(num_logprobs=0),
+        SamplingSettings(temperature=0.0, num_logprobs=3),
+        SamplingSettings(temperature=0.5, top_k=2, num_logprobs=5, seed=3),
+        SamplingSettings(),
+        SamplingSettings(num_logprobs=0),
     ]
     out = Sampler(seed=0)(logits, params, [0, 1, 2, 3])
     reference = logits.float().log_softmax(dim=-1)
@@ -309,14 +308,14 @@ def test_logprobs_are_the_raw_log_softmax_most_likely_first() -> None:
         expected_ids = reference[row].argsort(descending=True)[:n].tolist()
         assert list(entry.top_token_ids) == expected_ids
         assert torch.allclose(torch.tensor(list(entry.top_logprobs)), reference[row, expected_ids], atol=1e-5)
-    assert out.logprobs[2] == pb.TokenLogprobs()
+    assert out.logprobs[2] is None
     assert out.token_ids[0] in out.logprobs[0].top_token_ids[:1]
 
 
 def test_logprobs_absent_unless_asked_and_capped_at_vocab() -> None:
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(9))
-    assert Sampler(seed=0)(logits, [pb.SamplingParams()] * 2, [0, 0]).logprobs == []
-    out = Sampler(seed=0)(logits, [pb.SamplingParams(num_logprobs=100), pb.SamplingParams()], [0, 0])
+    assert Sampler(seed=0)(logits, [SamplingSettings()] * 2, [0, 0]).logprobs == []
+    out = Sampler(seed=0)(logits, [SamplingSettings(num_logprobs=100), SamplingSettings()], [0, 0])
     assert sorted(out.logprobs[0].top_token_ids) == list(range(VOCAB))
 
 

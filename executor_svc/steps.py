@@ -1,0 +1,57 @@
+"""A plan's forward passes, shared by every executor's step code.
+
+One pass computes and samples every scheduled chunk. With multi-step decode a
+plan asks for several per request: each pass is fed the tokens the one before
+sampled, which the request table has recorded by then, so the table itself
+only validates, applies and records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from executor_svc.requests import RequestTable, ScheduledChunk
+from executor_svc.values import StepOutput, TokenLogprobs
+
+# Computes and samples one token per chunk, in order (0 for a chunk that does not sample).
+ForwardPass = Callable[[list[ScheduledChunk]], StepOutput]
+
+
+def run_forward_passes(table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass) -> StepOutput:
+    """Run ``forward`` over the chunks once per decode step they ask for, recording its tokens in ``table``.
+
+    Tokens come back chunk after chunk in plan order, each chunk's in the order sampled; the passes' times add up.
+    """
+    if not chunks:
+        return StepOutput()
+    if all(chunk.num_steps == 1 for chunk in chunks):
+        output = forward(chunks)
+        table.record_sampled(chunks, output.token_ids)
+        return output
+    return run_multi_step(table, chunks, forward)
+
+
+def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass) -> StepOutput:
+    """``run_forward_passes`` when some chunk decodes more than one token; a chunk drops out after its last."""
+    token_ids: list[list[int]] = [[] for _ in chunks]
+    logprobs: list[list[TokenLogprobs | None]] = [[] for _ in chunks]
+    total = StepOutput()
+    asked = False
+    active = list(range(len(chunks)))
+    current = chunks
+    for done in range(1, max(chunk.num_steps for chunk in chunks) + 1):
+        output = forward(current)
+        table.record_sampled(current, output.token_ids)
+        total.forward_ms += output.forward_ms
+        total.sample_ms += output.sample_ms
+        asked = asked or bool(output.logprobs)
+        step_logprobs = output.logprobs or [None] * len(current)
+        for i, token_id, entry in zip(active, output.token_ids, step_logprobs, strict=True):
+            token_ids[i].append(token_id)
+            logprobs[i].append(entry)
+        active = [i for i in active if chunks[i].num_steps > done]
+        current = [ScheduledChunk(chunks[i].state, chunks[i].state.num_computed_tokens, 1) for i in active]
+    total.token_ids = [token_id for tokens in token_ids for token_id in tokens]
+    if asked:
+        total.logprobs = [entry for entries in logprobs for entry in entries]
+    return total

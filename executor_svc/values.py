@@ -1,0 +1,55 @@
+"""The plain values the executor's core works on, free of protobuf and torch.
+
+``executor_svc.wire`` translates them to and from the proto; the request table,
+the sampler and the step code see only these. Torch-free, so the model-free
+executors stay so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Temperatures below this are greedy: dividing by them would overflow the logits.
+GREEDY_BELOW = 1e-5
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSettings:
+    """One request's sampling settings; the defaults are the proto's for absent fields.
+
+    ``greedy`` and ``plain_greedy`` (greedy without logprobs, the sampler's fast path, checked for every
+    row every step) are worked out once, when the request arrives.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    num_logprobs: int | None = None
+    greedy: bool = field(init=False, repr=False, compare=False)
+    plain_greedy: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "greedy", self.temperature < GREEDY_BELOW)
+        object.__setattr__(self, "plain_greedy", self.greedy and self.num_logprobs is None)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the most likely tokens', most likely first."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One plan's tokens in result order and the time spent computing and sampling them."""
+
+    token_ids: list[int] = field(default_factory=list)
+    # Parallel to token_ids when any request asked for logprobs (None for those that did not); else empty.
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0

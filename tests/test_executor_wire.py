@@ -1,0 +1,75 @@
+"""The executor's proto edge: sampling params in, step results out, and a core that sees no wire types."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from executor_svc.values import SamplingSettings, StepOutput, TokenLogprobs
+from executor_svc.wire import sampling_settings, step_result
+from nanoserve.v1 import executor_pb2 as pb
+from tests.test_package_arrows import ROOT, WIRE_MODULES, imported_top_levels
+
+# The executor's core: plain values in and out, no protobuf, no gRPC.
+CORE_MODULES = ("executor_svc/values.py", "executor_svc/sampler.py")
+
+
+def test_absent_sampling_fields_take_the_proto_defaults() -> None:
+    settings = sampling_settings(pb.SamplingParams())
+    assert settings == SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, num_logprobs=None)
+    assert not settings.greedy and not settings.plain_greedy
+
+
+def test_every_sampling_field_is_carried_and_zero_is_not_absent() -> None:
+    params = pb.SamplingParams(temperature=0.5, top_k=7, top_p=0.25, min_p=0.125, seed=2**64 - 1, num_logprobs=3)
+    assert sampling_settings(params) == SamplingSettings(0.5, 7, 0.25, 0.125, 2**64 - 1, 3)
+    # Seed 0 is a seed, and 0 logprobs asks for the sampled token's.
+    zeros = sampling_settings(pb.SamplingParams(temperature=0.0, seed=0, num_logprobs=0))
+    assert (zeros.temperature, zeros.seed, zeros.num_logprobs) == (0.0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("params", "greedy", "plain_greedy"),
+    [
+        (pb.SamplingParams(temperature=0.0), True, True),
+        (pb.SamplingParams(temperature=1e-6), True, True),
+        (pb.SamplingParams(temperature=0.0, num_logprobs=0), True, False),
+        (pb.SamplingParams(temperature=0.1), False, False),
+        (pb.SamplingParams(top_k=1), False, False),
+    ],
+)
+def test_the_greedy_flags_are_worked_out_on_arrival(params: pb.SamplingParams, greedy: bool, plain_greedy: bool):
+    settings = sampling_settings(params)
+    assert (settings.greedy, settings.plain_greedy) == (greedy, plain_greedy)
+
+
+def test_a_step_result_carries_tokens_timings_and_logprobs_in_order() -> None:
+    asked = TokenLogprobs(-0.5, [4, 9], [-0.5, -1.25])
+    output = StepOutput([4, 0, 7], [asked, None, TokenLogprobs(-2.0, [], [])], forward_ms=3.5, sample_ms=0.25)
+    result = step_result("abc", 12, output)
+    assert (result.instance_id, result.step_id, list(result.token_ids)) == ("abc", 12, [4, 0, 7])
+    assert (result.forward_ms, result.sample_ms) == (3.5, 0.25)
+    assert list(result.logprobs) == [
+        pb.TokenLogprobs(logprob=-0.5, top_token_ids=[4, 9], top_logprobs=[-0.5, -1.25]),
+        pb.TokenLogprobs(),
+        pb.TokenLogprobs(logprob=-2.0),
+    ]
+
+
+def test_a_step_result_without_logprobs_has_none() -> None:
+    result = step_result("abc", 1, StepOutput([5, 6]))
+    assert list(result.token_ids) == [5, 6] and not result.logprobs
+
+
+@pytest.mark.parametrize("module", CORE_MODULES)
+def test_executor_core_speaks_no_wire_types(module: str) -> None:
+    assert imported_top_levels(ROOT / module) & set(WIRE_MODULES) == set()
+
+
+def test_model_free_executors_load_no_torch() -> None:
+    """The shadow, echo and null executors run the whole stack where torch is not installed."""
+    probe = "import sys, executor_svc.shadow_server; print('torch' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "False"
