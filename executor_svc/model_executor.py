@@ -48,7 +48,7 @@ class ModelExecutor:
             init_group(0, world, init_method, rank_device(options.resolved_device(), 0))
         self.runner = runner = ModelRunner(self.folder, options)
         config = runner.config
-        self.table = RequestTable(runner.num_blocks, runner.block_size, config.vocab_size)
+        self.table = RequestTable(runner.num_blocks, runner.block_size, config.vocab_size, runner.max_model_len)
         tokenizer = self.folder / "tokenizer.json"
         self.info = pb.ExecutorInfo(
             instance_id=uuid.uuid4().hex,

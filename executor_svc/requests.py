@@ -63,10 +63,12 @@ class ScheduledChunk:
 
 
 class RequestTable:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, max_model_len: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
+        # Positions at or past it have no rotary embedding: a plan reaching there is refused, not half-run.
+        self.max_model_len = max_model_len
         self.requests: dict[int, RequestState] = {}
 
     def __len__(self) -> int:
@@ -161,6 +163,8 @@ class RequestTable:
             bad = next((t for t in new.token_ids if t >= self.vocab_size), None)
             if bad is not None:
                 raise PlanError(INVALID, f"request {rid}: token id {bad} is outside the vocabulary")
+            if n > self.max_model_len:
+                raise PlanError(INVALID, f"request {rid}: {n} tokens pass the maximum length {self.max_model_len}")
             end = new.num_computed_tokens + new.num_scheduled_tokens
             self._check_blocks(rid, new.block_table, end, len(new.block_table))
         cached = plan.cached_requests
@@ -173,7 +177,7 @@ class RequestTable:
         if steps:
             self._validate_multi_step(plan, steps)
         new_block_ids = list(cached.new_block_ids)
-        requests, block_size = self.requests, self.block_size
+        requests, block_size, max_model_len = self.requests, self.block_size, self.max_model_len
         offset = 0
         rows = zip(cached.request_ids, *map(list, columns), steps or repeat(1, len(cached.request_ids)), strict=True)
         for rid, computed, scheduled, n_new, num_steps in rows:
@@ -196,6 +200,9 @@ class RequestTable:
                     INVALID, f"request {rid}: cannot schedule {scheduled} tokens after {computed} computed"
                 )
             end = computed + scheduled + num_steps - 1
+            if end > max_model_len:
+                raise PlanError(INVALID, f"request {rid}: computing up to position {end - 1} passes the maximum "
+                                         f"length {max_model_len}")
             # A request that gains no block and whose table already covers the chunk has nothing to check.
             if n_new or len(state.block_table) * block_size < end:
                 self._check_blocks(rid, new_block_ids[offset : offset + n_new], end, len(state.block_table) + n_new)

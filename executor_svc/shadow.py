@@ -65,7 +65,7 @@ class ShadowExecutor:
         tokenizer_json: str = "",
         chat_template: str = "",
     ) -> None:
-        self.table = RequestTable(num_blocks, block_size, vocab_size)
+        self.table = RequestTable(num_blocks, block_size, vocab_size, max_model_len)
         self.kv = np.full(num_blocks * block_size, EMPTY_SLOT, dtype=np.int64)
         self.info = pb.ExecutorInfo(
             instance_id=uuid.uuid4().hex,

@@ -74,7 +74,7 @@ class EchoExecutor:
 
     def __init__(self, info: pb.ExecutorInfo) -> None:
         self.info = info
-        self.table = RequestTable(info.num_blocks, info.block_size, info.vocab_size)
+        self.table = RequestTable(info.num_blocks, info.block_size, info.vocab_size, info.max_model_len)
         self.prompt_lens: dict[int, int] = {}
 
     def get_info(self) -> pb.ExecutorInfo:

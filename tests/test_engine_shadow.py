@@ -214,6 +214,25 @@ def test_a_finished_request_may_come_back_as_new_in_the_same_plan():
     assert executor.table.requests[1].block_table == [4, 5] and len(executor.table) == 2
 
 
+def test_a_plan_past_the_maximum_length_is_refused_whole():
+    """It used to pass validation and fail in the model's rotary lookup, half-applied (UNKNOWN over gRPC)."""
+    executor = ShadowExecutor(8, 4, 50, (EOS,), max_model_len=6)
+    executor.step(pb.StepPlan(is_prefill=True, new_requests=[
+        pb.NewRequest(request_id=1, token_ids=[1, 2, 3, 4, 5], block_table=[0, 1], num_scheduled_tokens=5)]))
+    too_long = pb.NewRequest(request_id=2, token_ids=list(range(1, 8)), block_table=[2, 3], num_scheduled_tokens=7)
+    executor.step(pb.StepPlan(cached_requests=decode([1], [5])))
+    before = held_state(executor)
+    plans = {
+        "new": pb.StepPlan(is_prefill=True, new_requests=[too_long]),
+        "cached": pb.StepPlan(cached_requests=decode([1], [6])),
+    }
+    for why, plan in plans.items():
+        with pytest.raises(PlanError, match="maximum length 6") as err:
+            executor.step(plan)
+        assert err.value.code == "INVALID_ARGUMENT", why
+        assert held_state(executor) == before, why
+
+
 def test_over_grpc_a_plan_naming_a_request_twice_is_invalid_argument_and_changes_nothing():
     executor = two_held_requests()
     before = held_state(executor)
