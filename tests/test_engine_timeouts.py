@@ -21,18 +21,28 @@ from tests.shadow_helpers import expected
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-class StaleResults:
-    """Answers one step with the result of the step before it, as a stream that lost its order would."""
+class Wrapped:
+    """A shadow executor, to override one call of."""
 
-    def __init__(self, stale_at: int) -> None:
+    def __init__(self) -> None:
         self.inner = ShadowExecutor(32, 4, 50, (EOS,))
-        self.stale_at, self.steps = stale_at, 0
 
     def get_info(self) -> pb.ExecutorInfo:
         return self.inner.get_info()
 
     def reset(self) -> int:
         return self.inner.reset()
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        return self.inner.step(plan)
+
+
+class StaleResults(Wrapped):
+    """Answers one step with the result of the step before it, as a stream that lost its order would."""
+
+    def __init__(self, stale_at: int) -> None:
+        super().__init__()
+        self.stale_at, self.steps = stale_at, 0
 
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
         self.steps += 1
@@ -57,24 +67,15 @@ def test_a_result_for_another_step_is_refused_and_recovery_keeps_the_tokens():
     assert_all_blocks_free(engine.block_manager)
 
 
-class HangingStream:
+class HangingStream(Wrapped):
     """An executor with its own ordered stream (like ``RemoteExecutor``) whose steps hang from ``hang_at`` on.
 
     Its reset returns at once, as a remote reset that cancels the stream does.
     """
 
     def __init__(self, hang_at: int) -> None:
-        self.inner = ShadowExecutor(32, 4, 50, (EOS,))
+        super().__init__()
         self.hang_at, self.steps = hang_at, 0
-
-    def get_info(self) -> pb.ExecutorInfo:
-        return self.inner.get_info()
-
-    def reset(self) -> int:
-        return self.inner.reset()
-
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
-        return self.inner.step(plan)
 
     def submit(self, plan: pb.StepPlan) -> Future[pb.StepResult]:
         self.steps += 1
@@ -99,11 +100,11 @@ def test_a_hung_step_under_overlap_costs_one_step_timeout_before_recovery():
     assert recovered - failed < timeout / 2, "recovery waited for the step queued behind the hung one"
 
 
-class HangingInfo:
+class HangingInfo(Wrapped):
     """Serves GetInfo once, then hangs on it until released."""
 
     def __init__(self) -> None:
-        self.inner = ShadowExecutor(32, 4, 50, (EOS,))
+        super().__init__()
         self.release = threading.Event()
         self.calls = 0
 
@@ -112,12 +113,6 @@ class HangingInfo:
         if self.calls > 1:
             self.release.wait(30)
         return self.inner.get_info()
-
-    def reset(self) -> int:
-        return self.inner.reset()
-
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
-        return self.inner.step(plan)
 
 
 def test_the_idle_probe_has_its_own_short_deadline_not_the_step_timeout():
