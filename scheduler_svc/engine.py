@@ -26,7 +26,7 @@ from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, StepRecord, TokenOutput
 from scheduler_svc.sequence import FinishReason, Sequence
 from scheduler_svc.validation import ModelLimits, check_request
-from scheduler_svc.wire import logprobs_from_result
+from scheduler_svc.wire import logprobs_from_result, plan_to_proto
 
 
 class ExecutorRestarted(RuntimeError):
@@ -183,9 +183,10 @@ class Engine:
             return None
         t1 = time.perf_counter()
         plan, ordered = self.planner.build(seqs, is_prefill, self.scheduler.drain_released())
+        message = plan_to_proto(plan)
         record = self.scheduler.advance(ordered, is_prefill)
         t2 = time.perf_counter()
-        result = run(plan)
+        result = run(message)
         return Launched(record, plan.step_id, result, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     def _collect(self, launched: Launched) -> list[TokenOutput]:
@@ -252,7 +253,7 @@ class Engine:
         released = self.scheduler.drain_released()
         plan, _ = self.planner.build([], False, released)
         if plan.finished_request_ids:
-            self.executor.step(plan)
+            self.executor.step(plan_to_proto(plan))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         """Run requests to completion; outputs in prompt order."""

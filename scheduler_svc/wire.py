@@ -1,8 +1,8 @@
 """The scheduler's one translation to and from protobuf: public requests in, responses out, executor results in.
 
 The core (scheduler, block manager, sequence, output processing) sees only the plain objects made
-here. ``prepare`` also names each refusal by the GenerateRequest field a caller sets. Step plans are
-the exception: the planner builds them as protobuf directly, since that is all it does.
+here, and the planner's plans become StepPlan messages here. ``prepare`` also names each refusal by the
+GenerateRequest field a caller sets.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.errors import InvalidRequest
 from scheduler_svc.outputs import RequestOutput, TokenLogprobs
+from scheduler_svc.planner import Plan
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.stats import LoopStats
@@ -100,6 +101,35 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
     except InvalidRequest as e:
         raise public_error(e) from e
     return PreparedRequest(request.request_id or uuid.uuid4().hex, token_ids, params)
+
+
+def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
+    msg = executor_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.num_logprobs = p.logprobs
+    return msg
+
+
+def plan_to_proto(plan: Plan) -> executor_pb2.StepPlan:
+    """The StepPlan message of ``plan``; columns go in with one extend each (this runs every step)."""
+    msg = executor_pb2.StepPlan(step_id=plan.step_id, is_prefill=plan.is_prefill,
+                                finished_request_ids=plan.finished_request_ids)
+    for new in plan.new_requests:
+        msg.new_requests.add(request_id=new.request_id, token_ids=new.token_ids, sampling=sampling_to_proto(new.params),
+                             block_table=new.block_table, num_computed_tokens=new.num_computed_tokens,
+                             num_scheduled_tokens=new.num_scheduled_tokens)
+    c = plan.cached
+    if c.request_ids:
+        cached = msg.cached_requests
+        cached.request_ids.extend(c.request_ids)
+        cached.num_computed_tokens.extend(c.num_computed_tokens)
+        cached.num_scheduled_tokens.extend(c.num_scheduled_tokens)
+        cached.num_new_blocks.extend(c.num_new_blocks)
+        cached.new_block_ids.extend(c.new_block_ids)
+        cached.num_decode_steps.extend(c.num_decode_steps)
+    return msg
 
 
 def logprobs_from_result(result: executor_pb2.StepResult) -> list[TokenLogprobs]:

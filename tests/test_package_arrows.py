@@ -20,8 +20,10 @@ ALLOWED = {
     "executor_svc": {"nanoserve", "common", "executor_svc"},
     "scheduler_svc": {"nanoserve", "common", "scheduler_svc"},
 }
-# The scheduler's pure core: plain Python objects in and out, no wire types.
-CORE_MODULES = ("scheduler_svc/scheduler.py", "scheduler_svc/block_manager.py", "scheduler_svc/sequence.py")
+# The scheduler's pure core, its plans and its output processing: plain Python objects in and out, no wire types.
+CORE_MODULES = ("scheduler_svc/scheduler.py", "scheduler_svc/block_manager.py", "scheduler_svc/sequence.py",
+                "scheduler_svc/planner.py", "scheduler_svc/outputs.py", "scheduler_svc/validation.py",
+                "scheduler_svc/supervision.py", "scheduler_svc/admission.py")
 WIRE_MODULES = ("grpc", "nanoserve")
 
 
