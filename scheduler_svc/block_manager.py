@@ -65,7 +65,7 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
-    def take_free_block(self) -> int:
+    def _take_free_block(self) -> int:
         """Hand out the least recently freed block, dropping its prefix-cache registration."""
         block_id = self.free_block_ids.popleft()
         block = self.blocks[block_id]
@@ -131,8 +131,19 @@ class BlockManager:
                 block.ref_count = 1
             seq.block_table.append(block_id)
         for _ in range(num_cached_blocks, seq.num_blocks):
-            seq.block_table.append(self.take_free_block())
+            seq.block_table.append(self._take_free_block())
         seq.num_cached_tokens = num_cached_blocks * self.block_size
+
+    def append_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow ``seq``'s block table to hold the KV of its first ``num_tokens`` tokens. False, taking
+        nothing, when too few blocks are free: the scheduler then preempts and asks again."""
+        table = seq.block_table
+        num_new_blocks = (num_tokens + self.block_size - 1) // self.block_size - len(table)
+        if num_new_blocks > len(self.free_block_ids):
+            return False
+        for _ in range(num_new_blocks):
+            table.append(self._take_free_block())
+        return True
 
     def deallocate(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):

@@ -150,6 +150,18 @@ def test_decode_preempts_tail_of_running_when_append_fails(make_scheduler):
     s.postprocess(seqs, [7], False)
 
 
+def test_append_blocks_grows_the_table_to_hold_the_kv_or_takes_nothing(make_scheduler):
+    s = make_scheduler(num_blocks=4, block_size=4)
+    a = seq(4)
+    s.add(a)
+    s.schedule()
+    bm = s.block_manager
+    assert bm.append_blocks(a, 4) and len(a.block_table) == 1, "its one block holds 4 tokens"
+    assert bm.append_blocks(a, 9) and len(a.block_table) == 3 and bm.num_free_blocks == 1
+    assert not bm.append_blocks(a, 17) and len(a.block_table) == 3 and bm.num_free_blocks == 1
+    s.finish(a, FinishReason.ABORT)
+
+
 def test_decode_preempts_itself_when_alone(make_scheduler):
     s = make_scheduler(num_blocks=3, block_size=4)
     a, b = seq(4, max_tokens=5), seq(4, max_tokens=5, start=40)
