@@ -139,11 +139,11 @@ class Scheduler:
         if scheduled:
             return scheduled, True
 
-        # The decode loop runs once per running sequence every step: the block bookkeeping is inlined
-        # (with one token per step a block is needed only when the last one is full) to keep it cheap.
+        # The decode loop runs once per running sequence every step, so whether a sequence needs a
+        # block is checked inline: most steps its table already holds the KV it writes, and only one
+        # that needs more calls into the block manager (which counts, takes, or says none are free).
         block_manager, block_size, running = self.block_manager, self.block_size, self.running
-        free_block_ids, num_steps = block_manager.free_block_ids, self.num_scheduler_steps
-        max_model_len = self.max_model_len
+        num_steps, max_model_len = self.num_scheduler_steps, self.max_model_len
         held: list[Sequence] = []
         steps = 1
         while running and len(scheduled) < self.max_num_seqs:
@@ -156,10 +156,11 @@ class Scheduler:
                 left = seq.params.max_tokens - (num_tokens - seq.num_prompt_tokens)
                 steps = min(num_steps, left, max_model_len - num_tokens)
                 # KV is written for positions num_tokens - 1 .. num_tokens + steps - 2.
-                blocks_needed = (num_tokens + steps - 2) // block_size + 1 - len(seq.block_table)
+                needs_blocks = len(seq.block_table) * block_size < num_tokens + steps - 1
             else:
-                blocks_needed = (num_tokens - 1) % block_size == 0
-            while blocks_needed and len(free_block_ids) < blocks_needed:
+                # The table holds the KV before position num_tokens - 1: it grows when that starts a block.
+                needs_blocks = (num_tokens - 1) % block_size == 0
+            while needs_blocks and not block_manager.append_blocks(seq, num_tokens + steps - 1):
                 if running:
                     self.preempt(running.pop())
                 else:
@@ -167,8 +168,6 @@ class Scheduler:
                     break
             else:
                 seq.num_scheduled_tokens = steps
-                if blocks_needed:
-                    seq.block_table.extend([block_manager.take_free_block() for _ in range(blocks_needed)])
                 scheduled.append(seq)
         if not scheduled and not held:
             raise RuntimeError("nothing can be scheduled: a sequence needs more KV blocks than exist")

@@ -29,8 +29,10 @@ def assert_all_blocks_free(block_manager: BlockManager) -> None:
     assert block_manager.num_free_blocks == block_manager.num_blocks
     assert not block_manager.used_block_ids
     assert all(b.ref_count == 0 for b in block_manager.blocks)
-    for h, block_id in block_manager.hash_to_block_id.items():
-        assert block_manager.blocks[block_id].hash == h, "a hash points to a reused block"
+    for h, block_ids in block_manager.hash_to_block_ids.items():
+        assert block_ids, "a hash names no block"
+        for block_id in block_ids:
+            assert block_manager.blocks[block_id].hash == h, "a hash points to a reused block"
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from executor_svc.shadow import ShadowExecutor
+from scheduler_svc.block_manager import NO_HASH
 from scheduler_svc.engine import Engine
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import SchedulerConfig
@@ -48,7 +49,12 @@ def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
     assert set(bm.free_block_ids).isdisjoint(bm.used_block_ids)
     assert len(bm.free_block_ids) + len(bm.used_block_ids) == bm.num_blocks
     bs = bm.block_size
-    for h, block_id in bm.hash_to_block_id.items():
+    registered = [(h, block_id) for h, block_ids in bm.hash_to_block_ids.items() for block_id in block_ids]
+    assert len(registered) == len({block_id for _, block_id in registered}) == bm.num_cached_blocks, \
+        "a block is registered twice"
+    assert {block_id for _, block_id in registered} == {b.block_id for b in bm.blocks if b.hash != NO_HASH}, \
+        "a computed block is not findable"
+    for h, block_id in registered:
         block = bm.blocks[block_id]
         assert block.hash == h
         assert list(executor.kv[block_id * bs:(block_id + 1) * bs]) == block.token_ids, "a hash names stale KV"

@@ -83,7 +83,7 @@ def test_two_sequences_with_the_same_prefix_in_one_step():
     assert later[0].num_cached_prompt_tokens == 8
     assert_matches_reference(engine, [third], params[:1], later)
     bm = engine.block_manager
-    assert len({bm.blocks[b].hash for b in tables[0][:2]} & set(bm.hash_to_block_id)) == 2
+    assert len({bm.blocks[b].hash for b in tables[0][:2]} & set(bm.hash_to_block_ids)) == 2
 
 
 def test_eos_finishes_unless_ignored(make_shadow_engine):

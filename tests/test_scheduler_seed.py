@@ -150,6 +150,18 @@ def test_decode_preempts_tail_of_running_when_append_fails(make_scheduler):
     s.postprocess(seqs, [7], False)
 
 
+def test_append_blocks_grows_the_table_to_hold_the_kv_or_takes_nothing(make_scheduler):
+    s = make_scheduler(num_blocks=4, block_size=4)
+    a = seq(4)
+    s.add(a)
+    s.schedule()
+    bm = s.block_manager
+    assert bm.append_blocks(a, 4) and len(a.block_table) == 1, "its one block holds 4 tokens"
+    assert bm.append_blocks(a, 9) and len(a.block_table) == 3 and bm.num_free_blocks == 1
+    assert not bm.append_blocks(a, 17) and len(a.block_table) == 3 and bm.num_free_blocks == 1
+    s.finish(a, FinishReason.ABORT)
+
+
 def test_decode_preempts_itself_when_alone(make_scheduler):
     s = make_scheduler(num_blocks=3, block_size=4)
     a, b = seq(4, max_tokens=5), seq(4, max_tokens=5, start=40)
@@ -204,7 +216,7 @@ def test_postprocess_hashes_blocks_that_became_full(make_scheduler):
     seqs, _ = s.schedule()
     s.postprocess(seqs, [7], False)
     assert bm.blocks[a.block_table[1]].hash != -1
-    assert bm.hash_to_block_id[bm.blocks[a.block_table[1]].hash] == a.block_table[1]
+    assert bm.hash_to_block_ids[bm.blocks[a.block_table[1]].hash] == [a.block_table[1]]
 
 
 def test_postprocess_counts_scheduled_tokens_as_cached(make_scheduler):
@@ -314,10 +326,10 @@ def test_hash_registered_only_after_kv_computed(make_scheduler):
     s.add(a)
     seqs, _ = s.schedule()  # first chunk: block 0 scheduled, not yet computed
     bm = s.block_manager
-    assert bm.blocks[a.block_table[0]].hash == -1 and not bm.hash_to_block_id
+    assert bm.blocks[a.block_table[0]].hash == -1 and not bm.hash_to_block_ids
     assert bm.can_allocate(seq(13)) == 0
     s.postprocess(seqs, [7], True)
-    assert bm.blocks[a.block_table[0]].hash in bm.hash_to_block_id
+    assert bm.blocks[a.block_table[0]].hash in bm.hash_to_block_ids
     assert bm.can_allocate(seq(13)) == 1
 
 
@@ -327,16 +339,16 @@ def test_reused_block_id_drops_its_stale_hash(make_scheduler):
     s.add(a)
     prefill_all(s)  # a finishes after its first token: both blocks free, block 0 still cached
     bm = s.block_manager
-    assert a.is_finished and len(bm.hash_to_block_id) == 1
+    assert a.is_finished and len(bm.hash_to_block_ids) == 1
     b = seq(12, max_tokens=1, start=500)  # needs all three blocks: the cached one is reused
     s.add(b)
     prefill_all(s)
-    for h, block_id in bm.hash_to_block_id.items():
-        assert bm.blocks[block_id].hash == h
+    for h, block_ids in bm.hash_to_block_ids.items():
+        assert all(bm.blocks[block_id].hash == h for block_id in block_ids)
     assert bm.can_allocate(seq(5, max_tokens=1)) == 0, "a's prefix is gone once its block was reused"
 
 
-def test_two_sequences_sharing_a_prefix_in_one_step_register_one_block(make_scheduler):
+def test_two_sequences_sharing_a_prefix_in_one_step_keep_both_copies_findable(make_scheduler):
     s = make_scheduler(block_size=4)
     a, b = seq(9), seq(9)
     s.add(a)
@@ -347,12 +359,12 @@ def test_two_sequences_sharing_a_prefix_in_one_step_register_one_block(make_sche
     bm = s.block_manager
     h = bm.blocks[a.block_table[0]].hash
     assert h == bm.blocks[b.block_table[0]].hash
-    assert bm.hash_to_block_id[h] == a.block_table[0], "the first registration stays"
+    assert bm.hash_to_block_ids[h] == [a.block_table[0], b.block_table[0]], "each copy once, in registration order"
     c = seq(9)
     assert bm.can_allocate(c) == 2
     s.add(c)
     s.schedule()
-    assert c.block_table[:2] == a.block_table[:2]
+    assert c.block_table[:2] == b.block_table[:2], "a hit takes the copy registered last, as nano-vLLM's map does"
 
 
 def test_add_refuses_a_sequence_larger_than_the_cache(make_scheduler):
