@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnanoserve/v1/generation.proto\x12\x0cnanoserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"w\n\nChatPrompt\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.nanoserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xd5\x01\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\rH\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x87\x01\n\x0fStoppingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x17\n\nignore_eos\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_ignore_eos\"\xc4\x02\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.nanoserve.v1.ChatPromptH\x00\x12+\n\x06tokens\x18\x04 \x01(\x0b\x32\x19.nanoserve.v1.TokenPromptH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.nanoserve.v1.SamplingOptions\x12/\n\x08stopping\x18\x06 \x01(\x0b\x32\x1d.nanoserve.v1.StoppingOptions\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x02\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_request_idB\x15\n\x13_add_special_tokens\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.nanoserve.v1.Logprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xcc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.nanoserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.nanoserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.nanoserve.v1.Usage\"\x15\n\x13GetModelInfoRequest\"\x8c\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x19\n\x11has_chat_template\x18\x08 \x01(\x08\x12\x15\n\rhas_tokenizer\x18\t \x01(\x08\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x12\n\nnum_blocks\x18\x0b \x01(\r\x12\x1c\n\x14\x65xecutor_instance_id\x18\x0c \x01(\t\"\x11\n\x0fGetStatsRequest\"\xa0\x02\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x11\n\tnum_steps\x18\x06 \x01(\x04\x12\x19\n\x11num_finished_stop\x18\x07 \x01(\x04\x12\x1b\n\x13num_finished_length\x18\x08 \x01(\x04\x12\x13\n\x0bnum_aborted\x18\t \x01(\x04\x12#\n\x1bnum_prefix_cache_hit_tokens\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xbd\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.nanoserve.v1.GenerateRequest\x1a\x1e.nanoserve.v1.GenerateResponse0\x01\x12M\n\x0cGenerateOnce\x12\x1d.nanoserve.v1.GenerateRequest\x1a\x1e.nanoserve.v1.GenerateResponse\x12J\n\x0cGetModelInfo\x12!.nanoserve.v1.GetModelInfoRequest\x1a\x17.nanoserve.v1.ModelInfo\x12G\n\x08GetStats\x12\x1d.nanoserve.v1.GetStatsRequest\x1a\x1c.nanoserve.v1.SchedulerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnanoserve/v1/generation.proto\x12\x0cnanoserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"w\n\nChatPrompt\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.nanoserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\" \n\x0bTokenPrompt\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x81\x04\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12@\n\nlogit_bias\x18\n \x03(\x0b\x32,.nanoserve.v1.SamplingOptions.LogitBiasEntry\x12\x0e\n\x01n\x18\x0b \x01(\rH\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x04\n\x02_n\"\xf7\x01\n\x0fStoppingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x17\n\nignore_eos\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08H\x03\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_output\"\x98\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x18.nanoserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xf9\x03\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.nanoserve.v1.ChatPromptH\x00\x12+\n\x06tokens\x18\x04 \x01(\x0b\x32\x19.nanoserve.v1.TokenPromptH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.nanoserve.v1.SamplingOptions\x12/\n\x08stopping\x18\x06 \x01(\x0b\x32\x1d.nanoserve.v1.StoppingOptions\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x02\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x08 \x01(\x08H\x03\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\t \x01(\rH\x04\x88\x01\x01\x12\x39\n\x11structured_output\x18\n \x01(\x0b\x32\x1e.nanoserve.v1.StructuredOutputB\x08\n\x06promptB\r\n\x0b_request_idB\x15\n\x13_add_special_tokensB\x16\n\x14_skip_special_tokensB\x19\n\x17_truncate_prompt_tokens\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.nanoserve.v1.Logprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xdb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.nanoserve.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.nanoserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.nanoserve.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x8c\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x19\n\x11has_chat_template\x18\x08 \x01(\x08\x12\x15\n\rhas_tokenizer\x18\t \x01(\x08\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x12\n\nnum_blocks\x18\x0b \x01(\r\x12\x1c\n\x14\x65xecutor_instance_id\x18\x0c \x01(\t\"\x11\n\x0fGetStatsRequest\"\xa0\x02\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\r\x12\x11\n\tnum_steps\x18\x06 \x01(\x04\x12\x19\n\x11num_finished_stop\x18\x07 \x01(\x04\x12\x1b\n\x13num_finished_length\x18\x08 \x01(\x04\x12\x13\n\x0bnum_aborted\x18\t \x01(\x04\x12#\n\x1bnum_prefix_cache_hit_tokens\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\"\x8d\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.nanoserve.v1.ChatPromptH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x15\n\x13_add_special_tokens\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9b\x04\n\nGeneration\x12K\n\x08Generate\x12\x1d.nanoserve.v1.GenerateRequest\x1a\x1e.nanoserve.v1.GenerateResponse0\x01\x12M\n\x0cGenerateOnce\x12\x1d.nanoserve.v1.GenerateRequest\x1a\x1e.nanoserve.v1.GenerateResponse\x12J\n\x0cGetModelInfo\x12!.nanoserve.v1.GetModelInfoRequest\x1a\x17.nanoserve.v1.ModelInfo\x12G\n\x08GetStats\x12\x1d.nanoserve.v1.GetStatsRequest\x1a\x1c.nanoserve.v1.SchedulerStats\x12I\n\x08Tokenize\x12\x1d.nanoserve.v1.TokenizeRequest\x1a\x1e.nanoserve.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.nanoserve.v1.DetokenizeRequest\x1a .nanoserve.v1.DetokenizeResponse\x12@\n\x05\x41\x62ort\x12\x1a.nanoserve.v1.AbortRequest\x1a\x1b.nanoserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nanoserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1962
-  _globals['_FINISHREASON']._serialized_end=2082
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=3194
+  _globals['_FINISHREASON']._serialized_end=3314
   _globals['_CHATMESSAGE']._serialized_start=47
   _globals['_CHATMESSAGE']._serialized_end=91
   _globals['_CHATPROMPT']._serialized_start=93
@@ -40,27 +42,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENPROMPT']._serialized_start=214
   _globals['_TOKENPROMPT']._serialized_end=246
   _globals['_SAMPLINGOPTIONS']._serialized_start=249
-  _globals['_SAMPLINGOPTIONS']._serialized_end=462
-  _globals['_STOPPINGOPTIONS']._serialized_start=465
-  _globals['_STOPPINGOPTIONS']._serialized_end=600
-  _globals['_GENERATEREQUEST']._serialized_start=603
-  _globals['_GENERATEREQUEST']._serialized_end=927
-  _globals['_LOGPROB']._serialized_start=929
-  _globals['_LOGPROB']._serialized_end=973
-  _globals['_TOKENLOGPROB']._serialized_start=975
-  _globals['_TOKENLOGPROB']._serialized_end=1060
-  _globals['_USAGE']._serialized_start=1062
-  _globals['_USAGE']._serialized_end=1149
-  _globals['_GENERATERESPONSE']._serialized_start=1152
-  _globals['_GENERATERESPONSE']._serialized_end=1356
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1358
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1379
-  _globals['_MODELINFO']._serialized_start=1382
-  _globals['_MODELINFO']._serialized_end=1650
-  _globals['_GETSTATSREQUEST']._serialized_start=1652
-  _globals['_GETSTATSREQUEST']._serialized_end=1669
-  _globals['_SCHEDULERSTATS']._serialized_start=1672
-  _globals['_SCHEDULERSTATS']._serialized_end=1960
-  _globals['_GENERATION']._serialized_start=2085
-  _globals['_GENERATION']._serialized_end=2402
+  _globals['_SAMPLINGOPTIONS']._serialized_end=762
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=574
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=622
+  _globals['_STOPPINGOPTIONS']._serialized_start=765
+  _globals['_STOPPINGOPTIONS']._serialized_end=1012
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1015
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1167
+  _globals['_CHOICELIST']._serialized_start=1169
+  _globals['_CHOICELIST']._serialized_end=1198
+  _globals['_GENERATEREQUEST']._serialized_start=1201
+  _globals['_GENERATEREQUEST']._serialized_end=1706
+  _globals['_LOGPROB']._serialized_start=1708
+  _globals['_LOGPROB']._serialized_end=1752
+  _globals['_TOKENLOGPROB']._serialized_start=1754
+  _globals['_TOKENLOGPROB']._serialized_end=1839
+  _globals['_USAGE']._serialized_start=1841
+  _globals['_USAGE']._serialized_end=1928
+  _globals['_GENERATERESPONSE']._serialized_start=1931
+  _globals['_GENERATERESPONSE']._serialized_end=2150
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2152
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2173
+  _globals['_MODELINFO']._serialized_start=2176
+  _globals['_MODELINFO']._serialized_end=2444
+  _globals['_GETSTATSREQUEST']._serialized_start=2446
+  _globals['_GETSTATSREQUEST']._serialized_end=2463
+  _globals['_SCHEDULERSTATS']._serialized_start=2466
+  _globals['_SCHEDULERSTATS']._serialized_end=2754
+  _globals['_TOKENIZEREQUEST']._serialized_start=2757
+  _globals['_TOKENIZEREQUEST']._serialized_end=2898
+  _globals['_TOKENIZERESPONSE']._serialized_start=2900
+  _globals['_TOKENIZERESPONSE']._serialized_end=2975
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2977
+  _globals['_DETOKENIZEREQUEST']._serialized_end=3073
+  _globals['_DETOKENIZERESPONSE']._serialized_start=3075
+  _globals['_DETOKENIZERESPONSE']._serialized_end=3109
+  _globals['_ABORTREQUEST']._serialized_start=3111
+  _globals['_ABORTREQUEST']._serialized_end=3146
+  _globals['_ABORTRESPONSE']._serialized_start=3148
+  _globals['_ABORTRESPONSE']._serialized_end=3192
+  _globals['_GENERATION']._serialized_start=3317
+  _globals['_GENERATION']._serialized_end=3856
 # @@protoc_insertion_point(module_scope)

@@ -54,6 +54,21 @@ class GenerationStub:
                 request_serializer=nanoserve_dot_v1_dot_generation__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=nanoserve_dot_v1_dot_generation__pb2.SchedulerStats.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/nanoserve.v1.Generation/Tokenize',
+                request_serializer=nanoserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=nanoserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/nanoserve.v1.Generation/Detokenize',
+                request_serializer=nanoserve_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=nanoserve_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/nanoserve.v1.Generation/Abort',
+                request_serializer=nanoserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
+                response_deserializer=nanoserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -89,6 +104,28 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Text or a chat conversation as the model's token ids (what a prompt costs).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids back to text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Abort requests by id (for gateways that keep their own connections); their
+        KV blocks are free before the next step, their streams end with ABORT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +148,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=nanoserve_dot_v1_dot_generation__pb2.GetStatsRequest.FromString,
                     response_serializer=nanoserve_dot_v1_dot_generation__pb2.SchedulerStats.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=nanoserve_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=nanoserve_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=nanoserve_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=nanoserve_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=nanoserve_dot_v1_dot_generation__pb2.AbortRequest.FromString,
+                    response_serializer=nanoserve_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +273,87 @@ class Generation:
             '/nanoserve.v1.Generation/GetStats',
             nanoserve_dot_v1_dot_generation__pb2.GetStatsRequest.SerializeToString,
             nanoserve_dot_v1_dot_generation__pb2.SchedulerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanoserve.v1.Generation/Tokenize',
+            nanoserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            nanoserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanoserve.v1.Generation/Detokenize',
+            nanoserve_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            nanoserve_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanoserve.v1.Generation/Abort',
+            nanoserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
+            nanoserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
