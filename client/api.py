@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.errors import NanoserveError
-from client.requests import Message, build_request
+from client.requests import Message, build_request, tokenize_request
 from client.results import Chunk, Completion
 from common.channels import PUBLIC_MAX_MESSAGE_BYTES, public_channel_options
 from common.security import TLSConfig, channel_credentials
@@ -77,6 +77,24 @@ class Client:
     def chat(self, messages: Sequence[Message], **options: Any) -> Completion:
         """A reply to ``messages`` ({"role", "content"} dicts), rendered with the model's chat template."""
         return self.generate(messages=messages, **options)
+
+    def choices(self, prompt: str | None = None, **options: Any) -> list[Completion]:
+        """All ``n`` completions of one request (streamed, then gathered), in index order."""
+        return Completion.from_chunks(list(self.stream(prompt, **options)))
+
+    def tokenize(self, text: str | None = None, messages: Sequence[Message] | None = None,
+                 add_special_tokens: bool | None = None) -> list[int]:
+        """The token ids a prompt costs, as Generate would see them."""
+        request = tokenize_request(text, messages, add_special_tokens)
+        return list(self._unary(self.stub.Tokenize, request).token_ids)
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool | None = None) -> str:
+        request = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return self._unary(self.stub.Detokenize, request).text
+
+    def abort(self, request_ids: Sequence[str]) -> list[str]:
+        """Abort requests by id; returns those that were in flight (now ended with ABORT)."""
+        return list(self._unary(self.stub.Abort, pb.AbortRequest(request_ids=request_ids)).aborted_request_ids)
 
     def model_info(self) -> pb.ModelInfo:
         """The served model and the limits a request must respect."""
@@ -153,6 +171,23 @@ class AsyncClient:
     async def chat(self, messages: Sequence[Message], **options: Any) -> Completion:
         """A reply to ``messages`` ({"role", "content"} dicts), rendered with the model's chat template."""
         return await self.generate(messages=messages, **options)
+
+    async def choices(self, prompt: str | None = None, **options: Any) -> list[Completion]:
+        """All ``n`` completions of one request (streamed, then gathered), in index order."""
+        return Completion.from_chunks([chunk async for chunk in self.stream(prompt, **options)])
+
+    async def tokenize(self, text: str | None = None, messages: Sequence[Message] | None = None,
+                       add_special_tokens: bool | None = None) -> list[int]:
+        request = tokenize_request(text, messages, add_special_tokens)
+        return list((await self._unary(self.stub.Tokenize, request)).token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool | None = None) -> str:
+        request = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return (await self._unary(self.stub.Detokenize, request)).text
+
+    async def abort(self, request_ids: Sequence[str]) -> list[str]:
+        response = await self._unary(self.stub.Abort, pb.AbortRequest(request_ids=request_ids))
+        return list(response.aborted_request_ids)
 
     async def model_info(self) -> pb.ModelInfo:
         return await self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest())

@@ -68,6 +68,33 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                         help="keep going past EOS (server default false)")
     parser.add_argument("--logprobs", type=int,
                         help="with --json: logprobs of this many top tokens (server default none)")
+    parser.add_argument("--repetition-penalty", type=float,
+                        help="> 1 discourages tokens already in the prompt or completion (server default 1.0)")
+    parser.add_argument("--presence-penalty", type=float,
+                        help="in [-2, 2], against tokens the completion holds (server default 0.0)")
+    parser.add_argument("--frequency-penalty", type=float,
+                        help="in [-2, 2], against tokens by their count in the completion (server default 0.0)")
+    parser.add_argument("--logit-bias", type=logit_bias, action="append",
+                        help="TOKEN_ID=BIAS added to that token's logit, repeatable (server default none)")
+    parser.add_argument("--n", type=int, help="independent completions, streamed labelled by index (server default 1)")
+    parser.add_argument("--min-tokens", type=int,
+                        help="completion tokens before EOS or a stop may end it (server default 0)")
+    parser.add_argument("--include-stop-str-in-output", action="store_true", default=None,
+                        help="keep the matched stop string in the text (server default false)")
+    parser.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false", default=None,
+                        help="show special tokens in the text (server default true: skip_special_tokens)")
+    parser.add_argument("--truncate-prompt-tokens", type=int,
+                        help="keep only the last N prompt tokens (server default none)")
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", type=file_text, metavar="FILE",
+                            help="the output validates against this JSON Schema file (server default none)")
+    constraint.add_argument("--regex", help="the whole output matches this regular expression (server default none)")
+    constraint.add_argument("--choice", action="append",
+                            help="the output is exactly one of these strings, repeatable (server default none)")
+    constraint.add_argument("--grammar", type=file_text, metavar="FILE",
+                            help="the output parses with this Lark grammar file (server default none)")
+    constraint.add_argument("--json-object", action="store_true", default=None,
+                            help="the output is a JSON object (server default false)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (text, token_ids, finish_reason, usage) instead of streaming")
 
@@ -85,6 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_generation_args(chat)
     chat.add_argument("--system", help="a system message placed before the user's")
     chat.add_argument("message", help="the user's message, or - to read it from stdin")
+    tokenize = commands.add_parser("tokenize", help="print a text's token ids as JSON")
+    add_connection_args(tokenize)
+    tokenize.add_argument("text", help="the text, or - to read it from stdin")
+    tokenize.add_argument("--no-special-tokens", dest="add_special_tokens", action="store_false", default=None,
+                          help="do not add the tokenizer's special tokens (BOS)")
+    detokenize = commands.add_parser("detokenize", help="print the text of comma-separated token ids")
+    add_connection_args(detokenize)
+    detokenize.add_argument("token_ids", type=token_ids, help="e.g. 1,2,3")
+    abort = commands.add_parser("abort", help="abort requests in flight by id; print those aborted")
+    add_connection_args(abort)
+    abort.add_argument("request_ids", nargs="+", help="request ids (GenerateRequest.request_id)")
     for name, text in (("info", "print the served model and its limits as JSON"),
                        ("stats", "print the scheduler's live counters as JSON"),
                        ("health", "print the grpc.health.v1 status; exit 0 only when SERVING")):
@@ -99,10 +137,30 @@ def token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def logit_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, e.g. 42=-100, got {text!r}") from None
+
+
+def file_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {e.strerror}") from None
+
+
 def generation_options(args: argparse.Namespace) -> dict:
     names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-             "ignore_eos", "logprobs")
-    return {name: getattr(args, name) for name in names}
+             "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "n",
+             "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+             "json_schema", "regex", "choice", "grammar", "json_object")
+    options = {name: getattr(args, name) for name in names}
+    options["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
+    return options
 
 
 def read_text(value: str) -> str:
@@ -112,23 +170,36 @@ def read_text(value: str) -> str:
 def run_generation(client: Client, args: argparse.Namespace, prompt: dict) -> int:
     """Stream text to stdout as it arrives, or print one JSON object with ``--json``."""
     options = generation_options(args) | prompt
+    several = (args.n or 1) > 1
     if args.json:
-        completion = client.generate(**options)
-        print(json.dumps({
-            "text": completion.text,
-            "token_ids": completion.token_ids,
-            "finish_reason": completion.finish_reason,
-            "usage": asdict(completion.usage) if completion.usage else None,
-            **({"logprobs": [asdict(lp) for lp in completion.logprobs]} if args.logprobs is not None else {}),
-        }))
-        finish_reason = completion.finish_reason
+        completions = client.choices(**options) if several else [client.generate(**options)]
+        for completion in completions:
+            print(json.dumps({
+                **({"index": completion.index} if several else {}),
+                "text": completion.text,
+                "token_ids": completion.token_ids,
+                "finish_reason": completion.finish_reason,
+                "usage": asdict(completion.usage) if completion.usage else None,
+                **({"logprobs": [asdict(lp) for lp in completion.logprobs]} if args.logprobs is not None else {}),
+            }))
+        reasons = [completion.finish_reason for completion in completions]
+    elif several:
+        # Choices interleave as the server decodes them: one line per piece, labelled.
+        reasons = []
+        for chunk in client.stream(**options):
+            if chunk.text:
+                print(f"[{chunk.index}] {chunk.text!r}", flush=True)
+            if chunk.finish_reason:
+                reasons.append(chunk.finish_reason)
+                print(f"[{chunk.index}] finished: {chunk.finish_reason}", flush=True)
     else:
+        reasons = []
         for chunk in client.stream(**options):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
-            finish_reason = chunk.finish_reason
+            reasons = [chunk.finish_reason]
         sys.stdout.write("\n")
-    if finish_reason == "abort":
+    if "abort" in reasons:
         print("error: ABORTED: the server ended the generation early (it is shutting down)", file=sys.stderr)
         return EXIT_ERROR
     return 0
@@ -143,6 +214,16 @@ def run(args: argparse.Namespace, tls: TLSConfig | None) -> int:
             messages = [{"role": "system", "content": args.system}] if args.system else []
             messages.append({"role": "user", "content": read_text(args.message)})
             return run_generation(client, args, {"messages": messages})
+        if args.command == "tokenize":
+            token_ids = client.tokenize(read_text(args.text), add_special_tokens=args.add_special_tokens)
+            print(json.dumps({"token_ids": token_ids, "count": len(token_ids)}))
+            return 0
+        if args.command == "detokenize":
+            print(client.detokenize(args.token_ids))
+            return 0
+        if args.command == "abort":
+            print(json.dumps({"aborted_request_ids": client.abort(args.request_ids)}))
+            return 0
         if args.command == "health":
             status = client.health()
             print(status)

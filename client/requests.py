@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 
 from nanoserve.v1 import generation_pb2 as pb
@@ -26,8 +27,24 @@ def build_request(
     logprobs: int | None = None,
     request_id: str | None = None,
     add_special_tokens: bool | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    n: int | None = None,
+    min_tokens: int | None = None,
+    include_stop_str_in_output: bool | None = None,
+    skip_special_tokens: bool | None = None,
+    truncate_prompt_tokens: int | None = None,
+    json_schema: str | Mapping | None = None,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
+    json_object: bool | None = None,
 ) -> pb.GenerateRequest:
-    """Exactly one of ``prompt`` (text), ``messages`` (chat) or ``token_ids`` must be given.
+    """Exactly one of ``prompt`` (text), ``messages`` (chat) or ``token_ids`` must be given, and at most one
+    structured-output constraint (``json_schema`` as JSON text or a dict, ``regex``, ``choice``, ``grammar``
+    in Lark, ``json_object``).
 
     Options left as None are not sent, so the server applies its documented defaults.
     Range checks are the server's job: it answers INVALID_ARGUMENT naming the field.
@@ -39,15 +56,53 @@ def build_request(
     if isinstance(stop, str):
         stop = [stop]
     sampling = pb.SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                  logprobs=logprobs)
+                                  logprobs=logprobs, repetition_penalty=repetition_penalty,
+                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                  logit_bias=logit_bias or {}, n=n)
     stopping = pb.StoppingOptions(max_tokens=max_tokens, stop=stop or [], stop_token_ids=stop_token_ids or [],
-                                  ignore_eos=ignore_eos)
+                                  ignore_eos=ignore_eos, min_tokens=min_tokens,
+                                  include_stop_str_in_output=include_stop_str_in_output)
     request = pb.GenerateRequest(request_id=request_id, sampling=sampling, stopping=stopping,
-                                 add_special_tokens=add_special_tokens)
+                                 add_special_tokens=add_special_tokens, skip_special_tokens=skip_special_tokens,
+                                 truncate_prompt_tokens=truncate_prompt_tokens)
+    constraint = structured_output(json_schema, regex, choice, grammar, json_object)
+    if constraint is not None:
+        request.structured_output.CopyFrom(constraint)
     if prompt is not None:
         request.text = prompt
     elif messages is not None:
         request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
     else:
         request.tokens.token_ids.extend(token_ids)
+    return request
+
+
+def structured_output(json_schema: str | Mapping | None, regex: str | None, choice: Sequence[str] | None,
+                      grammar: str | None, json_object: bool | None) -> pb.StructuredOutput | None:
+    """The one constraint given, or None; several are refused here, since the proto holds one."""
+    given = {name: value for name, value in (("json_schema", json_schema), ("regex", regex), ("choice", choice),
+                                             ("grammar", grammar), ("json_object", json_object))
+             if value is not None}
+    if len(given) > 1:
+        raise ValueError(f"give at most one structured-output constraint (got {', '.join(given)})")
+    if not given:
+        return None
+    (name, value), = given.items()
+    if name == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    if name == "choice":
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=list(value)))
+    return pb.StructuredOutput(**{name: value})
+
+
+def tokenize_request(text: str | None = None, messages: Sequence[Message] | None = None,
+                     add_special_tokens: bool | None = None) -> pb.TokenizeRequest:
+    """Exactly one of ``text`` or ``messages`` (rendered with the model's chat template)."""
+    if (text is None) == (messages is None):
+        raise ValueError("give exactly one of text or messages")
+    request = pb.TokenizeRequest(add_special_tokens=add_special_tokens)
+    if text is not None:
+        request.text = text
+    else:
+        request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
     return request

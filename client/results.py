@@ -50,6 +50,8 @@ class Chunk:
     logprobs: list[TokenLogprob]
     finish_reason: str | None
     usage: Usage | None
+    # Which of the request's n choices this piece continues.
+    index: int = 0
 
     @classmethod
     def from_proto(cls, response: pb.GenerateResponse) -> Chunk:
@@ -60,6 +62,7 @@ class Chunk:
             logprobs=[TokenLogprob.from_proto(lp) for lp in response.logprobs],
             finish_reason=FINISH_REASONS[response.finish_reason],
             usage=Usage.from_proto(response.usage) if response.HasField("usage") else None,
+            index=response.index,
         )
 
 
@@ -73,8 +76,22 @@ class Completion:
     finish_reason: str | None
     usage: Usage | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    index: int = 0
 
     @classmethod
     def from_proto(cls, response: pb.GenerateResponse) -> Completion:
         chunk = Chunk.from_proto(response)
-        return cls(chunk.request_id, chunk.text, chunk.token_ids, chunk.finish_reason, chunk.usage, chunk.logprobs)
+        return cls(chunk.request_id, chunk.text, chunk.token_ids, chunk.finish_reason, chunk.usage, chunk.logprobs,
+                   chunk.index)
+
+    @classmethod
+    def from_chunks(cls, chunks: list[Chunk]) -> list[Completion]:
+        """A stream's chunks as one completion per choice, in index order."""
+        by_index: dict[int, Completion] = {}
+        for c in chunks:
+            done = by_index.setdefault(c.index, cls(c.request_id, "", [], None, None, [], c.index))
+            done.text += c.text
+            done.token_ids += c.token_ids
+            done.logprobs += c.logprobs
+            done.finish_reason, done.usage = c.finish_reason or done.finish_reason, c.usage or done.usage
+        return [by_index[i] for i in sorted(by_index)]

@@ -12,6 +12,8 @@ back until the next token settles it.
 
 from __future__ import annotations
 
+from functools import partial
+
 from scheduler_svc.tokenizer import ModelTokenizer
 
 # Prompt tokens decoded as left context of the first completion token.
@@ -22,8 +24,9 @@ REPLACEMENT_CHAR = "\ufffd"
 class IncrementalDetokenizer:
     """Keeps only the window it decodes, so a step costs the same however long the text grows."""
 
-    def __init__(self, tokenizer: ModelTokenizer, prompt_token_ids: list[int]) -> None:
-        self.decode = tokenizer.decode
+    def __init__(self, tokenizer: ModelTokenizer, prompt_token_ids: list[int],
+                 skip_special_tokens: bool = True) -> None:
+        self.decode = partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
         self.window = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         # window[:num_prefix] was emitted already; window[num_prefix:] is waiting to become final text.
         self.num_prefix = len(self.window)
@@ -57,24 +60,29 @@ class IncrementalDetokenizer:
 class StopStringMatcher:
     """Finds stop strings in streamed text, also when one spans several pushes."""
 
-    def __init__(self, stop: list[str]) -> None:
+    def __init__(self, stop: list[str], include_stop: bool = False) -> None:
         self.stop = stop
+        self.include_stop = include_stop
         self.held = ""
 
-    def push(self, text: str) -> tuple[str, bool]:
+    def push(self, text: str, match: bool = True) -> tuple[str, bool]:
         """Return the text safe to emit and whether a stop string ended the generation.
 
-        Text before the earliest stop string is emitted, the stop string and
-        anything after it are dropped. Without a match, the longest tail that
-        is the start of some stop string is held back.
+        Text before the earliest stop string is emitted (with the stop string when ``include_stop``),
+        anything after it is dropped. Without a match, the longest tail that is the start of some
+        stop string is held back. ``match=False`` (before min_tokens) passes text through unmatched.
         """
         if not self.stop:
             return text, False
         buffer = self.held + text
-        matches = [i for i in (buffer.find(s) for s in self.stop) if i >= 0]
+        if not match:
+            self.held = ""
+            return buffer, False
+        matches = [(i, -len(s)) for i, s in ((buffer.find(s), s) for s in self.stop) if i >= 0]
         if matches:
             self.held = ""
-            return buffer[: min(matches)], True
+            start, minus_length = min(matches)
+            return buffer[: start - minus_length if self.include_stop else start], True
         keep = max((self._partial_match(buffer, s) for s in self.stop), default=0)
         self.held = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep], False
@@ -96,13 +104,15 @@ class StopStringMatcher:
 class TextStream:
     """One request's completion text: incremental detokenization followed by stop-string matching."""
 
-    def __init__(self, tokenizer: ModelTokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
-        self.matcher = StopStringMatcher(stop)
+    def __init__(self, tokenizer: ModelTokenizer, prompt_token_ids: list[int], stop: list[str],
+                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self.matcher = StopStringMatcher(stop, include_stop)
 
-    def push(self, token_id: int) -> tuple[str, bool]:
-        """Text to emit for a new completion token, and whether a stop string was matched."""
-        return self.matcher.push(self.detokenizer.push(token_id))
+    def push(self, token_id: int, match: bool = True) -> tuple[str, bool]:
+        """Text to emit for a new completion token, and whether a stop string was matched (never without
+        ``match``)."""
+        return self.matcher.push(self.detokenizer.push(token_id), match)
 
     def finish(self) -> tuple[str, bool]:
         """The remaining text once the generation ended, and whether a stop string was matched in it."""

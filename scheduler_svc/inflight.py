@@ -1,14 +1,15 @@
-"""The requests the engine loop has admitted, and the outputs waiting to be delivered to their callers."""
+"""The requests the engine loop has admitted, their choices, and the outputs waiting to be delivered."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler_svc.admission import Admission
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import RequestFailed
 from scheduler_svc.outputs import OutputProcessor, RequestOutput, Usage
 from scheduler_svc.sequence import FinishReason, Sequence
+from scheduler_svc.tokenizer import ModelTokenizer
 from scheduler_svc.wire import PreparedRequest
 
 
@@ -18,15 +19,15 @@ class RequestHandle:
 
     prepared: PreparedRequest
     sink: object
-    # Set by the loop thread once the last output (finish or error) is on its way.
-    answered: bool = False
     # Set by the loop thread once the request no longer counts against the queue limits.
     dequeued: bool = False
+    # Choices (of n) not started yet: they start once choice 0's prompt is computed, to share its KV blocks.
+    pending_choices: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Active:
-    """Loop-thread state of one admitted request."""
+    """Loop-thread state of one admitted choice of a request."""
 
     handle: RequestHandle
     seq: Sequence
@@ -34,11 +35,11 @@ class Active:
 
 
 class InFlight:
-    """Loop-thread only: admitted requests by handle and by sequence id, the outbox, finish counts."""
+    """Loop-thread only: admitted choices by request and by sequence id, the outbox, finish counts."""
 
     def __init__(self, admission: Admission) -> None:
         self.admission = admission
-        self.by_handle: dict[RequestHandle, Active] = {}
+        self.by_handle: dict[RequestHandle, list[Active]] = {}
         self.by_seq_id: dict[int, Active] = {}
         self.outbox: list[tuple[RequestHandle, RequestOutput]] = []
         self.finished: dict[FinishReason, int] = dict.fromkeys(FinishReason, 0)
@@ -46,12 +47,25 @@ class InFlight:
     def __len__(self) -> int:
         return len(self.by_handle)
 
-    def add(self, active: Active) -> None:
-        self.by_handle[active.handle] = self.by_seq_id[active.seq.seq_id] = active
+    def start(self, engine: Engine, handle: RequestHandle, index: int, tokenizer: ModelTokenizer | None) -> None:
+        """Queue choice ``index`` of the request in the engine (InvalidRequest if the cache shrank since)."""
+        prepared = handle.prepared
+        params = prepared.params.for_choice(index)
+        seq = engine.enqueue(prepared.prompt_token_ids, params)
+        active = Active(handle, seq, OutputProcessor(tokenizer, prepared.prompt_token_ids, params, index))
+        self.by_handle.setdefault(handle, []).append(active)
+        self.by_seq_id[seq.seq_id] = active
+        if index == 0:
+            handle.pending_choices = list(range(1, prepared.params.n))
+
+    def start_pending(self, engine: Engine, handle: RequestHandle, tokenizer: ModelTokenizer | None) -> None:
+        """Choice 0's prompt is computed: the other choices start, and hit its blocks in the prefix cache."""
+        pending, handle.pending_choices = handle.pending_choices, []
+        for index in pending:
+            self.start(engine, handle, index, tokenizer)
 
     def emit(self, handle: RequestHandle, output: RequestOutput) -> None:
         """Queue ``output`` for delivery; the request stops counting against the queue limits."""
-        handle.answered = output.is_last
         self.dequeue(handle)
         self.outbox.append((handle, output))
 
@@ -61,36 +75,47 @@ class InFlight:
             self.admission.release(len(handle.prepared.prompt_token_ids))
 
     def forget(self, active: Active, reason: FinishReason) -> None:
-        """The request is done (its last output emitted, or it was cancelled)."""
-        del self.by_handle[active.handle]
+        """The choice is done (its last output emitted, or it was aborted)."""
+        handle = active.handle
+        choices = self.by_handle[handle]
+        choices.remove(active)
+        if not choices and not handle.pending_choices:
+            del self.by_handle[handle]
         del self.by_seq_id[active.seq.seq_id]
         self.finished[reason] += 1
-        self.dequeue(active.handle)
+        self.dequeue(handle)
 
-    def cancel(self, engine: Engine, handle: RequestHandle) -> None:
-        """The caller went away: free the request's blocks now; a request already done is left alone."""
-        active = self.by_handle.get(handle)
-        if active is not None:
+    def cancel(self, engine: Engine, handle: RequestHandle, answer: bool = False) -> None:
+        """Abort every choice of the request and free its blocks now; with ``answer`` each ends with ABORT
+        and its usage (an Abort call), else silently (the caller went away). A request done is left alone."""
+        for active in list(self.by_handle.get(handle, ())):
             engine.abort(active.seq)
+            if answer:
+                usage = Usage.of(active.seq) if active.processor.index == 0 else Usage(0, 0, 0)
+                self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage,
+                                                index=active.processor.index))
             self.forget(active, FinishReason.ABORT)
+        if handle.pending_choices:
+            for index in handle.pending_choices if answer else ():
+                self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=Usage(0, 0, 0), index=index))
+            self.finished[FinishReason.ABORT] += len(handle.pending_choices)
+            handle.pending_choices = []
+            self.by_handle.pop(handle, None)
 
-    def fail(self, seqs: list[Sequence], error: RequestFailed) -> None:
-        """Answer the requests of ``seqs`` (already finished by the engine) with ``error``."""
-        for seq in seqs:
-            active = self.by_seq_id[seq.seq_id]
-            self.emit(active.handle, RequestOutput(error=error))
-            self.forget(active, FinishReason.ABORT)
+    def fail(self, engine: Engine, handle: RequestHandle, error: RequestFailed) -> None:
+        """End the request with ``error``: one error answers the caller, its other choices stop too."""
+        self.emit(handle, RequestOutput(error=error))
+        self.cancel(engine, handle)
 
     def end_all(self, engine: Engine, error: RequestFailed | None = None) -> int:
-        """Abort every request and free its blocks: answered with ``error``, or with ABORT and its usage."""
-        num = len(self.by_handle)
-        for active in list(self.by_handle.values()):
-            engine.abort(active.seq)
-            output = RequestOutput(error=error) if error else RequestOutput(finish_reason=FinishReason.ABORT,
-                                                                             usage=Usage.of(active.seq))
-            self.emit(active.handle, output)
-            self.forget(active, FinishReason.ABORT)
-        return num
+        """Abort every request and free its blocks: answered with ``error``, or each choice with ABORT."""
+        handles = list(self.by_handle)
+        for handle in handles:
+            if error is None:
+                self.cancel(engine, handle, answer=True)
+            else:
+                self.fail(engine, handle, error)
+        return len(handles)
 
     def take_outbox(self) -> list[tuple[RequestHandle, RequestOutput]]:
         outbox, self.outbox = self.outbox, []

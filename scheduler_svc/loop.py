@@ -17,8 +17,8 @@ from collections.abc import Callable
 from scheduler_svc.admission import Admission, QueueLimits
 from scheduler_svc.engine import Engine, IncompatibleExecutor, TokenOutput
 from scheduler_svc.errors import CacheTooSmall, EngineFailure, ExecutorUnavailable, InvalidRequest
-from scheduler_svc.inflight import Active, InFlight, RequestHandle
-from scheduler_svc.outputs import OutputProcessor, RequestOutput, Usage
+from scheduler_svc.inflight import InFlight, RequestHandle
+from scheduler_svc.outputs import RequestOutput, Usage
 from scheduler_svc.remote import describe_failure
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.stats import LoopStats
@@ -46,7 +46,7 @@ class EngineLoop:
         self._serving_reported = True
         self._wakeup = threading.Condition()
         self._inbox: list[RequestHandle] = []
-        self._cancelled: list[RequestHandle] = []
+        self._cancelled: list[tuple[RequestHandle, bool]] = []
         self._drain_deadline: float | None = None
         self._requests = InFlight(self.admission)
         self.stats = LoopStats.of(engine, self._requests.finished)
@@ -66,10 +66,11 @@ class EngineLoop:
             self._wakeup.notify()
         return handle
 
-    def cancel(self, handle: RequestHandle) -> None:
-        """Abort ``handle`` before the next step; a finished or unknown request is left alone."""
+    def cancel(self, handle: RequestHandle, answer: bool = False) -> None:
+        """Abort ``handle`` before the next step (``answer``: its choices end with ABORT); a finished request is
+        left alone."""
         with self._wakeup:
-            self._cancelled.append(handle)
+            self._cancelled.append((handle, answer))
             self._wakeup.notify()
 
     def stop(self, grace_s: float = 0.0, join_timeout_s: float | None = None) -> None:
@@ -96,8 +97,8 @@ class EngineLoop:
                 cancelled, self._cancelled = self._cancelled, []
             try:
                 self._admit(inbox)
-                for handle in cancelled:
-                    self._requests.cancel(self.engine, handle)
+                for handle, answer in cancelled:
+                    self._requests.cancel(self.engine, handle, answer)
                 now = time.monotonic()
                 if supervisor.retry_due(now):
                     self._recover()
@@ -141,18 +142,13 @@ class EngineLoop:
             return time.monotonic() >= self._drain_deadline or not (self._requests or self._inbox)
 
     def _admit(self, handles: list[RequestHandle]) -> None:
-        requests = self._requests
         for handle in handles:
-            prepared = handle.prepared
             try:
                 if self.supervisor.incompatible is not None:
                     raise ExecutorUnavailable(self.supervisor.incompatible)
-                seq = self.engine.enqueue(prepared.prompt_token_ids, prepared.params)
+                self._requests.start(self.engine, handle, 0, self.tokenizer)
             except (ExecutorUnavailable, InvalidRequest) as e:  # InvalidRequest: the cache shrank since the check
-                requests.emit(handle, RequestOutput(error=e))
-                continue
-            processor = OutputProcessor(self.tokenizer, prepared.prompt_token_ids, prepared.params.stop)
-            requests.add(Active(handle, seq, processor))
+                self._requests.emit(handle, RequestOutput(error=e))
 
     def _step(self) -> None:
         """One engine step; then, once idle, a drop-only plan so that idle stats mean an empty executor too."""
@@ -162,6 +158,8 @@ class EngineLoop:
         requests = self._requests
         for out in outputs:
             active = requests.by_seq_id[out.seq.seq_id]
+            if active.handle.pending_choices:
+                requests.start_pending(self.engine, active.handle, self.tokenizer)
             processed = active.processor.process(out)
             if processed.stop_at is not None:
                 self.engine.stop_at(active.seq, processed.stop_at)
@@ -215,9 +213,10 @@ class EngineLoop:
             return
         self.supervisor.recovered(time.monotonic())
         self.info = self.engine.info
-        self._requests.fail(dropped, CacheTooSmall(f"the restarted executor's KV cache ({self.info.num_blocks} "
-                                                   "blocks) is too small for this request; retry with a shorter "
-                                                   "prompt or max_tokens"))
+        too_small = CacheTooSmall(f"the restarted executor's KV cache ({self.info.num_blocks} blocks) is too small "
+                                  "for this request; retry with a shorter prompt or max_tokens")
+        for handle in {self._requests.by_seq_id[seq.seq_id].handle: None for seq in dropped}:
+            self._requests.fail(self.engine, handle, too_small)
         log.info("executor instance %s is back: %d requests resume by recompute, %d too large for it",
                  self.info.instance_id, len(self._requests), len(dropped))
 
@@ -226,8 +225,9 @@ class EngineLoop:
         with self._wakeup:
             leftover, self._inbox = self._inbox, []
         for handle in leftover:
-            usage = Usage(len(handle.prepared.prompt_token_ids), 0, 0)
-            self._requests.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage))
+            for index in range(handle.prepared.params.n):
+                usage = Usage(len(handle.prepared.prompt_token_ids) if index == 0 else 0, 0, 0)
+                self._requests.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage, index=index))
         num_aborted = len(leftover) + self._requests.end_all(self.engine)
         if num_aborted:
             log.warning("shutdown grace period over: %d requests aborted", num_aborted)

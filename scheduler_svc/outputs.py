@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from scheduler_svc.detokenizer import TextStream
 from scheduler_svc.errors import RequestFailed
+from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import TokenOutput
 from scheduler_svc.sequence import FinishReason, Sequence
 from scheduler_svc.tokenizer import ModelTokenizer
@@ -45,6 +46,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: RequestFailed | None = None
+    # Which of the request's n choices this continues.
+    index: int = 0
 
     @property
     def is_last(self) -> bool:
@@ -60,20 +63,30 @@ class Processed:
 
 
 class OutputProcessor:
-    """Turns one request's sampled tokens into text; without a tokenizer there is no text and no stop string."""
+    """Turns one choice's sampled tokens into text; without a tokenizer there is no text and no stop string.
 
-    def __init__(self, tokenizer: ModelTokenizer | None, prompt_token_ids: list[int], stop: list[str]) -> None:
-        self.text = TextStream(tokenizer, prompt_token_ids, stop) if tokenizer is not None else None
+    ``index`` is the choice (of the request's n); ``counts_prompt`` is False for every choice but the
+    first, so that the usage of a request's choices adds up to its prompt once.
+    """
+
+    def __init__(self, tokenizer: ModelTokenizer | None, prompt_token_ids: list[int], params: SamplingParams,
+                 index: int = 0) -> None:
+        self.text = None if tokenizer is None else TextStream(
+            tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
+        self.index = index
+        self.min_tokens = params.min_tokens
 
     def process(self, out: TokenOutput) -> Processed:
         seq, token_ids = out.seq, out.token_ids
         text, stopped, stop_at = "", False, None
         if self.text is not None:
             last = len(token_ids) - 1
+            # Completion tokens before token k: stop strings are matched from min_tokens on.
+            done = out.position - seq.num_prompt_tokens
             for k, token_id in enumerate(token_ids):
                 if k == last and out.final and seq.finish_reason is FinishReason.STOP:
                     break  # an EOS or stop token ends the text without being part of it
-                piece, stopped = self.text.push(token_id)
+                piece, stopped = self.text.push(token_id, done + k + 1 >= self.min_tokens)
                 text += piece
                 if stopped:
                     if k < last or not out.final:
@@ -89,5 +102,6 @@ class OutputProcessor:
         if reason is not None:
             # Counted up to the last token kept, which is also where a stop string ends the sequence.
             num_completion = out.position + len(token_ids) - seq.num_prompt_tokens
-            usage = Usage(seq.num_prompt_tokens, num_completion, seq.num_prefix_hit_tokens or 0)
-        return Processed(RequestOutput(text, token_ids, logprobs, reason, usage), stop_at)
+            prompt = (seq.num_prompt_tokens, seq.num_prefix_hit_tokens or 0) if self.index == 0 else (0, 0)
+            usage = Usage(prompt[0], num_completion, prompt[1])
+        return Processed(RequestOutput(text, token_ids, logprobs, reason, usage, index=self.index), stop_at)

@@ -7,7 +7,9 @@ CLI help and docs/client.md are tested against it (tests/test_defaults.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import xxhash
 
 from scheduler_svc.errors import InvalidRequest
 
@@ -16,6 +18,9 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 # Stop token ids are a set looked up once per token; the bound keeps a request's plan-side state small.
 MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 # Field -> default. max_tokens is further capped by the room the prompt leaves in the model's length.
 DEFAULTS: dict[str, object] = {
@@ -29,6 +34,15 @@ DEFAULTS: dict[str, object] = {
     "ignore_eos": False,
     "stop": (),
     "stop_token_ids": (),
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": None,
+    "n": 1,
+    "min_tokens": 0,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "truncate_prompt_tokens": None,
 }
 
 
@@ -47,10 +61,26 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     # A frozenset: looked up for every sampled token on the loop thread.
     stop_token_ids: frozenset[int] = frozenset()
+    repetition_penalty: float = DEFAULTS["repetition_penalty"]
+    presence_penalty: float = DEFAULTS["presence_penalty"]
+    frequency_penalty: float = DEFAULTS["frequency_penalty"]
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    n: int = DEFAULTS["n"]
+    min_tokens: int = DEFAULTS["min_tokens"]
+    include_stop_str_in_output: bool = DEFAULTS["include_stop_str_in_output"]
+    skip_special_tokens: bool = DEFAULTS["skip_special_tokens"]
 
     def __post_init__(self) -> None:
         self.stop_token_ids = frozenset(self.stop_token_ids)
         self.validate()
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice ``index`` of n: the same settings and its own seed, derived from the request's seed and
+        the index, so a seeded request is reproducible choice by choice (choice 0 keeps the seed itself)."""
+        if index == 0:
+            return self
+        seed = None if self.seed is None else xxhash.xxh64_intdigest(index.to_bytes(8, "little"), self.seed)
+        return replace(self, seed=seed, n=1)
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first field out of range."""
@@ -77,3 +107,17 @@ class SamplingParams:
                                                    f"got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids", "token ids must be >= 0")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequest("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequest(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        bad = next(((t, b) for t, b in self.logit_bias.items() if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS), None)
+        if bad is not None:
+            raise InvalidRequest("logit_bias", f"the bias of token {bad[0]} must be in [-{MAX_LOGIT_BIAS:g}, "
+                                               f"{MAX_LOGIT_BIAS:g}], got {bad[1]}")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequest("n", f"must be in [1, {MAX_N}], got {self.n}")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequest("min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")

@@ -246,7 +246,8 @@ class Scheduler:
                     token_id = token_ids[i]
                     seq.token_ids[slot] = token_id
                     params = seq.params
-                    if (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids:
+                    stops = (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids
+                    if stops and slot + 1 - seq.num_prompt_tokens >= params.min_tokens:
                         reason = FinishReason.STOP
                     elif slot + 1 - seq.num_prompt_tokens >= params.max_tokens or slot + 1 >= max_model_len:
                         reason = FinishReason.LENGTH
@@ -272,7 +273,10 @@ class Scheduler:
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         kept, reason = len(sampled), None
         if params.stop_token_ids or not eos.isdisjoint(sampled):
-            stop = next((k for k, t in enumerate(sampled) if t in eos or t in params.stop_token_ids), None)
+            # Completion tokens before sampled[k] are slot - prompt + k; a stop counts from min_tokens on.
+            first = max(0, params.min_tokens - (slot - seq.num_prompt_tokens) - 1)
+            stop = next((k for k, t in enumerate(sampled) if k >= first and (t in eos or t in params.stop_token_ids)),
+                        None)
             if stop is not None:
                 kept, reason = stop + 1, FinishReason.STOP
         seq.token_ids[slot : slot + kept] = sampled[:kept]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import signal
 from collections.abc import AsyncIterator
@@ -37,7 +38,7 @@ from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.scheduler import SchedulerConfig
 from scheduler_svc.tokenizer import ModelTokenizer
 from scheduler_svc.validation import ModelLimits
-from scheduler_svc.wire import model_info, prepare, public_error, scheduler_stats, to_response
+from scheduler_svc.wire import detokenize, model_info, prepare, public_error, scheduler_stats, to_response, tokenize
 
 log = logging.getLogger("nanoserve.scheduler")
 
@@ -71,6 +72,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.executor_target = executor_target
         self.loop: EngineLoop | None = None
         self.tokenizer: ModelTokenizer | None = None
+        # Requests in flight by the id the caller gave (or was given), for Abort; event-loop thread only.
+        self.by_request_id: dict[str, set[RequestHandle]] = {}
 
     def attach(self, loop: EngineLoop, tokenizer: ModelTokenizer | None) -> None:
         self.loop, self.tokenizer = loop, tokenizer
@@ -97,9 +100,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         try:
             prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
-            return loop.submit(prepared, queue), queue
+            handle = loop.submit(prepared, queue)
         except RequestFailed as e:
             await self._fail(context, e)
+        self.by_request_id.setdefault(prepared.request_id, set()).add(handle)
+        return handle, queue
+
+    def _done(self, handle: RequestHandle, finished: bool) -> None:
+        """The call ended: forget its id; a request not finished (the caller went away) is cancelled."""
+        handles = self.by_request_id[handle.prepared.request_id]
+        handles.discard(handle)
+        if not handles:
+            del self.by_request_id[handle.prepared.request_id]
+        if not finished:
+            self.loop.cancel(handle)
 
     @staticmethod
     async def _next_outputs(
@@ -118,26 +132,55 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         handle, queue = await self._submit(request, context)
-        finished = False
+        remaining = handle.prepared.params.n
         try:
-            while not finished:
+            while remaining:
                 outputs = await self._next_outputs(queue, context)
-                finished = outputs[-1].is_last
-                yield to_response(handle.prepared.request_id, outputs)
+                # One response per run of outputs of the same choice.
+                for _, run in itertools.groupby(outputs, key=lambda output: output.index):
+                    run = list(run)
+                    remaining -= sum(output.finish_reason is not None for output in run)
+                    yield to_response(handle.prepared.request_id, run)
         finally:
-            if not finished:
-                self.loop.cancel(handle)
+            self._done(handle, finished=not remaining)
 
     async def GenerateOnce(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        if not isinstance(request, MalformedRequest) and request.sampling.n > 1:
+            message = f"GenerateOnce returns one completion; stream {request.sampling.n} choices with Generate"
+            await self._fail(context, InvalidRequest("sampling.n", message))
         handle, queue = await self._submit(request, context)
         outputs: list[RequestOutput] = []
         try:
             while not outputs or not outputs[-1].is_last:
                 outputs.extend(await self._next_outputs(queue, context))
         finally:
-            if not outputs or not outputs[-1].is_last:
-                self.loop.cancel(handle)
+            self._done(handle, finished=bool(outputs) and outputs[-1].is_last)
         return to_response(handle.prepared.request_id, outputs)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        loop = await self._ready(context)
+        try:
+            token_ids = await asyncio.to_thread(tokenize, request, self.tokenizer)
+        except RequestFailed as e:
+            await self._fail(context, e)
+        return pb.TokenizeResponse(token_ids=token_ids, count=len(token_ids), max_model_len=loop.info.max_model_len)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        loop = await self._ready(context)
+        try:
+            return pb.DetokenizeResponse(text=detokenize(request, self.tokenizer, loop.info.vocab_size))
+        except RequestFailed as e:
+            await self._fail(context, e)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        """Each request found ends with ABORT; its blocks are free before the next step."""
+        loop = await self._ready(context)
+        found = [request_id for request_id in dict.fromkeys(request.request_ids) if request_id in self.by_request_id]
+        for request_id in found:
+            for handle in self.by_request_id[request_id]:
+                loop.cancel(handle, answer=True)
+        return pb.AbortResponse(aborted_request_ids=found)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         loop = await self._ready(context)

@@ -68,8 +68,8 @@ class ModelTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
         """The conversation as the model saw such text in training; raises InvalidRequest naming the bad part."""

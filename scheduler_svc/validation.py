@@ -58,6 +58,17 @@ def completion_budget(requested: int | None, num_prompt_tokens: int, limits: Mod
     return requested
 
 
+def check_token_ids(params: SamplingParams, limits: ModelLimits) -> None:
+    """Token ids inside the parameters name tokens of this model's vocabulary."""
+    vocab = limits.vocab_size
+    bad = next((t for t in params.logit_bias if t >= vocab), None)
+    if bad is not None:
+        raise InvalidRequest("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab})")
+    bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+    if bad is not None:
+        raise InvalidRequest("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+
 def check_fits_cache(num_prompt_tokens: int, params: SamplingParams, limits: ModelLimits) -> None:
     """Refuse a request that could not fit in the whole KV cache even alone."""
     needed = max_kv_blocks(num_prompt_tokens, params.max_tokens, limits.max_model_len, limits.block_size)
@@ -70,4 +81,5 @@ def check_request(token_ids: list[int], params: SamplingParams, limits: ModelLim
     """For a caller that built ``params`` itself (the in-process API), whose max_tokens may pass the model's
     length: such a request ends there with LENGTH, as vLLM's offline engine does."""
     check_prompt(token_ids, limits)
+    check_token_ids(params, limits)
     check_fits_cache(len(token_ids), params, limits)

@@ -16,11 +16,11 @@ from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.errors import InvalidRequest
 from scheduler_svc.outputs import RequestOutput, TokenLogprobs
 from scheduler_svc.planner import Plan
-from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.sampling import DEFAULTS, SamplingParams
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.stats import LoopStats
 from scheduler_svc.tokenizer import ChatMessage, ModelTokenizer
-from scheduler_svc.validation import ModelLimits, check_fits_cache, check_prompt, completion_budget
+from scheduler_svc.validation import ModelLimits, check_fits_cache, check_prompt, check_token_ids, completion_budget
 
 # Engine and SamplingParams field names -> the GenerateRequest field a caller sets.
 PROTO_FIELD = {
@@ -34,6 +34,12 @@ PROTO_FIELD = {
     "max_tokens": "stopping.max_tokens",
     "stop": "stopping.stop",
     "stop_token_ids": "stopping.stop_token_ids",
+    "repetition_penalty": "sampling.repetition_penalty",
+    "presence_penalty": "sampling.presence_penalty",
+    "frequency_penalty": "sampling.frequency_penalty",
+    "logit_bias": "sampling.logit_bias",
+    "n": "sampling.n",
+    "min_tokens": "stopping.min_tokens",
 }
 FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -52,6 +58,16 @@ class PreparedRequest:
 def public_error(error: InvalidRequest) -> InvalidRequest:
     """The same refusal, naming the field as a caller spells it in GenerateRequest."""
     return InvalidRequest(PROTO_FIELD.get(error.field, error.field), error.reason)
+
+
+def truncated(token_ids: list[int], request: pb.GenerateRequest) -> list[int]:
+    """The last ``truncate_prompt_tokens`` of the prompt, when asked (vLLM's option of that name)."""
+    if not request.HasField("truncate_prompt_tokens"):
+        return token_ids
+    keep = request.truncate_prompt_tokens
+    if keep < 1:
+        raise InvalidRequest("truncate_prompt_tokens", f"must be >= 1, got {keep}")
+    return token_ids[-keep:]
 
 
 def prompt_token_ids(request: pb.GenerateRequest, tokenizer: ModelTokenizer | None) -> list[int]:
@@ -78,25 +94,59 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: ModelTokenizer | No
     return token_ids
 
 
+# Fields whose absence means their default (proto3 optional), as SamplingParams names them.
+OPTIONAL_SAMPLING = ("temperature", "top_p", "seed", "logprobs", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "n")
+OPTIONAL_STOPPING = ("ignore_eos", "min_tokens", "include_stop_str_in_output")
+
+
+def tokenize(request: pb.TokenizeRequest, tokenizer: ModelTokenizer | None) -> list[int]:
+    """The Tokenize RPC: the ids Generate would see for this text or conversation (empty text is fine here)."""
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequest("prompt", "nothing to tokenize; send text or chat")
+    if tokenizer is None:
+        raise InvalidRequest(kind, "this executor has no tokenizer")
+    if kind == "text":
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        return tokenizer.encode(request.text, add_special_tokens=add_special)
+    chat = request.chat
+    add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    return tokenizer.encode_chat([ChatMessage(m.role, m.content) for m in chat.messages], add_generation_prompt)
+
+
+def detokenize(request: pb.DetokenizeRequest, tokenizer: ModelTokenizer | None, vocab_size: int) -> str:
+    if tokenizer is None:
+        raise InvalidRequest("token_ids", "this executor has no tokenizer")
+    bad = next((i for i, t in enumerate(request.token_ids) if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("token_ids", f"token id {request.token_ids[bad]} at position {bad} is outside the "
+                                          f"vocabulary [0, {vocab_size})")
+    skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+    return tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+
+
 def sampling_params(request: pb.GenerateRequest, budget: int) -> SamplingParams:
     """Unset fields take ``sampling.DEFAULTS`` (SamplingParams' own defaults)."""
     s, stopping = request.sampling, request.stopping
-    given = {name: getattr(s, name) for name in ("temperature", "top_p", "seed", "logprobs") if s.HasField(name)}
-    if stopping.HasField("ignore_eos"):
-        given["ignore_eos"] = stopping.ignore_eos
+    given = {name: getattr(s, name) for name in OPTIONAL_SAMPLING if s.HasField(name)}
+    given.update((name, getattr(stopping, name)) for name in OPTIONAL_STOPPING if stopping.HasField(name))
+    if request.HasField("skip_special_tokens"):
+        given["skip_special_tokens"] = request.skip_special_tokens
     return SamplingParams(top_k=s.top_k, min_p=s.min_p, max_tokens=budget, stop=list(stopping.stop),
-                          stop_token_ids=stopping.stop_token_ids, **given)
+                          stop_token_ids=stopping.stop_token_ids, logit_bias=dict(s.logit_bias), **given)
 
 
 def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTokenizer | None) -> PreparedRequest:
     """Validate and translate ``request``; raise InvalidRequest naming the first bad GenerateRequest field."""
     try:
-        token_ids = prompt_token_ids(request, tokenizer)
+        token_ids = truncated(prompt_token_ids(request, tokenizer), request)
         check_prompt(token_ids, limits)
         if request.stopping.stop and tokenizer is None:
             raise InvalidRequest("stop", "stop strings need a tokenizer and this executor has none")
         requested = request.stopping.max_tokens if request.stopping.HasField("max_tokens") else None
         params = sampling_params(request, completion_budget(requested, len(token_ids), limits))
+        check_token_ids(params, limits)
         check_fits_cache(len(token_ids), params, limits)
     except InvalidRequest as e:
         raise public_error(e) from e
@@ -104,7 +154,16 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
 
 
 def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
-    msg = executor_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
+    """What the executor's sampler needs; fields at their default are left unset (a smaller plan)."""
+    msg = executor_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                                      logit_bias=p.logit_bias, min_tokens=p.min_tokens)
+    if p.min_tokens:
+        msg.stop_token_ids.extend(sorted(p.stop_token_ids))
+        msg.ignore_eos = p.ignore_eos
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if value != DEFAULTS[name]:
+            setattr(msg, name, value)
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:
@@ -119,7 +178,7 @@ def plan_to_proto(plan: Plan) -> executor_pb2.StepPlan:
     for new in plan.new_requests:
         msg.new_requests.add(request_id=new.request_id, token_ids=new.token_ids, sampling=sampling_to_proto(new.params),
                              block_table=new.block_table, num_computed_tokens=new.num_computed_tokens,
-                             num_scheduled_tokens=new.num_scheduled_tokens)
+                             num_scheduled_tokens=new.num_scheduled_tokens, num_prompt_tokens=new.num_prompt_tokens)
     c = plan.cached
     if c.request_ids:
         cached = msg.cached_requests
@@ -144,7 +203,8 @@ def token_logprob(token_id: int, lp: TokenLogprobs) -> pb.TokenLogprob:
 
 def to_response(request_id: str, outputs: Iterable[RequestOutput]) -> pb.GenerateResponse:
     """Several loop outputs of one request as one response (the last one decides the finish)."""
-    response = pb.GenerateResponse(request_id=request_id)
+    outputs = list(outputs)
+    response = pb.GenerateResponse(request_id=request_id, index=outputs[0].index)
     last = None
     for last in outputs:
         response.text += last.text

@@ -28,13 +28,22 @@ SURFACES = {
     "stop": ("StoppingOptions", "stop", "--stop"),
     "stop_token_ids": ("StoppingOptions", "stop_token_ids", "--stop-token-id"),
     "ignore_eos": ("StoppingOptions", "ignore_eos", "--ignore-eos"),
+    "repetition_penalty": ("SamplingOptions", "repetition_penalty", "--repetition-penalty"),
+    "presence_penalty": ("SamplingOptions", "presence_penalty", "--presence-penalty"),
+    "frequency_penalty": ("SamplingOptions", "frequency_penalty", "--frequency-penalty"),
+    "logit_bias": ("SamplingOptions", "logit_bias", "--logit-bias"),
+    "n": ("SamplingOptions", "n", "--n"),
+    "min_tokens": ("StoppingOptions", "min_tokens", "--min-tokens"),
+    "include_stop_str_in_output": ("StoppingOptions", "include_stop_str_in_output", "--include-stop-str-in-output"),
+    "skip_special_tokens": ("GenerateRequest", "skip_special_tokens", "--keep-special-tokens"),
+    "truncate_prompt_tokens": ("GenerateRequest", "truncate_prompt_tokens", "--truncate-prompt-tokens"),
 }
 VALUE = r"(none|true|false|-?\d+(?:\.\d+)?)"
 
 
 def shown(value: object) -> str:
     """How every surface writes a default."""
-    if value is None or value == ():
+    if value is None or (isinstance(value, (tuple, list, dict, frozenset)) and not value):
         return "none"
     if isinstance(value, bool):
         return str(value).lower()
@@ -46,7 +55,8 @@ def proto_comment(message: str, field: str) -> str:
     text = (ROOT / "protos/nanoserve/v1/generation.proto").read_text()
     body = re.search(rf"message {message} \{{(.*?)\n\}}", text, re.S).group(1)
     lines = body.splitlines()
-    at = next(i for i, line in enumerate(lines) if re.match(rf"\s*(optional |repeated )?\w+ {field} = \d+;", line))
+    at = next(i for i, line in enumerate(lines)
+              if re.match(rf"\s*(optional |repeated )?[\w<>, ]+ {field} = \d+;", line))
     comment = []
     for line in reversed(lines[:at]):
         if not line.strip().startswith("//"):
@@ -86,8 +96,9 @@ def test_docs_client_md_states_the_servers_default(name: str):
 def test_an_unset_request_gets_the_table():
     limits = ModelLimits(vocab_size=100, max_model_len=4096, num_blocks=1024, block_size=16)
     params = prepare(pb.GenerateRequest(tokens=pb.TokenPrompt(token_ids=[1, 2])), limits, None).params
-    got = {name: getattr(params, name) for name in DEFAULTS}
-    assert got == {**DEFAULTS, "stop": [], "stop_token_ids": frozenset()}
+    got = {name: shown(getattr(params, name)) for name in DEFAULTS if hasattr(params, name)}
+    assert got == {name: shown(DEFAULTS[name]) for name in got}
+    assert len(got) == len(DEFAULTS) - 1, "all but truncate_prompt_tokens, which acts on the prompt"
 
 
 def test_docs_scheduler_md_states_the_idle_probe_interval():
