@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -147,3 +148,45 @@ def test_the_server_ca_has_its_own_variable(monkeypatch: pytest.MonkeyPatch) -> 
     assert build_parser().parse_args(["health"]).tls_ca is None
     monkeypatch.setenv("NANOSERVE_SERVER_CA", "server-ca.pem")
     assert build_parser().parse_args(["health"]).tls_ca == "server-ca.pem"
+
+
+def test_n_choices_stream_labelled_by_index_and_print_one_json_line_each(
+    capsys: pytest.CaptureFixture[str], echo_server: EchoServer
+) -> None:
+    code, out, _ = run_cli(capsys, "generate", "--server", echo_server.target, "--max-tokens", "4", "--n", "2", PROMPT)
+    text = echo_server.echo(PROMPT, 4)[0]
+    assert code == 0
+    for index in (0, 1):
+        pieces = [ast.literal_eval(line.split(" ", 1)[1]) for line in out.splitlines()
+                  if line.startswith(f"[{index}] '")]
+        assert "".join(pieces) == text and f"[{index}] finished: length" in out
+    code, out, _ = run_cli(capsys, "generate", "--server", echo_server.target, "--max-tokens", "4", "--n", "2",
+                           "--json", PROMPT)
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [line["index"] for line in lines] == [0, 1] and all(line["text"] == text for line in lines)
+    assert lines[1]["usage"]["prompt_tokens"] == 0, "the prompt is counted once, on choice 0"
+
+
+def test_every_new_option_reaches_the_server_and_bad_ones_name_their_field(
+    capsys: pytest.CaptureFixture[str], echo_server: EchoServer
+) -> None:
+    code, out, err = run_cli(capsys, "generate", "--server", echo_server.target, "--max-tokens", "9", "--json",
+                             "--stop", " world", "--include-stop-str-in-output", "--min-tokens", "1",
+                             "--repetition-penalty", "1.2", "--presence-penalty", "0.5", "--frequency-penalty", "0.5",
+                             "--logit-bias", "5=-100", "--truncate-prompt-tokens", "50", "--keep-special-tokens",
+                             PROMPT)
+    assert (code, err) == (0, "") and json.loads(out)["text"] == "Hello world"
+    code, _, err = run_cli(capsys, "generate", "--server", echo_server.target, "--n", "17", PROMPT)
+    assert code == EXIT_REJECTED and "sampling.n" in err
+    code, _, err = run_cli(capsys, "generate", "--server", echo_server.target, "--logit-bias", "7=200", PROMPT)
+    assert code == EXIT_REJECTED and "sampling.logit_bias" in err
+
+
+def test_tokenize_detokenize_and_abort(capsys: pytest.CaptureFixture[str], echo_server: EchoServer) -> None:
+    code, out, _ = run_cli(capsys, "tokenize", "--server", echo_server.target, PROMPT)
+    ids = echo_server.tokenizer.encode(PROMPT).ids
+    assert code == 0 and json.loads(out) == {"token_ids": ids, "count": len(ids)}
+    code, out, _ = run_cli(capsys, "detokenize", "--server", echo_server.target, ",".join(map(str, ids)))
+    assert (code, out) == (0, PROMPT + "\n")
+    code, out, _ = run_cli(capsys, "abort", "--server", echo_server.target, "no-such-request")
+    assert code == 0 and json.loads(out) == {"aborted_request_ids": []}

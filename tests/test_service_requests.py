@@ -76,6 +76,17 @@ def test_text_is_tokenized_with_special_tokens_unless_told_not_to(tokenizer: Mod
         (tokens(1, stopping=pb.StoppingOptions(stop=["a", ""])), "stopping.stop", "empty"),
         (tokens(1, stopping=pb.StoppingOptions(stop=[f"s{i}" for i in range(17)])), "stopping.stop", "at most 16"),
         (tokens(1, stopping=pb.StoppingOptions(stop_token_ids=range(65))), "stopping.stop_token_ids", "at most 64"),
+        (tokens(1, stopping=pb.StoppingOptions(stop_token_ids=[300])), "stopping.stop_token_ids", "token id 300"),
+        (tokens(1, sampling=pb.SamplingOptions(n=0)), "sampling.n", "[1, 16], got 0"),
+        (tokens(1, sampling=pb.SamplingOptions(n=17)), "sampling.n", "[1, 16], got 17"),
+        (tokens(1, sampling=pb.SamplingOptions(repetition_penalty=0)), "sampling.repetition_penalty", "> 0"),
+        (tokens(1, sampling=pb.SamplingOptions(repetition_penalty=math.inf)), "sampling.repetition_penalty", "> 0"),
+        (tokens(1, sampling=pb.SamplingOptions(presence_penalty=2.5)), "sampling.presence_penalty", "[-2, 2]"),
+        (tokens(1, sampling=pb.SamplingOptions(frequency_penalty=-3)), "sampling.frequency_penalty", "[-2, 2]"),
+        (tokens(1, sampling=pb.SamplingOptions(logit_bias={5: 101})), "sampling.logit_bias", "token 5"),
+        (tokens(1, sampling=pb.SamplingOptions(logit_bias={300: 1})), "sampling.logit_bias", "token id 300"),
+        (tokens(1, stopping=pb.StoppingOptions(max_tokens=4, min_tokens=5)), "stopping.min_tokens", "at most"),
+        (tokens(1, truncate_prompt_tokens=0), "truncate_prompt_tokens", ">= 1"),
     ],
 )
 def test_bad_input_names_its_field(
