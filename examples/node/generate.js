@@ -4,11 +4,14 @@
 //
 //   node generate.js [--server HOST:PORT] [--max-tokens N] [--temperature T] [--json] PROMPT
 //   node generate.js --token-ids 1,2,3 ...      (a token prompt, for servers without a tokenizer)
+//   node generate.js --json-schema schema.json ...   (structured output: the text validates against it)
+//   node generate.js --regex '[0-9]+' ...            (structured output: the text matches it in full)
 //
 // Text is written to stdout as it arrives; --json prints one object (text, token_ids,
 // finish_reason, usage) instead. A gRPC error prints "error: CODE: message" and exits 1.
 "use strict";
 
+const fs = require("node:fs");
 const path = require("node:path");
 const { parseArgs } = require("node:util");
 const grpc = require("@grpc/grpc-js");
@@ -28,6 +31,11 @@ function buildRequest(values, prompt) {
     sampling: { temperature: Number(values.temperature) },
     stopping: { max_tokens: Number(values["max-tokens"]) },
   };
+  if (values["json-schema"]) {
+    request.structured_output = { json_schema: fs.readFileSync(values["json-schema"], "utf8") };
+  } else if (values.regex) {
+    request.structured_output = { regex: values.regex };
+  }
   if (values["token-ids"]) {
     request.tokens = { token_ids: values["token-ids"].split(",").map(Number) };
   } else {
@@ -44,6 +52,8 @@ function main() {
       "max-tokens": { type: "string", default: "64" },
       temperature: { type: "string", default: "0" },
       "token-ids": { type: "string" },
+      "json-schema": { type: "string" },
+      regex: { type: "string" },
       json: { type: "boolean", default: false },
     },
   });
