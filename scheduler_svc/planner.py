@@ -23,6 +23,8 @@ class NewRequest:
     block_table: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    # The rest of token_ids is completion (a preempted or recovered request): a grammar's matcher replays it.
+    num_prompt_tokens: int
 
 
 @dataclass(slots=True)
@@ -69,7 +71,8 @@ class Planner:
         cached_seqs = [seq for seq in seqs if seq.seq_id in sent] if new_seqs else seqs
         for seq in new_seqs:
             plan.new_requests.append(NewRequest(seq.seq_id, seq.token_ids, seq.params, seq.block_table,
-                                                seq.num_cached_tokens, seq.num_scheduled_tokens))
+                                                seq.num_cached_tokens, seq.num_scheduled_tokens,
+                                                seq.num_prompt_tokens))
             sent[seq.seq_id] = len(seq.block_table)
         if cached_seqs:
             # Every column is one comprehension: this runs for every running sequence every decode step.

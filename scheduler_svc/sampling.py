@@ -47,6 +47,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     # A frozenset: looked up for every sampled token on the loop thread.
     stop_token_ids: frozenset[int] = frozenset()
+    # An llguidance grammar (its JSON form) the completion follows, compiled and checked by ``structured``.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = frozenset(self.stop_token_ids)

@@ -19,6 +19,7 @@ from scheduler_svc.planner import Plan
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.stats import LoopStats
+from scheduler_svc.structured import compile_grammar
 from scheduler_svc.tokenizer import ChatMessage, ModelTokenizer
 from scheduler_svc.validation import ModelLimits, check_fits_cache, check_prompt, completion_budget
 
@@ -78,14 +79,14 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: ModelTokenizer | No
     return token_ids
 
 
-def sampling_params(request: pb.GenerateRequest, budget: int) -> SamplingParams:
+def sampling_params(request: pb.GenerateRequest, budget: int, grammar: str | None = None) -> SamplingParams:
     """Unset fields take ``sampling.DEFAULTS`` (SamplingParams' own defaults)."""
     s, stopping = request.sampling, request.stopping
     given = {name: getattr(s, name) for name in ("temperature", "top_p", "seed", "logprobs") if s.HasField(name)}
     if stopping.HasField("ignore_eos"):
         given["ignore_eos"] = stopping.ignore_eos
     return SamplingParams(top_k=s.top_k, min_p=s.min_p, max_tokens=budget, stop=list(stopping.stop),
-                          stop_token_ids=stopping.stop_token_ids, **given)
+                          stop_token_ids=stopping.stop_token_ids, grammar=grammar, **given)
 
 
 def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTokenizer | None) -> PreparedRequest:
@@ -96,7 +97,8 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
         if request.stopping.stop and tokenizer is None:
             raise InvalidRequest("stop", "stop strings need a tokenizer and this executor has none")
         requested = request.stopping.max_tokens if request.stopping.HasField("max_tokens") else None
-        params = sampling_params(request, completion_budget(requested, len(token_ids), limits))
+        grammar = compile_grammar(request.structured_output, tokenizer, limits.vocab_size)
+        params = sampling_params(request, completion_budget(requested, len(token_ids), limits), grammar)
         check_fits_cache(len(token_ids), params, limits)
     except InvalidRequest as e:
         raise public_error(e) from e
@@ -109,6 +111,8 @@ def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.num_logprobs = p.logprobs
+    if p.grammar is not None:
+        msg.grammar = p.grammar
     return msg
 
 
@@ -119,7 +123,8 @@ def plan_to_proto(plan: Plan) -> executor_pb2.StepPlan:
     for new in plan.new_requests:
         msg.new_requests.add(request_id=new.request_id, token_ids=new.token_ids, sampling=sampling_to_proto(new.params),
                              block_table=new.block_table, num_computed_tokens=new.num_computed_tokens,
-                             num_scheduled_tokens=new.num_scheduled_tokens)
+                             num_scheduled_tokens=new.num_scheduled_tokens,
+                             num_prompt_tokens=new.num_prompt_tokens)
     c = plan.cached
     if c.request_ids:
         cached = msg.cached_requests
