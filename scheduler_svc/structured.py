@@ -50,13 +50,18 @@ def json_schema_grammar(schema: str) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
 
 
+def lark_grammar(lark: str) -> str:
+    """A Lark grammar in llguidance's JSON form, the one form the executor's SamplingParams.grammar carries."""
+    return json.dumps({"grammars": [{"lark_grammar": lark}]})
+
+
 def choice_grammar(choices: list[str]) -> str:
     """An alternation of the choices as literals (llguidance's "choice" format)."""
     if not choices:
         raise InvalidRequest(f"{FIELD}.choice", "the choice list is empty; give at least one choice")
     if any(not c for c in choices):
         raise InvalidRequest(f"{FIELD}.choice", "choices must not be empty strings")
-    return llguidance.grammar_from("choice", json.dumps(choices))
+    return lark_grammar(llguidance.grammar_from("choice", json.dumps(choices)))
 
 
 def to_grammar(structured: pb.StructuredOutput) -> tuple[str, str] | None:
@@ -69,7 +74,7 @@ def to_grammar(structured: pb.StructuredOutput) -> tuple[str, str] | None:
     elif kind == "choice":
         grammar = choice_grammar(list(structured.choice.choices))
     elif kind == "grammar":
-        grammar = llguidance.LLMatcher.grammar_from_lark(structured.grammar)
+        grammar = lark_grammar(structured.grammar)
     elif kind == "json_object" and structured.json_object:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_DEFAULTS)
     else:
