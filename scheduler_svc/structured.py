@@ -92,9 +92,11 @@ def compile_grammar(
     field, grammar = compiled
     if tokenizer is None:
         raise InvalidRequest(FIELD, "this executor has no tokenizer, which structured output needs")
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        grammar, guidance_tokenizer(tokenizer, vocab_size)
-    )
+    try:
+        guidance = guidance_tokenizer(tokenizer, vocab_size)
+    except ValueError as e:  # a tokenizer with more tokens than the model has logits
+        raise InvalidRequest(FIELD, f"llguidance cannot use this model's tokenizer: {e}") from e
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, guidance)
     if is_error:
         raise InvalidRequest(field, messages[0])
     return grammar
