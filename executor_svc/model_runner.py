@@ -20,6 +20,7 @@ import torch
 from executor_svc.attention import get_backend
 from executor_svc.attention.base import AttentionMetadata
 from executor_svc.config import DEFAULT_CPU_KV_CACHE_BYTES, ExecutorOptions, ModelConfig, UnsupportedModel
+from executor_svc.constraints import GrammarConstraints
 from executor_svc.distributed import all_reduce_min, broadcast_object, init_group, tp_rank, tp_size
 from executor_svc.loader import load_model
 from executor_svc.malloc import keep_heap_memory
@@ -132,6 +133,8 @@ class ModelRunner:
         self.graphs = None  # before the CUDA memory profile, whose forward runs eagerly
         self.num_blocks = self._allocate_kv_cache()
         self.sampler = Sampler()
+        self.constraints = GrammarConstraints(Path(folder) / "tokenizer.json", self.config.vocab_size,
+                                              self.config.eos_token_ids)
         if self.device.type == "cuda" and not options.enforce_eager:
             self.graphs = DecodeGraphs.capture(self.model, self.max_model_len, self.block_size, self.device)
 
@@ -197,7 +200,11 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
         sampled = [c for c in chunks if c.samples]
-        output = self.sampler(logits, [c.state.sampling for c in sampled], [c.end for c in sampled])
+        states = [c.state for c in sampled]
+        constrained = self.constraints.mask(logits, states)
+        output = self.sampler(logits, [s.sampling for s in states], [c.end for c in sampled])
+        if constrained:
+            self.constraints.advance(states, constrained, output.token_ids)
         t2 = time.perf_counter()
         return output, (t1 - t0) * 1e3, (t2 - t1) * 1e3
 

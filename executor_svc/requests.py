@@ -40,6 +40,10 @@ class RequestState:
     block_table: list[int]
     num_computed_tokens: int
     sampling: SamplingSettings
+    # token_ids past this many are completion: a grammar's matcher is rebuilt from them (``constraints``).
+    num_prompt_tokens: int = 0
+    # The grammar's llguidance matcher, built by the model runner at the first sampled token; it goes with the state.
+    matcher: object | None = None
 
 
 @dataclass(slots=True)
@@ -95,6 +99,7 @@ class RequestTable:
                 list(new.block_table),
                 new.num_computed_tokens,
                 wire.sampling_settings(new.sampling),
+                new.num_prompt_tokens if new.HasField("num_prompt_tokens") else len(new.token_ids),
             )
             self.requests[new.request_id] = state
             chunks.append(ScheduledChunk(state, new.num_computed_tokens, new.num_scheduled_tokens))

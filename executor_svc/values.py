@@ -27,6 +27,8 @@ class SamplingSettings:
     min_p: float = 0.0
     seed: int | None = None
     num_logprobs: int | None = None
+    # An llguidance grammar (JSON form) the sampled tokens follow; the model runner masks the logits with it.
+    grammar: str | None = None
     greedy: bool = field(init=False, repr=False, compare=False)
     plain_greedy: bool = field(init=False, repr=False, compare=False)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from executor_svc.values import SamplingSettings, StepOutput, TokenLogprobs
 from nanoserve.v1 import executor_pb2 as pb
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "num_logprobs")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "num_logprobs", "grammar")
 
 
 def sampling_settings(params: pb.SamplingParams) -> SamplingSettings:

@@ -23,6 +23,7 @@ class NewRequest:
     block_table: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    # The rest of token_ids is completion (a preempted or recovered request): a grammar's matcher replays it.
     num_prompt_tokens: int
 
 

@@ -69,6 +69,8 @@ class SamplingParams:
     min_tokens: int = DEFAULTS["min_tokens"]
     include_stop_str_in_output: bool = DEFAULTS["include_stop_str_in_output"]
     skip_special_tokens: bool = DEFAULTS["skip_special_tokens"]
+    # An llguidance grammar (its JSON form) the completion follows, compiled and checked by ``structured``.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = frozenset(self.stop_token_ids)

@@ -19,6 +19,7 @@ from scheduler_svc.planner import Plan
 from scheduler_svc.sampling import DEFAULTS, SamplingParams
 from scheduler_svc.sequence import FinishReason
 from scheduler_svc.stats import LoopStats
+from scheduler_svc.structured import compile_grammar
 from scheduler_svc.tokenizer import ChatMessage, ModelTokenizer
 from scheduler_svc.validation import ModelLimits, check_fits_cache, check_prompt, check_token_ids, completion_budget
 
@@ -126,7 +127,7 @@ def detokenize(request: pb.DetokenizeRequest, tokenizer: ModelTokenizer | None, 
     return tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
 
 
-def sampling_params(request: pb.GenerateRequest, budget: int) -> SamplingParams:
+def sampling_params(request: pb.GenerateRequest, budget: int, grammar: str | None = None) -> SamplingParams:
     """Unset fields take ``sampling.DEFAULTS`` (SamplingParams' own defaults)."""
     s, stopping = request.sampling, request.stopping
     given = {name: getattr(s, name) for name in OPTIONAL_SAMPLING if s.HasField(name)}
@@ -134,7 +135,8 @@ def sampling_params(request: pb.GenerateRequest, budget: int) -> SamplingParams:
     if request.HasField("skip_special_tokens"):
         given["skip_special_tokens"] = request.skip_special_tokens
     return SamplingParams(top_k=s.top_k, min_p=s.min_p, max_tokens=budget, stop=list(stopping.stop),
-                          stop_token_ids=stopping.stop_token_ids, logit_bias=dict(s.logit_bias), **given)
+                          stop_token_ids=stopping.stop_token_ids, logit_bias=dict(s.logit_bias), grammar=grammar,
+                          **given)
 
 
 def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTokenizer | None) -> PreparedRequest:
@@ -145,7 +147,8 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
         if request.stopping.stop and tokenizer is None:
             raise InvalidRequest("stop", "stop strings need a tokenizer and this executor has none")
         requested = request.stopping.max_tokens if request.stopping.HasField("max_tokens") else None
-        params = sampling_params(request, completion_budget(requested, len(token_ids), limits))
+        grammar = compile_grammar(request.structured_output, tokenizer, limits.vocab_size)
+        params = sampling_params(request, completion_budget(requested, len(token_ids), limits), grammar)
         check_token_ids(params, limits)
         check_fits_cache(len(token_ids), params, limits)
     except InvalidRequest as e:
@@ -168,6 +171,8 @@ def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.num_logprobs = p.logprobs
+    if p.grammar is not None:
+        msg.grammar = p.grammar
     return msg
 
 

@@ -1,0 +1,140 @@
+"""Structured output without the model: the scheduler refuses a bad constraint at entry, naming its field
+with the library's message; a good one reaches the executor as one grammar, whose matcher masks logits,
+follows the sampled tokens and is rebuilt from the completion tokens of a request that comes back."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor_svc.constraints import GrammarConstraints
+from executor_svc.requests import RequestState, RequestTable
+from executor_svc.values import SamplingSettings
+from executor_svc.wire import sampling_settings
+from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc.errors import InvalidRequest
+from scheduler_svc.planner import Planner
+from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.sequence import Sequence
+from scheduler_svc.tokenizer import ModelTokenizer
+from scheduler_svc.validation import ModelLimits
+from scheduler_svc.wire import plan_to_proto, prepare, sampling_to_proto
+from tests.service_fixtures import EOS_ID, TOKENIZER_VOCAB_SIZE, byte_level_tokenizer
+
+LIMITS = ModelLimits(vocab_size=TOKENIZER_VOCAB_SIZE, max_model_len=256, num_blocks=64, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json() -> str:
+    return byte_level_tokenizer().to_str()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_json: str) -> ModelTokenizer:
+    return ModelTokenizer(tokenizer_json, eos_token_ids=(EOS_ID,))
+
+
+def request(**structured: object) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text="Hello world", structured_output=pb.StructuredOutput(**structured))
+
+
+BAD = [
+    ({"json_schema": '{"type": "object",'}, "structured_output.json_schema", "not valid JSON: Expecting"),
+    ({"json_schema": "[1, 2]"}, "structured_output.json_schema", "must be a JSON object"),
+    ({"json_schema": '{"type": "foo"}'}, "structured_output.json_schema", "Invalid type: foo"),
+    ({"json_schema": '{"type": "string", "pattern": "("}'}, "structured_output.json_schema", "unclosed group"),
+    ({"json_schema": '{"type": "integer", "minimum": 5, "maximum": 1}'}, "structured_output.json_schema",
+     "Unsatisfiable"),
+    ({"regex": "a(b"}, "structured_output.regex", "unclosed group"),
+    ({"regex": "[z-a]"}, "structured_output.regex", "invalid character class range"),
+    ({"choice": pb.ChoiceList()}, "structured_output.choice", "the choice list is empty"),
+    ({"choice": pb.ChoiceList(choices=["yes", ""])}, "structured_output.choice", "must not be empty strings"),
+    ({"grammar": "start: foo"}, "structured_output.grammar", 'unknown name: "foo"'),
+    ({"grammar": 'start: "a" ('}, "structured_output.grammar", "Expected token ')'"),
+    ({"grammar": "start: /[/"}, "structured_output.grammar", "unclosed character class"),
+]
+
+
+@pytest.mark.parametrize(("structured", "field", "message"), BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)])
+def test_a_bad_constraint_is_refused_naming_its_field_with_the_library_message(tokenizer, structured, field, message):
+    with pytest.raises(InvalidRequest) as refused:
+        prepare(request(**structured), LIMITS, tokenizer)
+    assert refused.value.field == field
+    assert message in refused.value.reason
+
+
+def test_structured_output_needs_a_tokenizer():
+    tokens = pb.GenerateRequest(tokens=pb.TokenPrompt(token_ids=[5, 6]), structured_output=pb.StructuredOutput(
+        regex="[ab]+"))
+    with pytest.raises(InvalidRequest) as refused:
+        prepare(tokens, LIMITS, None)
+    assert refused.value.field == "structured_output"
+
+
+@pytest.mark.parametrize("structured", [
+    {"json_schema": json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})},
+    {"regex": "[ab]+"},
+    {"choice": pb.ChoiceList(choices=["héllo", 'a "quoted" one'])},
+    {"grammar": 'start: "x" NUM\nNUM: /[0-9]+/'},
+    {"json_object": True},
+], ids=["json_schema", "regex", "choice", "grammar", "json_object"])
+def test_a_good_constraint_reaches_the_executor_as_its_grammar(tokenizer, structured):
+    params = prepare(request(**structured), LIMITS, tokenizer).params
+    assert params.grammar and json.loads(params.grammar)["grammars"]
+    assert sampling_settings(sampling_to_proto(params)).grammar == params.grammar
+
+
+@pytest.mark.parametrize("structured", [None, {}, {"json_object": False}], ids=["absent", "empty", "json_object_off"])
+def test_no_constraint_sends_no_grammar(tokenizer, structured):
+    message = pb.GenerateRequest(text="Hello") if structured is None else request(**structured)
+    params = prepare(message, LIMITS, tokenizer).params
+    assert params.grammar is None
+    assert not sampling_to_proto(params).HasField("grammar")
+
+
+def test_a_request_that_comes_back_names_its_prompt_length():
+    seq = Sequence(7, [1, 2, 3], SamplingParams(grammar="g"), block_size=4)
+    seq.token_ids += [4, 5]  # two completion tokens, then preempted
+    seq.block_table, seq.num_scheduled_tokens = [0, 1], 5
+    plan, _ = Planner().build([seq], True, [])
+    message = plan_to_proto(plan)
+    assert message.new_requests[0].num_prompt_tokens == 3
+    table = RequestTable(num_blocks=8, block_size=4, vocab_size=50, max_model_len=64)
+    state = table.apply(message)[0].state
+    assert (state.num_prompt_tokens, state.sampling.grammar) == (3, "g")
+    message.new_requests[0].ClearField("num_prompt_tokens")
+    assert RequestTable(8, 4, 50, 64).apply(message)[0].state.num_prompt_tokens == 5, "absent means all"
+
+
+def allowed(logits: torch.Tensor) -> set[int]:
+    return {i for i, x in enumerate(logits.tolist()) if not math.isinf(x)}
+
+
+def test_matchers_mask_their_rows_follow_tokens_and_replay_a_completion(tmp_path: Path, tokenizer_json, tokenizer):
+    path = tmp_path / "tokenizer.json"
+    path.write_text(tokenizer_json)
+    constraints = GrammarConstraints(path, TOKENIZER_VOCAB_SIZE, [EOS_ID])
+    grammar = prepare(request(regex="[ab]{1,3}"), LIMITS, tokenizer).params.grammar
+    prompt = tokenizer.encode("Hello")
+    fresh = RequestState(0, list(prompt), [], 0, SamplingSettings(grammar=grammar), len(prompt))
+    plain = RequestState(1, list(prompt), [], 0, SamplingSettings(), len(prompt))
+    a, b = tokenizer.encode("a", add_special_tokens=False), tokenizer.encode("b", add_special_tokens=False)
+    # Came back after preemption with "ab" generated: one more letter at most, or EOS.
+    back = RequestState(2, list(prompt) + a + b, [], 0, SamplingSettings(grammar=grammar), len(prompt))
+    logits = torch.zeros(3, TOKENIZER_VOCAB_SIZE)
+    rows = constraints.mask(logits, [fresh, plain, back])
+    assert rows == [0, 2]
+    letters = {i for i in range(TOKENIZER_VOCAB_SIZE) if re.fullmatch("[ab]{1,3}", tokenizer.decode([i]))}
+    assert allowed(logits[0]) == letters
+    assert allowed(logits[1]) == set(range(TOKENIZER_VOCAB_SIZE)), "an unconstrained row is untouched"
+    assert allowed(logits[2]) == {*a, *b, EOS_ID}
+    constraints.advance([fresh, plain, back], rows, [a[0], 9, b[0]])
+    logits = torch.zeros(3, TOKENIZER_VOCAB_SIZE)
+    constraints.mask(logits, [fresh, plain, back])
+    assert EOS_ID in allowed(logits[0])
+    assert allowed(logits[2]) == {EOS_ID}, "a complete grammar allows only EOS"
