@@ -55,3 +55,12 @@ def test_node_client_sends_token_prompts_and_reports_errors(node: str, echo_serv
     rejected = run_example(node, "--server", echo_server.target, "--max-tokens", "0", PROMPT)
     assert rejected.returncode == 1
     assert rejected.stderr.startswith("error: INVALID_ARGUMENT: ") and "max_tokens" in rejected.stderr
+
+
+def test_node_client_sends_a_structured_output_constraint(node: str, echo_server: EchoServer) -> None:
+    accepted = run_example(node, "--server", echo_server.target, "--regex", "[a-z ]+", "--max-tokens", "4",
+                           "--json", PROMPT)
+    assert accepted.returncode == 0, accepted.stderr
+    rejected = run_example(node, "--server", echo_server.target, "--regex", "(unclosed", PROMPT)
+    assert rejected.returncode == 1
+    assert rejected.stderr.startswith("error: INVALID_ARGUMENT: structured_output.regex"), rejected.stderr
