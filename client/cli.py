@@ -85,6 +85,8 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                         help="show special tokens in the text (server default true: skip_special_tokens)")
     parser.add_argument("--truncate-prompt-tokens", type=int,
                         help="keep only the last N prompt tokens (server default none)")
+    parser.add_argument("--prompt-logprobs", type=int,
+                        help="with --json: each prompt token's logprob and N top alternatives (server default none)")
     constraint = parser.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", type=file_text, metavar="FILE",
                             help="the output validates against this JSON Schema file (server default none)")
@@ -157,6 +159,7 @@ def generation_options(args: argparse.Namespace) -> dict:
     names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
              "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "n",
              "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+             "prompt_logprobs",
              "json_schema", "regex", "choice", "grammar", "json_object")
     options = {name: getattr(args, name) for name in names}
     options["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
@@ -181,6 +184,8 @@ def run_generation(client: Client, args: argparse.Namespace, prompt: dict) -> in
                 "finish_reason": completion.finish_reason,
                 "usage": asdict(completion.usage) if completion.usage else None,
                 **({"logprobs": [asdict(lp) for lp in completion.logprobs]} if args.logprobs is not None else {}),
+                **({"prompt_logprobs": [asdict(lp) for lp in completion.prompt_logprobs]}
+                   if args.prompt_logprobs is not None else {}),
             }))
         reasons = [completion.finish_reason for completion in completions]
     elif several:

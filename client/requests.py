@@ -36,6 +36,7 @@ def build_request(
     include_stop_str_in_output: bool | None = None,
     skip_special_tokens: bool | None = None,
     truncate_prompt_tokens: int | None = None,
+    prompt_logprobs: int | None = None,
     json_schema: str | Mapping | None = None,
     regex: str | None = None,
     choice: Sequence[str] | None = None,
@@ -64,7 +65,7 @@ def build_request(
                                   include_stop_str_in_output=include_stop_str_in_output)
     request = pb.GenerateRequest(request_id=request_id, sampling=sampling, stopping=stopping,
                                  add_special_tokens=add_special_tokens, skip_special_tokens=skip_special_tokens,
-                                 truncate_prompt_tokens=truncate_prompt_tokens)
+                                 truncate_prompt_tokens=truncate_prompt_tokens, prompt_logprobs=prompt_logprobs)
     constraint = structured_output(json_schema, regex, choice, grammar, json_object)
     if constraint is not None:
         request.structured_output.CopyFrom(constraint)

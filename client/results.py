@@ -52,6 +52,8 @@ class Chunk:
     usage: Usage | None
     # Which of the request's n choices this piece continues.
     index: int = 0
+    # On the first chunk, when asked: prompt tokens from the second on, each with its logprob.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @classmethod
     def from_proto(cls, response: pb.GenerateResponse) -> Chunk:
@@ -63,6 +65,7 @@ class Chunk:
             finish_reason=FINISH_REASONS[response.finish_reason],
             usage=Usage.from_proto(response.usage) if response.HasField("usage") else None,
             index=response.index,
+            prompt_logprobs=[TokenLogprob.from_proto(lp) for lp in response.prompt_logprobs],
         )
 
 
@@ -77,12 +80,13 @@ class Completion:
     usage: Usage | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     index: int = 0
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @classmethod
     def from_proto(cls, response: pb.GenerateResponse) -> Completion:
         chunk = Chunk.from_proto(response)
         return cls(chunk.request_id, chunk.text, chunk.token_ids, chunk.finish_reason, chunk.usage, chunk.logprobs,
-                   chunk.index)
+                   chunk.index, chunk.prompt_logprobs)
 
     @classmethod
     def from_chunks(cls, chunks: list[Chunk]) -> list[Completion]:
@@ -93,5 +97,6 @@ class Completion:
             done.text += c.text
             done.token_ids += c.token_ids
             done.logprobs += c.logprobs
+            done.prompt_logprobs += c.prompt_logprobs
             done.finish_reason, done.usage = c.finish_reason or done.finish_reason, c.usage or done.usage
         return [by_index[i] for i in sorted(by_index)]

@@ -97,8 +97,11 @@ class BlockManager:
         return found
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest computed prefix, never the prompt's last block."""
-        hits = []
+        """Block ids of the longest computed prefix, never the prompt's last block; none for a prompt whose
+        logprobs were asked, since only computing a token gives its logprob."""
+        hits: list[int] = []
+        if seq.params.prompt_logprobs is not None:
+            return hits
         h = NO_HASH
         for i in range(seq.num_blocks - 1):
             token_ids = seq.block(i)

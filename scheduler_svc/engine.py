@@ -26,7 +26,7 @@ from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, StepRecord, TokenOutput
 from scheduler_svc.sequence import FinishReason, Sequence
 from scheduler_svc.validation import ModelLimits, check_request
-from scheduler_svc.wire import logprobs_from_result, plan_to_proto
+from scheduler_svc.wire import logprobs_from_result, plan_to_proto, prompt_logprobs_from_result
 
 
 class ExecutorRestarted(RuntimeError):
@@ -204,12 +204,26 @@ class Engine:
             raise StepMismatch(f"the executor answered step {result.step_id} where step {launched.step_id} was due")
         self.num_steps += 1
         logprobs = logprobs_from_result(result) if result.logprobs else ()
+        if result.prompt_logprobs:
+            self._keep_prompt_logprobs(launched.record.seqs, result)
         outputs = self.scheduler.settle(launched.record, list(result.token_ids), logprobs)
 
         self.last_timings = StepTimings(
             launched.schedule_s, launched.plan_s, launched.send_s + t1 - t0, time.perf_counter() - t1
         )
         return outputs
+
+    @staticmethod
+    def _keep_prompt_logprobs(seqs: list[Sequence], result: pb.StepResult) -> None:
+        """Append each run of prompt logprobs where the sequence's own end; a recomputed prompt (after a preemption or
+        a restart) sends runs it already has, which are dropped."""
+        runs = prompt_logprobs_from_result(result)
+        for seq in seqs:
+            run = runs.get(seq.seq_id)
+            if run is not None:
+                first, logprobs = run
+                have = len(seq.prompt_logprobs) + 1
+                seq.prompt_logprobs += logprobs[max(0, have - first):]
 
     def probe(self) -> bool:
         """Whether the executor still answers as the same instance (it raises when it does not answer)."""

@@ -48,6 +48,8 @@ class RequestOutput:
     error: RequestFailed | None = None
     # Which of the request's n choices this continues.
     index: int = 0
+    # On the first output of a request that asked: its prompt tokens from the second on, and their logprobs.
+    prompt_logprobs: tuple[list[int], list[TokenLogprobs]] | None = None
 
     @property
     def is_last(self) -> bool:
@@ -75,6 +77,7 @@ class OutputProcessor:
             tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
         self.index = index
         self.min_tokens = params.min_tokens
+        self.prompt_logprobs_due = params.prompt_logprobs is not None
 
     def process(self, out: TokenOutput) -> Processed:
         seq, token_ids = out.seq, out.token_ids
@@ -104,4 +107,10 @@ class OutputProcessor:
             num_completion = out.position + len(token_ids) - seq.num_prompt_tokens
             prompt = (seq.num_prompt_tokens, seq.num_prefix_hit_tokens or 0) if self.index == 0 else (0, 0)
             usage = Usage(prompt[0], num_completion, prompt[1])
-        return Processed(RequestOutput(text, token_ids, logprobs, reason, usage, index=self.index), stop_at)
+        prompt_logprobs = None
+        if self.prompt_logprobs_due:
+            self.prompt_logprobs_due = False
+            prompt_logprobs = (seq.token_ids[1 : seq.num_prompt_tokens], seq.prompt_logprobs)
+        output = RequestOutput(text, token_ids, logprobs, reason, usage, index=self.index,
+                               prompt_logprobs=prompt_logprobs)
+        return Processed(output, stop_at)

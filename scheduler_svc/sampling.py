@@ -43,6 +43,7 @@ DEFAULTS: dict[str, object] = {
     "include_stop_str_in_output": False,
     "skip_special_tokens": True,
     "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
 }
 
 
@@ -69,6 +70,8 @@ class SamplingParams:
     min_tokens: int = DEFAULTS["min_tokens"]
     include_stop_str_in_output: bool = DEFAULTS["include_stop_str_in_output"]
     skip_special_tokens: bool = DEFAULTS["skip_special_tokens"]
+    # Logprobs of the prompt's tokens with this many alternatives; such a prompt skips the prefix cache.
+    prompt_logprobs: int | None = DEFAULTS["prompt_logprobs"]
     # An llguidance grammar (its JSON form) the completion follows, compiled and checked by ``structured``.
     grammar: str | None = None
 
@@ -78,11 +81,12 @@ class SamplingParams:
 
     def for_choice(self, index: int) -> SamplingParams:
         """Choice ``index`` of n: the same settings and its own seed, derived from the request's seed and
-        the index, so a seeded request is reproducible choice by choice (choice 0 keeps the seed itself)."""
+        the index, so a seeded request is reproducible choice by choice (choice 0 keeps the seed itself). Only
+        choice 0 scores the prompt, so the others can share its KV through the prefix cache."""
         if index == 0:
             return self
         seed = None if self.seed is None else xxhash.xxh64_intdigest(index.to_bytes(8, "little"), self.seed)
-        return replace(self, seed=seed, n=1)
+        return replace(self, seed=seed, n=1, prompt_logprobs=None)
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first field out of range."""
@@ -96,8 +100,10 @@ class SamplingParams:
             raise InvalidRequest("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise InvalidRequest("seed", f"must be in [0, 2**64), got {self.seed}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequest(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.max_tokens < 1:
             raise InvalidRequest("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if len(self.stop) > MAX_STOP_STRINGS:

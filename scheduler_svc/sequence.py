@@ -54,6 +54,8 @@ class Sequence:
         # True once the token in flight is its last (max_tokens or the model's length): it is not
         # scheduled again while it waits for that token.
         self.final_token_pending = False
+        # With params.prompt_logprobs: the logprobs of prompt tokens 1.. as the executor computed them.
+        self.prompt_logprobs: list = []
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -42,6 +42,8 @@ PROTO_FIELD = {
     "n": "sampling.n",
     "min_tokens": "stopping.min_tokens",
 }
+# Fields of the GenerateRequest itself that SamplingParams holds.
+OPTIONAL_REQUEST = ("skip_special_tokens", "prompt_logprobs")
 FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -132,8 +134,7 @@ def sampling_params(request: pb.GenerateRequest, budget: int, grammar: str | Non
     s, stopping = request.sampling, request.stopping
     given = {name: getattr(s, name) for name in OPTIONAL_SAMPLING if s.HasField(name)}
     given.update((name, getattr(stopping, name)) for name in OPTIONAL_STOPPING if stopping.HasField(name))
-    if request.HasField("skip_special_tokens"):
-        given["skip_special_tokens"] = request.skip_special_tokens
+    given.update((name, getattr(request, name)) for name in OPTIONAL_REQUEST if request.HasField(name))
     return SamplingParams(top_k=s.top_k, min_p=s.min_p, max_tokens=budget, stop=list(stopping.stop),
                           stop_token_ids=stopping.stop_token_ids, logit_bias=dict(s.logit_bias), grammar=grammar,
                           **given)
@@ -173,6 +174,8 @@ def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
         msg.num_logprobs = p.logprobs
     if p.grammar is not None:
         msg.grammar = p.grammar
+    if p.prompt_logprobs is not None:
+        msg.num_prompt_logprobs = p.prompt_logprobs
     return msg
 
 
@@ -196,9 +199,19 @@ def plan_to_proto(plan: Plan) -> executor_pb2.StepPlan:
     return msg
 
 
+def token_logprobs(lp: executor_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(lp.logprob, tuple(lp.top_token_ids), tuple(lp.top_logprobs))
+
+
 def logprobs_from_result(result: executor_pb2.StepResult) -> list[TokenLogprobs]:
     """A step's logprobs, parallel to its token ids; empty when no request asked."""
-    return [TokenLogprobs(lp.logprob, tuple(lp.top_token_ids), tuple(lp.top_logprobs)) for lp in result.logprobs]
+    return [token_logprobs(lp) for lp in result.logprobs]
+
+
+def prompt_logprobs_from_result(result: executor_pb2.StepResult) -> dict[int, tuple[int, list[TokenLogprobs]]]:
+    """Request id -> (position of the first prompt token scored, the logprobs of that run of prompt tokens)."""
+    return {p.request_id: (p.first_position, [token_logprobs(lp) for lp in p.logprobs])
+            for p in result.prompt_logprobs}
 
 
 def token_logprob(token_id: int, lp: TokenLogprobs) -> pb.TokenLogprob:
@@ -210,6 +223,10 @@ def to_response(request_id: str, outputs: Iterable[RequestOutput]) -> pb.Generat
     """Several loop outputs of one request as one response (the last one decides the finish)."""
     outputs = list(outputs)
     response = pb.GenerateResponse(request_id=request_id, index=outputs[0].index)
+    prompt = outputs[0].prompt_logprobs
+    if prompt is not None:
+        token_ids, logprobs = prompt
+        response.prompt_logprobs.extend(token_logprob(t, lp) for t, lp in zip(token_ids, logprobs, strict=True))
     last = None
     for last in outputs:
         response.text += last.text

@@ -37,6 +37,7 @@ SURFACES = {
     "include_stop_str_in_output": ("StoppingOptions", "include_stop_str_in_output", "--include-stop-str-in-output"),
     "skip_special_tokens": ("GenerateRequest", "skip_special_tokens", "--keep-special-tokens"),
     "truncate_prompt_tokens": ("GenerateRequest", "truncate_prompt_tokens", "--truncate-prompt-tokens"),
+    "prompt_logprobs": ("GenerateRequest", "prompt_logprobs", "--prompt-logprobs"),
 }
 VALUE = r"(none|true|false|-?\d+(?:\.\d+)?)"
 

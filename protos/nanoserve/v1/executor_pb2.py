@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bnanoserve/v1/executor.proto\x12\x0cnanoserve.v1\"\x10\n\x0eGetInfoRequest\"\xe8\x02\n\x0c\x45xecutorInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x12\n\nnum_blocks\x18\x0b \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\r\x12\x16\n\x0etokenizer_json\x18\r \x01(\t\x12\x15\n\rchat_template\x18\x0e \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x0f \x01(\tB\x0f\n\r_bos_token_id\"\xd3\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x19\n\x0cnum_logprobs\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12?\n\nlogit_bias\x18\n \x03(\x0b\x32+.nanoserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x14\n\x07grammar\x18\x0e \x01(\tH\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0f\n\r_num_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\n\n\x08_grammar\"\xe9\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.nanoserve.v1.SamplingParams\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x01(\r\x12\x1e\n\x11num_prompt_tokens\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x14\n\x12_num_prompt_tokens\"\xa9\x01\n\x0e\x43\x61\x63hedRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\x04\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\r\x12\x15\n\rnew_block_ids\x18\x05 \x03(\r\x12\x18\n\x10num_decode_steps\x18\x06 \x03(\r\"\xb4\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x12\n\nis_prefill\x18\x02 \x01(\x08\x12.\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x18.nanoserve.v1.NewRequest\x12\x35\n\x0f\x63\x61\x63hed_requests\x18\x04 \x01(\x0b\x32\x1c.nanoserve.v1.CachedRequests\x12\x1c\n\x14\x66inished_request_ids\x18\x05 \x03(\x04\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x9b\x01\n\nStepResult\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.nanoserve.v1.TokenLogprobs\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\x12\x11\n\tsample_ms\x18\x06 \x01(\x01\"\x0e\n\x0cResetRequest\"-\n\rResetResponse\x12\x1c\n\x14num_dropped_requests\x18\x01 \x01(\r2\x8f\x02\n\x08\x45xecutor\x12\x43\n\x07GetInfo\x12\x1c.nanoserve.v1.GetInfoRequest\x1a\x1a.nanoserve.v1.ExecutorInfo\x12\x38\n\x04Step\x12\x16.nanoserve.v1.StepPlan\x1a\x18.nanoserve.v1.StepResult\x12\x42\n\nStepStream\x12\x16.nanoserve.v1.StepPlan\x1a\x18.nanoserve.v1.StepResult(\x01\x30\x01\x12@\n\x05Reset\x12\x1a.nanoserve.v1.ResetRequest\x1a\x1b.nanoserve.v1.ResetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bnanoserve/v1/executor.proto\x12\x0cnanoserve.v1\"\x10\n\x0eGetInfoRequest\"\xe8\x02\n\x0c\x45xecutorInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x12\n\nnum_blocks\x18\x0b \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\r\x12\x16\n\x0etokenizer_json\x18\r \x01(\t\x12\x15\n\rchat_template\x18\x0e \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x0f \x01(\tB\x0f\n\r_bos_token_id\"\x8d\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x19\n\x0cnum_logprobs\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12?\n\nlogit_bias\x18\n \x03(\x0b\x32+.nanoserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x14\n\x07grammar\x18\x0e \x01(\tH\t\x88\x01\x01\x12 \n\x13num_prompt_logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0f\n\r_num_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\n\n\x08_grammarB\x16\n\x14_num_prompt_logprobs\"\xe9\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.nanoserve.v1.SamplingParams\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x01(\r\x12\x1e\n\x11num_prompt_tokens\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x14\n\x12_num_prompt_tokens\"\xa9\x01\n\x0e\x43\x61\x63hedRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\x04\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\r\x12\x15\n\rnew_block_ids\x18\x05 \x03(\r\x12\x18\n\x10num_decode_steps\x18\x06 \x03(\r\"\xb4\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x12\n\nis_prefill\x18\x02 \x01(\x08\x12.\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x18.nanoserve.v1.NewRequest\x12\x35\n\x0f\x63\x61\x63hed_requests\x18\x04 \x01(\x0b\x32\x1c.nanoserve.v1.CachedRequests\x12\x1c\n\x14\x66inished_request_ids\x18\x05 \x03(\x04\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xd2\x01\n\nStepResult\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.nanoserve.v1.TokenLogprobs\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\x12\x11\n\tsample_ms\x18\x06 \x01(\x01\x12\x35\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1c.nanoserve.v1.PromptLogprobs\"k\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.nanoserve.v1.TokenLogprobs\"\x0e\n\x0cResetRequest\"-\n\rResetResponse\x12\x1c\n\x14num_dropped_requests\x18\x01 \x01(\r2\x8f\x02\n\x08\x45xecutor\x12\x43\n\x07GetInfo\x12\x1c.nanoserve.v1.GetInfoRequest\x1a\x1a.nanoserve.v1.ExecutorInfo\x12\x38\n\x04Step\x12\x16.nanoserve.v1.StepPlan\x1a\x18.nanoserve.v1.StepResult\x12\x42\n\nStepStream\x12\x16.nanoserve.v1.StepPlan\x1a\x18.nanoserve.v1.StepResult(\x01\x30\x01\x12@\n\x05Reset\x12\x1a.nanoserve.v1.ResetRequest\x1a\x1b.nanoserve.v1.ResetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,23 +38,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXECUTORINFO']._serialized_start=64
   _globals['_EXECUTORINFO']._serialized_end=424
   _globals['_SAMPLINGPARAMS']._serialized_start=427
-  _globals['_SAMPLINGPARAMS']._serialized_end=1022
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=824
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=872
-  _globals['_NEWREQUEST']._serialized_start=1025
-  _globals['_NEWREQUEST']._serialized_end=1258
-  _globals['_CACHEDREQUESTS']._serialized_start=1261
-  _globals['_CACHEDREQUESTS']._serialized_end=1430
-  _globals['_STEPPLAN']._serialized_start=1433
-  _globals['_STEPPLAN']._serialized_end=1613
-  _globals['_TOKENLOGPROBS']._serialized_start=1615
-  _globals['_TOKENLOGPROBS']._serialized_end=1692
-  _globals['_STEPRESULT']._serialized_start=1695
-  _globals['_STEPRESULT']._serialized_end=1850
-  _globals['_RESETREQUEST']._serialized_start=1852
-  _globals['_RESETREQUEST']._serialized_end=1866
-  _globals['_RESETRESPONSE']._serialized_start=1868
-  _globals['_RESETRESPONSE']._serialized_end=1913
-  _globals['_EXECUTOR']._serialized_start=1916
-  _globals['_EXECUTOR']._serialized_end=2187
+  _globals['_SAMPLINGPARAMS']._serialized_end=1080
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=858
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=906
+  _globals['_NEWREQUEST']._serialized_start=1083
+  _globals['_NEWREQUEST']._serialized_end=1316
+  _globals['_CACHEDREQUESTS']._serialized_start=1319
+  _globals['_CACHEDREQUESTS']._serialized_end=1488
+  _globals['_STEPPLAN']._serialized_start=1491
+  _globals['_STEPPLAN']._serialized_end=1671
+  _globals['_TOKENLOGPROBS']._serialized_start=1673
+  _globals['_TOKENLOGPROBS']._serialized_end=1750
+  _globals['_STEPRESULT']._serialized_start=1753
+  _globals['_STEPRESULT']._serialized_end=1963
+  _globals['_PROMPTLOGPROBS']._serialized_start=1965
+  _globals['_PROMPTLOGPROBS']._serialized_end=2072
+  _globals['_RESETREQUEST']._serialized_start=2074
+  _globals['_RESETREQUEST']._serialized_end=2088
+  _globals['_RESETRESPONSE']._serialized_start=2090
+  _globals['_RESETRESPONSE']._serialized_end=2135
+  _globals['_EXECUTOR']._serialized_start=2138
+  _globals['_EXECUTOR']._serialized_end=2409
 # @@protoc_insertion_point(module_scope)
