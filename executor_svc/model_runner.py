@@ -154,7 +154,7 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         self._attach_kv_cache(num_blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
-        state = RequestState(0, [0] * num_tokens, list(range(num_blocks)), 0, SamplingSettings())
+        state = RequestState(0, [0] * num_tokens, list(range(num_blocks)), 0, SamplingSettings(), num_tokens)
         self.execute(prepare_input([ScheduledChunk(state, 0, num_tokens)], self.block_size))
         self._attach_kv_cache(0)
         torch.cuda.synchronize(self.device)
