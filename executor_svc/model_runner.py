@@ -131,7 +131,7 @@ class ModelRunner:
         self.model = load_model(folder, self.config, self.backend, self.device, self.dtype)
         self.graphs = None  # before the CUDA memory profile, whose forward runs eagerly
         self.num_blocks = self._allocate_kv_cache()
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
         if self.device.type == "cuda" and not options.enforce_eager:
             self.graphs = DecodeGraphs.capture(self.model, self.max_model_len, self.block_size, self.device)
 
@@ -197,7 +197,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
         sampled = [c for c in chunks if c.samples]
-        output = self.sampler(logits, [c.state.sampling for c in sampled], [c.end for c in sampled])
+        states = [c.state for c in sampled]
+        output = self.sampler(logits, [s.sampling for s in states], [c.end for c in sampled], states)
         t2 = time.perf_counter()
         return output, (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
