@@ -76,7 +76,7 @@ def apply_logits_processors(
 ) -> torch.Tensor:
     """A copy of the float32 ``logits`` [batch, vocab] with each row's processors applied; the input stays raw
     (logprobs describe the model). ``requests[i]`` holds row i's tokens."""
-    out = logits.clone()
+    out = logits.clone(memory_format=torch.contiguous_format)  # penalize indexes it flat
     index = [i for i, row in enumerate(rows) if row.has_logits_processors]
     mask_min_tokens(out, rows, requests, index, eos_token_ids)
     add_logit_bias(out, rows, index)
@@ -130,9 +130,10 @@ def penalize(
     """Repetition, then presence and frequency penalties, on rows ``index`` of ``logits``.
 
     The rows' distinct tokens and completion counts (``TokenCounts``) are concatenated into flat columns, so
-    one gather, a few element-wise ops and one scatter cover the batch. Measured on [64, 49152] logits and
-    600-token contexts, this beat a scatter_add of counts into a [rows, vocab] buffer, whose zeroing alone
-    took about 1 ms, and sorting and searching the contexts (1.8 ms).
+    one gather, a few element-wise ops and one scatter cover the batch, and no logit is written twice.
+    Measured on [64, 49152] logits and 600-token contexts, this beat a scatter_add of counts into a
+    [rows, vocab] buffer, whose zeroing alone took about 1 ms in a step, and sorting and searching the
+    contexts (1.8 ms).
     """
     ids, counts = [], []
     for request in requests:
@@ -144,10 +145,12 @@ def penalize(
     row_of = torch.repeat_interleave(torch.tensor([len(i) for i in ids]))
     params = torch.tensor([[row.repetition_penalty, row.frequency_penalty, row.presence_penalty] for row in rows])
     device = logits.device
-    row_index = torch.tensor(index)[row_of].to(device)
-    token_ids, count = torch.cat(ids).to(device), torch.cat(counts).to(device)
+    # Flat positions in the (contiguous) logits: a 1-D index_select and index_copy_ beat 2-D advanced indexing.
+    flat_index = (torch.tensor(index)[row_of] * logits.shape[1] + torch.cat(ids)).to(device)
+    count = torch.cat(counts).to(device)
     repetition, frequency, presence = params[row_of].to(device).unbind(1)
-    values = logits[row_index, token_ids]
+    flat = logits.view(-1)
+    values = flat.index_select(0, flat_index)
     values = torch.where(values > 0, values / repetition, values * repetition)
     values -= frequency * count + presence * (count > 0)
-    logits[row_index, token_ids] = values
+    flat.index_copy_(0, flat_index, values)
