@@ -132,7 +132,7 @@ class ModelRunner:
         self.model = load_model(folder, self.config, self.backend, self.device, self.dtype)
         self.graphs = None  # before the CUDA memory profile, whose forward runs eagerly
         self.num_blocks = self._allocate_kv_cache()
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
         self.constraints = GrammarConstraints(Path(folder) / "tokenizer.json", self.config.vocab_size,
                                               self.config.eos_token_ids)
         if self.device.type == "cuda" and not options.enforce_eager:
@@ -157,7 +157,7 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         self._attach_kv_cache(num_blocks)
         torch.cuda.reset_peak_memory_stats(self.device)
-        state = RequestState(0, [0] * num_tokens, list(range(num_blocks)), 0, SamplingSettings())
+        state = RequestState(0, [0] * num_tokens, list(range(num_blocks)), 0, SamplingSettings(), num_tokens)
         self.execute(prepare_input([ScheduledChunk(state, 0, num_tokens)], self.block_size))
         self._attach_kv_cache(0)
         torch.cuda.synchronize(self.device)
@@ -202,7 +202,7 @@ class ModelRunner:
         sampled = [c for c in chunks if c.samples]
         states = [c.state for c in sampled]
         constrained = self.constraints.mask(logits, states)
-        output = self.sampler(logits, [s.sampling for s in states], [c.end for c in sampled])
+        output = self.sampler(logits, [s.sampling for s in states], [c.end for c in sampled], states)
         if constrained:
             self.constraints.advance(states, constrained, output.token_ids)
         t2 = time.perf_counter()

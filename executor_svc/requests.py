@@ -8,8 +8,10 @@ passes that sample them are the step code's (``executor_svc.steps``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import repeat
+from typing import Any
 
 from executor_svc import wire
 from executor_svc.values import SamplingSettings
@@ -40,8 +42,11 @@ class RequestState:
     block_table: list[int]
     num_computed_tokens: int
     sampling: SamplingSettings
-    # token_ids past this many are completion: a grammar's matcher is rebuilt from them (``constraints``).
-    num_prompt_tokens: int = 0
+    # token_ids[num_prompt_tokens:] is the completion, which presence/frequency penalties and min_tokens count.
+    num_prompt_tokens: int
+    # A penalized request's token counts (logits_processors.TokenCounts), made at its first sample and grown as it
+    # samples; dropped with the state, so a preempted request rebuilds them from the tokens it comes back with.
+    token_counts: Any = None
     # The grammar's llguidance matcher, built by the model runner at the first sampled token; it goes with the state.
     matcher: object | None = None
 
@@ -140,6 +145,23 @@ class RequestTable:
                 f"{needed_tokens} needed",
             )
 
+    def _check_sampling(self, request_id: int, params: pb.SamplingParams) -> None:
+        """The ranges the proto documents for the logits processors; an id outside the vocab would fail the step.
+
+        Stop token ids outside the vocabulary are allowed: they can never be sampled, so nothing masks them.
+        """
+        if params.HasField("repetition_penalty") and not 0 < params.repetition_penalty < math.inf:
+            raise PlanError(INVALID, f"request {request_id}: repetition_penalty must be > 0, got "
+                                     f"{params.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(params, name) <= 2:
+                raise PlanError(INVALID, f"request {request_id}: {name} must be in [-2, 2], got "
+                                         f"{getattr(params, name)}")
+        for token_id, bias in params.logit_bias.items():
+            if token_id >= self.vocab_size or not -100 <= bias <= 100:
+                raise PlanError(INVALID, f"request {request_id}: logit_bias {token_id}: {bias} needs a token id in "
+                                         f"the vocabulary and a bias in [-100, 100]")
+
     def _validate(self, plan: pb.StepPlan) -> None:
         # Each id at most once among the finished, and once among the new and cached: applying drops each
         # finished id once. A finished request may come back as new (preempted), not as cached.
@@ -170,6 +192,9 @@ class RequestTable:
                 raise PlanError(INVALID, f"request {rid}: token id {bad} is outside the vocabulary")
             if n > self.max_model_len:
                 raise PlanError(INVALID, f"request {rid}: {n} tokens pass the maximum length {self.max_model_len}")
+            if new.HasField("num_prompt_tokens") and new.num_prompt_tokens > n:
+                raise PlanError(INVALID, f"request {rid}: {new.num_prompt_tokens} prompt tokens of its {n} tokens")
+            self._check_sampling(rid, new.sampling)
             end = new.num_computed_tokens + new.num_scheduled_tokens
             self._check_blocks(rid, new.block_table, end, len(new.block_table))
         cached = plan.cached_requests

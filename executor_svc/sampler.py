@@ -1,6 +1,7 @@
 """Turns the last-position logits of a batch into one token id per request.
 
-Pipeline for a sampled row (all in float32): logits / temperature, then top-k,
+Rows with logits processors (min_tokens, logit bias, penalties: ``executor_svc.logits_processors``) have
+them applied first, in float32. Pipeline for a sampled row (all in float32): logits / temperature, then top-k,
 top-p, min-p (the Hugging Face order; vLLM applies min-p first, which differs
 only when top-p and min-p are combined), then one draw. Greedy rows
 (temperature below ``values.GREEDY_BELOW``) take the argmax, ties to the lowest id.
@@ -17,7 +18,7 @@ far less than the model's own logits do.) Unseeded rows share the sampler's
 one generator.
 
 Logprobs follow vLLM's default ("raw_logprobs"): log_softmax of the model's
-logits before temperature and filters, so they describe the model, not the
+logits before processors, temperature and filters, so they describe the model, not the
 sampling settings, and are the same for greedy and sampled rows.
 """
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from executor_svc.logits_processors import RequestTokens, apply_logits_processors
 from executor_svc.values import SamplingSettings, TokenLogprobs
 
 # Top-p without top-k first ranks only this many best tokens; a row whose nucleus may be wider sorts the vocabulary.
@@ -49,19 +51,32 @@ def seeded_generator(seed: int, position: int, device: torch.device) -> torch.Ge
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
-        """``seed`` fixes the generator of unseeded rows (tests); None draws one from the OS."""
+    def __init__(self, seed: int | None = None, eos_token_ids: Sequence[int] = ()) -> None:
+        """``seed`` fixes the generator of unseeded rows (tests); None draws one from the OS.
+
+        ``eos_token_ids`` are the model's, which min_tokens masks unless a request ignores EOS.
+        """
         self.seed = seed
+        self.eos_token_ids = tuple(eos_token_ids)
         self.generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(
-        self, logits: torch.Tensor, rows: Sequence[SamplingSettings], positions: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingSettings],
+        positions: Sequence[int],
+        requests: Sequence[RequestTokens] = (),
     ) -> SamplerOutput:
-        """Sample row i of ``logits`` [batch, vocab] with ``rows[i]`` at context position ``positions[i]``."""
+        """Sample row i of ``logits`` [batch, vocab] with ``rows[i]`` at context position ``positions[i]``.
+
+        ``requests[i]`` holds row i's tokens; needed only when some row has logits processors.
+        """
         if all(row.plain_greedy for row in rows):
             # float32 first: the same argmax (bfloat16 widens exactly), 2.5x faster on the CPU than in bfloat16.
             return SamplerOutput(logits.float().argmax(dim=-1).tolist(), [])
-        logits = logits.float()
+        raw = logits = logits.float()
+        if any(row.has_logits_processors for row in rows):
+            logits = apply_logits_processors(raw, rows, requests, self.eos_token_ids)
         sampled = [i for i, row in enumerate(rows) if not row.greedy]
         if len(sampled) == len(rows):
             token_ids = self.draw(logits, rows, list(positions))
@@ -73,7 +88,7 @@ class Sampler:
                     logits.index_select(0, index), [rows[i] for i in sampled], [positions[i] for i in sampled]
                 )
                 token_ids.index_copy_(0, index, drawn)
-        return SamplerOutput(token_ids.tolist(), token_logprobs(logits, token_ids, rows))
+        return SamplerOutput(token_ids.tolist(), token_logprobs(raw, token_ids, rows))
 
     def draw(self, logits: torch.Tensor, rows: Sequence[SamplingSettings], positions: list[int]) -> torch.Tensor:
         """One token per row: the exponential race over the filtered probabilities."""

@@ -17,8 +17,9 @@ GREEDY_BELOW = 1e-5
 class SamplingSettings:
     """One request's sampling settings; the defaults are the proto's for absent fields.
 
-    ``greedy`` and ``plain_greedy`` (greedy without logprobs, the sampler's fast path, checked for every
-    row every step) are worked out once, when the request arrives.
+    ``greedy``, ``plain_greedy`` (greedy without logprobs or logits processors, the sampler's fast path),
+    ``has_logits_processors`` and ``penalized`` are checked for every row every step, so they are worked out
+    once, when the request arrives.
     """
 
     temperature: float = 1.0
@@ -27,14 +28,28 @@ class SamplingSettings:
     min_p: float = 0.0
     seed: int | None = None
     num_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # (token id, bias) pairs, ids ascending: a tuple keeps the settings immutable and hashable.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
     # An llguidance grammar (JSON form) the sampled tokens follow; the model runner masks the logits with it.
     grammar: str | None = None
     greedy: bool = field(init=False, repr=False, compare=False)
     plain_greedy: bool = field(init=False, repr=False, compare=False)
+    penalized: bool = field(init=False, repr=False, compare=False)
+    has_logits_processors: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        penalized = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        processors = penalized or bool(self.logit_bias) or self.min_tokens > 0
         object.__setattr__(self, "greedy", self.temperature < GREEDY_BELOW)
-        object.__setattr__(self, "plain_greedy", self.greedy and self.num_logprobs is None)
+        object.__setattr__(self, "plain_greedy", self.greedy and self.num_logprobs is None and not processors)
+        object.__setattr__(self, "penalized", penalized)
+        object.__setattr__(self, "has_logits_processors", processors)
 
 
 @dataclass(slots=True)

@@ -10,12 +10,22 @@ from __future__ import annotations
 from executor_svc.values import SamplingSettings, StepOutput, TokenLogprobs
 from nanoserve.v1 import executor_pb2 as pb
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "num_logprobs", "grammar")
+# The optional fields: absent ones keep SamplingSettings' defaults.
+SAMPLING_FIELDS = (
+    "temperature", "top_k", "top_p", "min_p", "seed", "num_logprobs",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "grammar",
+)
 
 
 def sampling_settings(params: pb.SamplingParams) -> SamplingSettings:
     """The fields the request set; absent ones take the proto's documented defaults (SamplingSettings')."""
-    return SamplingSettings(**{name: getattr(params, name) for name in SAMPLING_FIELDS if params.HasField(name)})
+    return SamplingSettings(
+        **{name: getattr(params, name) for name in SAMPLING_FIELDS if params.HasField(name)},
+        logit_bias=tuple(sorted(params.logit_bias.items())),
+        min_tokens=params.min_tokens,
+        stop_token_ids=tuple(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
 
 
 def token_logprobs(logprobs: TokenLogprobs | None) -> pb.TokenLogprobs:

@@ -7,13 +7,14 @@ import sys
 
 import pytest
 
+from executor_svc.requests import INVALID, PlanError, RequestTable
 from executor_svc.values import SamplingSettings, StepOutput, TokenLogprobs
 from executor_svc.wire import sampling_settings, step_result
 from nanoserve.v1 import executor_pb2 as pb
 from tests.test_package_arrows import ROOT, WIRE_MODULES, imported_top_levels
 
 # The executor's core: plain values in and out, no protobuf, no gRPC.
-CORE_MODULES = ("executor_svc/values.py", "executor_svc/sampler.py")
+CORE_MODULES = ("executor_svc/values.py", "executor_svc/sampler.py", "executor_svc/logits_processors.py")
 
 
 def test_absent_sampling_fields_take_the_proto_defaults() -> None:
@@ -43,6 +44,70 @@ def test_every_sampling_field_is_carried_and_zero_is_not_absent() -> None:
 def test_the_greedy_flags_are_worked_out_on_arrival(params: pb.SamplingParams, greedy: bool, plain_greedy: bool):
     settings = sampling_settings(params)
     assert (settings.greedy, settings.plain_greedy) == (greedy, plain_greedy)
+
+
+def test_the_logits_processor_fields_are_carried() -> None:
+    params = pb.SamplingParams(
+        temperature=0.0, repetition_penalty=1.25, presence_penalty=-0.5, frequency_penalty=0.75,
+        logit_bias={9: -100.0, 3: 2.5}, min_tokens=4, stop_token_ids=[7, 8], ignore_eos=True,
+    )
+    assert sampling_settings(params) == SamplingSettings(
+        temperature=0.0, repetition_penalty=1.25, presence_penalty=-0.5, frequency_penalty=0.75,
+        logit_bias=((3, 2.5), (9, -100.0)), min_tokens=4, stop_token_ids=(7, 8), ignore_eos=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("params", "has_processors", "penalized"),
+    [
+        (pb.SamplingParams(temperature=0.0, repetition_penalty=1.0, presence_penalty=0.0), False, False),
+        (pb.SamplingParams(temperature=0.0, stop_token_ids=[5], ignore_eos=True), False, False),
+        (pb.SamplingParams(temperature=0.0, repetition_penalty=1.1), True, True),
+        (pb.SamplingParams(temperature=0.0, frequency_penalty=-0.1), True, True),
+        (pb.SamplingParams(temperature=0.0, logit_bias={1: 0.5}), True, False),
+        (pb.SamplingParams(temperature=0.0, min_tokens=1), True, False),
+    ],
+)
+def test_logits_processors_leave_the_greedy_fast_path(params: pb.SamplingParams, has_processors: bool,
+                                                      penalized: bool) -> None:
+    settings = sampling_settings(params)
+    assert (settings.has_logits_processors, settings.penalized) == (has_processors, penalized)
+    assert settings.plain_greedy is not has_processors
+
+
+def new_request_plan(request_id: int, token_ids: list[int], sampling: pb.SamplingParams | None = None,
+                     **fields: int) -> pb.StepPlan:
+    plan = pb.StepPlan(step_id=1, is_prefill=True)
+    plan.new_requests.add(request_id=request_id, token_ids=token_ids, sampling=sampling, block_table=[0],
+                          num_scheduled_tokens=len(token_ids), **fields)
+    return plan
+
+
+def test_num_prompt_tokens_is_kept_and_defaults_to_every_token() -> None:
+    table = RequestTable(num_blocks=4, block_size=16, vocab_size=100, max_model_len=64)
+    table.apply(new_request_plan(1, [5, 6, 7, 8]))
+    table.apply(new_request_plan(2, [5, 6, 7, 8], num_prompt_tokens=1))
+    assert (table.requests[1].num_prompt_tokens, table.requests[2].num_prompt_tokens) == (4, 1)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "fields", "message"),
+    [
+        (pb.SamplingParams(repetition_penalty=0.0), {}, "repetition_penalty"),
+        (pb.SamplingParams(repetition_penalty=float("nan")), {}, "repetition_penalty"),
+        (pb.SamplingParams(presence_penalty=2.5), {}, "presence_penalty"),
+        (pb.SamplingParams(frequency_penalty=-2.5), {}, "frequency_penalty"),
+        (pb.SamplingParams(logit_bias={100: 1.0}), {}, "logit_bias"),
+        (pb.SamplingParams(logit_bias={3: -101.0}), {}, "logit_bias"),
+        (None, {"num_prompt_tokens": 5}, "prompt tokens"),
+    ],
+)
+def test_sampling_the_executor_cannot_apply_is_refused_whole(sampling: pb.SamplingParams | None,
+                                                             fields: dict[str, int], message: str) -> None:
+    table = RequestTable(num_blocks=4, block_size=16, vocab_size=100, max_model_len=64)
+    with pytest.raises(PlanError, match=message) as err:
+        table.apply(new_request_plan(1, [5, 6, 7, 8], sampling, **fields))
+    assert err.value.code == INVALID and len(table) == 0
 
 
 def test_a_step_result_carries_tokens_timings_and_logprobs_in_order() -> None:
