@@ -1,54 +1,33 @@
 """Repetition/presence/frequency penalties, logit bias and min_tokens match Hugging Face transformers.
 
-Greedy, float32, token for token, every request with its own settings in one continuous batch driven by the
-scheduler ``Engine``. The scheduler does not send these fields yet, so ``InjectSampling`` adds them to each
-NewRequest the way it will, with ``num_prompt_tokens``. The references are transformers' own processors
+Greedy, float32, token for token, every request with its own settings in one continuous batch: through the
+scheduler ``Engine`` in-process and through the public gRPC API. The references are transformers' own processors
 (``repetition_penalty``, ``min_new_tokens``, ``sequence_bias``) and, for presence/frequency penalties, which
 transformers lacks, a plain logits processor with OpenAI's formula.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from executor_svc.config import ExecutorOptions
 from executor_svc.model_executor import ModelExecutor
 from nanoserve.v1 import executor_pb2 as pb
+from nanoserve.v1 import generation_pb2 as gen_pb
 from scheduler_svc.engine import Engine
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import SchedulerConfig
 from tests.model_fixtures import TINY_VOCAB, smollm2_folder, tiny_model_folders  # noqa: F401
+from tests.service_fixtures import assert_idle_async, in_process_scheduler
 
 EOS = 2  # SmolLM2's <|im_end|>
 PERIOD = 30  # SmolLM2's "."
-
-
-class InjectSampling:
-    """An executor whose NewRequests carry each request's executor-side sampling fields and prompt length,
-    as a scheduler that sends them does; counts the requests that come back after a preemption."""
-
-    def __init__(self, executor: ModelExecutor, extra: list[pb.SamplingParams], prompt_lengths: list[int]) -> None:
-        self.executor = executor
-        self.extra = extra
-        self.prompt_lengths = prompt_lengths
-        self.num_returns = 0
-
-    def get_info(self) -> pb.ExecutorInfo:
-        return self.executor.get_info()
-
-    def reset(self) -> int:
-        return self.executor.reset()
-
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
-        for new in plan.new_requests:  # the Engine numbers requests 0, 1, ... in the order they are added
-            new.sampling.MergeFrom(self.extra[new.request_id])
-            new.num_prompt_tokens = self.prompt_lengths[new.request_id]
-            self.num_returns += len(new.token_ids) > new.num_prompt_tokens
-        return self.executor.step(plan)
 
 
 class OpenAIPenalties(LogitsProcessor):
@@ -92,22 +71,48 @@ def hf_generate(model: AutoModelForCausalLM, case: Case, eos_token_ids: list[int
     return out[0, len(case.prompt) :].tolist()
 
 
+def sampling_params(case: Case, ignore_eos: bool) -> SamplingParams:
+    s = case.sampling
+    return SamplingParams(temperature=0.0, max_tokens=case.max_tokens, ignore_eos=ignore_eos,
+                          stop_token_ids=case.stop_token_ids, repetition_penalty=s.repetition_penalty or 1.0,
+                          presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                          logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens)
+
+
 def engine_generate(folder: Path, cases: list[Case], ignore_eos: bool, **options) -> tuple[list[list[int]], int]:
-    """Every case in one Engine run: the tokens of each, and how many requests came back after preemption."""
-    executor = InjectSampling(
-        ModelExecutor(ExecutorOptions(model=str(folder), threads=2, **options)),
-        [c.sampling for c in cases],
-        [len(c.prompt) for c in cases],
-    )
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=c.max_tokens, ignore_eos=ignore_eos, stop_token_ids=c.stop_token_ids)
-        for c in cases
-    ]
-    completions = Engine(executor, SchedulerConfig()).generate([c.prompt for c in cases], params)
-    return [c.token_ids for c in completions], executor.num_returns
+    """Every case in one Engine run: the tokens of each, and how many preemptions there were."""
+    engine = Engine(ModelExecutor(ExecutorOptions(model=str(folder), threads=2, **options)), SchedulerConfig())
+    completions = engine.generate([c.prompt for c in cases], [sampling_params(c, ignore_eos) for c in cases])
+    return [c.token_ids for c in completions], engine.scheduler.num_preemptions
 
 
-def test_repetition_penalty_min_tokens_and_logit_bias_match_hf_on_smollm2(smollm2_folder: Path) -> None:  # noqa: F811
+def grpc_generate(folder: Path, cases: list[Case], **options) -> list[list[int]]:
+    """Every case at once through the public API, as GenerateRequests with the same options."""
+    requests = []
+    for case in cases:
+        s = case.sampling
+        stopping = gen_pb.StoppingOptions(max_tokens=case.max_tokens, min_tokens=s.min_tokens,
+                                          stop_token_ids=sorted(case.stop_token_ids))
+        request = gen_pb.GenerateRequest(tokens=gen_pb.TokenPrompt(token_ids=case.prompt), stopping=stopping)
+        request.sampling.temperature = 0.0
+        if s.HasField("repetition_penalty"):
+            request.sampling.repetition_penalty = s.repetition_penalty
+        request.sampling.logit_bias.update(s.logit_bias)
+        requests.append(request)
+
+    async def run() -> list[list[int]]:
+        executor = ModelExecutor(ExecutorOptions(model=str(folder), threads=2, **options))
+        async with in_process_scheduler(executor) as server:
+            responses = await asyncio.gather(*(server.stub.GenerateOnce(r) for r in requests))
+            await assert_idle_async(server.stub)
+        return [list(r.token_ids) for r in responses]
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def smollm2_cases(smollm2_folder: Path) -> tuple[list[Case], list[list[int]]]:  # noqa: F811
+    """Requests with every option, and transformers' completions of them."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder)
 
     def chat(text: str) -> list[int]:
@@ -141,9 +146,22 @@ def test_repetition_penalty_min_tokens_and_logit_bias_match_hf_on_smollm2(smollm
     assert reference[0][0] == paris and reference[5][0] != paris
     assert EOS not in reference[3][:16] and reference[3][-1] == EOS
     assert reference[4][-1] == PERIOD and PERIOD not in reference[4][:11]
+    return cases, reference
 
+
+def test_repetition_penalty_min_tokens_and_logit_bias_match_hf_on_smollm2(
+    smollm2_folder: Path, smollm2_cases: tuple[list[Case], list[list[int]]]  # noqa: F811
+) -> None:
+    cases, reference = smollm2_cases
     tokens, _ = engine_generate(smollm2_folder, cases, ignore_eos=False, block_size=16, kv_cache_memory=256 << 20)
     assert tokens == reference
+
+
+def test_the_same_options_over_grpc_match_hf_on_smollm2(
+    smollm2_folder: Path, smollm2_cases: tuple[list[Case], list[list[int]]]  # noqa: F811
+) -> None:
+    cases, reference = smollm2_cases
+    assert grpc_generate(smollm2_folder, cases, block_size=16, kv_cache_memory=256 << 20) == reference
 
 
 def test_penalties_match_the_references_across_preemption(tiny_model_folders: dict[str, Path]) -> None:  # noqa: F811
@@ -167,8 +185,8 @@ def test_penalties_match_the_references_across_preemption(tiny_model_folders: di
     reference = [hf_generate(model, case, None) for case in cases]
 
     block_bytes = 2 * 2 * 2 * 16 * 4 * 8  # K and V, 2 layers, 2 KV heads of 16, float32, 8 tokens a block
-    tokens, num_returns = engine_generate(
+    tokens, num_preemptions = engine_generate(
         folder, cases, ignore_eos=True, block_size=8, kv_cache_memory=16 * block_bytes
     )
-    assert num_returns > 0, "nothing was preempted"
+    assert num_preemptions > 0, "nothing was preempted"
     assert tokens == reference
