@@ -80,9 +80,10 @@ class ModelExecutor:
 
     def _forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
         """One forward pass and sampling over ``chunks``: 0, and no logprobs, for a chunk short of its end."""
-        sampled, forward_ms, sample_ms = self.runner.run(chunks)
+        sampled, prompt_logprobs, forward_ms, sample_ms = self.runner.run(chunks)
         token_ids = iter(sampled.token_ids)
-        output = StepOutput([next(token_ids) if chunk.samples else 0 for chunk in chunks], [], forward_ms, sample_ms)
+        output = StepOutput([next(token_ids) if chunk.samples else 0 for chunk in chunks], [], forward_ms, sample_ms,
+                            prompt_logprobs)
         if sampled.logprobs:
             logprobs = iter(sampled.logprobs)
             output.logprobs = [next(logprobs) if chunk.samples else None for chunk in chunks]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,9 +24,10 @@ from executor_svc.constraints import GrammarConstraints
 from executor_svc.distributed import all_reduce_min, broadcast_object, init_group, tp_rank, tp_size
 from executor_svc.loader import load_model
 from executor_svc.malloc import keep_heap_memory
+from executor_svc.prompt_logprobs import prompt_logprobs, score_rows
 from executor_svc.requests import RequestState, ScheduledChunk
 from executor_svc.sampler import Sampler, SamplerOutput
-from executor_svc.values import SamplingSettings
+from executor_svc.values import PromptLogprobs, SamplingSettings
 
 log = logging.getLogger("nanoserve.executor")
 
@@ -40,6 +41,8 @@ class ModelInput:
     meta: AttentionMetadata
     # Rows of the packed batch whose logits are sampled (the last token of each sampling chunk).
     logits_indices: torch.Tensor
+    # Rows scored for prompt logprobs (``prompt_logprobs.score_rows``); their logits follow the sampled ones'.
+    prompt_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
     def to(self, device: torch.device) -> ModelInput:
         if device.type == "cpu":
@@ -53,6 +56,7 @@ class ModelInput:
             self.positions.to(device, non_blocking=True),
             meta,
             self.logits_indices.to(device, non_blocking=True),
+            self.prompt_rows.to(device, non_blocking=True),
         )
 
 
@@ -72,8 +76,8 @@ def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
     return padded
 
 
-def prepare_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInput:
-    """Pack the chunks; a step where every chunk is one token runs as decode."""
+def prepare_input(chunks: list[ScheduledChunk], block_size: int, prompt_rows: list[int] = ()) -> ModelInput:
+    """Pack the chunks; a step where every chunk is one token runs as decode. ``prompt_rows`` are also scored."""
     num_tokens = torch.tensor([c.num_tokens for c in chunks])
     starts = torch.tensor([c.start for c in chunks])
     ends = starts + num_tokens
@@ -107,7 +111,7 @@ def prepare_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInput:
             max_seqlen_k=int(ends.max()),
             has_cached_context=bool((starts > 0).any()),
         )
-    return ModelInput(input_ids, positions, meta, logits_indices)
+    return ModelInput(input_ids, positions, meta, logits_indices, torch.tensor(prompt_rows, dtype=torch.int64))
 
 
 class ModelRunner:
@@ -187,18 +191,23 @@ class ModelRunner:
         hidden = self.graphs.run(inp) if self.graphs is not None and not inp.meta.is_prefill else None
         if hidden is None:
             hidden = self.model(inp.input_ids, inp.positions, inp.meta)
-        return self.model.compute_logits(hidden[inp.logits_indices])
+        rows = torch.cat([inp.logits_indices, inp.prompt_rows]) if len(inp.prompt_rows) else inp.logits_indices
+        return self.model.compute_logits(hidden[rows])
 
-    def run(self, chunks: list[ScheduledChunk]) -> tuple[SamplerOutput, float, float]:
-        """Rank 0: forward + sample; returns the sampler output and forward/sample milliseconds."""
+    def run(self, chunks: list[ScheduledChunk]) -> tuple[SamplerOutput, list[PromptLogprobs], float, float]:
+        """Rank 0: forward + sample; returns the sampler output, the prompt logprobs asked for, and the forward
+        and sample milliseconds."""
         t0 = time.perf_counter()
-        model_input = prepare_input(chunks, self.block_size)
+        rows, runs = score_rows(chunks, list(itertools.accumulate((c.num_tokens for c in chunks[:-1]), initial=0)))
+        model_input = prepare_input(chunks, self.block_size, rows)
         if tp_size() > 1:
             broadcast_object(model_input)
         logits = self.execute(model_input)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
+        scored = prompt_logprobs(logits[len(model_input.logits_indices):], runs) if runs else []
+        logits = logits[: len(model_input.logits_indices)]
         sampled = [c for c in chunks if c.samples]
         states = [c.state for c in sampled]
         constrained = self.constraints.mask(logits, states)
@@ -206,7 +215,7 @@ class ModelRunner:
         if constrained:
             self.constraints.advance(states, constrained, output.token_ids)
         t2 = time.perf_counter()
-        return output, (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        return output, scored, (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
     def stop_workers(self) -> None:
         """Rank 0: release the other ranks from their step loop."""

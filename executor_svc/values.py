@@ -38,6 +38,8 @@ class SamplingSettings:
     ignore_eos: bool = False
     # An llguidance grammar (JSON form) the sampled tokens follow; the model runner masks the logits with it.
     grammar: str | None = None
+    # Score the prompt's tokens with this many alternatives each (``prompt_logprobs``).
+    num_prompt_logprobs: int | None = None
     greedy: bool = field(init=False, repr=False, compare=False)
     plain_greedy: bool = field(init=False, repr=False, compare=False)
     penalized: bool = field(init=False, repr=False, compare=False)
@@ -62,6 +64,15 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """A run of one request's prompt tokens scored: the first at ``first_position``, one entry per token."""
+
+    request_id: int
+    first_position: int
+    logprobs: list[TokenLogprobs]
+
+
+@dataclass(slots=True)
 class StepOutput:
     """One plan's tokens in result order and the time spent computing and sampling them."""
 
@@ -70,3 +81,5 @@ class StepOutput:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     forward_ms: float = 0.0
     sample_ms: float = 0.0
+    # Requests with num_prompt_logprobs whose prompt this step computed (part of).
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)

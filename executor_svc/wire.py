@@ -13,7 +13,7 @@ from nanoserve.v1 import executor_pb2 as pb
 # The optional fields: absent ones keep SamplingSettings' defaults.
 SAMPLING_FIELDS = (
     "temperature", "top_k", "top_p", "min_p", "seed", "num_logprobs",
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "grammar",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "grammar", "num_prompt_logprobs",
 )
 
 
@@ -47,4 +47,7 @@ def step_result(instance_id: str, step_id: int, output: StepOutput) -> pb.StepRe
     )
     if output.logprobs:
         result.logprobs.extend(map(token_logprobs, output.logprobs))
+    for run in output.prompt_logprobs:
+        result.prompt_logprobs.add(request_id=run.request_id, first_position=run.first_position,
+                                   logprobs=map(token_logprobs, run.logprobs))
     return result
