@@ -6,7 +6,8 @@ tensors and attention metadata (``model_runner.prepare_input``, as the runner do
 the device), record the sampled tokens and build the ``StepResult``. The forward pass and the sampling
 become a sleep of ``step_ms`` (``accelerator_wait``), which releases the GIL as a CUDA synchronize does,
 and every sampled token is one fixed id that is not an EOS id (so nothing ends before its ``max_tokens``;
-CPU work that would compute a token here would be work the GPU does).
+CPU work that would compute a token here would be work the GPU does). Its small tensor ops run on one torch
+thread (``--threads``), as a GPU host with cores to spare would run them without waiting for an OpenMP team.
 
 ``python -m executor_svc.simulated --step-ms 5 [--port 50052 ...]`` serves it like the model-free
 executors of ``shadow_server``.
@@ -20,6 +21,8 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+
+import torch
 
 from common.security import TLSConfig
 from executor_svc.model_runner import prepare_input
@@ -80,6 +83,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--step-ms", type=float, default=5.0,
                         help="milliseconds each forward pass + sampling waits (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for the step's small tensor ops (default: %(default)s: a GPU host has "
+                             "cores to spare, and on a shared CPU a team of OpenMP threads only waits for them)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=50052, help="port to bind (default: %(default)s)")
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV blocks to report (default: %(default)s)")
@@ -99,9 +105,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def simulated_executor(args: argparse.Namespace,
                        kind: type[SimulatedExecutor] = SimulatedExecutor) -> SimulatedExecutor:
-    """The executor the flags describe (``bench.overlap`` builds its in-process peer with them too)."""
-    if args.step_ms < 0:
-        raise SystemExit(f"--step-ms must be >= 0, got {args.step_ms}")
+    """The executor the flags describe, and this process's torch threads set to ``--threads``
+    (``bench.overlap`` builds its in-process peer with the same flags)."""
+    if args.step_ms < 0 or args.threads < 1:
+        raise SystemExit(f"--step-ms must be >= 0 and --threads >= 1, got {args.step_ms} and {args.threads}")
+    torch.set_num_threads(args.threads)
     return kind(model_free_info(args, "simulated", "", ""), args.step_ms)
 
 
