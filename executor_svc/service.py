@@ -28,12 +28,25 @@ T = TypeVar("T")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
 
 
-def call_here(fn: Callable[..., T], *args: object) -> T:
-    return fn(*args)
+def run_into(future: futures.Future[T], fn: Callable[..., T], args: tuple) -> futures.Future[T]:
+    """Run ``fn(*args)`` here and settle ``future`` with its result or exception."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # handed to the caller, whatever it is
+        future.set_exception(e)
+    return future
+
+
+def submit_here(fn: Callable[..., T], *args: object) -> futures.Future[T]:
+    """Run ``fn`` now, on the submitting thread; a finished future."""
+    return run_into(futures.Future(), fn, args)
+
+
+Submit = Callable[..., futures.Future]
 
 
 class CallingThread:
-    """Runs calls made from any thread on the one thread inside ``run``.
+    """Runs calls made from any thread on the one thread inside ``run``, in the order submitted.
 
     torch work in the executor process stays on one thread: libgomp gives every thread that starts
     parallel work its own team of OpenMP threads, and once a process has more of them than CPUs it cuts
@@ -46,19 +59,18 @@ class CallingThread:
             queue.SimpleQueue()
         )
 
-    def call(self, fn: Callable[..., T], *args: object) -> T:
+    def submit(self, fn: Callable[..., T], *args: object) -> futures.Future[T]:
         future: futures.Future[T] = futures.Future()
         self._calls.put((future, fn, args))
-        return future.result()
+        return future
+
+    def call(self, fn: Callable[..., T], *args: object) -> T:
+        return self.submit(fn, *args).result()
 
     def run(self) -> None:
         """Serve calls on this thread until ``stop``."""
         while (item := self._calls.get()) is not None:
-            future, fn, args = item
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # handed to the caller, whatever it is
-                future.set_exception(e)
+            run_into(*item)
 
     def stop(self) -> None:
         self._calls.put(None)
@@ -67,46 +79,91 @@ class CallingThread:
 class ExecutorServicer(pb_grpc.ExecutorServicer):
     """Runs one call at a time: an executor serves exactly one scheduler.
 
-    ``call`` runs the executor's methods: here, on the gRPC worker thread, or through a ``CallingThread``.
+    ``submit`` runs the executor's methods: here, on the gRPC worker thread (``submit_here``), or on a
+    ``CallingThread``. The lock is taken by the thread that runs the method, so a call queued on the
+    calling thread never waits for one that waits for it.
     """
 
-    def __init__(self, executor: Executor, call: Callable[..., object] = call_here) -> None:
+    def __init__(self, executor: Executor, submit: Submit = submit_here) -> None:
         self.executor = executor
-        self.call = call
+        self.submit = submit
         self.lock = threading.Lock()
+
+    def _locked(self, fn: Callable[..., T], *args: object) -> T:
+        with self.lock:
+            return fn(*args)
+
+    def _run(self, fn: Callable[..., T], *args: object) -> futures.Future[T]:
+        return self.submit(self._locked, fn, *args)
 
     def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.ExecutorInfo:
         return self.executor.get_info()
 
     def Step(self, plan: pb.StepPlan, context: grpc.ServicerContext) -> pb.StepResult:
-        with self.lock:
-            try:
-                return self.call(self.executor.step, plan)
-            except PlanError as e:
-                context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        return self._answer(self._run(self.executor.step, plan), context)
 
     def StepStream(self, plans: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
-        for plan in plans:
-            yield self.Step(plan, context)
+        """Steps run back to back, each as soon as the one before is computed and its plan has arrived.
+
+        A reader thread takes plans off the stream and submits each at once; this generator yields the
+        results in order, so gRPC serialises and sends step N's while step N+1 runs (vLLM's async
+        scheduling does the same). After a step fails no later plan of the stream runs: the scheduler
+        sent them before it knew, so they change nothing, and the stream ends with the failed step's
+        status (or the stream's own error, as when the scheduler cancels it).
+        """
+        started: queue.SimpleQueue[futures.Future[pb.StepResult] | None] = queue.SimpleQueue()
+        failed = threading.Event()
+
+        def step(plan: pb.StepPlan) -> pb.StepResult | None:
+            if failed.is_set():
+                return None
+            try:
+                return self.executor.step(plan)
+            except BaseException:
+                failed.set()
+                raise
+
+        def read() -> None:
+            try:
+                for plan in plans:
+                    started.put(self._run(step, plan))
+            except Exception as e:  # the stream's end (cancelled, broken): raised below, where gRPC sees it
+                started.put(submit_here(raise_, e))
+            started.put(None)
+
+        threading.Thread(target=read, name="step-stream-reader", daemon=True).start()
+        while (future := started.get()) is not None:
+            yield self._answer(future, context)
+
+    @staticmethod
+    def _answer(future: futures.Future[pb.StepResult], context: grpc.ServicerContext) -> pb.StepResult:
+        """The step's result, or the call ended with a refused plan's status."""
+        try:
+            return future.result()
+        except PlanError as e:
+            context.abort(getattr(grpc.StatusCode, e.code), str(e))
 
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> pb.ResetResponse:
-        with self.lock:
-            return pb.ResetResponse(num_dropped_requests=self.call(self.executor.reset))
+        return pb.ResetResponse(num_dropped_requests=self._run(self.executor.reset).result())
+
+
+def raise_(error: Exception) -> None:
+    raise error
 
 
 def build_server(
     executor: Executor, host: str, port: int, tls: TLSConfig | None = None,
-    health_servicer: health.HealthServicer | None = None, call: Callable[..., object] = call_here,
+    health_servicer: health.HealthServicer | None = None, submit: Submit = submit_here,
 ) -> tuple[grpc.Server, int]:
     """A ready (not started) server with health and reflection; returns it and the bound port.
 
     With ``tls`` it serves TLS, and mutual TLS when ``tls`` names a CA: the executor
     hop then accepts only a scheduler holding a certificate from that CA. Pass
-    ``health_servicer`` to turn it NOT_SERVING later, ``call`` to run the executor's
-    steps elsewhere than on gRPC's threads (``CallingThread.call``).
+    ``health_servicer`` to turn it NOT_SERVING later, ``submit`` to run the executor's
+    steps elsewhere than on gRPC's threads (``CallingThread.submit``).
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=EXECUTOR_SERVER_OPTIONS)
-    pb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(executor, call), server)
+    pb_grpc.add_ExecutorServicer_to_server(ExecutorServicer(executor, submit), server)
     health_servicer = health_servicer or health.HealthServicer()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -123,7 +180,7 @@ def serve(executor: Executor, host: str, port: int, grace_s: float = 5.0, tls: T
     """
     health_servicer = health.HealthServicer()
     calling_thread = CallingThread()
-    server, bound = build_server(executor, host, port, tls, health_servicer, calling_thread.call)
+    server, bound = build_server(executor, host, port, tls, health_servicer, calling_thread.submit)
     server.start()
     info = executor.get_info()
     log.info(

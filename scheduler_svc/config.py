@@ -38,8 +38,8 @@ class ServiceConfig:
     executor_tls_cert: str = ""
     executor_tls_key: str = ""
     api_key: str = ""
-    # Keep one step in flight: schedule step N+1 while the executor runs step N.
-    overlap: bool = False
+    # Keep one step in flight: schedule step N+1 while the executor runs step N (``--overlap off`` to stop).
+    overlap: bool = True
     # Decode steps per plan (multi-step scheduling): the executor feeds its own tokens in between.
     num_scheduler_steps: int = 1
 
@@ -76,7 +76,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--executor-tls-cert", str, "PEM client certificate for an executor that requires mutual TLS")
     add("--executor-tls-key", str, "PEM private key of --executor-tls-cert")
     add("--api-key", str, "clients must send 'authorization: Bearer <key>'; prefer the environment", secret=True)
-    add("--overlap", boolean, "schedule step N+1 while the executor runs step N")
+    add("--overlap", boolean, "schedule step N+1 while the executor runs step N ('--overlap off': one step at a time)")
     add("--num-scheduler-steps", positive_int, "decode steps per plan: the scheduling and the RPC are paid once "
         "per this many steps, and EOS and stop strings are seen (and new requests start) only between plans")
     return parser

@@ -231,11 +231,12 @@ class EngineLoop:
         num_aborted = len(leftover) + self._requests.end_all(self.engine)
         if num_aborted:
             log.warning("shutdown grace period over: %d requests aborted", num_aborted)
-        if self.supervisor.serving and self._has_work():
-            try:
+        try:
+            # Under overlap the first step collects the one in flight and the second drops what it finished.
+            while self.supervisor.serving and self._has_work():
                 self.engine.step()
-            except Exception as e:  # shutting down anyway; the executor is reset on the next start
-                log.warning("could not tell the executor to drop aborted requests: %s", describe_failure(e))
+        except Exception as e:  # shutting down anyway; the executor is reset on the next start
+            log.warning("could not tell the executor to drop aborted requests: %s", describe_failure(e))
         self._publish()
 
     def _deliver(self) -> None:

@@ -23,6 +23,8 @@ def describe_failure(error: Exception) -> str:
     """One line for the log: the gRPC status and details, or the exception's type and message."""
     if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
         return f"{error.code().name}: {error.details()}"
+    if isinstance(error, TimeoutError):  # the overlapped step's wait: what the unary Step's deadline reports
+        return "DEADLINE_EXCEEDED: the step in flight got no result within --step-timeout"
     return f"{type(error).__name__}: {error}"
 
 

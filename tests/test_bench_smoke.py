@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from bench import kernels, overhead, profile, random_model, serving, throughput
+from bench import kernels, overhead, overlap, profile, random_model, serving, throughput
 from bench.common import w1, w2
 from executor_svc import cpu_kernels
 
@@ -44,6 +44,19 @@ def test_overhead_with_multi_step_plans(tmp_path):
     assert figures["us_per_step_b3"] > 0 and figures["inprocess_us_per_step_b3"] > 0
     # A multi-step plan of 3 sequences returns 3 x 4 tokens: the floor's reply is sized from it.
     assert figures["floor_result_bytes_b3"] >= 12
+
+
+def test_overlap_writes_its_keys(tmp_path):
+    path = tmp_path / "w5.json"
+    overlap.main(["--batch", "1", "4", "--context", "32", "--steps", "5", "--warmup", "2", "--repeats", "1",
+                  "--step-ms", "1", "--json", str(path)])
+    figures = json.loads(path.read_text())
+    assert figures["step_ms"] == 1
+    for batch in (1, 4):
+        for key in ("split_efficiency", "inprocess_efficiency", "inprocess_executor_us", "split_wait_us"):
+            assert figures[f"{key}_b{batch}"] > 0
+        # The accelerator cannot be busy for longer than the wall time.
+        assert figures[f"split_efficiency_b{batch}"] <= 1 and figures[f"inprocess_efficiency_b{batch}"] <= 1
 
 
 def test_serving_on_a_shadow_stack_writes_its_keys(tmp_path):

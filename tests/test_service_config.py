@@ -71,3 +71,11 @@ def test_bad_timeouts_and_bounds_are_refused(argv: list[str]):
     with pytest.raises(SystemExit) as e:
         parse_config(argv, env={})
     assert e.value.code == 2
+
+
+def test_overlap_is_on_by_default_and_off_turns_it_off():
+    assert ServiceConfig().overlap is True
+    assert parse_config([], env={}).overlap is True
+    assert parse_config(["--overlap", "off"], env={}).overlap is False
+    assert parse_config([], env={"NANOSERVE_OVERLAP": "off"}).overlap is False
+    assert parse_config(["--overlap"], env={"NANOSERVE_OVERLAP": "off"}).overlap is True

@@ -153,11 +153,12 @@ def assert_executor_clean(stack: Stack) -> None:
 
 
 @pytest.fixture(scope="module")
-def overlap_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The shadow stack with the scheduler keeping one step in flight over the executor's step stream."""
+def sync_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The shadow stack with overlap turned off: one unary Step at a time (``stack`` keeps a step in flight,
+    the default)."""
     port = free_port()
-    log_dir = tmp_path_factory.mktemp("stack-overlap")
-    with running_stack(SHADOW_BACKEND.argv(port), log_dir, executor_port=port, overlap="true", **SCHEDULER) as s:
+    log_dir = tmp_path_factory.mktemp("stack-sync")
+    with running_stack(SHADOW_BACKEND.argv(port), log_dir, executor_port=port, overlap="off", **SCHEDULER) as s:
         yield s
 
 
@@ -175,8 +176,8 @@ def test_32_concurrent_streams_get_exactly_the_in_process_engine_tokens(stack: S
     check_32_concurrent_streams(stack, backend)
 
 
-def test_32_concurrent_streams_with_overlap_get_the_same_tokens(overlap_stack: Stack):
-    check_32_concurrent_streams(overlap_stack, SHADOW_BACKEND)
+def test_32_concurrent_streams_without_overlap_get_the_same_tokens(sync_stack: Stack):
+    check_32_concurrent_streams(sync_stack, SHADOW_BACKEND)
 
 
 def test_32_concurrent_streams_with_multi_step_decode_get_the_same_tokens(multi_step_stack: Stack):

@@ -1,0 +1,222 @@
+"""W5: the split behind a simulated accelerator, or how long a GPU would wait for the CPU each step.
+
+The executor is ``executor_svc.simulated``: a real executor on the real protocol that does every per-step CPU
+cost of the model executor (apply the plan to its request table, pack the input tensors and attention
+metadata with ``model_runner.prepare_input``, record the sampled tokens, build the result, which gRPC then
+serialises) but replaces the forward pass and the sampling with a ``--step-ms`` wait that releases the GIL,
+as a CUDA synchronize does. Efficiency = step_ms x decode steps per second: 1.0 when the accelerator never
+waits. Peers: ``split``, the Engine at nanoserve-scheduler's default flags (``ServiceConfig()``: overlap on
+over the executor's StepStream, one decode step per plan) driving the executor in a child process through
+``RemoteExecutor``; ``in-process``, the same Engine configuration driving the same executor object directly.
+Each batch prefills its sequences first (untimed), then times ``--steps`` decode steps of ``--batch``
+sequences of context ``--context`` after ``--warmup`` more.
+
+Where the time goes, per decode step (means; medians of ``--repeats`` runs): the scheduler thread's
+schedule + plan, postprocess, its wait for the result and its CPU time, and (in-process, where the executor
+can be timed) the executor's step outside its wait and the part of that in ``prepare_input``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from bench.common import HOST, Child, free_port, print_table, progress, write_json
+from bench.overhead import geometry
+from common.executor import Executor
+from executor_svc.requests import ScheduledChunk
+from executor_svc.simulated import SimulatedExecutor, simulated_executor
+from executor_svc.simulated import parse_args as simulated_args
+from executor_svc.values import StepOutput
+from nanoserve.v1 import executor_pb2 as pb
+from scheduler_svc.config import ServiceConfig
+from scheduler_svc.engine import Engine
+from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.service import connect_engine, executor_client
+
+BLOCK_SIZE = 16
+VOCAB_SIZE = 32000
+PEERS = ("split", "in-process")
+# What nanoserve-scheduler runs with when given no flags.
+DEFAULTS = ServiceConfig()
+
+
+@dataclass
+class Phases:
+    """Microseconds per decode step: wall (what efficiency is made of), the scheduler thread's phases and CPU,
+    and the executor's own time outside the wait (in-process only; 0 for the split)."""
+
+    wall_us: float
+    schedule_us: float
+    postprocess_us: float
+    wait_us: float
+    cpu_us: float
+    executor_us: float = 0.0
+    prepare_us: float = 0.0
+
+    @staticmethod
+    def median(runs: list[Phases]) -> Phases:
+        return Phases(*(statistics.median(getattr(r, f) for r in runs) for f in Phases.__dataclass_fields__))
+
+
+class TimedSimulated(SimulatedExecutor):
+    """The simulated executor noting, per decode step, its time outside the wait and the part in prepare_input."""
+
+    def __init__(self, info: pb.ExecutorInfo, step_ms: float) -> None:
+        super().__init__(info, step_ms)
+        self.busy_s: list[tuple[float, float]] = []
+        self._waited = self._forwarded = 0.0
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        self._waited = self._forwarded = 0.0
+        t0 = time.perf_counter()
+        result = super().step(plan)
+        if not plan.is_prefill:
+            self.busy_s.append((time.perf_counter() - t0 - self._waited, self._forwarded - self._waited))
+        return result
+
+    def mean_busy_us(self) -> tuple[float, float]:
+        """Mean microseconds per decode step outside the wait, and in prepare_input, since the last ``clear``."""
+        return tuple(1e6 * statistics.fmean(column) for column in zip(*self.busy_s, strict=True))
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
+        t0 = time.perf_counter()
+        output = super()._forward(chunks)
+        self._forwarded += time.perf_counter() - t0
+        return output
+
+    def _wait(self) -> None:
+        t0 = time.perf_counter()
+        super()._wait()
+        self._waited += time.perf_counter() - t0
+
+
+def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps: int) -> Phases:
+    """Prefill ``batch`` prompts of ``context`` tokens, then time ``steps`` decode steps after ``warmup``, with the
+    Engine the scheduler service builds at its default flags."""
+    engine: Engine = connect_engine(executor, DEFAULTS)
+    rng = random.Random(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=engine.info.max_model_len - context, ignore_eos=True)
+    seqs = [engine.add_request([rng.randrange(VOCAB_SIZE) for _ in range(context)], params) for _ in range(batch)]
+    while any(s.num_completion_tokens == 0 for s in seqs):
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+    if isinstance(executor, TimedSimulated):
+        executor.busy_s.clear()
+    sums = [0.0] * 3
+    c0, t0 = time.thread_time(), time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+        t = engine.last_timings
+        for i, v in enumerate((t.schedule_s + t.plan_s, t.postprocess_s, t.execute_s)):
+            sums[i] += v
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    assert engine.scheduler.num_preemptions == 0, "a sequence was preempted"
+    for seq in seqs:
+        engine.abort(seq)
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()
+    busy = executor.mean_busy_us() if isinstance(executor, TimedSimulated) else (0.0, 0.0)
+    return Phases(*(1e6 * v / steps for v in (wall, *sums, cpu)), *busy)
+
+
+def executor_flags(step_ms: float, max_model_len: int, num_blocks: int) -> list[str]:
+    """The child's flags, also used to build the in-process peer: both are the same executor."""
+    return ["--step-ms", str(step_ms), "--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE),
+            "--vocab-size", str(VOCAB_SIZE), "--max-model-len", str(max_model_len)]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.overlap", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--step-ms", type=float, default=5.0, help="milliseconds the simulated accelerator takes "
+                        "per forward pass + sampling (the doc reports 2, 5 and 10; default: %(default)s)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256],
+                        help="running sequences per decode step (default: %(default)s)")
+    parser.add_argument("--context", type=int, default=512, help="tokens per sequence when timing starts "
+                        "(default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=200, help="timed decode steps per run (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed decode steps first (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per batch and peer; medians are reported "
+                        "(default: %(default)s)")
+    parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS),
+                        help="executors to time (default: %(default)s)")
+    parser.add_argument("--json", type=Path, help="write the figures to this file")
+    args = parser.parse_args(argv)
+    if args.step_ms <= 0:
+        parser.error(f"--step-ms must be > 0, got {args.step_ms}")
+    if max(args.batch) > DEFAULTS.max_num_seqs:
+        parser.error(f"--batch is at most the default --max-num-seqs, {DEFAULTS.max_num_seqs}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    args = parse_args(argv)
+    max_model_len, num_blocks = geometry(max(args.batch), args.context, args.warmup + args.steps, 1)
+    flags = executor_flags(args.step_ms, max_model_len, num_blocks)
+    port = free_port()
+    peers = [p for p in PEERS if p in args.peers]
+    argv = [sys.executable, "-m", "executor_svc.simulated", "--host", HOST, "--port", str(port), *flags]
+    with Child("simulated executor", argv) as child:
+        target = f"{HOST}:{port}"
+        child.wait_serving(target, timeout_s=60)
+        remote = executor_client(replace(DEFAULTS, executor=target))
+        executors = {"split": remote, "in-process": simulated_executor(simulated_args(flags), TimedSimulated)}
+        runs = [(peer, batch) for batch in args.batch for peer in peers]
+        timed: dict[tuple[str, int], list[Phases]] = {run: [] for run in runs}
+        # Peers alternate within each repeat, so load drift on a shared machine hits them alike.
+        with progress(total=len(runs) * args.repeats, desc="W5 decode runs") as bar:
+            for _ in range(args.repeats):
+                for peer, batch in runs:
+                    timed[peer, batch].append(time_decode(executors[peer], batch, args.context, args.warmup,
+                                                          args.steps))
+                    bar.update()
+        remote.close()
+    results = {run: Phases.median(runs_of) for run, runs_of in timed.items()}
+    print(f"W5: decode steps of context {args.context}, simulated accelerator of {args.step_ms:g} ms per step, "
+          f"scheduler at its default flags (overlap {'on' if DEFAULTS.overlap else 'off'}), median of "
+          f"{args.repeats} runs of {args.steps} steps (us per decode step)")
+    rows = []
+    for (peer, batch), p in results.items():
+        executor = [p.executor_us, p.prepare_us] if peer == "in-process" else ["-", "-"]
+        rows.append([batch, peer, efficiency(args.step_ms, p), 1e6 / p.wall_us, p.wall_us, p.schedule_us,
+                     p.postprocess_us, p.wait_us, p.cpu_us, *executor])
+    print_table(["batch", "executor", "efficiency", "steps/s", "wall", "schedule+plan", "postprocess",
+                 "wait for result", "scheduler CPU", "executor outside wait", "(prepare_input)"], rows)
+    figures = figures_of(results, args)
+    write_json(args.json, figures)
+    return figures
+
+
+def efficiency(step_ms: float, p: Phases) -> float:
+    """step_ms x decode steps per second: the share of the wall time the accelerator is busy."""
+    return 1e3 * step_ms / p.wall_us
+
+
+def figures_of(results: dict[tuple[str, int], Phases], args: argparse.Namespace) -> dict[str, float]:
+    figures: dict[str, float] = {"step_ms": args.step_ms, "context": args.context, "steps": args.steps,
+                                 "repeats": args.repeats}
+    for (peer, batch), p in results.items():
+        prefix = peer.replace("-", "")
+        figures[f"{prefix}_efficiency_b{batch}"] = efficiency(args.step_ms, p)
+        figures[f"{prefix}_steps_per_s_b{batch}"] = 1e6 / p.wall_us
+        figures[f"{prefix}_schedule_us_b{batch}"] = p.schedule_us
+        figures[f"{prefix}_postprocess_us_b{batch}"] = p.postprocess_us
+        figures[f"{prefix}_wait_us_b{batch}"] = p.wait_us
+        figures[f"{prefix}_cpu_us_b{batch}"] = p.cpu_us
+        if peer == "in-process":
+            figures[f"inprocess_executor_us_b{batch}"] = p.executor_us
+            figures[f"inprocess_prepare_us_b{batch}"] = p.prepare_us
+    return figures
+
+
+if __name__ == "__main__":
+    main()

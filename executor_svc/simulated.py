@@ -1,0 +1,124 @@
+"""A simulated accelerator: the real executor's CPU side of every step, with the GPU's part as a fixed wait.
+
+W5 (``bench.overlap``) measures what the split costs a GPU, without a GPU. Each step does what
+``ModelExecutor`` does on its CPU: validate and apply the plan (``RequestTable``), pack the step's input
+tensors and attention metadata (``model_runner.prepare_input``, as the runner does before copying them to
+the device), record the sampled tokens and build the ``StepResult``. The forward pass and the sampling
+become a sleep of ``step_ms`` (``accelerator_wait``), which releases the GIL as a CUDA synchronize does,
+and every sampled token is one fixed id that is not an EOS id (so nothing ends before its ``max_tokens``;
+CPU work that would compute a token here would be work the GPU does). Its small tensor ops run on one torch
+thread (``--threads``), as a GPU host with cores to spare would run them without waiting for an OpenMP team.
+
+``python -m executor_svc.simulated --step-ms 5 [--port 50052 ...]`` serves it like the model-free
+executors of ``shadow_server``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from common.security import TLSConfig
+from executor_svc.model_runner import prepare_input
+from executor_svc.requests import RequestTable, ScheduledChunk
+from executor_svc.service import serve
+from executor_svc.shadow_server import model_free_info
+from executor_svc.steps import run_forward_passes
+from executor_svc.values import StepOutput
+from executor_svc.wire import step_result
+from nanoserve.v1 import executor_pb2 as pb
+
+PR_SET_TIMERSLACK = 29
+LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
+
+
+def accelerator_wait(seconds: float) -> None:
+    """``time.sleep`` with this thread's timer slack at 1 ns where Linux allows: its default 50 us, and the
+    wake-up after it, made a 2 ms wait 4 % longer here, time a GPU's synchronize does not add."""
+    if LIBC is not None:
+        LIBC.prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
+    time.sleep(seconds)
+
+
+class SimulatedExecutor:
+    """The executor contract with every per-step CPU cost of ``ModelExecutor`` and a wait for the rest."""
+
+    def __init__(self, info: pb.ExecutorInfo, step_ms: float) -> None:
+        self.info = info
+        self.step_s = step_ms / 1e3
+        self.table = RequestTable(info.num_blocks, info.block_size, info.vocab_size, info.max_model_len)
+        self.token_id = next(t for t in range(1, info.vocab_size) if t not in info.eos_token_ids)
+
+    def get_info(self) -> pb.ExecutorInfo:
+        return self.info
+
+    def reset(self) -> int:
+        return self.table.reset()
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        output = run_forward_passes(self.table, self.table.apply(plan), self._forward)
+        return step_result(self.info.instance_id, plan.step_id, output)
+
+    def _wait(self) -> None:
+        """What the device would run: the forward pass and the sampling."""
+        accelerator_wait(self.step_s)
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
+        """``ModelRunner.run`` and ``ModelExecutor._forward`` with the device's work replaced by the wait."""
+        t0 = time.perf_counter()
+        prepare_input(chunks, self.info.block_size)
+        self._wait()
+        forward_ms = (time.perf_counter() - t0) * 1e3
+        return StepOutput([self.token_id if chunk.samples else 0 for chunk in chunks], [], forward_ms, 0.0)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m executor_svc.simulated", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--step-ms", type=float, default=5.0,
+                        help="milliseconds each forward pass + sampling waits (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for the step's small tensor ops (default: %(default)s: a GPU host has "
+                             "cores to spare, and on a shared CPU a team of OpenMP threads only waits for them)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=50052, help="port to bind (default: %(default)s)")
+    parser.add_argument("--num-blocks", type=int, default=1024, help="KV blocks to report (default: %(default)s)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default: %(default)s)")
+    parser.add_argument("--vocab-size", type=int, default=32000,
+                        help="token ids are below it (default: %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=4096,
+                        help="longest prompt + completion in tokens (default: %(default)s)")
+    parser.add_argument("--eos-token-ids", type=lambda s: [int(t) for t in s.split(",") if t], default=[0],
+                        help="comma-separated EOS token ids, never sampled (default: 0)")
+    parser.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key, serve TLS (default: plaintext)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-ca", help="PEM CA; clients must then present a certificate it signed (mutual TLS)")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return parser.parse_args(argv)
+
+
+def simulated_executor(args: argparse.Namespace,
+                       kind: type[SimulatedExecutor] = SimulatedExecutor) -> SimulatedExecutor:
+    """The executor the flags describe, and this process's torch threads set to ``--threads``
+    (``bench.overlap`` builds its in-process peer with the same flags)."""
+    if args.step_ms < 0 or args.threads < 1:
+        raise SystemExit(f"--step-ms must be >= 0 and --threads >= 1, got {args.step_ms} and {args.threads}")
+    torch.set_num_threads(args.threads)
+    return kind(model_free_info(args, "simulated", "", ""), args.step_ms)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    executor = simulated_executor(args)
+    serve(executor, args.host, args.port, tls=TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca))
+
+
+if __name__ == "__main__":
+    main()
