@@ -260,6 +260,23 @@ def bad_requests(max_model_len: int, vocab_size: int) -> list[tuple[str, pb.Gene
         ("token id out of vocabulary", token_request([1, vocab_size]), f"token id {vocab_size}"),
         ("stop strings without tokenizer", token_request([1, 2], stop=["x"]), "stopping.stop"),
         ("more KV blocks than exist", token_request([1] * 8, 450, ignore_eos=True), "stopping.max_tokens: seq"),
+        ("n 0", sampled(n=0), "sampling.n"),
+        ("n 17", sampled(n=17), "sampling.n"),
+        ("repetition_penalty 0", sampled(repetition_penalty=0), "sampling.repetition_penalty"),
+        ("presence_penalty beyond 2", sampled(presence_penalty=2.5), "sampling.presence_penalty"),
+        ("frequency_penalty below -2", sampled(frequency_penalty=-2.5), "sampling.frequency_penalty"),
+        ("logit_bias beyond 100", sampled(logit_bias={3: 100.5}), "sampling.logit_bias"),
+        ("logit_bias id out of vocabulary", sampled(logit_bias={vocab_size: 1.0}), "sampling.logit_bias"),
+        ("min_tokens above max_tokens", token_request([1, 2], 4, min_tokens=5), "stopping.min_tokens"),
+        ("stop token id out of vocabulary", token_request([1, 2], stop_token_ids=[vocab_size]),
+         "stopping.stop_token_ids"),
+        ("truncate_prompt_tokens 0", pb.GenerateRequest(tokens=pb.TokenPrompt(token_ids=[1, 2]),
+                                                        truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        ("prompt_logprobs above 20", pb.GenerateRequest(tokens=pb.TokenPrompt(token_ids=[1, 2]), prompt_logprobs=21),
+         "prompt_logprobs"),
+        ("structured output without tokenizer", pb.GenerateRequest(
+            tokens=pb.TokenPrompt(token_ids=[1, 2]), structured_output=pb.StructuredOutput(regex="a+")),
+         "structured_output"),
     ]
 
 
