@@ -32,6 +32,8 @@ from scheduler_svc.errors import (
     ServerStopping,
 )
 from scheduler_svc.frontend import Frontend, Generation
+from scheduler_svc.http.app import create_app
+from scheduler_svc.http.server import HttpServer
 from scheduler_svc.loop import EngineLoop, RequestHandle
 from scheduler_svc.malformed import MalformedRequest, MalformedRequestInterceptor
 from scheduler_svc.outputs import RequestOutput
@@ -162,7 +164,8 @@ def executor_client(config: ServiceConfig) -> RemoteExecutor:
 
 
 class SchedulerServer:
-    """The gRPC server, its health status, and the engine loop once the executor answered."""
+    """The gRPC server, the HTTP API beside it on the same event loop, their health, and the engine loop once the
+    executor answered."""
 
     def __init__(self, config: ServiceConfig, executor: Executor | None = None) -> None:
         """Serve ``executor`` (an in-process one in tests), or by default the executor service at config.executor."""
@@ -179,6 +182,8 @@ class SchedulerServer:
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.tls = TLSConfig.from_flags(config.tls_cert, config.tls_key, config.tls_ca)
         self.port = bind(self.server, config.host, config.port, self.tls)
+        self.http = HttpServer(create_app(self.frontend, self.is_serving, config.api_key), config.host,
+                               config.http_port, self.tls) if config.http_port else None
         self.executor = executor if executor is not None else executor_client(config)
         self.loop: EngineLoop | None = None
         self.stopping = asyncio.Event()
@@ -211,7 +216,10 @@ class SchedulerServer:
     async def start(self) -> None:
         await self._sync_health()
         await self.server.start()
-        log.info("scheduler listening on %s:%d (%s%s) executor=%s", self.config.host, self.port,
+        if self.http is not None:
+            self.http.start()
+        http = f", HTTP on port {self.http.port}" if self.http is not None else ""
+        log.info("scheduler listening on %s:%d%s (%s%s) executor=%s", self.config.host, self.port, http,
                  transport_name(self.tls), ", API key" if self.config.api_key else "", self.config.executor)
 
     async def connect(self) -> bool:
@@ -255,7 +263,10 @@ class SchedulerServer:
         if self.loop is not None:
             grace = self.config.shutdown_grace
             await asyncio.to_thread(self.loop.stop, grace, grace + self.config.step_timeout)
-        await self.server.stop(SERVER_STOP_GRACE_S)
+        servers = [self.server.stop(SERVER_STOP_GRACE_S)]
+        if self.http is not None:
+            servers.append(self.http.stop(SERVER_STOP_GRACE_S))
+        await asyncio.gather(*servers)
         if isinstance(self.executor, RemoteExecutor):
             self.executor.close()
 
