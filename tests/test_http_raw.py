@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import socket
 import ssl
 import time
 from collections.abc import Iterator
@@ -107,6 +108,20 @@ def test_a_client_leaving_mid_stream_frees_its_blocks_within_a_step_or_two(slow_
     assert idle.num_aborted == before.num_aborted + 1
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_leaving_before_any_answer_frees_its_blocks(slow_api: Hosted, stream: bool):
+    before = slow_api.stub.GetStats(pb.GetStatsRequest(), timeout=5)
+    body = json.dumps({**LONG, "stream": stream}).encode()
+    with socket.create_connection((HOST, int(slow_api.url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: nanoserve\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 5
+    while slow_api.stub.GetStats(pb.GetStatsRequest(), timeout=5).num_aborted == before.num_aborted:
+        assert time.monotonic() < deadline, "the request of a client that left was never aborted"
+        time.sleep(STEP_S)
+    wait_stats(slow_api, idle=True)
+
+
 def test_a_client_leaving_a_whole_response_frees_its_blocks(slow_api: Hosted):
     before = slow_api.stub.GetStats(pb.GetStatsRequest(), timeout=5)
     with pytest.raises(httpx.ReadTimeout):
@@ -160,6 +175,17 @@ def test_503_until_the_executor_answers_and_while_draining():
             await stopping
 
     asyncio.run(run())
+
+
+def test_a_port_in_use_fails_at_start_up_naming_it():
+    with socket.create_server((HOST, 0)) as busy:
+        port = busy.getsockname()[1]
+
+        async def start() -> None:
+            service.SchedulerServer(ServiceConfig(host=HOST, port=0, http_port=port), echo())
+
+        with pytest.raises(OSError, match=f"cannot bind the HTTP API on {HOST}:{port}"):
+            asyncio.run(start())
 
 
 def test_tokenize_and_detokenize_speak_vllms_shapes(echo_api: Hosted):

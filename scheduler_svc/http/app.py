@@ -1,8 +1,8 @@
 """The OpenAI-compatible routes: each translates its body to the GenerateRequests the gRPC API receives, sends
 them through the same ``Frontend``, and translates the outputs back; no engine logic lives here.
 
-A streamed response whose client goes away is cancelled by Starlette, and a whole response's by
-``unless_disconnected``; either way its generations close, which cancels their requests, so their KV
+A streamed response whose client goes away is cancelled by Starlette (``GenerationStream``), and a whole
+response's by ``unless_disconnected``; either way its generations close, which cancels their requests, so their KV
 blocks are free before the next step. More routers (``/metrics``) go in ``create_app``.
 """
 
@@ -69,14 +69,20 @@ async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Re
     return task.result() if not task.cancelled() else Response(status_code=CLIENT_CLOSED)
 
 
-async def closing(chunks: AsyncIterator[str], generations: list[Generation]) -> AsyncIterator[str]:
-    """``chunks``, then the generations closed, however the stream ends (a client gone cancels it)."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    finally:
-        for generation in generations:
-            generation.close()
+class GenerationStream(StreamingResponse):
+    """Server-sent events that close their generations however the response ends: finished, cancelled by a
+    client gone mid-stream, or before it even started."""
+
+    def __init__(self, chunks: AsyncIterator[str], generations: list[Generation]) -> None:
+        super().__init__(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.generations = generations
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for generation in self.generations:
+                generation.close()
 
 
 def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
@@ -103,8 +109,7 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
     async def generate(request: Request, t: translate.Translated, chunks: Callable, whole: Callable) -> Response:
         generations = await submit(t)
         if t.stream:
-            return StreamingResponse(closing(chunks(t, generations, frontend.tokenizer), generations),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return GenerationStream(chunks(t, generations, frontend.tokenizer), generations)
 
         async def answer() -> Response:
             try:
