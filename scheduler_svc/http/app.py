@@ -23,11 +23,15 @@ from scheduler_svc.errors import RequestFailed
 from scheduler_svc.frontend import Frontend, Generation
 from scheduler_svc.http import responses, schemas, translate
 from scheduler_svc.http.errors import ApiError, install_handlers
+from scheduler_svc.tokenizer import ModelTokenizer
 
 # Like gRPC health checks, open without the API key: probes carry none, and it reveals nothing else.
 OPEN_PATHS = frozenset({"/health"})
 # Sent instead of a response nobody is left to read.
 CLIENT_CLOSED = 499
+# ``responses``' two ways to answer: SSE chunks, or one whole object.
+Chunks = Callable[[translate.Translated, list[Generation], ModelTokenizer | None], AsyncIterator[str]]
+Whole = Callable[[translate.Translated, list[Generation], ModelTokenizer | None], Awaitable[BaseModel]]
 
 
 class ApiKeyMiddleware:
@@ -106,19 +110,19 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
             raise
         return generations
 
-    async def generate(request: Request, t: translate.Translated, chunks: Callable, whole: Callable) -> Response:
+    async def generate(request: Request, t: translate.Translated, chunks: Chunks, whole: Whole) -> Response:
         generations = await submit(t)
         if t.stream:
             return GenerationStream(chunks(t, generations, frontend.tokenizer), generations)
 
         async def answer() -> Response:
-            try:
-                return json_response(await whole(t, generations, frontend.tokenizer))
-            finally:
-                for generation in generations:
-                    generation.close()
+            return json_response(await whole(t, generations, frontend.tokenizer))
 
-        return await unless_disconnected(request, answer())
+        try:
+            return await unless_disconnected(request, answer())
+        finally:
+            for generation in generations:
+                generation.close()
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
