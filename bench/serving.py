@@ -1,27 +1,36 @@
-"""W3: online serving latency through the public gRPC API, with Poisson arrivals.
+"""W3: online serving latency through a public API, gRPC or OpenAI's HTTP, with Poisson arrivals.
 
 Requests (prompts and max_tokens drawn as W1 or W2, ``ignore_eos``) are sent at
-``--request-rate`` per second with exponential gaps, each streamed with
-``client.api.AsyncClient``. Reports request throughput, output tokens/s, time to
-first token (TTFT), time per output token after the first (TPOT) and end-to-end
-latency, as vLLM's serving benchmark does. It targets a running server
-(``--server``) or launches its own stack: ``--launch shadow`` (the model-free
-shadow executor, no torch) or ``--launch real`` (the embedded model on CPU).
+``--request-rate`` per second with exponential gaps, each streamed: with
+``client.api.AsyncClient`` (``--backend grpc``), or with the ``openai`` SDK's
+AsyncOpenAI to ``/v1/completions`` (``--backend openai``; the prompts are token ids,
+and vLLM's ``return_token_ids`` marks the first token even without a tokenizer).
+Reports request throughput, output tokens/s, time to first token (TTFT), time per
+output token after the first (TPOT) and end-to-end latency, as vLLM's serving
+benchmark does. It targets a running server (``--server`` for gRPC, ``--base-url``
+for HTTP; the key comes from OPENAI_API_KEY) or launches its own stack: ``--launch
+shadow`` (the model-free shadow executor, no torch) or ``--launch real`` (the
+embedded model on CPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import math
+import os
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+
+import openai
 
 from bench.common import HOST, WORKLOADS, Child, Workload, free_port, percentile, print_table, progress, write_json
 from client.api import AsyncClient
@@ -63,19 +72,58 @@ async def send(client: AsyncClient, prompt: list[int], max_tokens: int, temperat
     return result
 
 
-async def run_load(target: str, workload: Workload, request_rate: float, seed: int) -> tuple[list[RequestResult],
-                                                                                            float]:
-    """Send every request of ``workload`` with Poisson arrivals; return the results and the wall seconds."""
-    gaps = random.Random(seed)
+async def send_openai(client: openai.AsyncOpenAI, model: str, prompt: list[int], max_tokens: int,
+                      temperature: float) -> RequestResult:
+    """One streamed /v1/completions; the output tokens are the last chunk's usage."""
+    result = RequestResult()
+    start = time.perf_counter()
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
+        async for chunk in stream:
+            if chunk.usage is not None:
+                result.output_tokens = chunk.usage.completion_tokens
+            elif not result.ttft_s and chunk.choices and (chunk.choices[0].text
+                                                          or getattr(chunk.choices[0], "token_ids", None)):
+                result.ttft_s = time.perf_counter() - start
+    except openai.APIError as e:
+        result.error = str(e)
+    result.latency_s = time.perf_counter() - start
+    return result
+
+
+Send = Callable[[list[int], int, float], Awaitable[RequestResult]]
+
+
+@contextlib.asynccontextmanager
+async def grpc_backend(target: str) -> AsyncIterator[Send]:
     async with AsyncClient(target) as client:
         await client.health()
+        yield functools.partial(send, client)
+
+
+@contextlib.asynccontextmanager
+async def openai_backend(base_url: str) -> AsyncIterator[Send]:
+    """The served model is the first that /v1/models lists; no retries, so a refusal counts as failed."""
+    api_key = os.environ.get("OPENAI_API_KEY", "none")
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        model = (await client.models.list()).data[0].id
+        yield functools.partial(send_openai, client, model)
+
+
+async def run_load(backend: contextlib.AbstractAsyncContextManager[Send], workload: Workload, request_rate: float,
+                   seed: int) -> tuple[list[RequestResult], float]:
+    """Send every request of ``workload`` with Poisson arrivals; return the results and the wall seconds."""
+    gaps = random.Random(seed)
+    async with backend as send_one:
         bar = progress(total=len(workload), desc=f"W3 {workload.name} @ {request_rate} req/s")
         tasks = []
         start = time.perf_counter()
         for i, (prompt, max_tokens) in enumerate(zip(workload.prompts, workload.max_tokens, strict=True)):
             if i and math.isfinite(request_rate):
                 await asyncio.sleep(gaps.expovariate(request_rate))
-            task = asyncio.create_task(send(client, prompt, max_tokens, workload.temperature))
+            task = asyncio.create_task(send_one(prompt, max_tokens, workload.temperature))
             task.add_done_callback(lambda _: bar.update())
             tasks.append(task)
         results = await asyncio.gather(*tasks)
@@ -84,11 +132,12 @@ async def run_load(target: str, workload: Workload, request_rate: float, seed: i
     return list(results), duration
 
 
-def launch(kind: str, workload: Workload, stack: ExitStack, max_num_seqs: int, threads: int, timeout_s: float) -> str:
-    """Start an executor and a scheduler as subprocesses; return the scheduler's address."""
+def launch(kind: str, workload: Workload, stack: ExitStack, max_num_seqs: int, threads: int,
+           timeout_s: float) -> tuple[str, str]:
+    """Start an executor and a scheduler as subprocesses; return the scheduler's gRPC address and HTTP base URL."""
     log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-bench-"))
     print(f"launching a {kind} stack; logs in {log_dir}", file=sys.stderr)
-    executor_port, scheduler_port = free_port(), free_port()
+    executor_port, scheduler_port, http_port = free_port(), free_port(), free_port()
     if kind == "shadow":
         longest = max(len(p) + m for p, m in zip(workload.prompts, workload.max_tokens, strict=True))
         num_blocks = len(workload) * -(-longest // BLOCK_SIZE)
@@ -102,10 +151,11 @@ def launch(kind: str, workload: Workload, stack: ExitStack, max_num_seqs: int, t
     executor = stack.enter_context(Child("executor", argv, log_dir / "executor.log"))
     executor.wait_serving(f"{HOST}:{executor_port}", timeout_s)
     argv = [sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}",
-            "--port", str(scheduler_port), "--max-num-seqs", str(max_num_seqs), "--log-level", "WARNING"]
+            "--port", str(scheduler_port), "--max-num-seqs", str(max_num_seqs), "--log-level", "WARNING",
+            "--http-port", str(http_port)]
     scheduler = stack.enter_context(Child("scheduler", argv, log_dir / "scheduler.log"))
     scheduler.wait_serving(f"{HOST}:{scheduler_port}", timeout_s)
-    return f"{HOST}:{scheduler_port}"
+    return f"{HOST}:{scheduler_port}", f"http://{HOST}:{http_port}/v1"
 
 
 def summarise(results: list[RequestResult], duration_s: float, request_rate: float) -> dict[str, float | None]:
@@ -157,8 +207,12 @@ def plot(path: Path, results: list[RequestResult], title: str) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
+                        help="the API to drive: gRPC Generate, or OpenAI's /v1/completions (default: %(default)s)")
     target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument("--server", metavar="HOST:PORT", help="a running scheduler service")
+    target.add_argument("--server", metavar="HOST:PORT", help="a running scheduler service (--backend grpc)")
+    target.add_argument("--base-url", metavar="URL",
+                        help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1 (--backend openai)")
     target.add_argument("--launch", choices=("shadow", "real"),
                         help="start an executor (shadow: model-free; real: the embedded model on CPU) and a scheduler")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="w1", help="(default: %(default)s)")
@@ -177,19 +231,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.request_rate <= 0:
         parser.error("--request-rate must be > 0")
+    if args.server and args.backend != "grpc" or args.base_url and args.backend != "openai":
+        parser.error("--server goes with --backend grpc, --base-url with --backend openai")
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, float | None]:
+def main(argv: Sequence[str] | None = None) -> dict[str, object]:
     args = parse_args(argv)
     workload = WORKLOADS[args.workload]().head(args.num_prompts)
     with ExitStack() as stack:
-        target = args.server or launch(args.launch, workload, stack, args.max_num_seqs, args.threads,
-                                            args.launch_timeout)
-        results, duration = asyncio.run(run_load(target, workload, args.request_rate, args.seed))
-    figures = summarise(results, duration, args.request_rate)
-    print(f"W3 {workload.name}: {len(workload)} requests at {args.request_rate} req/s against "
-          f"{args.server or args.launch + ' stack'}")
+        if args.launch:
+            target, base_url = launch(args.launch, workload, stack, args.max_num_seqs, args.threads,
+                                      args.launch_timeout)
+        else:
+            target, base_url = args.server, args.base_url
+        backend = grpc_backend(target) if args.backend == "grpc" else openai_backend(base_url)
+        results, duration = asyncio.run(run_load(backend, workload, args.request_rate, args.seed))
+    figures = {"backend": args.backend, **summarise(results, duration, args.request_rate)}
+    against = args.server or args.base_url or args.launch + " stack"
+    print(f"W3 {workload.name}: {len(workload)} requests at {args.request_rate} req/s against {against} "
+          f"({args.backend})")
     print_table(["metric", "value"], [
         ["completed / failed", f"{figures['completed']} / {figures['failed']}"],
         ["duration (s)", figures["duration_s"]],
@@ -202,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float | None]:
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
     if args.plot:
-        plot(args.plot, results, f"W3 {workload.name}, {args.request_rate} req/s, {args.server or args.launch}")
+        plot(args.plot, results, f"W3 {workload.name}, {args.request_rate} req/s, {against}, {args.backend}")
     write_json(args.json, figures)
     return figures
 

@@ -117,7 +117,7 @@ def run_split(args: argparse.Namespace, workload: Workload, overlap: bool) -> fl
     scheduler_argv = [
         sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--port", str(scheduler_port),
         "--overlap", str(overlap).lower(), "--num-scheduler-steps", str(args.num_scheduler_steps),
-        "--log-level", "WARNING",
+        "--log-level", "WARNING", "--http-port", "0",
     ]
     target = f"{HOST}:{scheduler_port}"
     with ExitStack() as stack:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from client.errors import NanoserveError
 HOST = "127.0.0.1"
 EXECUTOR_PORT = 50052
 SCHEDULER_PORT = 50051
+HTTP_PORT = 8000
 # What docker-compose.cpu.yml sets beyond the host, the port and the cache volume (tests/test_compose.py checks).
 EXECUTOR_CPU_ENV = {"NANOSERVE_DEVICE": "cpu", "NANOSERVE_DTYPE": "float32"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -53,8 +56,9 @@ def executor_service(port: int, shadow: bool) -> Service:
     return Service("executor", [str(BIN / "nanoserve-executor")], env, f"{HOST}:{port}")
 
 
-def scheduler_service(port: int, executor_port: int) -> Service:
-    env = {"NANOSERVE_HOST": HOST, "NANOSERVE_PORT": str(port), "NANOSERVE_EXECUTOR": f"{HOST}:{executor_port}"}
+def scheduler_service(port: int, executor_port: int, http_port: int) -> Service:
+    env = {"NANOSERVE_HOST": HOST, "NANOSERVE_PORT": str(port), "NANOSERVE_HTTP_PORT": str(http_port),
+           "NANOSERVE_EXECUTOR": f"{HOST}:{executor_port}"}
     return Service("scheduler", [str(BIN / "nanoserve-scheduler")], env, f"{HOST}:{port}")
 
 
@@ -120,6 +124,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--executor-only", action="store_true", help="run only the executor")
     parser.add_argument("--port", type=int, default=SCHEDULER_PORT, help="scheduler port (default %(default)s)")
     parser.add_argument("--executor-port", type=int, default=EXECUTOR_PORT, help="executor port (default %(default)s)")
+    parser.add_argument("--http-port", type=int, default=HTTP_PORT,
+                        help="port of the scheduler's OpenAI-compatible HTTP API, 0 for none (default %(default)s)")
     return parser.parse_args(argv)
 
 
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     services = [executor_service(args.executor_port, args.shadow)]
     if not args.executor_only:
-        services.append(scheduler_service(args.port, args.executor_port))
+        services.append(scheduler_service(args.port, args.executor_port, args.http_port))
     stack = Stack()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -142,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             if not stack.wait_serving(service):
                 break
         else:
-            print_ready(services[-1], args.shadow)
+            print_ready(services[-1], args.shadow, args.http_port)
         while not stack.stopping.is_set() and stack.exited() is None:
             stack.stopping.wait(POLL_S)
         died = stack.exited()
@@ -155,7 +161,18 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if died is not None else 0
 
 
-def print_ready(last: Service, shadow: bool) -> None:
+def curl_line(model: str, http_port: int, shadow: bool) -> str:
+    """A request to the HTTP API that works on this stack: chat with the model, token ids with the shadow executor."""
+    if shadow:
+        path, body = "completions", {"model": model, "prompt": [1, 2, 3], "max_tokens": 16, "return_token_ids": True}
+    else:
+        path, body = "chat/completions", {"model": model, "max_tokens": 16, "temperature": 0,
+                                          "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    return (f"curl http://{HOST}:{http_port}/v1/{path} -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(json.dumps(body))}")
+
+
+def print_ready(last: Service, shadow: bool, http_port: int) -> None:
     if last.name == "executor":
         print(f"nanoserve: the executor is serving on {last.target}", file=sys.stderr)
         return
@@ -166,6 +183,10 @@ def print_ready(last: Service, shadow: bool) -> None:
     prompt = "--json --token-ids 1,2,3" if shadow else '"The capital of France is"'
     print(f"nanoserve: ready. In another terminal run: {cli} generate{server} {prompt} "
           "--max-tokens 16 --temperature 0", flush=True)
+    if http_port:
+        with Client(last.target, timeout=10.0) as client:
+            model = client.model_info().model_id
+        print(f"nanoserve: or over HTTP (the OpenAI API): {curl_line(model, http_port, shadow)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,5 +13,6 @@ COPY scheduler_svc scheduler_svc
 COPY client client
 RUN pip install .
 
-EXPOSE 50051
+# gRPC, and the OpenAI-compatible HTTP API.
+EXPOSE 50051 8000
 CMD ["nanoserve-scheduler"]

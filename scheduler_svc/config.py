@@ -42,6 +42,8 @@ class ServiceConfig:
     overlap: bool = True
     # Decode steps per plan (multi-step scheduling): the executor feeds its own tokens in between.
     num_scheduler_steps: int = 1
+    # The OpenAI-compatible HTTP API, on --host beside gRPC; 0 turns it off.
+    http_port: int = 8000
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -79,6 +81,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--overlap", boolean, "schedule step N+1 while the executor runs step N ('--overlap off': one step at a time)")
     add("--num-scheduler-steps", positive_int, "decode steps per plan: the scheduling and the RPC are paid once "
         "per this many steps, and EOS and stop strings are seen (and new requests start) only between plans")
+    add("--http-port", port, "port of the OpenAI-compatible HTTP API on --host, with the same TLS and API key "
+        "(0 turns it off)")
     return parser
 
 

@@ -31,14 +31,16 @@ from scheduler_svc.errors import (
     RequestFailed,
     ServerStopping,
 )
+from scheduler_svc.frontend import Frontend, Generation
+from scheduler_svc.http.app import create_app
+from scheduler_svc.http.server import HttpServer
 from scheduler_svc.loop import EngineLoop, RequestHandle
 from scheduler_svc.malformed import MalformedRequest, MalformedRequestInterceptor
 from scheduler_svc.outputs import RequestOutput
 from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.scheduler import SchedulerConfig
 from scheduler_svc.tokenizer import ModelTokenizer
-from scheduler_svc.validation import ModelLimits
-from scheduler_svc.wire import detokenize, model_info, prepare, public_error, scheduler_stats, to_response, tokenize
+from scheduler_svc.wire import to_response
 
 log = logging.getLogger("nanoserve.scheduler")
 
@@ -66,129 +68,79 @@ def connect_engine(executor: Executor, config: ServiceConfig) -> Engine:
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    """Answers UNAVAILABLE until ``attach`` hands it the engine loop after the executor handshake."""
+    """gRPC in and out; the work around the engine loop is the ``Frontend``'s, shared with the HTTP API."""
 
-    def __init__(self, executor_target: str) -> None:
-        self.executor_target = executor_target
-        self.loop: EngineLoop | None = None
-        self.tokenizer: ModelTokenizer | None = None
-        # Requests in flight by the id the caller gave (or was given), for Abort; event-loop thread only.
-        self.by_request_id: dict[str, set[RequestHandle]] = {}
-
-    def attach(self, loop: EngineLoop, tokenizer: ModelTokenizer | None) -> None:
-        self.loop, self.tokenizer = loop, tokenizer
-
-    async def _ready(self, context: grpc.aio.ServicerContext) -> EngineLoop:
-        if self.loop is None:
-            message = f"the scheduler is still connecting to the executor at {self.executor_target}"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
-        return self.loop
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
 
     @staticmethod
     async def _fail(context: grpc.aio.ServicerContext, error: RequestFailed) -> None:
-        """End the call with the status of ``error``; a refused field is named as GenerateRequest spells it."""
-        if isinstance(error, InvalidRequest):
-            error = public_error(error)
+        """End the call with the status of ``error``."""
         await context.abort(STATUS_OF[type(error)], str(error))
 
-    async def _submit(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[RequestHandle, asyncio.Queue[RequestOutput]]:
-        loop = await self._ready(context)
-        if isinstance(request, MalformedRequest):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a GenerateRequest: {request.reason}")
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    async def _ready(self, context: grpc.aio.ServicerContext) -> None:
         try:
-            prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
-            handle = loop.submit(prepared, queue)
+            self.frontend.ready()
         except RequestFailed as e:
             await self._fail(context, e)
-        self.by_request_id.setdefault(prepared.request_id, set()).add(handle)
-        return handle, queue
 
-    def _done(self, handle: RequestHandle, finished: bool) -> None:
-        """The call ended: forget its id; a request not finished (the caller went away) is cancelled."""
-        handles = self.by_request_id[handle.prepared.request_id]
-        handles.discard(handle)
-        if not handles:
-            del self.by_request_id[handle.prepared.request_id]
-        if not finished:
-            self.loop.cancel(handle)
-
-    @staticmethod
-    async def _next_outputs(
-        queue: asyncio.Queue[RequestOutput], context: grpc.aio.ServicerContext
-    ) -> list[RequestOutput]:
-        """Everything produced since the last read, so a slow reader gets fewer, larger responses."""
-        outputs = [await queue.get()]
-        while not queue.empty() and not outputs[-1].is_last:
-            outputs.append(queue.get_nowait())
-        error = outputs[-1].error
-        if error is not None:
-            await GenerationServicer._fail(context, error)
-        return outputs
+    async def _submit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Generation:
+        await self._ready(context)
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a GenerateRequest: {request.reason}")
+        try:
+            return await self.frontend.submit(request)
+        except RequestFailed as e:
+            await self._fail(context, e)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        handle, queue = await self._submit(request, context)
-        remaining = handle.prepared.params.n
-        try:
-            while remaining:
-                outputs = await self._next_outputs(queue, context)
-                # One response per run of outputs of the same choice.
-                for _, run in itertools.groupby(outputs, key=lambda output: output.index):
-                    run = list(run)
-                    remaining -= sum(output.finish_reason is not None for output in run)
-                    yield to_response(handle.prepared.request_id, run)
-        finally:
-            self._done(handle, finished=not remaining)
+        with await self._submit(request, context) as generation:
+            try:
+                async for outputs in generation.batches():
+                    # One response per run of outputs of the same choice.
+                    for _, run in itertools.groupby(outputs, key=lambda output: output.index):
+                        yield to_response(generation.request_id, run)
+            except RequestFailed as e:
+                await self._fail(context, e)
 
     async def GenerateOnce(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         if not isinstance(request, MalformedRequest) and request.sampling.n > 1:
             message = f"GenerateOnce returns one completion; stream {request.sampling.n} choices with Generate"
             await self._fail(context, InvalidRequest("sampling.n", message))
-        handle, queue = await self._submit(request, context)
-        outputs: list[RequestOutput] = []
-        try:
-            while not outputs or not outputs[-1].is_last:
-                outputs.extend(await self._next_outputs(queue, context))
-        finally:
-            self._done(handle, finished=bool(outputs) and outputs[-1].is_last)
-        return to_response(handle.prepared.request_id, outputs)
+        with await self._submit(request, context) as generation:
+            try:
+                outputs = [output async for batch in generation.batches() for output in batch]
+            except RequestFailed as e:
+                await self._fail(context, e)
+        return to_response(generation.request_id, outputs)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        loop = await self._ready(context)
         try:
-            token_ids = await asyncio.to_thread(tokenize, request, self.tokenizer)
+            return await self.frontend.tokenize(request)
         except RequestFailed as e:
             await self._fail(context, e)
-        return pb.TokenizeResponse(token_ids=token_ids, count=len(token_ids), max_model_len=loop.info.max_model_len)
 
     async def Detokenize(self, request: pb.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
-        loop = await self._ready(context)
         try:
-            return pb.DetokenizeResponse(text=detokenize(request, self.tokenizer, loop.info.vocab_size))
+            return self.frontend.detokenize(request)
         except RequestFailed as e:
             await self._fail(context, e)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Each request found ends with ABORT; its blocks are free before the next step."""
-        loop = await self._ready(context)
-        found = [request_id for request_id in dict.fromkeys(request.request_ids) if request_id in self.by_request_id]
-        for request_id in found:
-            for handle in self.by_request_id[request_id]:
-                loop.cancel(handle, answer=True)
-        return pb.AbortResponse(aborted_request_ids=found)
+        await self._ready(context)
+        return pb.AbortResponse(aborted_request_ids=self.frontend.abort(request.request_ids))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        loop = await self._ready(context)
-        return model_info(loop.info, self.tokenizer)
+        await self._ready(context)
+        return self.frontend.model_info()
 
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.SchedulerStats:
-        loop = await self._ready(context)
-        return scheduler_stats(loop.stats)
+        await self._ready(context)
+        return self.frontend.stats()
 
 
 def deliver_to_event_loop(aio_loop: asyncio.AbstractEventLoop):
@@ -212,7 +164,8 @@ def executor_client(config: ServiceConfig) -> RemoteExecutor:
 
 
 class SchedulerServer:
-    """The gRPC server, its health status, and the engine loop once the executor answered."""
+    """The gRPC server, the HTTP API beside it on the same event loop, their health, and the engine loop once the
+    executor answered."""
 
     def __init__(self, config: ServiceConfig, executor: Executor | None = None) -> None:
         """Serve ``executor`` (an in-process one in tests), or by default the executor service at config.executor."""
@@ -221,13 +174,16 @@ class SchedulerServer:
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
         interceptors.append(MalformedRequestInterceptor(SERVICE_NAME))
         self.server = grpc.aio.server(interceptors=interceptors, options=options)
-        self.servicer = GenerationServicer(config.executor)
+        self.frontend = Frontend(config.executor)
+        self.servicer = GenerationServicer(self.frontend)
         self.health = health.aio.HealthServicer()
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.tls = TLSConfig.from_flags(config.tls_cert, config.tls_key, config.tls_ca)
         self.port = bind(self.server, config.host, config.port, self.tls)
+        self.http = HttpServer(create_app(self.frontend, self.is_serving, config.api_key), config.host,
+                               config.http_port, self.tls) if config.http_port else None
         self.executor = executor if executor is not None else executor_client(config)
         self.loop: EngineLoop | None = None
         self.stopping = asyncio.Event()
@@ -239,10 +195,14 @@ class SchedulerServer:
     async def _sync_health(self) -> None:
         """Publish the current status; serialized, and each update reads the latest state, so the last one wins."""
         async with self._health_lock:
-            serving = self.serving and not self.stopping.is_set()
+            serving = self.is_serving()
             status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, status)
+
+    def is_serving(self) -> bool:
+        """What health says, over gRPC and HTTP: the executor answered and the server is not draining."""
+        return self.serving and not self.stopping.is_set()
 
     def _on_serving(self, aio_loop: asyncio.AbstractEventLoop):
         """The engine loop's ``on_serving``: called on its thread, applied on the event loop."""
@@ -256,7 +216,10 @@ class SchedulerServer:
     async def start(self) -> None:
         await self._sync_health()
         await self.server.start()
-        log.info("scheduler listening on %s:%d (%s%s) executor=%s", self.config.host, self.port,
+        if self.http is not None:
+            self.http.start()
+        http = f", HTTP on port {self.http.port}" if self.http is not None else ""
+        log.info("scheduler listening on %s:%d%s (%s%s) executor=%s", self.config.host, self.port, http,
                  transport_name(self.tls), ", API key" if self.config.api_key else "", self.config.executor)
 
     async def connect(self) -> bool:
@@ -280,7 +243,7 @@ class SchedulerServer:
         limits = QueueLimits(self.config.max_queued_requests, self.config.max_queued_tokens)
         self.loop = EngineLoop(engine, tokenizer, deliver_to_event_loop(aio_loop), limits, self._on_serving(aio_loop))
         self.loop.start()
-        self.servicer.attach(self.loop, tokenizer)
+        self.frontend.attach(self.loop, tokenizer)
         self.serving = True
         await self._sync_health()
         log.info(
@@ -300,7 +263,10 @@ class SchedulerServer:
         if self.loop is not None:
             grace = self.config.shutdown_grace
             await asyncio.to_thread(self.loop.stop, grace, grace + self.config.step_timeout)
-        await self.server.stop(SERVER_STOP_GRACE_S)
+        servers = [self.server.stop(SERVER_STOP_GRACE_S)]
+        if self.http is not None:
+            servers.append(self.http.stop(SERVER_STOP_GRACE_S))
+        await asyncio.gather(*servers)
         if isinstance(self.executor, RemoteExecutor):
             self.executor.close()
 

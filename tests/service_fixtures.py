@@ -149,7 +149,7 @@ def running_stack(
     executor = spawn(executor_cmd, log_dir / "executor.log") if executor_cmd else None
     port = free_port()
     argv = [sys.executable, "-m", "scheduler_svc", "--host", HOST, "--port", str(port), "--executor", executor_target]
-    for key, value in scheduler_flags.items():
+    for key, value in {"http_port": 0, **scheduler_flags}.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
     scheduler = spawn(argv, log_dir / "scheduler.log")
     target = f"{HOST}:{port}"
@@ -252,8 +252,11 @@ class InProcess:
 
 @contextlib.asynccontextmanager
 async def in_process_scheduler(executor: Executor, **config: object) -> AsyncIterator[InProcess]:
-    """A scheduler server in this process around ``executor``, and an aio stub to it; stopped on exit."""
-    server = SchedulerServer(ServiceConfig(host=HOST, port=0, **config), executor)
+    """A scheduler server in this process around ``executor``, and an aio stub to it; stopped on exit.
+
+    Its HTTP API is off unless ``http_port`` is given.
+    """
+    server = SchedulerServer(ServiceConfig(**{"host": HOST, "port": 0, "http_port": 0, **config}), executor)
     await server.start()
     assert await server.connect()
     channel = grpc.aio.insecure_channel(f"{HOST}:{server.port}")

@@ -69,6 +69,17 @@ def test_serving_on_a_shadow_stack_writes_its_keys(tmp_path):
         assert figures[key] > 0
 
 
+def test_serving_through_the_openai_api_writes_the_same_keys(tmp_path):
+    path = tmp_path / "w3.json"
+    serving.main(["--backend", "openai", "--launch", "shadow", "--num-prompts", "3", "--request-rate", "50",
+                  "--json", str(path)])
+    figures = json.loads(path.read_text())
+    assert figures["backend"] == "openai" and figures["completed"] == 3 and figures["failed"] == 0
+    assert figures["output_tokens"] == sum(serving.WORKLOADS["w1"]().head(3).max_tokens)
+    for key in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
+        assert figures[key] > 0
+
+
 def test_w2_runs_on_a_shrunken_random_qwen3(tmp_path):
     """The W2 path (random Qwen3 weights, temperature 0.6, its own max_model_len) end to end, on the CPU."""
     folder = random_model.save_random_qwen3(

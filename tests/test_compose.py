@@ -8,14 +8,17 @@ the compose network's names and ports replaced by 127.0.0.1 and free ports.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -68,6 +71,8 @@ def local_service(name: str, service: dict, ports: dict[str, int]) -> stack.Serv
     assert env.pop("NANOSERVE_HOST") == "0.0.0.0", "a container must listen on every interface"
     env["NANOSERVE_HOST"] = stack.HOST
     env["NANOSERVE_PORT"] = str(ports[name])
+    if "NANOSERVE_HTTP_PORT" in env and f"{name}_http" in ports:
+        env["NANOSERVE_HTTP_PORT"] = str(ports[f"{name}_http"])
     if env.get("NANOSERVE_EXECUTOR") == EXECUTOR_ADDRESS:
         env["NANOSERVE_EXECUTOR"] = f"{stack.HOST}:{ports['executor']}"
     if "NANOSERVE_CACHE" in env:  # the volume: the cache this machine's executor uses anyway
@@ -113,7 +118,8 @@ def test_our_reading_of_the_compose_file_matches_the_tool(compose_file: str) -> 
 def test_only_the_scheduler_is_published_and_it_waits_for_a_healthy_executor(compose_file: str) -> None:
     services = load_services(ROOT / compose_file)
     assert "ports" not in services["executor"]
-    assert [p.rsplit(":", 1)[-1] for p in services["scheduler"]["ports"]] == ["50051"]
+    assert [p.rsplit(":", 1)[-1] for p in services["scheduler"]["ports"]] == ["50051", "8000"]
+    assert services["scheduler"]["environment"]["NANOSERVE_HTTP_PORT"] == "8000"
     assert services["scheduler"]["depends_on"] == {"executor": {"condition": "service_healthy"}}
     assert services["scheduler"]["environment"]["NANOSERVE_EXECUTOR"] == EXECUTOR_ADDRESS
 
@@ -130,7 +136,7 @@ def test_make_run_starts_what_the_cpu_stack_runs() -> None:
     services = load_services(ROOT / "docker-compose.cpu.yml")
     ports = {"executor": stack.EXECUTOR_PORT, "scheduler": stack.SCHEDULER_PORT}
     for made in (stack.executor_service(stack.EXECUTOR_PORT, shadow=False),
-                 stack.scheduler_service(stack.SCHEDULER_PORT, stack.EXECUTOR_PORT)):
+                 stack.scheduler_service(stack.SCHEDULER_PORT, stack.EXECUTOR_PORT, stack.HTTP_PORT)):
         compose = local_service(made.name, services[made.name], ports)
         compose.env.pop("NANOSERVE_CACHE", None)  # make run keeps the user's own cache
         assert (made.argv, made.env, made.target) == (compose.argv, compose.env, compose.target)
@@ -139,7 +145,7 @@ def test_make_run_starts_what_the_cpu_stack_runs() -> None:
 def test_cpu_stack_generates_when_its_services_run_as_local_processes() -> None:
     """Both services exactly as docker-compose.cpu.yml runs them: the embedded SmolLM2 on CPU behind the scheduler."""
     services = load_services(ROOT / "docker-compose.cpu.yml")
-    ports = {"executor": free_port(), "scheduler": free_port()}
+    ports = {"executor": free_port(), "scheduler": free_port(), "scheduler_http": free_port()}
     processes = stack.Stack()
     try:
         for name in ("executor", "scheduler"):
@@ -153,18 +159,24 @@ def test_cpu_stack_generates_when_its_services_run_as_local_processes() -> None:
             completion = client.generate("The capital of France is", max_tokens=4, temperature=0)
         assert "Paris" in completion.text
         assert completion.finish_reason == "length" and completion.usage.completion_tokens == 4
+        over_http = httpx.post(f"http://{stack.HOST}:{ports['scheduler_http']}/v1/completions", timeout=60, json={
+            "model": "smollm2-135m-instruct", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+        assert over_http.json()["choices"][0]["text"] == completion.text
     finally:
         processes.stop()
     assert [p.returncode for _, p in processes.running] == [0, 0], "SIGTERM (docker stop) must end both cleanly"
 
 
-def start_make_run(*flags: str) -> tuple[subprocess.Popen, str]:
-    """``python -m client.stack`` as ``make run`` starts it, and the line it prints once both serve."""
-    process = subprocess.Popen([sys.executable, "-m", "client.stack", *flags], cwd=ROOT, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+def start_make_run(*flags: str) -> tuple[subprocess.Popen, str, str]:
+    """``python -m client.stack`` as ``make run`` starts it (its HTTP API on a free port), and the two lines it
+    prints once both serve: the CLI's command and the curl one."""
+    process = subprocess.Popen([sys.executable, "-m", "client.stack", "--http-port", str(free_port()), *flags],
+                               cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     ready = process.stdout.readline()
     assert ready.startswith("nanoserve: ready."), f"the stack printed {ready!r} instead of its ready line"
-    return process, ready
+    curl = process.stdout.readline()
+    assert curl.startswith("nanoserve: or over HTTP"), f"the stack printed {curl!r} instead of its curl line"
+    return process, ready, curl.split(": ", 2)[2]
 
 
 def child_pids(pid: int) -> list[int]:
@@ -173,9 +185,15 @@ def child_pids(pid: int) -> list[int]:
 
 def test_make_run_prints_how_to_generate_and_stops_both_on_ctrl_c() -> None:
     port, executor_port = free_port(), free_port()
-    process, ready = start_make_run("--shadow", "--port", str(port), "--executor-port", str(executor_port))
+    process, ready, curl = start_make_run("--shadow", "--port", str(port), "--executor-port", str(executor_port))
     try:
         assert f"nanoserve generate --server 127.0.0.1:{port} --json --token-ids 1,2,3" in ready
+        argv = shlex.split(curl)
+        if shutil.which("curl"):
+            answer = json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout)
+        else:  # the same request
+            answer = httpx.post(argv[1], content=argv[-1], headers={"Content-Type": "application/json"}).json()
+        assert len(answer["choices"][0]["token_ids"]) == 16
         children = child_pids(process.pid)
         with Client(f"127.0.0.1:{port}", timeout=30) as client:
             assert len(client.generate(token_ids=[1, 2, 3], max_tokens=3).token_ids) == 3
@@ -188,7 +206,7 @@ def test_make_run_prints_how_to_generate_and_stops_both_on_ctrl_c() -> None:
 
 
 def test_make_run_stops_the_scheduler_when_the_executor_dies() -> None:
-    process, _ = start_make_run("--shadow", "--port", str(free_port()), "--executor-port", str(free_port()))
+    process, _, _ = start_make_run("--shadow", "--port", str(free_port()), "--executor-port", str(free_port()))
     try:
         executor, scheduler = child_pids(process.pid)
         os.kill(executor, signal.SIGKILL)

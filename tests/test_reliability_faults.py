@@ -136,7 +136,7 @@ def test_a_new_scheduler_on_a_live_executor_starts_clean_after_the_old_one_was_k
         assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
         second_port = free_port()
         argv = [sys.executable, "-m", "scheduler_svc", "--host", HOST, "--port", str(second_port),
-                "--executor", s.executor_target]
+                "--executor", s.executor_target, "--http-port", "0"]
         second = spawn(argv, tmp_path / "scheduler-2.log")
         try:
             target = f"{HOST}:{second_port}"

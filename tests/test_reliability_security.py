@@ -7,12 +7,14 @@ import contextlib
 import json
 import os
 import shutil
+import ssl
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from unittest import mock
 
+import httpx
 import pytest
 
 from client.api import AsyncClient, Client
@@ -38,6 +40,7 @@ class SecureStack:
     ca: str
     scheduler_cert: str
     scheduler_key: str
+    http_url: str
 
     def cli(self, *argv: str) -> list[str]:
         return [*argv, "--server", self.target, "--tls-ca", self.ca]
@@ -62,16 +65,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureStack]:
     executor_cert, executor_key = make_leaf(folder, "executor", ca, server_names + "extendedKeyUsage=serverAuth\n")
     scheduler_cert, scheduler_key = make_leaf(folder, "scheduler", ca,
                                               server_names + "extendedKeyUsage=serverAuth,clientAuth\n")
-    executor_port, port = free_port(), free_port()
+    executor_port, port, http_port = free_port(), free_port(), free_port()
     executor = spawn(executor_argv("shadow", executor_port, {**SHADOW, "tls_cert": executor_cert,
                                                              "tls_key": executor_key, "tls_ca": ca[0]}),
                      folder / "executor.log")
     argv = [sys.executable, "-m", "scheduler_svc", "--host", HOST, "--port", str(port),
             "--executor", f"{HOST}:{executor_port}", "--tls-cert", scheduler_cert, "--tls-key", scheduler_key,
+            "--http-port", str(http_port),
             "--executor-tls-ca", str(ca[0]), "--executor-tls-cert", scheduler_cert, "--executor-tls-key", scheduler_key]
     with mock.patch.dict(os.environ, {"NANOSERVE_API_KEY": API_KEY}):
         scheduler = spawn(argv, folder / "scheduler.log")
-    secure = SecureStack(f"{HOST}:{port}", f"{HOST}:{executor_port}", str(ca[0]), scheduler_cert, scheduler_key)
+    secure = SecureStack(f"{HOST}:{port}", f"{HOST}:{executor_port}", str(ca[0]), scheduler_cert, scheduler_key,
+                         f"https://{HOST}:{http_port}")
     try:
         with Client(secure.target, timeout=5, api_key=API_KEY, tls=TLSConfig(ca_file=secure.ca)) as client:
             wait_secure_serving(client, scheduler)
@@ -126,6 +131,18 @@ def test_plaintext_cannot_reach_the_tls_server(stack: SecureStack, capsys: pytes
     argv = ["generate", "--token-ids", "1,2", "--server", stack.target, "--api-key", API_KEY, "--timeout", "5"]
     assert main(argv) == EXIT_UNAVAILABLE
     assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_the_http_api_serves_the_same_certificate_and_key(stack: SecureStack):
+    verify = ssl.create_default_context(cafile=stack.ca)
+    body = {"model": "shadow-kv", "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True, "return_token_ids": True}
+    with httpx.Client(base_url=stack.http_url, verify=verify) as http:
+        assert http.get("/health").status_code == 200
+        assert http.post("/v1/completions", json=body).status_code == 401
+        reply = http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert reply.json()["choices"][0]["token_ids"] == expected(3)
+    with pytest.raises(httpx.RemoteProtocolError):
+        httpx.get(stack.http_url.replace("https://", "http://") + "/health")
 
 
 def test_the_python_clients_over_tls(stack: SecureStack):

@@ -1,0 +1,128 @@
+"""What every public API does around the engine loop, once: the gRPC servicer and the HTTP routes both call it.
+
+A ``GenerateRequest`` goes through ``wire.prepare`` and ``EngineLoop.submit``; its id is registered for
+Abort; its outputs are read batch by batch until each of its n choices finished; a caller that goes
+away cancels it (``Generation.close``), so its KV blocks are free before the next step. Failures are
+raised as ``RequestFailed``, naming a refused field as GenerateRequest spells it; each API maps them
+to its own statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+
+from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc.errors import ExecutorUnavailable, InvalidRequest, RequestFailed
+from scheduler_svc.loop import EngineLoop, RequestHandle
+from scheduler_svc.outputs import RequestOutput
+from scheduler_svc.tokenizer import ModelTokenizer
+from scheduler_svc.validation import ModelLimits
+from scheduler_svc.wire import PreparedRequest, detokenize, model_info, prepare, public_error, scheduler_stats, tokenize
+
+
+def public(error: RequestFailed) -> RequestFailed:
+    """The error as a caller sees it: a refused engine field renamed to its GenerateRequest field."""
+    return public_error(error) if isinstance(error, InvalidRequest) else error
+
+
+class Generation:
+    """One submitted request: its outputs until every choice finished; ``close`` when the caller is done."""
+
+    def __init__(self, frontend: Frontend, handle: RequestHandle, queue: asyncio.Queue[RequestOutput]) -> None:
+        self._frontend = frontend
+        self._handle = handle
+        self._queue = queue
+        self.prepared: PreparedRequest = handle.prepared
+        self.remaining = handle.prepared.params.n
+
+    @property
+    def request_id(self) -> str:
+        return self.prepared.request_id
+
+    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
+        """Everything produced since the last read, so a slow reader gets fewer, larger pieces; raises the
+        request's failure."""
+        queue = self._queue
+        while self.remaining:
+            outputs = [await queue.get()]
+            while not queue.empty() and not outputs[-1].is_last:
+                outputs.append(queue.get_nowait())
+            error = outputs[-1].error
+            if error is not None:
+                raise public(error)
+            self.remaining -= sum(output.finish_reason is not None for output in outputs)
+            yield outputs
+
+    def close(self) -> None:
+        """Forget the request's id; one not finished (the caller went away, or it failed) is cancelled."""
+        self._frontend._forget(self._handle, cancel=bool(self.remaining))
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class Frontend:
+    """Refuses with ExecutorUnavailable until ``attach`` hands it the engine loop after the executor handshake.
+
+    Event-loop thread only, like the engine loop's ``submit`` callers.
+    """
+
+    def __init__(self, executor_target: str) -> None:
+        self.executor_target = executor_target
+        self.loop: EngineLoop | None = None
+        self.tokenizer: ModelTokenizer | None = None
+        # Requests in flight by the id the caller gave (or was given), for Abort.
+        self.by_request_id: dict[str, set[RequestHandle]] = {}
+
+    def attach(self, loop: EngineLoop, tokenizer: ModelTokenizer | None) -> None:
+        self.loop, self.tokenizer = loop, tokenizer
+
+    def ready(self) -> EngineLoop:
+        if self.loop is None:
+            raise ExecutorUnavailable(f"the scheduler is still connecting to the executor at {self.executor_target}")
+        return self.loop
+
+    async def submit(self, request: pb.GenerateRequest) -> Generation:
+        """Validate (off the event loop: tokenizing and templating take time) and queue ``request``."""
+        loop = self.ready()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
+        handle = loop.submit(prepared, queue)
+        self.by_request_id.setdefault(prepared.request_id, set()).add(handle)
+        return Generation(self, handle, queue)
+
+    def _forget(self, handle: RequestHandle, cancel: bool) -> None:
+        handles = self.by_request_id[handle.prepared.request_id]
+        handles.discard(handle)
+        if not handles:
+            del self.by_request_id[handle.prepared.request_id]
+        if cancel:
+            self.ready().cancel(handle)
+
+    def abort(self, request_ids: Iterable[str]) -> list[str]:
+        """End each request found with ABORT; its blocks are free before the next step. Returns the ids found."""
+        loop = self.ready()
+        found = [request_id for request_id in dict.fromkeys(request_ids) if request_id in self.by_request_id]
+        for request_id in found:
+            for handle in self.by_request_id[request_id]:
+                loop.cancel(handle, answer=True)
+        return found
+
+    async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        loop = self.ready()
+        token_ids = await asyncio.to_thread(tokenize, request, self.tokenizer)
+        return pb.TokenizeResponse(token_ids=token_ids, count=len(token_ids), max_model_len=loop.info.max_model_len)
+
+    def detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
+        loop = self.ready()
+        return pb.DetokenizeResponse(text=detokenize(request, self.tokenizer, loop.info.vocab_size))
+
+    def model_info(self) -> pb.ModelInfo:
+        return model_info(self.ready().info, self.tokenizer)
+
+    def stats(self) -> pb.SchedulerStats:
+        return scheduler_stats(self.ready().stats)

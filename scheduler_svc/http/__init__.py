@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API, served by the scheduler process beside gRPC (``--http-port``)."""

@@ -1,0 +1,255 @@
+"""OpenAI's request and response shapes (and vLLM's extra request parameters), as pydantic models.
+
+Requests allow extra fields: an unknown parameter is ignored, as OpenAI's API does; ``translate`` refuses
+the few that would silently change the output. Integers the proto holds unsigned are bounded here, so
+an out-of-range one is a 400 naming its parameter. Optional response fields that OpenAI leaves out
+when unused (a delta's role, vLLM's token_ids, usage on a chunk) are left out when None.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+UInt32 = Annotated[int, Field(ge=0, lt=2**32)]
+Omitted = Field(default=None, exclude_if=lambda value: value is None)
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(Request):
+    include_usage: bool = False
+
+
+class JsonSchema(Request):
+    name: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(Request):
+    """vLLM's ``structured_outputs``: at most one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class GenerationParameters(Request):
+    """What both completion endpoints take: OpenAI's parameters, then vLLM's."""
+
+    model: str
+    max_tokens: UInt32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: UInt32 | None = None
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra parameters. top_k -1 disables, as vLLM spells it.
+    top_k: Annotated[int, Field(ge=-1, lt=2**32)] | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: UInt32 | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    stop_token_ids: list[UInt32] | None = None
+    truncate_prompt_tokens: UInt32 | None = None
+    structured_outputs: StructuredOutputs | None = None
+    return_token_ids: bool = False
+
+
+class TextPart(Request):
+    type: str
+    text: str | None = None
+
+
+class Message(Request):
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(GenerationParameters):
+    messages: list[Message]
+    max_completion_tokens: UInt32 | None = None
+    logprobs: bool = False
+    top_logprobs: UInt32 | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+
+
+class CompletionRequest(GenerationParameters):
+    prompt: str | list[str] | list[UInt32] | list[list[UInt32]]
+    logprobs: UInt32 | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool | None = None
+
+
+class TokenizeRequest(Request):
+    """vLLM's /tokenize: a text ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+
+
+class DetokenizeRequest(Request):
+    model: str | None = None
+    tokens: list[UInt32]
+
+
+# Responses.
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = Omitted
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: str | None = Omitted
+    content: str | None = Omitted
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = Omitted
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Omitted
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = Omitted
+
+
+class Completion(BaseModel):
+    """A whole completion, or (``usage`` left out) one streamed chunk of it: both are ``text_completion``."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Omitted
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "nanoserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

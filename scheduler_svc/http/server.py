@@ -1,0 +1,81 @@
+"""uvicorn on the scheduler's own event loop, beside the grpc.aio server: no extra process, no extra hop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+from collections.abc import Iterator
+
+import uvicorn
+from fastapi import FastAPI
+
+from common.security import TLSConfig, is_loopback
+
+log = logging.getLogger("nanoserve.scheduler")
+
+
+class _Server(uvicorn.Server):
+    """The scheduler owns SIGTERM and SIGINT (its drain stops this server); uvicorn must not take them."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, bound now so that a port in use fails at start-up as gRPC's does.
+
+    It names IPPROTO_TCP, so asyncio turns Nagle off on each connection: without it every streamed
+    chunk after a connection's first response waited for the client's delayed ACK (~40 ms).
+    """
+    address = host.strip("[]")
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen()
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot bind the HTTP API on {host}:{port}: {e.strerror or e}") from e
+    return sock
+
+
+def tls_options(tls: TLSConfig | None) -> dict[str, object]:
+    """uvicorn's TLS settings for the gRPC server's certificate; its CA, when set, requires client certificates."""
+    if tls is None:
+        return {}
+    options: dict[str, object] = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
+    if tls.require_client_auth:
+        options.update(ssl_ca_certs=tls.ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options
+
+
+class HttpServer:
+    def __init__(self, app: FastAPI, host: str, port: int, tls: TLSConfig | None) -> None:
+        self.socket = listen(host, port)
+        self.port: int = self.socket.getsockname()[1]
+        # No access log and uvicorn's own lines only from WARNING: the scheduler logs nothing per request at INFO.
+        config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
+                                **tls_options(tls))
+        config.load()  # reads the TLS files now, so a bad one fails at start-up
+        self.server = _Server(config)
+        self.task: asyncio.Task[None] | None = None
+        if tls is None and not is_loopback(host):
+            log.warning("serving plaintext HTTP on non-loopback %s: anyone on the network can reach it; set --tls-*",
+                        host)
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.socket]), name="http-api")
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting, give open responses ``grace_s`` seconds, then close what is left."""
+        if self.task is None:
+            self.socket.close()
+            return
+        self.server.config.timeout_graceful_shutdown = grace_s
+        self.server.should_exit = True
+        await self.task

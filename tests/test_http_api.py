@@ -1,0 +1,312 @@
+"""The OpenAI API, driven by the real ``openai`` SDK (sync and async, streamed and not), against an in-process
+scheduler: the same answers as gRPC, n choices, lists of prompts, logprobs, stop strings, seeds, usage,
+structured output forwarded, and errors as the SDK's exceptions with the right ``param``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from executor_svc.shadow import ShadowExecutor, reference_generate
+from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc import frontend
+from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.tokenizer import ChatMessage
+from tests.http_fixtures import Hosted, hosted
+from tests.service_fixtures import TOKENIZER_VOCAB_SIZE, GatedExecutor
+from tests.test_service_loop import LogprobExecutor
+from tests.test_service_options import TOKENIZER, TOKENIZER_JSON, echo
+
+MODEL = "echo"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
+
+
+@pytest.fixture(scope="module")
+def echo_api() -> Iterator[Hosted]:
+    """The echo executor (completion token i is prompt token i mod its length) with made-up logprobs."""
+    with hosted(LogprobExecutor(echo())) as h:
+        yield h
+
+
+@pytest.fixture
+def api(echo_api: Hosted) -> Iterator[Hosted]:
+    yield echo_api
+    echo_api.assert_idle()
+
+
+def grpc_chat(api: Hosted, max_tokens: int) -> pb.GenerateResponse:
+    chat = pb.ChatPrompt(messages=[pb.ChatMessage(**m) for m in MESSAGES])
+    return api.stub.GenerateOnce(pb.GenerateRequest(chat=chat, stopping=pb.StoppingOptions(max_tokens=max_tokens)))
+
+
+def test_a_chat_completion_is_what_grpc_answers(api: Hosted):
+    reply = api.openai().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, user="someone",
+                                                 extra_body={"return_token_ids": True, "not_a_parameter": 1})
+    expected = grpc_chat(api, 12)
+    choice = reply.choices[0]
+    assert (choice.index, choice.message.role, choice.message.content) == (0, "assistant", expected.text)
+    assert choice.token_ids == list(expected.token_ids) and choice.finish_reason == "length"
+    assert reply.object == "chat.completion" and reply.model == MODEL and reply.id.startswith("chatcmpl-")
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (
+        expected.usage.prompt_tokens, 12, expected.usage.prompt_tokens + 12)
+
+
+def test_a_streamed_chat_sends_the_role_then_the_content_then_the_usage(api: Hosted):
+    client = api.openai()
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=10)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=10,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:-1])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+    assert all(c.usage is None for c in chunks[:-1]) and len({c.id for c in chunks}) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+def test_a_completion_echoes_its_prompt_when_asked(api: Hosted):
+    client = api.openai()
+    plain = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=6)
+    echoed = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=6, echo=True)
+    expected = api.stub.GenerateOnce(pb.GenerateRequest(text="Hello world", stopping=pb.StoppingOptions(max_tokens=6)))
+    assert plain.object == "text_completion" and plain.id.startswith("cmpl-")
+    assert plain.choices[0].text == expected.text and echoed.choices[0].text == "Hello world" + expected.text
+    streamed = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=6, echo=True,
+                                              stream=True))
+    assert streamed[0].choices[0].text == "Hello world"
+    assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
+
+
+def test_the_async_client_streams_and_waits_alike(api: Hosted):
+    async def run() -> tuple[str, str, list[str]]:
+        async with api.async_openai() as client:
+            whole = await client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=9)
+            stream = await client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=9,
+                                                     stream=True)
+            pieces = [chunk async for chunk in stream]
+            chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, stream=True)
+            deltas = [chunk.choices[0].delta.content or "" async for chunk in chat]
+        return whole.choices[0].text, "".join(c.choices[0].text for c in pieces), deltas
+
+    whole, streamed, deltas = asyncio.run(run())
+    assert streamed == whole and whole
+    assert "".join(deltas) == grpc_chat(api, 5).text
+
+
+def test_n_choices_are_indexed_and_the_prompt_counts_once(api: Hosted):
+    client = api.openai()
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, n=3)
+    prompt_tokens = len(TOKENIZER.encode_chat([ChatMessage(**m) for m in MESSAGES]))
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (prompt_tokens, 12)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, n=3, stream=True))
+    assert [c.choices[0].delta.role for c in chunks[:3]] == ["assistant"] * 3
+    assert [c.choices[0].index for c in chunks[:3]] == [0, 1, 2]
+    for i in range(3):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i)
+        assert text == reply.choices[i].message.content
+
+
+def test_a_list_of_prompts_is_one_request_each_with_choices_in_order(api: Hosted):
+    client = api.openai()
+    prompts = ["Hello world", "The quick brown fox"]
+    reply = client.completions.create(model=MODEL, prompt=prompts, max_tokens=3, n=2, echo=True)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    assert [c.text.startswith(p) for c, p in zip(reply.choices, [prompts[0]] * 2 + [prompts[1]] * 2,
+                                                  strict=True)] == [True] * 4
+    prompt_tokens = sum(len(TOKENIZER.encode(p)) for p in prompts)
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (prompt_tokens, 12)
+    ids = [TOKENIZER.encode(p, add_special_tokens=False) for p in prompts]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, extra_body={"return_token_ids": True})
+    one = client.completions.create(model=MODEL, prompt=ids[1], max_tokens=3, extra_body={"return_token_ids": True})
+    assert [c.token_ids for c in by_ids.choices] == [i[:3] for i in ids] and one.choices[0].token_ids == ids[1][:3]
+    streamed = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=3, stream=True))
+    assert {c.choices[0].index for c in streamed} == {0, 1}
+
+
+def test_chat_logprobs_come_in_the_chat_format(api: Hosted):
+    client = api.openai()
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, logprobs=True,
+                                           top_logprobs=1, extra_body={"return_token_ids": True})
+    choice = reply.choices[0]
+    tokens = [TOKENIZER.decode([t], skip_special_tokens=False) for t in choice.token_ids]
+    assert [e.token for e in choice.logprobs.content] == tokens
+    for entry in choice.logprobs.content:
+        assert entry.logprob == -0.25 and entry.bytes == list(entry.token.encode())
+        assert [(top.token, top.logprob) for top in entry.top_logprobs] == [(entry.token, -0.25)]
+    bare = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logprobs=True)
+    assert [e.top_logprobs for e in bare.choices[0].logprobs.content] == [[], []]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, logprobs=True,
+                                                 top_logprobs=1, stream=True))
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in choice.logprobs.content]
+    assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2).choices[0].logprobs is None
+
+
+def test_completion_logprobs_come_in_the_legacy_format(api: Hosted):
+    reply = api.openai().completions.create(model=MODEL, prompt="Hello world", max_tokens=4, logprobs=2)
+    choice = reply.choices[0]
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text and lp.token_logprobs == [-0.25] * 4
+    one = TOKENIZER.decode([1], skip_special_tokens=False)
+    assert lp.top_logprobs == [{token: -0.25, one: -2.0} for token in lp.tokens]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+
+
+def test_stop_strings_end_the_text_before_them(api: Hosted):
+    client = api.openai()
+    reply = client.completions.create(model=MODEL, prompt="say STOP now", max_tokens=20, stop="STOP")
+    assert (reply.choices[0].text, reply.choices[0].finish_reason) == ("say ", "stop")
+    kept = client.completions.create(model=MODEL, prompt="say STOP now", max_tokens=20, stop=["now", "STOP"],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == "say STOP"
+
+
+def test_a_seed_reproduces_the_tokens_choice_by_choice():
+    executor = ShadowExecutor(num_blocks=128, block_size=4, vocab_size=TOKENIZER_VOCAB_SIZE,
+                              tokenizer_json=TOKENIZER_JSON)
+    with hosted(executor) as h:
+        client = h.openai()
+
+        def tokens(seed: int) -> list[list[int]]:
+            reply = client.completions.create(model="shadow-kv", prompt=[5, 6, 7], max_tokens=8, n=2, seed=seed,
+                                              extra_body={"ignore_eos": True, "return_token_ids": True})
+            return [c.token_ids for c in reply.choices]
+
+        first, again, other = tokens(7), tokens(7), tokens(8)
+        h.assert_idle()
+    params = SamplingParams(seed=7, n=2)
+    assert first == again == [reference_generate([5, 6, 7], 8, TOKENIZER_VOCAB_SIZE, {0}, True,
+                                                 params.for_choice(i).seed) for i in range(2)]
+    assert other != first
+
+
+CHAT_ERRORS = [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 10_000}, "max_tokens"),
+    ({"n": 17}, "n"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"stop": [""]}, "stop"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs"),
+    ({"extra_body": {"top_k": -2}}, "top_k"),
+    ({"seed": -1}, "seed"),
+]
+COMPLETION_ERRORS = [
+    ({"prompt": [1] * 300}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, TOKENIZER_VOCAB_SIZE]}, "prompt"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"suffix": "tail"}, "suffix"),
+    ({"best_of": 2}, "best_of"),
+    ({"extra_body": {"min_tokens": 50}}, "min_tokens"),
+    ({"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
+]
+
+
+@pytest.mark.parametrize(("options", "param"), CHAT_ERRORS)
+def test_bad_chat_input_is_a_bad_request_naming_the_parameter(api: Hosted, options: dict, param: str):
+    request = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **options}
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.openai().chat.completions.create(**request)
+    assert (refused.value.status_code, refused.value.param, refused.value.type) == (400, param,
+                                                                                   "invalid_request_error")
+    assert refused.value.body["message"].startswith(param)
+
+
+@pytest.mark.parametrize(("options", "param"), COMPLETION_ERRORS)
+def test_bad_completion_input_is_a_bad_request_naming_the_parameter(api: Hosted, options: dict, param: str):
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.openai().completions.create(**{"model": MODEL, "prompt": "Hi", "max_tokens": 4, **options})
+    assert (refused.value.status_code, refused.value.param) == (400, param)
+
+
+def test_an_unknown_model_is_not_found(api: Hosted):
+    client = api.openai()
+    for call in (lambda: client.chat.completions.create(model="gpt-4o", messages=MESSAGES),
+                 lambda: client.completions.create(model="gpt-4o", prompt="Hi"),
+                 lambda: client.models.retrieve("gpt-4o")):
+        with pytest.raises(openai.NotFoundError) as missing:
+            call()
+        assert (missing.value.param, missing.value.code) == ("model", "model_not_found")
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).model_extra["max_model_len"] == 256
+
+
+def test_the_api_key_is_required_except_for_health():
+    with hosted(echo(), api_key="s3cret") as h:
+        with pytest.raises(openai.AuthenticationError) as refused:
+            h.openai(api_key="wrong").models.list()
+        assert (refused.value.status_code, refused.value.code) == (401, "invalid_api_key")
+        reply = h.openai(api_key="s3cret").completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        assert reply.usage.completion_tokens == 2
+        assert httpx.get(f"{h.url}/health").status_code == 200
+        unauthenticated = httpx.post(f"{h.url}/v1/completions", content=b"not even JSON")
+        assert unauthenticated.status_code == 401 and unauthenticated.json()["error"]["code"] == "invalid_api_key"
+        h.assert_idle()
+
+
+def test_structured_output_reaches_the_generate_request(api: Hosted, monkeypatch: pytest.MonkeyPatch):
+    seen: list[pb.GenerateRequest] = []
+    prepare = frontend.prepare
+
+    def recording(request: pb.GenerateRequest, *args: object) -> object:
+        seen.append(request)
+        return prepare(request, *args)
+
+    monkeypatch.setattr(frontend, "prepare", recording)
+    client = api.openai()
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}})
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                   response_format={"type": "json_object"})
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                              extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    for extra in ({"structured_outputs": {"regex": "a+"}}, {"response_format": {"type": "text"}}):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=extra)
+    constraints = [r.structured_output for r in seen]
+    assert json.loads(constraints[0].json_schema) == schema and constraints[1].json_object
+    assert list(constraints[2].choice.choices) == ["yes", "no"] and constraints[3].regex == "a+"
+    assert not seen[4].HasField("structured_output")
+
+
+def test_a_full_queue_is_a_rate_limit_error():
+    executor = GatedExecutor(echo(), steps_before_closing=1)
+
+    async def run() -> openai.RateLimitError:
+        async with h.async_openai() as client:
+            first = await client.completions.create(model=MODEL, prompt="Hello", max_tokens=50, stream=True,
+                                                    extra_body={"ignore_eos": True})
+            await anext(aiter(first))  # its first step ran; the loop is now held inside the second
+            queued = asyncio.ensure_future(client.completions.create(model=MODEL, prompt="Hello", max_tokens=2))
+            while h.server.loop.admission.num_requests < 1:
+                await asyncio.sleep(0.01)
+            with pytest.raises(openai.RateLimitError) as refused:
+                await client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+            executor.open.set()
+            assert (await queued).usage.completion_tokens == 2
+            assert [chunk async for chunk in first][-1].choices[0].finish_reason == "length"
+            return refused.value
+
+    with hosted(executor, max_num_seqs=1, max_queued_requests=1) as h:
+        refused = asyncio.run(run())
+        h.assert_idle()
+    assert (refused.status_code, refused.code) == (429, "rate_limit_exceeded")

@@ -1,0 +1,274 @@
+"""The HTTP API below the SDK (httpx): SSE framing, a client that goes away, 503 before the executor answers and
+while draining, tokenize and detokenize, errors for any route, TLS and mutual TLS, and the status tables."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import ssl
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from executor_svc.shadow import ShadowExecutor
+from nanoserve.v1 import executor_pb2
+from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc import service
+from scheduler_svc.config import ServiceConfig
+from scheduler_svc.errors import RequestFailed
+from scheduler_svc.http import errors
+from scheduler_svc.http.translate import openai_param
+from scheduler_svc.tokenizer import ChatMessage
+from tests.http_fixtures import Hosted, hosted
+from tests.service_fixtures import HOST, GatedExecutor, free_port
+from tests.test_service_options import TOKENIZER, echo
+
+MODEL = "echo"
+# A step this long leaves time to count the steps between a client leaving and its blocks coming free.
+STEP_S = 0.01
+
+
+class SlowExecutor(GatedExecutor):
+    def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+        time.sleep(STEP_S)
+        return super().step(plan)
+
+
+@pytest.fixture(scope="module")
+def slow_api() -> Iterator[Hosted]:
+    with hosted(SlowExecutor(ShadowExecutor(num_blocks=1024, block_size=4, vocab_size=50))) as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def echo_api() -> Iterator[Hosted]:
+    with hosted(echo()) as h:
+        yield h
+
+
+def events(body: str) -> list[str]:
+    """The SSE events of a body, checking its framing: ``data: <payload>`` each, separated by a blank line."""
+    assert body.endswith("\n\n")
+    lines = body[:-2].split("\n\n")
+    assert all(line.startswith("data: ") and "\n" not in line for line in lines), body
+    return [line.removeprefix("data: ") for line in lines]
+
+
+def test_a_stream_is_data_lines_ending_with_done(echo_api: Hosted):
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 6,
+               "stream": True, "stream_options": {"include_usage": True}}
+    response = httpx.post(f"{echo_api.url}/v1/chat/completions", json=request)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    *chunks, done = events(response.text)
+    assert done == "[DONE]"
+    chunks = [json.loads(chunk) for chunk in chunks]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+    completion = httpx.post(f"{echo_api.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True,
+                                                                   "max_tokens": 3})
+    *chunks, done = events(completion.text)
+    assert done == "[DONE]" and {json.loads(c)["object"] for c in chunks} == {"text_completion"}
+    echo_api.assert_idle()
+
+
+def test_streamed_chunks_are_not_held_back_on_a_kept_alive_connection(echo_api: Hosted):
+    """Nagle off: with it on, each first chunk after a connection's first response waited ~40 ms for an ACK."""
+    request = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "stream": True}
+    waits = []
+    with httpx.Client(base_url=echo_api.url) as client:
+        for _ in range(9):
+            start = time.perf_counter()
+            with client.stream("POST", "/v1/completions", json=request) as response:
+                lines = response.iter_lines()
+                next(line for line in lines if line.startswith("data: {"))
+                waits.append(time.perf_counter() - start)
+                assert [line for line in lines if line][-1] == "data: [DONE]"
+    assert sorted(waits)[len(waits) // 2] < 0.02, waits
+    echo_api.assert_idle()
+
+
+def wait_stats(api: Hosted, idle: bool, timeout_s: float = 5.0) -> pb.SchedulerStats:
+    """GetStats over gRPC until no request runs and every block is free (``idle``), or one request runs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = api.stub.GetStats(pb.GetStatsRequest(), timeout=5)
+        free = stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_blocks
+        if free if idle else stats.num_running == 1:
+            return stats
+        assert time.monotonic() < deadline, f"still {'busy' if idle else 'not running'}: {stats}"
+        time.sleep(STEP_S / 2)
+
+
+LONG = {"model": "shadow-kv", "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "return_token_ids": True}
+
+
+def test_a_client_leaving_mid_stream_frees_its_blocks_within_a_step_or_two(slow_api: Hosted):
+    before = slow_api.stub.GetStats(pb.GetStatsRequest(), timeout=5)
+    with httpx.stream("POST", f"{slow_api.url}/v1/completions", json={**LONG, "stream": True}) as response:
+        lines = response.iter_lines()
+        first = json.loads(next(line for line in lines if line).removeprefix("data: "))
+        assert first["choices"][0]["token_ids"]
+        running = wait_stats(slow_api, idle=False)
+        assert running.num_free_blocks < running.num_blocks
+    left = slow_api.stub.GetStats(pb.GetStatsRequest(), timeout=5)
+    idle = wait_stats(slow_api, idle=True)
+    assert idle.num_steps - left.num_steps <= 2, "the request ran on after its client left"
+    assert idle.num_aborted == before.num_aborted + 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_leaving_before_any_answer_frees_its_blocks(slow_api: Hosted, stream: bool):
+    before = slow_api.stub.GetStats(pb.GetStatsRequest(), timeout=5)
+    body = json.dumps({**LONG, "stream": stream}).encode()
+    with socket.create_connection((HOST, int(slow_api.url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: nanoserve\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 5
+    while slow_api.stub.GetStats(pb.GetStatsRequest(), timeout=5).num_aborted == before.num_aborted:
+        assert time.monotonic() < deadline, "the request of a client that left was never aborted"
+        time.sleep(STEP_S)
+    wait_stats(slow_api, idle=True)
+
+
+def test_a_client_leaving_a_whole_response_frees_its_blocks(slow_api: Hosted):
+    before = slow_api.stub.GetStats(pb.GetStatsRequest(), timeout=5)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{slow_api.url}/v1/completions", json=LONG, timeout=httpx.Timeout(5, read=0.3))
+    left = slow_api.stub.GetStats(pb.GetStatsRequest(), timeout=5)
+    idle = wait_stats(slow_api, idle=True)
+    assert idle.num_steps - left.num_steps <= 2 and idle.num_aborted == before.num_aborted + 1
+
+
+def test_a_grpc_abort_ends_an_http_stream_by_its_id(slow_api: Hosted):
+    with httpx.stream("POST", f"{slow_api.url}/v1/completions", json={**LONG, "stream": True}) as response:
+        lines = (line for line in response.iter_lines() if line)
+        response_id = json.loads(next(lines).removeprefix("data: "))["id"]
+        aborted = slow_api.stub.Abort(pb.AbortRequest(request_ids=[response_id]), timeout=5)
+        rest = list(lines)
+    assert list(aborted.aborted_request_ids) == [response_id]
+    assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"
+    assert rest[-1] == "data: [DONE]"
+    wait_stats(slow_api, idle=True)
+
+
+def test_503_until_the_executor_answers_and_while_draining():
+    executor = GatedExecutor(echo(), steps_before_closing=1)
+    port = free_port()
+    completion = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+
+    async def run() -> None:
+        server = service.SchedulerServer(ServiceConfig(host=HOST, port=0, http_port=port, shutdown_grace=30),
+                                         executor)
+        await server.start()
+        async with httpx.AsyncClient(base_url=f"http://{HOST}:{port}") as client:
+            assert (await client.get("/health")).status_code == 503
+            early = await client.post("/v1/completions", json=completion)
+            assert early.status_code == 503 and early.json()["error"]["code"] == "service_unavailable"
+            assert "still connecting" in early.json()["error"]["message"]
+            assert (await client.get("/v1/models")).status_code == 503
+            assert await server.connect()
+            assert (await client.get("/health")).status_code == 200
+            long = {**completion, "max_tokens": 50, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=long) as in_flight:
+                lines = in_flight.aiter_lines()
+                assert (await anext(lines)).startswith("data: ")
+                stopping = asyncio.ensure_future(server.stop())
+                while not server.loop.admission.closed:
+                    await asyncio.sleep(0.01)
+                assert (await client.get("/health")).status_code == 503
+                refused = await client.post("/v1/completions", json=completion)
+                assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+                executor.open.set()
+                assert [line async for line in lines if line][-1] == "data: [DONE]", "the drain cut a request"
+            await stopping
+
+    asyncio.run(run())
+
+
+def test_a_port_in_use_fails_at_start_up_naming_it():
+    with socket.create_server((HOST, 0)) as busy:
+        port = busy.getsockname()[1]
+
+        async def start() -> None:
+            service.SchedulerServer(ServiceConfig(host=HOST, port=0, http_port=port), echo())
+
+        with pytest.raises(OSError, match=f"cannot bind the HTTP API on {HOST}:{port}"):
+            asyncio.run(start())
+
+
+def test_tokenize_and_detokenize_speak_vllms_shapes(echo_api: Hosted):
+    url = echo_api.url
+    text = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
+    assert text == {"count": len(TOKENIZER.encode("Hello world")), "max_model_len": 256,
+                    "tokens": TOKENIZER.encode("Hello world")}
+    chat = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == TOKENIZER.encode_chat([ChatMessage("user", "hi")])
+    assert httpx.post(f"{url}/detokenize", json={"tokens": text["tokens"]}).json() == {"prompt": "Hello world"}
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [1, 10_000]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    neither = httpx.post(f"{url}/tokenize", json={})
+    assert neither.status_code == 400 and neither.json()["error"]["param"] == "prompt"
+    assert httpx.post(f"{url}/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+
+
+def test_every_error_is_in_openais_shape(echo_api: Hosted):
+    url = echo_api.url
+    for response, status in ((httpx.get(f"{url}/v1/nothing-here"), 404), (httpx.get(f"{url}/v1/completions"), 405),
+                             (httpx.post(f"{url}/v1/completions", content=b"{oops",
+                                         headers={"content-type": "application/json"}), 400),
+                             (httpx.post(f"{url}/v1/completions", json={"prompt": "x"}), 400)):
+        assert response.status_code == status
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).json()["error"]["param"] == "model"
+
+
+def test_both_status_tables_cover_every_failure():
+    failures = set(RequestFailed.__subclasses__())
+    assert set(errors.STATUS_OF) == set(service.STATUS_OF) == failures
+
+
+@pytest.mark.parametrize(("field", "renames", "param"), [
+    ("sampling.temperature", {}, "temperature"),
+    ("stopping.max_tokens", {}, "max_tokens"),
+    ("stopping.max_tokens", {"max_tokens": "max_completion_tokens"}, "max_completion_tokens"),
+    ("sampling.logprobs", {"logprobs": "top_logprobs"}, "top_logprobs"),
+    ("tokens.token_ids", {}, "prompt"),
+    ("prompt", {"prompt": "messages"}, "messages"),
+    ("chat.messages[2].role", {}, "messages[2].role"),
+    ("structured_output.json_schema", {"structured_output": "response_format"}, "response_format"),
+])
+def test_scheduler_fields_map_to_openai_parameters(field: str, renames: dict[str, str], param: str):
+    assert openai_param(field, renames) == param
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+def test_the_http_api_serves_the_grpc_certificate_and_its_client_ca(tmp_path: Path):
+    from tests.test_security import make_ca, make_leaf
+
+    ca = make_ca(tmp_path, "ca")
+    names = "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+    server_cert, server_key = make_leaf(tmp_path, "server", ca, names + "extendedKeyUsage=serverAuth\n")
+    client_cert, client_key = make_leaf(tmp_path, "client", ca, "extendedKeyUsage=clientAuth\n")
+    with hosted(echo(), tls_cert=server_cert, tls_key=server_key) as h:
+        url = h.url.replace("http://", "https://")
+        assert httpx.get(f"{url}/health", verify=ssl.create_default_context(cafile=str(ca[0]))).status_code == 200
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health")  # not signed by a CA this client trusts
+    with hosted(echo(), tls_cert=server_cert, tls_key=server_key, tls_ca=str(ca[0])) as h:
+        url = h.url.replace("http://", "https://")
+        verify = ssl.create_default_context(cafile=str(ca[0]))
+        with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+            httpx.get(f"{url}/health", verify=verify)  # no client certificate
+        verify.load_cert_chain(client_cert, client_key)
+        reply = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                           verify=verify)
+        assert reply.json()["usage"]["completion_tokens"] == 2
+        h.assert_idle()
