@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from bench import kernels, overhead, overlap, profile, random_model, serving, throughput
+from bench import kernels, options, overhead, overlap, profile, random_model, serving, throughput
 from bench.common import w1, w2
 from executor_svc import cpu_kernels
 
@@ -125,3 +125,12 @@ def test_a_child_that_dies_shows_the_end_of_its_log(tmp_path):
             child.wait_serving("127.0.0.1:1", timeout_s=30)
     finally:
         child.stop()
+
+
+def test_options_writes_its_keys(tmp_path):
+    path = tmp_path / "options.json"
+    options.main(["--batch", "2", "--context", "8", "--steps", "3", "--repeats", "1", "--json", str(path)])
+    figures = json.loads(path.read_text())
+    for peer in options.PEERS:
+        assert figures[f"{peer}_step_ms"] > 0
+    assert figures["plain_over_plain"] == 1.0 and figures["json_schema_over_plain"] > 0
