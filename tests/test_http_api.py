@@ -205,6 +205,9 @@ CHAT_ERRORS = [
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format"),
+    ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs"),
     ({"extra_body": {"top_k": -2}}, "top_k"),
     ({"seed": -1}, "seed"),
 ]
