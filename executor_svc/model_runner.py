@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from executor_svc.attention import get_backend
@@ -67,13 +68,16 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
-    """[num_seqs, max_blocks] int32, padded with -1, from one flat tensor and a mask."""
-    lengths = torch.tensor([len(t) for t in tables])
-    padded = torch.full((len(tables), int(lengths.max())), -1, dtype=torch.int32)
-    padded[torch.arange(padded.shape[1])[None, :] < lengths[:, None]] = torch.tensor(
-        list(itertools.chain.from_iterable(tables)), dtype=torch.int32
-    )
-    return padded
+    """[num_seqs, max_blocks] int32, padded with -1, from one flat array and a mask.
+
+    Built in numpy and shared with torch: 113 us for 256 tables of 33 blocks against 426 us with torch ops,
+    a third of a 256-sequence decode step's input (W5, bench.overlap).
+    """
+    lengths = np.fromiter(map(len, tables), np.int64, count=len(tables))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, count=int(lengths.sum()))
+    padded = np.full((len(tables), int(lengths.max())), -1, dtype=np.int32)
+    padded[np.arange(padded.shape[1]) < lengths[:, None]] = flat
+    return torch.from_numpy(padded)
 
 
 def prepare_input(chunks: list[ScheduledChunk], block_size: int, prompt_rows: list[int] = ()) -> ModelInput:
