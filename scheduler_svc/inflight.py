@@ -102,6 +102,13 @@ class InFlight:
             handle.pending_choices = []
             self.by_handle.pop(handle, None)
 
+    def refuse(self, handle: RequestHandle) -> None:
+        """A request never admitted (the server drains): each of its choices ends with ABORT, the prompt once."""
+        num_prompt_tokens = len(handle.prepared.prompt_token_ids)
+        for index in range(handle.prepared.params.n):
+            usage = Usage(num_prompt_tokens if index == 0 else 0, 0, 0)
+            self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage, index=index))
+
     def fail(self, engine: Engine, handle: RequestHandle, error: RequestFailed) -> None:
         """End the request with ``error``: one error answers the caller, its other choices stop too."""
         self.emit(handle, RequestOutput(error=error))

@@ -18,9 +18,8 @@ from scheduler_svc.admission import Admission, QueueLimits
 from scheduler_svc.engine import Engine, IncompatibleExecutor, TokenOutput
 from scheduler_svc.errors import CacheTooSmall, EngineFailure, ExecutorUnavailable, InvalidRequest
 from scheduler_svc.inflight import InFlight, RequestHandle
-from scheduler_svc.outputs import RequestOutput, Usage
+from scheduler_svc.outputs import RequestOutput
 from scheduler_svc.remote import describe_failure
-from scheduler_svc.sequence import FinishReason
 from scheduler_svc.stats import LoopStats
 from scheduler_svc.supervision import Supervisor
 from scheduler_svc.tokenizer import ModelTokenizer
@@ -225,9 +224,7 @@ class EngineLoop:
         with self._wakeup:
             leftover, self._inbox = self._inbox, []
         for handle in leftover:
-            for index in range(handle.prepared.params.n):
-                usage = Usage(len(handle.prepared.prompt_token_ids) if index == 0 else 0, 0, 0)
-                self._requests.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage, index=index))
+            self._requests.refuse(handle)
         num_aborted = len(leftover) + self._requests.end_all(self.engine)
         if num_aborted:
             log.warning("shutdown grace period over: %d requests aborted", num_aborted)
