@@ -1,4 +1,4 @@
-"""Package arrows point one way: protos <- common <- client, scheduler_svc, executor_svc.
+"""Package arrows point one way: protos <- common <- client, scheduler_svc, executor_svc; and rooms stay small.
 
 ``client`` and ``executor_svc`` never import ``scheduler_svc``; ``scheduler_svc`` imports
 neither of them; ``common`` imports none of the three; the scheduler's core speaks no gRPC.
@@ -61,3 +61,12 @@ def test_the_arrow_check_sees_a_wrong_import(tmp_path: Path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from scheduler_svc.engine import Engine\n    return Engine\n")
     assert project_imports(bad) == {"scheduler_svc"}
+
+
+def test_rooms_stay_small():
+    """The engine loop is the thread, the inbox, the step and the drain (<= 250 lines); no source file over 400."""
+    sources = [p for package in ("scheduler_svc", "executor_svc", "client", "common")
+               for p in (ROOT / package).rglob("*") if p.suffix in (".py", ".c", ".h")]
+    too_long = {str(p.relative_to(ROOT)): n for p in sources if (n := len(p.read_text().splitlines())) > 400}
+    assert too_long == {}
+    assert len((ROOT / "scheduler_svc/loop.py").read_text().splitlines()) <= 250
