@@ -44,6 +44,8 @@ class ServiceConfig:
     num_scheduler_steps: int = 1
     # The OpenAI-compatible HTTP API, on --host beside gRPC; 0 turns it off.
     http_port: int = 8000
+    # Prometheus /metrics alone, without the API key (for scrapers that cannot send one); 0 turns it off.
+    metrics_port: int = 0
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -83,6 +85,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "per this many steps, and EOS and stop strings are seen (and new requests start) only between plans")
     add("--http-port", port, "port of the OpenAI-compatible HTTP API on --host, with the same TLS and API key "
         "(0 turns it off)")
+    add("--metrics-port", port, "port of Prometheus /metrics alone on --host, with the same TLS certificate but "
+        "without the API key or client certificates, for scrapers that send neither (0 turns it off)")
     return parser
 
 

@@ -65,6 +65,12 @@ class Launched:
 
 
 Submit = Callable[[pb.StepPlan], Future[pb.StepResult]]
+# Told each collected step's computed tokens and the executor's forward seconds (the engine loop's metrics).
+OnStep = Callable[[int, float], None]
+
+
+def _unobserved(num_tokens: int, forward_s: float) -> None:
+    """Nobody is listening: benchmarks and tests driving the engine directly."""
 
 
 @dataclass
@@ -103,7 +109,10 @@ class Engine:
         self.planner = Planner()
         self._seq_ids = itertools.count()
         self.num_steps = 0
+        # Recoveries onto a new executor instance.
+        self.num_restarts = 0
         self.last_timings = StepTimings()
+        self.on_step: OnStep = _unobserved
 
     @property
     def block_manager(self) -> BlockManager:
@@ -181,6 +190,11 @@ class Engine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:  # every running sequence awaits its final token from the step in flight
             return None
+        if is_prefill:
+            now = time.monotonic()
+            for seq in seqs:
+                if seq.scheduled_at is None:
+                    seq.scheduled_at = now
         t1 = time.perf_counter()
         plan, ordered = self.planner.build(seqs, is_prefill, self.scheduler.drain_released())
         message = plan_to_proto(plan)
@@ -207,7 +221,7 @@ class Engine:
         if result.prompt_logprobs:
             self._keep_prompt_logprobs(launched.record.seqs, result)
         outputs = self.scheduler.settle(launched.record, list(result.token_ids), logprobs)
-
+        self.on_step(sum(launched.record.counts), result.forward_ms / 1e3)
         self.last_timings = StepTimings(
             launched.schedule_s, launched.plan_s, launched.send_s + t1 - t0, time.perf_counter() - t1
         )
@@ -246,6 +260,8 @@ class Engine:
             )
         self._abandon_in_flight()
         self.executor.reset()
+        if info.instance_id != old.instance_id:
+            self.num_restarts += 1
         self.info = info
         self.scheduler.max_model_len = info.max_model_len
         self.planner.forget_all()

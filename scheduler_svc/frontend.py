@@ -10,6 +10,7 @@ to its own statuses.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterable
 
 from nanoserve.v1 import generation_pb2 as pb
@@ -87,11 +88,13 @@ class Frontend:
         return self.loop
 
     async def submit(self, request: pb.GenerateRequest) -> Generation:
-        """Validate (off the event loop: tokenizing and templating take time) and queue ``request``."""
+        """Validate (off the event loop: tokenizing and templating take time) and queue ``request``; its latency
+        metrics count from now, as vLLM's count from a request's arrival."""
+        arrived_at = time.monotonic()
         loop = self.ready()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
-        handle = loop.submit(prepared, queue)
+        handle = loop.submit(prepared, queue, arrived_at)
         self.by_request_id.setdefault(prepared.request_id, set()).add(handle)
         return Generation(self, handle, queue)
 

@@ -20,7 +20,7 @@ from scheduler_svc.errors import CacheTooSmall, EngineFailure, ExecutorUnavailab
 from scheduler_svc.inflight import InFlight, RequestHandle
 from scheduler_svc.outputs import RequestOutput
 from scheduler_svc.remote import describe_failure
-from scheduler_svc.stats import LoopStats
+from scheduler_svc.stats import LoopObserver, LoopStats
 from scheduler_svc.supervision import Supervisor
 from scheduler_svc.tokenizer import ModelTokenizer
 from scheduler_svc.wire import PreparedRequest
@@ -33,8 +33,9 @@ OnServing = Callable[[bool], None]
 
 class EngineLoop:
     def __init__(self, engine: Engine, tokenizer: ModelTokenizer | None, deliver: Deliver, limits: QueueLimits,
-                 on_serving: OnServing = lambda serving: None) -> None:
-        """``on_serving(False)`` when the executor fails, ``on_serving(True)`` once it is back (loop thread)."""
+                 observer: LoopObserver, on_serving: OnServing = lambda serving: None) -> None:
+        """``on_serving(False)`` when the executor fails, ``on_serving(True)`` once it is back; ``observer`` hears
+        of each step and each choice's times (both on the loop thread)."""
         self.engine = engine
         self.info = engine.info
         self.tokenizer = tokenizer
@@ -47,8 +48,9 @@ class EngineLoop:
         self._inbox: list[RequestHandle] = []
         self._cancelled: list[tuple[RequestHandle, bool]] = []
         self._drain_deadline: float | None = None
-        self._requests = InFlight(self.admission)
-        self.stats = LoopStats.of(engine, self._requests.finished)
+        self._requests = InFlight(self.admission, observer)
+        engine.on_step = observer.step
+        self.stats = LoopStats.of(engine, self._requests, self.supervisor.serving)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # Called from any thread.
@@ -56,10 +58,11 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, prepared: PreparedRequest, sink: object) -> RequestHandle:
-        """Queue a validated request; raise QueueFull, ServerStopping or InvalidRequest when it cannot be taken."""
+    def submit(self, prepared: PreparedRequest, sink: object, arrived_at: float) -> RequestHandle:
+        """Queue a validated request that arrived at ``arrived_at`` (time.monotonic); raise QueueFull, ServerStopping
+        or InvalidRequest when it cannot be taken."""
         self.admission.admit(len(prepared.prompt_token_ids))
-        handle = RequestHandle(prepared, sink)
+        handle = RequestHandle(prepared, sink, arrived_at)
         with self._wakeup:
             self._inbox.append(handle)
             self._wakeup.notify()
@@ -154,17 +157,7 @@ class EngineLoop:
         outputs = self._executor_step()
         if outputs is None:
             return
-        requests = self._requests
-        for out in outputs:
-            active = requests.by_seq_id[out.seq.seq_id]
-            if active.handle.pending_choices:
-                requests.start_pending(self.engine, active.handle, self.tokenizer)
-            processed = active.processor.process(out)
-            if processed.stop_at is not None:
-                self.engine.stop_at(active.seq, processed.stop_at)
-            requests.emit(active.handle, processed.output)
-            if processed.output.finish_reason is not None:
-                requests.forget(active, processed.output.finish_reason)
+        self._requests.process(self.engine, outputs, self.tokenizer)
         if self._has_work() and not self.engine.has_unfinished():
             self._deliver()
             self._executor_step()
@@ -245,4 +238,4 @@ class EngineLoop:
         """End of an iteration: deliver the outputs, refresh the stats, postpone the probe."""
         self._deliver()
         self.supervisor.postpone_probe(time.monotonic())
-        self.stats = LoopStats.of(self.engine, self._requests.finished)
+        self.stats = LoopStats.of(self.engine, self._requests, self.supervisor.serving)

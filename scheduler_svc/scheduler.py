@@ -89,6 +89,8 @@ class Scheduler:
         # executor can drop their state (finished, aborted or preempted).
         self.released_seq_ids: list[int] = []
         self.num_preemptions = 0
+        # Tokens looked up in the prefix cache at each allocation (vLLM's prefix-cache queries), and those found.
+        self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
 
     def is_finished(self) -> bool:
@@ -126,6 +128,7 @@ class Scheduler:
                 break
             if not seq.block_table:
                 self.block_manager.allocate(seq, num_cached_blocks)
+                self.num_prefix_query_tokens += seq.num_tokens
                 self.num_prefix_hit_tokens += seq.num_cached_tokens
                 if seq.num_prefix_hit_tokens is None:
                     seq.num_prefix_hit_tokens = seq.num_cached_tokens

@@ -51,6 +51,8 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         # Prompt tokens served from the prefix cache at the first allocation.
         self.num_prefix_hit_tokens: int | None = None
+        # When the engine first scheduled it (time.monotonic), for the queue-time metric; the scheduler keeps no clock.
+        self.scheduled_at: float | None = None
         # True once the token in flight is its last (max_tokens or the model's length): it is not
         # scheduled again while it waits for that token.
         self.final_token_pending = False

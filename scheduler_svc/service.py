@@ -32,10 +32,11 @@ from scheduler_svc.errors import (
     ServerStopping,
 )
 from scheduler_svc.frontend import Frontend, Generation
-from scheduler_svc.http.app import create_app
+from scheduler_svc.http.app import create_app, create_metrics_app
 from scheduler_svc.http.server import HttpServer
 from scheduler_svc.loop import EngineLoop, RequestHandle
 from scheduler_svc.malformed import MalformedRequest, MalformedRequestInterceptor
+from scheduler_svc.metrics import Metrics, new_registry
 from scheduler_svc.outputs import RequestOutput
 from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.scheduler import SchedulerConfig
@@ -163,9 +164,15 @@ def executor_client(config: ServiceConfig) -> RemoteExecutor:
     return RemoteExecutor(config.executor, step_timeout_s=config.step_timeout, credentials=credentials)
 
 
+def metrics_tls(tls: TLSConfig | None) -> TLSConfig | None:
+    """--metrics-port's TLS: the public API's certificate, but no client certificate required (the scrapers it is
+    for, such as the endpoint picker, have none to present)."""
+    return TLSConfig(tls.cert_file, tls.key_file) if tls is not None and tls.cert_file else None
+
+
 class SchedulerServer:
-    """The gRPC server, the HTTP API beside it on the same event loop, their health, and the engine loop once the
-    executor answered."""
+    """The gRPC server, the HTTP API and the metrics port beside it on the same event loop, their health, and the
+    engine loop once the executor answered."""
 
     def __init__(self, config: ServiceConfig, executor: Executor | None = None) -> None:
         """Serve ``executor`` (an in-process one in tests), or by default the executor service at config.executor."""
@@ -182,8 +189,12 @@ class SchedulerServer:
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.tls = TLSConfig.from_flags(config.tls_cert, config.tls_key, config.tls_ca)
         self.port = bind(self.server, config.host, config.port, self.tls)
-        self.http = HttpServer(create_app(self.frontend, self.is_serving, config.api_key), config.host,
+        # The scheduler's metrics join the process' ones once the executor answered (they are labelled with its model).
+        self.registry = new_registry()
+        self.http = HttpServer(create_app(self.frontend, self.is_serving, self.registry, config.api_key), config.host,
                                config.http_port, self.tls) if config.http_port else None
+        self.metrics_http = HttpServer(create_metrics_app(self.registry), config.host, config.metrics_port,
+                                       metrics_tls(self.tls)) if config.metrics_port else None
         self.executor = executor if executor is not None else executor_client(config)
         self.loop: EngineLoop | None = None
         self.stopping = asyncio.Event()
@@ -216,11 +227,17 @@ class SchedulerServer:
     async def start(self) -> None:
         await self._sync_health()
         await self.server.start()
-        if self.http is not None:
-            self.http.start()
+        for server in self.http_servers:
+            server.start()
         http = f", HTTP on port {self.http.port}" if self.http is not None else ""
+        if self.metrics_http is not None:
+            http += f", metrics on port {self.metrics_http.port}"
         log.info("scheduler listening on %s:%d%s (%s%s) executor=%s", self.config.host, self.port, http,
                  transport_name(self.tls), ", API key" if self.config.api_key else "", self.config.executor)
+
+    @property
+    def http_servers(self) -> list[HttpServer]:
+        return [server for server in (self.http, self.metrics_http) if server is not None]
 
     async def connect(self) -> bool:
         """Retry the executor handshake with exponential backoff; False if asked to stop first."""
@@ -241,7 +258,10 @@ class SchedulerServer:
         tokenizer = ModelTokenizer.from_info(info)
         aio_loop = asyncio.get_running_loop()
         limits = QueueLimits(self.config.max_queued_requests, self.config.max_queued_tokens)
-        self.loop = EngineLoop(engine, tokenizer, deliver_to_event_loop(aio_loop), limits, self._on_serving(aio_loop))
+        metrics = Metrics(info.model_id, info.max_model_len, lambda: self.loop.stats)
+        self.loop = EngineLoop(engine, tokenizer, deliver_to_event_loop(aio_loop), limits, metrics,
+                               self._on_serving(aio_loop))
+        self.registry.register(metrics)
         self.loop.start()
         self.frontend.attach(self.loop, tokenizer)
         self.serving = True
@@ -263,9 +283,7 @@ class SchedulerServer:
         if self.loop is not None:
             grace = self.config.shutdown_grace
             await asyncio.to_thread(self.loop.stop, grace, grace + self.config.step_timeout)
-        servers = [self.server.stop(SERVER_STOP_GRACE_S)]
-        if self.http is not None:
-            servers.append(self.http.stop(SERVER_STOP_GRACE_S))
+        servers = [self.server.stop(SERVER_STOP_GRACE_S), *(s.stop(SERVER_STOP_GRACE_S) for s in self.http_servers)]
         await asyncio.gather(*servers)
         if isinstance(self.executor, RemoteExecutor):
             self.executor.close()

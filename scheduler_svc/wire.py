@@ -258,4 +258,5 @@ def model_info(info: executor_pb2.ExecutorInfo, tokenizer: ModelTokenizer | None
 
 
 def scheduler_stats(stats: LoopStats) -> pb.SchedulerStats:
-    return pb.SchedulerStats(**vars(stats))
+    """The stats GetStats has fields for; the others are for the metrics only."""
+    return pb.SchedulerStats(**{name: getattr(stats, name) for name in pb.SchedulerStats.DESCRIPTOR.fields_by_name})

@@ -3,7 +3,8 @@ them through the same ``Frontend``, and translates the outputs back; no engine l
 
 A streamed response whose client goes away is cancelled by Starlette (``GenerationStream``), and a whole
 response's by ``unless_disconnected``; either way its generations close, which cancels their requests, so their KV
-blocks are free before the next step. More routers (``/metrics``) go in ``create_app``.
+blocks are free before the next step. ``/metrics`` is Prometheus' (``metrics_router``), behind the API key like every
+route but ``/health``; ``create_metrics_app`` serves it alone on --metrics-port.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -169,8 +171,27 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
     return router
 
 
-def create_app(frontend: Frontend, serving: Callable[[], bool], api_key: str = "") -> FastAPI:
-    """``serving``: what gRPC health would say (True: SERVING)."""
+def metrics_router(registry: CollectorRegistry) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/metrics")
+    def metrics() -> Response:
+        """Prometheus' text format; a plain function, so Starlette renders it on a worker thread, off the event loop."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def create_metrics_app(registry: CollectorRegistry) -> FastAPI:
+    """--metrics-port: ``/metrics`` and nothing else, open to any scraper that can reach it."""
+    app = FastAPI(title="nanoserve metrics", openapi_url=None, docs_url=None, redoc_url=None)
+    app.include_router(metrics_router(registry))
+    return app
+
+
+def create_app(frontend: Frontend, serving: Callable[[], bool], registry: CollectorRegistry,
+               api_key: str = "") -> FastAPI:
+    """``serving``: what gRPC health would say (True: SERVING); ``registry``: what ``/metrics`` serves."""
     app = FastAPI(title="nanoserve", openapi_url=None, docs_url=None, redoc_url=None)
     install_handlers(app)
 
@@ -180,6 +201,7 @@ def create_app(frontend: Frontend, serving: Callable[[], bool], api_key: str = "
         return translate.api_error(error, {}).response()
 
     app.include_router(routes(frontend, serving))
+    app.include_router(metrics_router(registry))
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app
