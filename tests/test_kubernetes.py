@@ -1,0 +1,318 @@
+"""The Kubernetes manifests: valid against the API's schemas, and their commands and environment start the services.
+
+No cluster is needed. Each overlay is rendered with ``kubectl kustomize`` (or ``kustomize build``),
+every object is validated strictly (unknown fields fail) against the Kubernetes OpenAPI schemas that
+kubernetes-validate ships, and the InferencePool against the vendored CRD's schema. Then the pod's
+scheduler runs here as a local process with the manifest's command and environment, re-pointed at
+127.0.0.1 and free ports as tests/test_compose.py does, beside the model-free shadow executor; both must
+become SERVING on the ports the probes name.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import httpx
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import stack
+from executor_svc.__main__ import build_parser as executor_parser
+from executor_svc.__main__ import options_from_args
+from scheduler_svc.config import parse_config
+from tests.service_fixtures import ROOT, free_port
+
+KUBERNETES = ROOT / "deploy" / "kubernetes"
+CRD = KUBERNETES / "crds" / "inference.networking.k8s.io_inferencepools.yaml"
+# The oldest Kubernetes these manifests target (native gRPC probes are GA since 1.27) and the newest schema.
+SCHEMA_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
+OVERLAYS = ["cpu", "gpu", "tp2"]
+# An overlay plus the optional components, as docs/deploy.md tells to combine them.
+SECURED = ("cpu", ["api-key", "tls"])
+TARGETS = ["base", *OVERLAYS, "cpu+api-key+tls"]
+GPUS = {"cpu": 0, "gpu": 1, "tp2": 2}
+GAUGES = {"queuedRequestsSpec": "nanoserve:num_requests_waiting",
+          "runningRequestsSpec": "nanoserve:num_requests_running",
+          "kvUsageSpec": "nanoserve:kv_cache_usage_perc"}
+BIN = Path(sys.executable).parent
+START_TIMEOUT_S = 30.0
+
+
+@functools.cache
+def kustomize_tool() -> list[str] | None:
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    return None
+
+
+@functools.cache
+def render(target: str) -> tuple[dict, ...]:
+    """The objects ``kubectl apply -k`` would send for ``target``: base, an overlay, or overlay+component+..."""
+    tool = kustomize_tool()
+    if tool is None:
+        pytest.skip("neither kubectl nor kustomize is installed, so the kustomizations cannot be rendered")
+    if target == "base":
+        folder, flags = KUBERNETES / "base", []
+    elif target in OVERLAYS:
+        folder, flags = KUBERNETES / "overlays" / target, []
+    else:  # overlay+component...: a kustomization of its own, outside the tree, as a user would write it
+        overlay, *components = target.split("+")
+        folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"nanoserve-kustomize-{os.getpid()}-{target}"
+        folder.mkdir(exist_ok=True)
+        rel = os.path.relpath(KUBERNETES, folder)
+        (folder / "kustomization.yaml").write_text(yaml.safe_dump({
+            "resources": [f"{rel}/overlays/{overlay}"], "components": [f"{rel}/components/{c}" for c in components]}))
+        flags = ["--load-restrictor", "LoadRestrictionsNone"]
+    result = subprocess.run([*tool, *flags, str(folder)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return tuple(yaml.safe_load_all(result.stdout))
+
+
+def find(objects: tuple[dict, ...], kind: str, name: str) -> dict:
+    matches = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name}: {len(matches)} found"
+    return matches[0]
+
+
+def containers(objects: tuple[dict, ...]) -> dict[str, dict]:
+    return {c["name"]: c for c in find(objects, "Deployment", "nanoserve")["spec"]["template"]["spec"]["containers"]}
+
+
+def env_of(container: dict) -> dict[str, str]:
+    """The container's environment; a Secret's value stands in as ``secret:<name>/<key>``."""
+    env = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = item["value"]
+        else:
+            ref = item["valueFrom"]["secretKeyRef"]
+            env[item["name"]] = f"secret:{ref['name']}/{ref['key']}"
+    return env
+
+
+def strict(schema: dict) -> dict:
+    """The CRD schema as the API server's strict field validation applies it: unknown fields fail."""
+    schema = copy.deepcopy(schema)
+
+    def close(node: dict) -> None:
+        if "properties" in node:
+            node.setdefault("additionalProperties", False)
+            for child in node["properties"].values():
+                close(child)
+        for key in ("items", "additionalProperties"):
+            if isinstance(node.get(key), dict):
+                close(node[key])
+
+    close(schema)
+    return schema
+
+
+@functools.cache
+def inference_pool_schema() -> dict:
+    crd = yaml.safe_load(CRD.read_text())
+    assert crd["spec"]["group"] == "inference.networking.k8s.io"
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return strict(version["schema"]["openAPIV3Schema"])
+
+
+def validate(document: dict, version: str) -> None:
+    if document["kind"] == "InferencePool":
+        assert document["apiVersion"] == "inference.networking.k8s.io/v1"
+        jsonschema.validate(document, inference_pool_schema())
+    else:
+        kubernetes_validate.validate(document, version, strict=True)
+
+
+@pytest.mark.parametrize("version", SCHEMA_VERSIONS)
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_manifest_is_valid_against_the_schemas(target: str, version: str) -> None:
+    objects = render(target)
+    kinds = {o["kind"] for o in objects}
+    assert {"Deployment", "Service", "PodDisruptionBudget", "InferencePool", "ConfigMap"} <= kinds
+    for document in objects:
+        validate(document, version)
+
+
+def test_the_validation_is_strict() -> None:
+    deployment = copy.deepcopy(find(render("cpu"), "Deployment", "nanoserve"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["grpcProbe"] = {"port": 50051}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, SCHEMA_VERSIONS[-1], strict=True)
+    pool = copy.deepcopy(find(render("cpu"), "InferencePool", "nanoserve"))
+    pool["spec"]["targetPortNumber"] = 8000  # the pre-v1 field
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(pool, inference_pool_schema())
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_one_pod_holds_a_scheduler_and_its_executor_on_localhost(overlay: str) -> None:
+    objects = render(overlay)
+    pod = containers(objects)
+    assert set(pod) == {"scheduler", "executor"}
+    scheduler_env, executor_env = env_of(pod["scheduler"]), env_of(pod["executor"])
+    scheduler = parse_config(pod["scheduler"].get("args", []), scheduler_env)
+    executor = executor_parser(executor_env).parse_args(pod["executor"].get("args", []))
+    assert scheduler.executor == f"127.0.0.1:{executor.port}"
+    assert (scheduler.host, executor.host) == ("0.0.0.0", "0.0.0.0"), "the kubelet probes the pod IP"
+    assert {p["containerPort"] for p in pod["scheduler"]["ports"]} == {scheduler.port, scheduler.http_port} \
+        == {50051, 8000}
+    assert [p["containerPort"] for p in pod["executor"]["ports"]] == [executor.port]
+    options = options_from_args(executor)
+    gpus = int(pod["executor"].get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
+    assert gpus == GPUS[overlay]
+    assert "nvidia.com/gpu" not in str(pod["scheduler"].get("resources")), "the scheduler needs no GPU"
+    if gpus:
+        assert (options.device, options.dtype, options.tensor_parallel_size) == ("cuda", "bfloat16", gpus)
+        assert options.model == "/models", "the model comes from the volume"
+        spec = find(objects, "Deployment", "nanoserve")["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "nanoserve-models"
+        find(objects, "PersistentVolumeClaim", "nanoserve-models")
+        assert pod["executor"]["image"] == "nanoserve-executor:cuda"
+    else:
+        assert (options.device, options.dtype, options.tensor_parallel_size) == ("cpu", "float32", 1)
+        assert options.model == "smollm2-135m-instruct", "the embedded model, converted into the cache"
+        assert executor_env["NANOSERVE_CACHE"] == "/cache"
+        assert pod["executor"]["image"] == "nanoserve-executor:cpu"
+    assert pod["scheduler"]["image"] == "nanoserve-scheduler:latest"
+
+
+def pre_stop_seconds(container: dict) -> float:
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    return float(command[1])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_grace_period_covers_the_drain(overlay: str) -> None:
+    spec = find(render(overlay), "Deployment", "nanoserve")["spec"]["template"]["spec"]
+    pod = {c["name"]: c for c in spec["containers"]}
+    grace = parse_config([], env_of(pod["scheduler"])).shutdown_grace
+    scheduler_stop = pre_stop_seconds(pod["scheduler"])
+    assert grace == 30.0
+    # SIGTERM comes after the preStop; the drain then takes up to --shutdown-grace; a little to spare.
+    assert scheduler_stop + grace < spec["terminationGracePeriodSeconds"] <= scheduler_stop + grace + 15
+    # The executor gets SIGTERM only after the scheduler's drain is over.
+    assert pre_stop_seconds(pod["executor"]) >= scheduler_stop + grace
+    for name, container in pod.items():
+        startup = container["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60, f"{name}: too short a model load"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_probe_names_a_port_the_services_bind(target: str) -> None:
+    for name, container in containers(render(target)).items():
+        env = env_of(container)
+        declared = {p["containerPort"] for p in container["ports"]}
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = container[kind]
+            if "grpc" in probe:
+                assert probe["grpc"] == {"port": int(env["NANOSERVE_PORT"]), "service": ""}, f"{name} {kind}"
+                assert "NANOSERVE_TLS_CERT" not in env, "the kubelet's gRPC probes speak plaintext only"
+            else:  # the TLS component: HTTPS /health on the HTTP API
+                assert probe["httpGet"] == {"path": "/health", "port": int(env["NANOSERVE_HTTP_PORT"]),
+                                            "scheme": "HTTPS" if "NANOSERVE_TLS_CERT" in env else "HTTP"}
+            assert (probe.get("grpc") or probe.get("httpGet"))["port"] in declared
+
+
+def test_the_components_add_the_secrets() -> None:
+    scheduler = containers(render("cpu+api-key+tls"))["scheduler"]
+    env = env_of(scheduler)
+    assert env["NANOSERVE_API_KEY"] == "secret:nanoserve-api-key/api-key"
+    mounts = {m["name"]: m for m in scheduler["volumeMounts"]}
+    assert env["NANOSERVE_TLS_CERT"] == mounts["tls"]["mountPath"] + "/tls.crt"
+    assert env["NANOSERVE_TLS_KEY"] == mounts["tls"]["mountPath"] + "/tls.key"
+    assert "NANOSERVE_API_KEY" not in env_of(containers(render("cpu"))["scheduler"]), "the base needs no Secret"
+
+
+def test_services_pdb_and_inference_pool_select_the_pods() -> None:
+    objects = render("cpu")
+    template = find(objects, "Deployment", "nanoserve")["spec"]["template"]
+    labels = template["metadata"]["labels"]
+    port_names = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c["ports"]}
+    for name in ("nanoserve", "nanoserve-grpc-headless"):
+        service = find(objects, "Service", name)["spec"]
+        assert service["selector"].items() <= labels.items()
+        assert all(port_names[p["targetPort"]] == p["port"] for p in service["ports"])
+    assert find(objects, "Service", "nanoserve-grpc-headless")["spec"]["clusterIP"] == "None"
+    assert [p["port"] for p in find(objects, "Service", "nanoserve-grpc-headless")["spec"]["ports"]] == [50051]
+    budget = find(objects, "PodDisruptionBudget", "nanoserve")["spec"]
+    assert budget["selector"]["matchLabels"].items() <= labels.items()
+    pool = find(objects, "InferencePool", "nanoserve")["spec"]
+    assert pool["selector"]["matchLabels"].items() <= labels.items()
+    assert pool["targetPorts"] == [{"number": port_names["http"]}]
+    picker = find(objects, "Service", pool["endpointPickerRef"]["name"])["spec"]
+    assert pool["endpointPickerRef"]["port"]["number"] in [p["port"] for p in picker["ports"]]
+
+
+def test_the_endpoint_picker_reads_nanoserves_gauges() -> None:
+    objects = render("cpu")
+    epp = find(objects, "Deployment", "nanoserve-epp")["spec"]["template"]["spec"]["containers"][0]
+    args = epp["args"]
+    assert args[args.index("--pool-name") + 1] == "nanoserve"
+    path = args[args.index("--config-file") + 1]
+    mount = next(m for m in epp["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    config = yaml.safe_load(find(objects, "ConfigMap", "nanoserve-epp")["data"][Path(path).name])
+    assert mount["name"] == "config" and config["kind"] == "EndpointPickerConfig"
+    plugins = {p.get("name", p["type"]): p for p in config["plugins"]}
+    extractor = plugins["core-metrics-extractor"]["parameters"]
+    (engine,) = [e for e in extractor["engineConfigs"] if e["name"] == extractor["defaultEngine"]]
+    assert {k: engine[k] for k in GAUGES} == GAUGES
+    assert plugins["metrics-data-source"]["parameters"]["path"] == "/metrics"
+    scored = {p["pluginRef"] for p in config["schedulingProfiles"][0]["plugins"]}
+    assert {"queue-scorer", "kv-cache-utilization-scorer"} <= scored
+
+
+def health(target: str) -> str:
+    with grpc.insecure_channel(target) as channel:
+        response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+@pytest.mark.parametrize("target", ["cpu", "cpu+api-key"])
+def test_the_pods_commands_and_environment_start_the_services(target: str) -> None:
+    """The scheduler exactly as the pod runs it, only host and ports moved, in front of a model-free executor."""
+    pod = containers(render(target))
+    env = env_of(pod["scheduler"])
+    ports = {int(env["NANOSERVE_PORT"]): free_port(), int(env["NANOSERVE_HTTP_PORT"]): free_port()}
+    executor_port = int(env_of(pod["executor"])["NANOSERVE_PORT"])
+    ports[executor_port] = free_port()
+    assert env.pop("NANOSERVE_HOST") == "0.0.0.0"
+    assert env["NANOSERVE_EXECUTOR"] == f"127.0.0.1:{executor_port}"
+    env.update(NANOSERVE_HOST=stack.HOST, NANOSERVE_PORT=str(ports[int(env["NANOSERVE_PORT"])]),
+               NANOSERVE_HTTP_PORT=str(ports[int(env["NANOSERVE_HTTP_PORT"])]),
+               NANOSERVE_EXECUTOR=f"{stack.HOST}:{ports[executor_port]}")
+    if "NANOSERVE_API_KEY" in env:
+        env["NANOSERVE_API_KEY"] = "k8s-test-key"
+    command = pod["scheduler"]["command"]
+    scheduler = stack.Service("scheduler", [str(BIN / command[0]), *command[1:], *pod["scheduler"].get("args", [])],
+                              env, f"{stack.HOST}:{env['NANOSERVE_PORT']}")
+    shadow = [sys.executable, "-m", "executor_svc.shadow_server",
+              "--host", stack.HOST, "--port", str(ports[executor_port])]
+    executor = stack.Service("executor", shadow, {}, f"{stack.HOST}:{ports[executor_port]}")
+    processes = stack.Stack()
+    try:
+        for service in (executor, scheduler):
+            processes.start(service)
+            assert processes.wait_serving(service, START_TIMEOUT_S), f"the {service.name} never became SERVING"
+        # What the kubelet asks: grpc.health.v1 Check with service "" on each probe's port, without a key.
+        for container in pod.values():
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert health(f"{stack.HOST}:{ports[container[kind]['grpc']['port']]}") == "SERVING", kind
+        answer = httpx.get(f"http://{stack.HOST}:{ports[8000]}/health", timeout=10)
+        assert answer.status_code == 200
+    finally:
+        processes.stop()
+    assert [p.returncode for _, p in processes.running] == [0, 0], "SIGTERM (the pod's stop) must end both cleanly"
