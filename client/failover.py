@@ -34,9 +34,12 @@ def address(server: str) -> tuple[int, str]:
     host = host.strip("[]")
     try:
         ip = ipaddress.ip_address(host)
-    except ValueError:
-        family, *_, sockaddr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
-        ip = ipaddress.ip_address(sockaddr[0])
+    except ValueError:  # a host name: its IPv4 address when it has one, so that names mix with IPv4 literals
+        try:
+            found = socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)
+        except socket.gaierror:
+            found = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        ip = ipaddress.ip_address(found[0][4][0])
     return (6, f"[{ip}]:{port}") if ip.version == 6 else (4, f"{ip}:{port}")
 
 
