@@ -1,12 +1,16 @@
 """Python clients of the scheduler's public API: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
 
-Each holds one channel for its whole life, as the server expects of long-lived callers.
+Each holds one channel for its whole life, as the server expects of long-lived callers; given several
+servers (``servers=``, a comma list or a ``dns:///`` target) the channel balances them with round_robin.
 Every generation method takes a text ``prompt`` or ``messages=`` or ``token_ids=`` plus the
-options of ``client.requests.build_request``; failures raise ``NanoserveError``.
+options of ``client.requests.build_request``; failures raise ``NanoserveError``. A stream whose
+scheduler dies is resumed on another (``client.failover``), so the caller sees one uninterrupted stream.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -14,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.errors import NanoserveError
+from client.failover import DEFAULT_MAX_RESUMES, ROUND_ROBIN, Resumption, channel_target, resumable
 from client.requests import Message, build_request, tokenize_request
 from client.results import Chunk, Completion
 from common.channels import PUBLIC_MAX_MESSAGE_BYTES, public_channel_options
@@ -22,6 +27,13 @@ from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def channel_args(target: str, servers: Sequence[str] | None, max_message_bytes: int) -> tuple[str, list]:
+    """The gRPC target and options of a channel to ``target`` or to ``servers``, balanced when several."""
+    target, balanced = channel_target(target, None if servers is None else list(servers))
+    options = public_channel_options(max_message_bytes)
+    return target, [*options, ROUND_ROBIN] if balanced else options
 
 
 def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -34,24 +46,30 @@ class Client:
 
     ``tls`` connects over TLS, verifying the server with ``tls.ca_file`` (the system roots when
     unset) and presenting ``tls.cert_file``/``key_file`` to a server that wants a client certificate.
+    ``servers`` (``["h1:50051", "h2:50051"]``) replaces ``target``; ``max_resumes`` bounds the resends of one
+    stream after UNAVAILABLE (0: none). ``timeout`` bounds a whole call, resends included.
     """
 
     def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None, api_key: str | None = None,
-                 tls: TLSConfig | None = None, max_message_bytes: int = PUBLIC_MAX_MESSAGE_BYTES) -> None:
-        self.target = target
+                 tls: TLSConfig | None = None, max_message_bytes: int = PUBLIC_MAX_MESSAGE_BYTES,
+                 servers: Sequence[str] | None = None, max_resumes: int = DEFAULT_MAX_RESUMES) -> None:
+        self.target, options = channel_args(target, servers, max_message_bytes)
         self.timeout = timeout
+        self.max_resumes = max_resumes
         self.metadata = call_metadata(api_key)
-        options = public_channel_options(max_message_bytes)
         if tls is None:
-            self.channel = grpc.insecure_channel(target, options=options)
+            self.channel = grpc.insecure_channel(self.target, options=options)
         else:
-            self.channel = grpc.secure_channel(target, channel_credentials(tls), options=options)
+            self.channel = grpc.secure_channel(self.target, channel_credentials(tls), options=options)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     def generate(self, prompt: str | None = None, **options: Any) -> Completion:
-        """The whole completion in one response."""
+        """The whole completion: streamed and joined, so that it survives its scheduler's death (n > 1: one
+        GenerateOnce response, not resumed)."""
         request = build_request(prompt, **options)
+        if resumable(request):
+            return Completion.from_chunks(list(self._stream(request)))[0]
         try:
             return Completion.from_proto(self.stub.GenerateOnce(request, timeout=self.timeout, metadata=self.metadata))
         except grpc.RpcError as e:
@@ -65,14 +83,23 @@ class Client:
         return self._stream(build_request(prompt, **options))
 
     def _stream(self, request: pb.GenerateRequest) -> Iterator[Chunk]:
-        responses = self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
-        try:
-            for response in responses:
-                yield Chunk.from_proto(response)
-        except grpc.RpcError as e:
-            raise NanoserveError.from_rpc_error(e) from None
-        finally:
-            responses.cancel()
+        """The chunks of ``request``, resent with ``resume`` after UNAVAILABLE (see ``client.failover``)."""
+        resumption = Resumption(request, self.timeout, self.max_resumes)
+        while True:
+            responses = self.stub.Generate(resumption.attempt(), timeout=resumption.remaining_s(),
+                                           metadata=self.metadata)
+            try:
+                for response in responses:
+                    resumption.keep(response)
+                    yield Chunk.from_proto(response)
+                return
+            except grpc.RpcError as e:
+                delay = resumption.retry_delay(e)
+                if delay is None:
+                    raise NanoserveError.from_rpc_error(e) from None
+            finally:
+                responses.cancel()
+            time.sleep(delay)
 
     def chat(self, messages: Sequence[Message], **options: Any) -> Completion:
         """A reply to ``messages`` ({"role", "content"} dicts), rendered with the model's chat template."""
@@ -129,12 +156,13 @@ class AsyncClient:
     """The asyncio twin of ``Client``; its channel opens on first use, inside the running event loop."""
 
     def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None, api_key: str | None = None,
-                 tls: TLSConfig | None = None, max_message_bytes: int = PUBLIC_MAX_MESSAGE_BYTES) -> None:
-        self.target = target
+                 tls: TLSConfig | None = None, max_message_bytes: int = PUBLIC_MAX_MESSAGE_BYTES,
+                 servers: Sequence[str] | None = None, max_resumes: int = DEFAULT_MAX_RESUMES) -> None:
+        self.target, self.options = channel_args(target, servers, max_message_bytes)
         self.timeout = timeout
+        self.max_resumes = max_resumes
         self.metadata = call_metadata(api_key)
         self.tls = tls
-        self.max_message_bytes = max_message_bytes
         self.channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.GenerationStub | None = None
         self._health_stub: health_pb2_grpc.HealthStub | None = None
@@ -150,8 +178,10 @@ class AsyncClient:
         return self._health_stub
 
     async def generate(self, prompt: str | None = None, **options: Any) -> Completion:
-        """The whole completion in one response."""
+        """The whole completion, streamed and joined as ``Client.generate`` does."""
         request = build_request(prompt, **options)
+        if resumable(request):
+            return Completion.from_chunks([chunk async for chunk in self._stream(request)])[0]
         return Completion.from_proto(await self._unary(self.stub.GenerateOnce, request))
 
     def stream(self, prompt: str | None = None, **options: Any) -> AsyncIterator[Chunk]:
@@ -159,14 +189,21 @@ class AsyncClient:
         return self._stream(build_request(prompt, **options))
 
     async def _stream(self, request: pb.GenerateRequest) -> AsyncIterator[Chunk]:
-        call = self.stub.Generate(request, timeout=self.timeout, metadata=self.metadata)
-        try:
-            async for response in call:
-                yield Chunk.from_proto(response)
-        except grpc.RpcError as e:
-            raise NanoserveError.from_rpc_error(e) from None
-        finally:
-            call.cancel()
+        resumption = Resumption(request, self.timeout, self.max_resumes)
+        while True:
+            call = self.stub.Generate(resumption.attempt(), timeout=resumption.remaining_s(), metadata=self.metadata)
+            try:
+                async for response in call:
+                    resumption.keep(response)
+                    yield Chunk.from_proto(response)
+                return
+            except grpc.RpcError as e:
+                delay = resumption.retry_delay(e)
+                if delay is None:
+                    raise NanoserveError.from_rpc_error(e) from None
+            finally:
+                call.cancel()
+            await asyncio.sleep(delay)
 
     async def chat(self, messages: Sequence[Message], **options: Any) -> Completion:
         """A reply to ``messages`` ({"role", "content"} dicts), rendered with the model's chat template."""
@@ -213,11 +250,11 @@ class AsyncClient:
 
     def _connect(self) -> None:
         if self.channel is None:
-            options = public_channel_options(self.max_message_bytes)
             if self.tls is None:
-                self.channel = grpc.aio.insecure_channel(self.target, options=options)
+                self.channel = grpc.aio.insecure_channel(self.target, options=self.options)
             else:
-                self.channel = grpc.aio.secure_channel(self.target, channel_credentials(self.tls), options=options)
+                self.channel = grpc.aio.secure_channel(self.target, channel_credentials(self.tls),
+                                                       options=self.options)
             self._stub = pb_grpc.GenerationStub(self.channel)
             self._health_stub = health_pb2_grpc.HealthStub(self.channel)
 

@@ -40,7 +40,9 @@ EXIT_CODES = {
 
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default=os.environ.get("NANOSERVE_SERVER", DEFAULT_TARGET),
-                        help="scheduler address HOST:PORT (env NANOSERVE_SERVER, default %(default)s)")
+                        help="scheduler address HOST:PORT, several as H1:P1,H2:P2 or dns:///NAME:PORT, balanced "
+                             "round-robin; a stream whose scheduler dies resumes on another "
+                             "(env NANOSERVE_SERVER, default %(default)s)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before the call is abandoned")
     parser.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
                         help="sent as 'authorization: Bearer <key>' (default: env NANOSERVE_API_KEY)")

@@ -83,7 +83,8 @@ class EchoExecutor:
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
         chunks = self.table.apply(plan)
         for new in plan.new_requests:
-            self.prompt_lens.setdefault(new.request_id, len(new.token_ids))
+            self.prompt_lens.setdefault(
+                new.request_id, new.num_prompt_tokens if new.HasField("num_prompt_tokens") else len(new.token_ids))
         return step_result(self.info.instance_id, plan.step_id, run_forward_passes(self.table, chunks, self._echo))
 
     def _echo(self, chunks: list[ScheduledChunk]) -> StepOutput:

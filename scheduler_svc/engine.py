@@ -127,12 +127,14 @@ class Engine:
         check_request(token_ids, params, self.limits)
         return self.enqueue(token_ids, params)
 
-    def enqueue(self, token_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request already checked (``validation``) against this executor's limits.
+    def enqueue(self, token_ids: list[int], params: SamplingParams, resumed: list[int] | None = None) -> Sequence:
+        """Queue a request already checked (``validation``) against this executor's limits; ``resumed`` completion
+        tokens count as generated (a stream another scheduler started).
 
         The cache may have shrunk since (a restarted executor): then InvalidRequest still.
         """
-        seq = Sequence(next(self._seq_ids), token_ids, params, self.info.block_size)
+        tokens = [*token_ids, *(resumed or ())]
+        seq = Sequence(next(self._seq_ids), tokens, params, self.info.block_size, len(token_ids))
         try:
             self.scheduler.add(seq)
         except ValueError as e:

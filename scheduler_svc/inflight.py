@@ -65,8 +65,10 @@ class InFlight:
         """Queue choice ``index`` of the request in the engine (InvalidRequest if the cache shrank since)."""
         prepared = handle.prepared
         params = prepared.params.for_choice(index)
-        seq = engine.enqueue(prepared.prompt_token_ids, params)
-        active = Active(handle, seq, OutputProcessor(tokenizer, prepared.prompt_token_ids, params, index))
+        resumed = prepared.resumed_token_ids
+        processor = OutputProcessor(tokenizer, prepared.prompt_token_ids, params, index, resumed)
+        seq = engine.enqueue(prepared.prompt_token_ids, params, resumed)
+        active = Active(handle, seq, processor)
         self.by_handle.setdefault(handle, []).append(active)
         self.by_seq_id[seq.seq_id] = active
         if index == 0:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler_svc.detokenizer import TextStream
-from scheduler_svc.errors import RequestFailed
+from scheduler_svc.errors import InvalidRequest, RequestFailed
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import TokenOutput
 from scheduler_svc.sequence import FinishReason, Sequence
@@ -68,16 +68,24 @@ class OutputProcessor:
     """Turns one choice's sampled tokens into text; without a tokenizer there is no text and no stop string.
 
     ``index`` is the choice (of the request's n); ``counts_prompt`` is False for every choice but the
-    first, so that the usage of a request's choices adds up to its prompt once.
+    first, so that the usage of a request's choices adds up to its prompt once. ``resumed`` completion tokens
+    (a stream another scheduler started) are replayed through the text state, their text dropped: the
+    caller has it, and text held back at the boundary (a partial stop string, an unfinished character)
+    comes out with the next token, exactly as in an undisturbed run.
     """
 
     def __init__(self, tokenizer: ModelTokenizer | None, prompt_token_ids: list[int], params: SamplingParams,
-                 index: int = 0) -> None:
+                 index: int = 0, resumed: list[int] | None = None) -> None:
         self.text = None if tokenizer is None else TextStream(
             tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
         self.index = index
         self.min_tokens = params.min_tokens
         self.prompt_logprobs_due = params.prompt_logprobs is not None
+        if self.text is not None:
+            for k, token_id in enumerate(resumed or ()):
+                if self.text.push(token_id, k + 1 >= self.min_tokens)[1]:
+                    raise InvalidRequest("resume.completion_token_ids", f"a stop string ends the generation at "
+                                                                        f"resumed token {k}: nothing left to resume")
 
     def process(self, out: TokenOutput) -> Processed:
         seq, token_ids = out.seq, out.token_ids

@@ -130,8 +130,8 @@ class Scheduler:
                 self.block_manager.allocate(seq, num_cached_blocks)
                 self.num_prefix_query_tokens += seq.num_tokens
                 self.num_prefix_hit_tokens += seq.num_cached_tokens
-                if seq.num_prefix_hit_tokens is None:
-                    seq.num_prefix_hit_tokens = seq.num_cached_tokens
+                if seq.num_prefix_hit_tokens is None:  # of the prompt: a resumed completion may hit too
+                    seq.num_prefix_hit_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
             seq.num_scheduled_tokens = min(num_tokens, remaining)
             num_batched_tokens += seq.num_scheduled_tokens
             if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens:

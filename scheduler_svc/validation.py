@@ -21,11 +21,14 @@ class ModelLimits:
     max_model_len: int
     num_blocks: int
     block_size: int
+    # Which tokens a resumed completion cannot hold (they would have ended it).
+    eos_token_ids: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, info: object) -> ModelLimits:
-        """From an ExecutorInfo (or anything with its four fields)."""
-        return cls(info.vocab_size, info.max_model_len, info.num_blocks, info.block_size)
+        """From an ExecutorInfo (or anything with its fields)."""
+        return cls(info.vocab_size, info.max_model_len, info.num_blocks, info.block_size,
+                   frozenset(info.eos_token_ids))
 
 
 def check_prompt(token_ids: list[int], limits: ModelLimits, field: str = "token_ids") -> None:
@@ -67,6 +70,27 @@ def check_token_ids(params: SamplingParams, limits: ModelLimits) -> None:
     bad = next((t for t in params.stop_token_ids if t >= vocab), None)
     if bad is not None:
         raise InvalidRequest("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+
+def check_resume(completion: list[int], params: SamplingParams, limits: ModelLimits,
+                 field: str = "resume.completion_token_ids") -> None:
+    """A resumed completion must be one this request could have produced and not yet ended: a token that
+    would have stopped it, or max_tokens reached, means there is nothing left to resume."""
+    if not completion:
+        return
+    if params.n > 1:
+        raise InvalidRequest(field, f"a generation of n = {params.n} choices cannot be resumed; resume needs n = 1")
+    if len(completion) >= params.max_tokens:
+        raise InvalidRequest(field, f"{len(completion)} tokens resumed but max_tokens is {params.max_tokens}: "
+                                    "the generation was already complete")
+    vocab = limits.vocab_size
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else limits.eos_token_ids)
+    for i, t in enumerate(completion):
+        if not 0 <= t < vocab:
+            raise InvalidRequest(field, f"token id {t} at position {i} is outside the vocabulary [0, {vocab})")
+        if t in stops and i + 1 >= params.min_tokens:  # before min_tokens a stop token does not stop
+            raise InvalidRequest(field, f"token id {t} at position {i} is an EOS or stop token, which would have "
+                                        "ended the generation there")
 
 
 def check_fits_cache(num_prompt_tokens: int, params: SamplingParams, limits: ModelLimits) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
@@ -21,7 +21,14 @@ from scheduler_svc.sequence import FinishReason
 from scheduler_svc.stats import LoopStats
 from scheduler_svc.structured import compile_grammar
 from scheduler_svc.tokenizer import ChatMessage, ModelTokenizer
-from scheduler_svc.validation import ModelLimits, check_fits_cache, check_prompt, check_token_ids, completion_budget
+from scheduler_svc.validation import (
+    ModelLimits,
+    check_fits_cache,
+    check_prompt,
+    check_resume,
+    check_token_ids,
+    completion_budget,
+)
 
 # Engine and SamplingParams field names -> the GenerateRequest field a caller sets.
 PROTO_FIELD = {
@@ -56,6 +63,8 @@ class PreparedRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # Completion tokens a client resumes with (GenerateRequest.resume); they follow the prompt.
+    resumed_token_ids: list[int] = field(default_factory=list)
 
 
 def public_error(error: InvalidRequest) -> InvalidRequest:
@@ -151,10 +160,12 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
         grammar = compile_grammar(request.structured_output, tokenizer, limits.vocab_size)
         params = sampling_params(request, completion_budget(requested, len(token_ids), limits), grammar)
         check_token_ids(params, limits)
+        resumed = list(request.resume.completion_token_ids)
+        check_resume(resumed, params, limits)
         check_fits_cache(len(token_ids), params, limits)
     except InvalidRequest as e:
         raise public_error(e) from e
-    return PreparedRequest(request.request_id or uuid.uuid4().hex, token_ids, params)
+    return PreparedRequest(request.request_id or uuid.uuid4().hex, token_ids, params, resumed)
 
 
 def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:

@@ -138,6 +138,14 @@ def executor_argv(kind: str, port: int, options: dict[str, object]) -> list[str]
     return argv
 
 
+def scheduler_argv(port: int, executor_target: str, **flags: object) -> list[str]:
+    """The command of a scheduler on ``port`` in front of ``executor_target`` (no HTTP unless asked)."""
+    argv = [sys.executable, "-m", "scheduler_svc", "--host", HOST, "--port", str(port), "--executor", executor_target]
+    for key, value in {"http_port": 0, **flags}.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
 @contextlib.contextmanager
 def running_stack(
     executor_cmd: list[str] | None, log_dir: Path, executor_port: int | None = None, **scheduler_flags: object
@@ -148,10 +156,7 @@ def running_stack(
     executor_target = f"{HOST}:{executor_port}"
     executor = spawn(executor_cmd, log_dir / "executor.log") if executor_cmd else None
     port = free_port()
-    argv = [sys.executable, "-m", "scheduler_svc", "--host", HOST, "--port", str(port), "--executor", executor_target]
-    for key, value in {"http_port": 0, **scheduler_flags}.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
-    scheduler = spawn(argv, log_dir / "scheduler.log")
+    scheduler = spawn(scheduler_argv(port, executor_target, **scheduler_flags), log_dir / "scheduler.log")
     target = f"{HOST}:{port}"
     channel = grpc.insecure_channel(target)
     try:

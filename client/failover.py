@@ -1,0 +1,105 @@
+"""Several schedulers behind one channel, and streams that outlive the scheduler serving them.
+
+A comma list of servers becomes one static ``ipv4:``/``ipv6:`` target (grpcio's resolvers take only
+addresses there, so host names are resolved once, here) and a ``dns:///name:port`` target re-resolves
+by itself; either is balanced with gRPC's round_robin. When a stream fails with UNAVAILABLE (its
+scheduler died, or is draining and refuses new work), ``Resumption`` resends the request with the
+completion tokens received so far in ``GenerateRequest.resume``: round_robin sends it to a live
+server, which carries on at the next position, so greedy and seeded streams equal an undisturbed one.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from nanoserve.v1 import generation_pb2 as pb
+
+ROUND_ROBIN = ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}]}')
+# Resends of one stream after a failure, and the backoff before each (doubling to the last).
+DEFAULT_MAX_RESUMES = 4
+FIRST_DELAY_S = 0.1
+MAX_DELAY_S = 2.0
+
+
+def address(server: str) -> tuple[int, str]:
+    """``host:port`` (``[v6]:port`` too) as (address family, address as a static target names it)."""
+    host, sep, port = server.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"server {server!r} is not host:port")
+    host = host.strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:  # a host name: its IPv4 address when it has one, so that names mix with IPv4 literals
+        try:
+            found = socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)
+        except socket.gaierror:
+            found = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        ip = ipaddress.ip_address(found[0][4][0])
+    return (6, f"[{ip}]:{port}") if ip.version == 6 else (4, f"{ip}:{port}")
+
+
+def channel_target(target: str, servers: list[str] | None = None) -> tuple[str, bool]:
+    """The gRPC target of ``servers`` (or of a comma list in ``target``), and whether to balance it."""
+    if servers is None:
+        servers = target.split(",") if "," in target else None
+    if servers is None:
+        return target, target.startswith("dns:")
+    addresses = [address(s.strip()) for s in servers if s.strip()]
+    families = {family for family, _ in addresses}
+    if len(families) != 1:
+        raise ValueError("servers must all be IPv4 or all IPv6 (one gRPC target holds one address family)")
+    return f"ipv{families.pop()}:{','.join(a for _, a in addresses)}", True
+
+
+def resumable(request: pb.GenerateRequest) -> bool:
+    """Only a single choice resumes: the tokens of n > 1 choices would have to be resumed each on its own."""
+    return request.sampling.n <= 1
+
+
+@dataclass
+class Resumption:
+    """One stream across attempts: what was received, how many resends are left, and when to give up."""
+
+    request: pb.GenerateRequest
+    timeout: float | None
+    max_resumes: int = DEFAULT_MAX_RESUMES
+    received: list[int] = field(default_factory=list)
+    resumes: int = 0
+    deadline: float | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        if not resumable(self.request):
+            self.max_resumes = 0
+
+    def attempt(self) -> pb.GenerateRequest:
+        """The request to send now: the original plus the tokens received so far."""
+        if not self.received:
+            return self.request
+        request = pb.GenerateRequest()
+        request.CopyFrom(self.request)
+        request.resume.completion_token_ids.extend(self.received)
+        return request
+
+    def remaining_s(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def keep(self, response: pb.GenerateResponse) -> None:
+        self.received.extend(response.token_ids)
+
+    def retry_delay(self, error: grpc.RpcError) -> float | None:
+        """Seconds to wait before resending after ``error``; None to raise it (not UNAVAILABLE, resends used up,
+        or the deadline would pass)."""
+        if error.code() != grpc.StatusCode.UNAVAILABLE or self.resumes >= self.max_resumes:
+            return None
+        delay = min(FIRST_DELAY_S * 2**self.resumes, MAX_DELAY_S)
+        left = self.remaining_s()
+        if left is not None and left <= delay:
+            return None
+        self.resumes += 1
+        return delay

@@ -1,0 +1,92 @@
+"""A scheduler killed mid-generation costs its clients nothing: two real stacks behind one client, one
+scheduler killed with SIGKILL while it streams, and every stream finishes on the other with exactly the
+tokens of an undisturbed run (GenerateRequest.resume, balanced by round_robin)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from pathlib import Path
+
+import pytest
+
+from client import AsyncClient, Client
+from client.failover import channel_target
+from nanoserve.v1 import generation_pb2 as pb
+from tests.service_fixtures import Stack, executor_argv, free_port, running_stack
+from tests.test_reliability_faults import SHADOW, assert_executor_clean, expected, workload
+
+START_TIMEOUT_S = 60
+
+
+def kill_a_busy_scheduler(stacks: list[Stack]) -> Stack:
+    victim = next(s for s in stacks if s.stub.GetStats(pb.GetStatsRequest(), timeout=5).num_running > 0)
+    victim.scheduler.kill()
+    return victim
+
+
+async def async_streams(stacks: list[Stack], work: list[tuple[list[int], int]]) -> tuple[list, Stack]:
+    """Start every stream, kill a scheduler that runs some once each has tokens, read them all."""
+    started = [asyncio.Event() for _ in work]
+    async with AsyncClient(servers=[s.target for s in stacks], timeout=120) as client:
+
+        async def one(i: int, prompt: list[int], max_tokens: int) -> list[int]:
+            tokens = []
+            async for chunk in client.stream(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0):
+                tokens += chunk.token_ids
+                started[i].set()
+            return tokens
+
+        tasks = [asyncio.create_task(one(i, p, m)) for i, (p, m) in enumerate(work)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=START_TIMEOUT_S)
+        victim = kill_a_busy_scheduler(stacks)
+        return await asyncio.gather(*tasks), victim
+
+
+def sync_streams(stacks: list[Stack], work: list[tuple[list[int], int]]) -> tuple[list, Stack]:
+    """The same with the blocking client, one thread per stream."""
+    started = [threading.Event() for _ in work]
+    tokens: list[list[int]] = [[] for _ in work]
+    with Client(servers=[s.target for s in stacks], timeout=120) as client:
+
+        def one(i: int, prompt: list[int], max_tokens: int) -> None:
+            for chunk in client.stream(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0):
+                tokens[i] += chunk.token_ids
+                started[i].set()
+
+        threads = [threading.Thread(target=one, args=(i, p, m)) for i, (p, m) in enumerate(work)]
+        for thread in threads:
+            thread.start()
+        assert all(e.wait(START_TIMEOUT_S) for e in started)
+        victim = kill_a_busy_scheduler(stacks)
+        for thread in threads:
+            thread.join()
+    return tokens, victim
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_a_scheduler_killed_mid_generation_costs_its_streams_nothing(tmp_path: Path, kind: str):
+    work = workload(8, seed=5, min_tokens=400, max_tokens=600)
+    with contextlib.ExitStack() as stack:
+        stacks = []
+        for name in ("a", "b"):
+            port = free_port()
+            stacks.append(stack.enter_context(
+                running_stack(executor_argv("shadow", port, SHADOW), tmp_path / name, executor_port=port)))
+        tokens, victim = asyncio.run(async_streams(stacks, work)) if kind == "async" else sync_streams(stacks, work)
+        assert victim.scheduler.wait(timeout=10) == -9
+        assert tokens == [expected(p, m, ignore_eos=True) for p, m in work]
+        (survivor,) = [s for s in stacks if s is not victim]
+        assert_executor_clean(survivor)
+        finished = survivor.stub.GetStats(pb.GetStatsRequest(), timeout=5).num_finished_length
+        assert finished == len(work), "not every stream ended on the survivor"
+
+
+def test_several_servers_become_one_balanced_static_target():
+    assert channel_target("127.0.0.1:1,localhost:2") == ("ipv4:127.0.0.1:1,127.0.0.1:2", True)
+    assert channel_target("", ["[::1]:1", "::1:2"]) == ("ipv6:[::1]:1,[::1]:2", True)
+    assert channel_target("dns:///sched.default.svc:50051") == ("dns:///sched.default.svc:50051", True)
+    assert channel_target("127.0.0.1:50051") == ("127.0.0.1:50051", False)
+    with pytest.raises(ValueError, match="IPv4 or all IPv6"):
+        channel_target("127.0.0.1:1,[::1]:2")
