@@ -47,7 +47,7 @@ class Recording:
 
 
 class Aborted(Exception):
-    pass
+    """What the fake servicer context raises for ``abort``, as gRPC's does."""
 
 
 class Context:
