@@ -88,11 +88,22 @@ class Client:
         while True:
             responses = self.stub.Generate(resumption.attempt(), timeout=resumption.remaining_s(),
                                            metadata=self.metadata)
+            held = None  # an ABORT is yielded only once it is known not to be a drain to resume from
             try:
                 for response in responses:
+                    if held is not None:
+                        yield Chunk.from_proto(held)
                     resumption.keep(response)
-                    yield Chunk.from_proto(response)
-                return
+                    held = response if response.finish_reason == pb.FINISH_REASON_ABORT else None
+                    if held is None:
+                        yield Chunk.from_proto(response)
+                delay = resumption.drained_delay(held, responses.trailing_metadata())
+                if delay is None:
+                    if held is not None:
+                        yield Chunk.from_proto(held)
+                    return
+                if held.token_ids or held.text:  # what the drained stream produced before its ABORT
+                    yield Chunk.from_proto(held).unfinished()
             except grpc.RpcError as e:
                 delay = resumption.retry_delay(e)
                 if delay is None:
@@ -192,11 +203,22 @@ class AsyncClient:
         resumption = Resumption(request, self.timeout, self.max_resumes)
         while True:
             call = self.stub.Generate(resumption.attempt(), timeout=resumption.remaining_s(), metadata=self.metadata)
+            held = None  # an ABORT is yielded only once it is known not to be a drain to resume from
             try:
                 async for response in call:
+                    if held is not None:
+                        yield Chunk.from_proto(held)
                     resumption.keep(response)
-                    yield Chunk.from_proto(response)
-                return
+                    held = response if response.finish_reason == pb.FINISH_REASON_ABORT else None
+                    if held is None:
+                        yield Chunk.from_proto(response)
+                delay = resumption.drained_delay(held, await call.trailing_metadata())
+                if delay is None:
+                    if held is not None:
+                        yield Chunk.from_proto(held)
+                    return
+                if held.token_ids or held.text:  # what the drained stream produced before its ABORT
+                    yield Chunk.from_proto(held).unfinished()
             except grpc.RpcError as e:
                 delay = resumption.retry_delay(e)
                 if delay is None:

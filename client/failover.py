@@ -13,10 +13,12 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
+from common.channels import DRAINED_KEY
 from nanoserve.v1 import generation_pb2 as pb
 
 ROUND_ROBIN = ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}]}')
@@ -95,7 +97,18 @@ class Resumption:
     def retry_delay(self, error: grpc.RpcError) -> float | None:
         """Seconds to wait before resending after ``error``; None to raise it (not UNAVAILABLE, resends used up,
         or the deadline would pass)."""
-        if error.code() != grpc.StatusCode.UNAVAILABLE or self.resumes >= self.max_resumes:
+        return self._next_delay() if error.code() == grpc.StatusCode.UNAVAILABLE else None
+
+    def drained_delay(self, last: pb.GenerateResponse | None,
+                      trailing: Sequence[tuple[str, str]] | None) -> float | None:
+        """After a stream that ended normally: seconds to wait before resending, when the server ended it with
+        ABORT because it shut down (its trailing metadata says so); else None, the stream is over."""
+        drained = last is not None and last.finish_reason == pb.FINISH_REASON_ABORT and (DRAINED_KEY, "true") in (
+            tuple(trailing or ()))
+        return self._next_delay() if drained else None
+
+    def _next_delay(self) -> float | None:
+        if self.resumes >= self.max_resumes:
             return None
         delay = min(FIRST_DELAY_S * 2**self.resumes, MAX_DELAY_S)
         left = self.remaining_s()

@@ -8,6 +8,9 @@ EXECUTOR_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 PUBLIC_MAX_MESSAGE_BYTES = 16 << 20
 
 GrpcOptions = list[tuple[str, int]]
+# Trailing-metadata key of a Generate stream a scheduler ended with ABORT because it shut down: a client that
+# resumes streams sends the request again elsewhere, with the tokens it has.
+DRAINED_KEY = "nanoserve-drained"
 
 
 def message_size_options(max_bytes: int) -> GrpcOptions:

@@ -137,22 +137,23 @@ class InFlight:
         self.observer.finished(time.monotonic() - handle.arrived_at, queued_s, seq.num_prompt_tokens,
                                seq.num_completion_tokens)
 
-    def cancel(self, engine: Engine, handle: RequestHandle, answer: bool = False) -> None:
+    def cancel(self, engine: Engine, handle: RequestHandle, answer: bool = False, drained: bool = False) -> None:
         """Abort every choice of the request and free its blocks now; with ``answer`` each ends with ABORT
-        and its usage (an Abort call), else silently (the caller went away). A request done is left alone."""
+        and its usage (an Abort call; ``drained``: the server shuts down), else silently (the caller went away).
+        A request done is left alone."""
         for active in list(self.by_handle.get(handle, ())):
             engine.abort(active.seq)
             if answer:
                 usage = Usage.of(active.seq) if active.processor.index == 0 else Usage(0, 0, 0)
                 self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage,
-                                                index=active.processor.index))
+                                                index=active.processor.index, drained=drained))
             self.forget(active, FinishReason.ABORT)
         if handle.pending_choices:
             ended_s = time.monotonic() - handle.arrived_at
             for index in handle.pending_choices:
                 if answer:
                     self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=Usage(0, 0, 0),
-                                                    index=index))
+                                                    index=index, drained=drained))
                 self.finished[FinishReason.ABORT] += 1
                 self.observer.finished(ended_s, None, len(handle.prepared.prompt_token_ids), 0)
             handle.pending_choices = []
@@ -163,7 +164,7 @@ class InFlight:
         num_prompt_tokens = len(handle.prepared.prompt_token_ids)
         for index in range(handle.prepared.params.n):
             usage = Usage(num_prompt_tokens if index == 0 else 0, 0, 0)
-            self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage, index=index))
+            self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage, index=index, drained=True))
 
     def fail(self, engine: Engine, handle: RequestHandle, error: RequestFailed) -> None:
         """End the request with ``error``: one error answers the caller, its other choices stop too."""
@@ -171,11 +172,12 @@ class InFlight:
         self.cancel(engine, handle)
 
     def end_all(self, engine: Engine, error: RequestFailed | None = None) -> int:
-        """Abort every request and free its blocks: answered with ``error``, or each choice with ABORT."""
+        """Abort every request and free its blocks: answered with ``error``, or (the server drains) each choice
+        with ABORT."""
         handles = list(self.by_handle)
         for handle in handles:
             if error is None:
-                self.cancel(engine, handle, answer=True)
+                self.cancel(engine, handle, answer=True, drained=True)
             else:
                 self.fail(engine, handle, error)
         return len(handles)

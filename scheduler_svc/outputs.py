@@ -50,6 +50,8 @@ class RequestOutput:
     index: int = 0
     # On the first output of a request that asked: its prompt tokens from the second on, and their logprobs.
     prompt_logprobs: tuple[list[int], list[TokenLogprobs]] | None = None
+    # An ABORT because the server shut down before the request finished: the caller may resume it elsewhere.
+    drained: bool = False
 
     @property
     def is_last(self) -> bool:

@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.channels import message_size_options
+from common.channels import DRAINED_KEY, message_size_options
 from common.executor import Executor
 from common.security import ApiKeyInterceptor, TLSConfig, bind, channel_credentials, transport_name
 from nanoserve.v1 import generation_pb2 as pb
@@ -46,6 +46,8 @@ from scheduler_svc.wire import to_response
 log = logging.getLogger("nanoserve.scheduler")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+# Trailing metadata of a stream the server ended with ABORT as it shut down (``common.channels.DRAINED_KEY``).
+DRAINED_METADATA = ((DRAINED_KEY, "true"),)
 # Every way a request can fail, and the status a caller sees for it.
 STATUS_OF: dict[type[RequestFailed], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -100,6 +102,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         with await self._submit(request, context) as generation:
             try:
                 async for outputs in generation.batches():
+                    if outputs[-1].drained:  # read by clients that resume: ABORT here means "try elsewhere"
+                        context.set_trailing_metadata(DRAINED_METADATA)
                     # One response per run of outputs of the same choice.
                     for _, run in itertools.groupby(outputs, key=lambda output: output.index):
                         yield to_response(generation.request_id, run)

@@ -1,6 +1,7 @@
-"""A scheduler killed mid-generation costs its clients nothing: two real stacks behind one client, one
-scheduler killed with SIGKILL while it streams, and every stream finishes on the other with exactly the
-tokens of an undisturbed run (GenerateRequest.resume, balanced by round_robin)."""
+"""A scheduler killed or drained mid-generation costs its clients nothing: two real stacks behind one client,
+one scheduler killed with SIGKILL (or stopped with SIGTERM and no grace, so it ends its streams with ABORT and
+the nanoserve-drained trailer) while it streams, and every stream finishes on the other with exactly the tokens
+of an undisturbed run (GenerateRequest.resume, balanced by round_robin)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,16 @@ from tests.test_reliability_faults import SHADOW, assert_executor_clean, expecte
 START_TIMEOUT_S = 60
 
 
-def kill_a_busy_scheduler(stacks: list[Stack]) -> Stack:
+def stop_a_busy_scheduler(stacks: list[Stack], how: str) -> Stack:
     victim = next(s for s in stacks if s.stub.GetStats(pb.GetStatsRequest(), timeout=5).num_running > 0)
-    victim.scheduler.kill()
+    if how == "kill":
+        victim.scheduler.kill()
+    else:
+        victim.scheduler.terminate()
     return victim
 
 
-async def async_streams(stacks: list[Stack], work: list[tuple[list[int], int]]) -> tuple[list, Stack]:
+async def async_streams(stacks: list[Stack], work: list[tuple[list[int], int]], how: str) -> tuple[list, Stack]:
     """Start every stream, kill a scheduler that runs some once each has tokens, read them all."""
     started = [asyncio.Event() for _ in work]
     async with AsyncClient(servers=[s.target for s in stacks], timeout=120) as client:
@@ -40,11 +44,11 @@ async def async_streams(stacks: list[Stack], work: list[tuple[list[int], int]]) 
 
         tasks = [asyncio.create_task(one(i, p, m)) for i, (p, m) in enumerate(work)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=START_TIMEOUT_S)
-        victim = kill_a_busy_scheduler(stacks)
+        victim = stop_a_busy_scheduler(stacks, how)
         return await asyncio.gather(*tasks), victim
 
 
-def sync_streams(stacks: list[Stack], work: list[tuple[list[int], int]]) -> tuple[list, Stack]:
+def sync_streams(stacks: list[Stack], work: list[tuple[list[int], int]], how: str) -> tuple[list, Stack]:
     """The same with the blocking client, one thread per stream."""
     started = [threading.Event() for _ in work]
     tokens: list[list[int]] = [[] for _ in work]
@@ -59,23 +63,24 @@ def sync_streams(stacks: list[Stack], work: list[tuple[list[int], int]]) -> tupl
         for thread in threads:
             thread.start()
         assert all(e.wait(START_TIMEOUT_S) for e in started)
-        victim = kill_a_busy_scheduler(stacks)
+        victim = stop_a_busy_scheduler(stacks, how)
         for thread in threads:
             thread.join()
     return tokens, victim
 
 
-@pytest.mark.parametrize("kind", ["async", "sync"])
-def test_a_scheduler_killed_mid_generation_costs_its_streams_nothing(tmp_path: Path, kind: str):
+@pytest.mark.parametrize(("kind", "how"), [("async", "kill"), ("sync", "kill"), ("async", "drain"), ("sync", "drain")])
+def test_a_scheduler_killed_mid_generation_costs_its_streams_nothing(tmp_path: Path, kind: str, how: str):
     work = workload(8, seed=5, min_tokens=400, max_tokens=600)
     with contextlib.ExitStack() as stack:
         stacks = []
         for name in ("a", "b"):
             port = free_port()
-            stacks.append(stack.enter_context(
-                running_stack(executor_argv("shadow", port, SHADOW), tmp_path / name, executor_port=port)))
-        tokens, victim = asyncio.run(async_streams(stacks, work)) if kind == "async" else sync_streams(stacks, work)
-        assert victim.scheduler.wait(timeout=10) == -9
+            stacks.append(stack.enter_context(running_stack(
+                executor_argv("shadow", port, SHADOW), tmp_path / name, executor_port=port, shutdown_grace=0)))
+        streams = async_streams if kind == "async" else sync_streams
+        tokens, victim = asyncio.run(streams(stacks, work, how)) if kind == "async" else streams(stacks, work, how)
+        assert victim.scheduler.wait(timeout=10) == (-9 if how == "kill" else 0)
         assert tokens == [expected(p, m, ignore_eos=True) for p, m in work]
         (survivor,) = [s for s in stacks if s is not victim]
         assert_executor_clean(survivor)
