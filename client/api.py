@@ -54,6 +54,8 @@ class Client:
                  tls: TLSConfig | None = None, max_message_bytes: int = PUBLIC_MAX_MESSAGE_BYTES,
                  servers: Sequence[str] | None = None, max_resumes: int = DEFAULT_MAX_RESUMES) -> None:
         self.target, options = channel_args(target, servers, max_message_bytes)
+        # Balanced over several schedulers: a stream one of them drains is resumed on another.
+        self.balanced = ROUND_ROBIN in options
         self.timeout = timeout
         self.max_resumes = max_resumes
         self.metadata = call_metadata(api_key)
@@ -84,7 +86,7 @@ class Client:
 
     def _stream(self, request: pb.GenerateRequest) -> Iterator[Chunk]:
         """The chunks of ``request``, resent with ``resume`` after UNAVAILABLE (see ``client.failover``)."""
-        resumption = Resumption(request, self.timeout, self.max_resumes)
+        resumption = Resumption(request, self.timeout, self.max_resumes, self.balanced)
         while True:
             responses = self.stub.Generate(resumption.attempt(), timeout=resumption.remaining_s(),
                                            metadata=self.metadata)
@@ -170,6 +172,7 @@ class AsyncClient:
                  tls: TLSConfig | None = None, max_message_bytes: int = PUBLIC_MAX_MESSAGE_BYTES,
                  servers: Sequence[str] | None = None, max_resumes: int = DEFAULT_MAX_RESUMES) -> None:
         self.target, self.options = channel_args(target, servers, max_message_bytes)
+        self.balanced = ROUND_ROBIN in self.options
         self.timeout = timeout
         self.max_resumes = max_resumes
         self.metadata = call_metadata(api_key)
@@ -200,7 +203,7 @@ class AsyncClient:
         return self._stream(build_request(prompt, **options))
 
     async def _stream(self, request: pb.GenerateRequest) -> AsyncIterator[Chunk]:
-        resumption = Resumption(request, self.timeout, self.max_resumes)
+        resumption = Resumption(request, self.timeout, self.max_resumes, self.balanced)
         while True:
             call = self.stub.Generate(resumption.attempt(), timeout=resumption.remaining_s(), metadata=self.metadata)
             held = None  # an ABORT is yielded only once it is known not to be a drain to resume from

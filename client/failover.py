@@ -70,6 +70,8 @@ class Resumption:
     request: pb.GenerateRequest
     timeout: float | None
     max_resumes: int = DEFAULT_MAX_RESUMES
+    # Resume a stream its scheduler drained: only worth it with other schedulers to go to.
+    resume_drained: bool = False
     received: list[int] = field(default_factory=list)
     resumes: int = 0
     deadline: float | None = field(init=False)
@@ -103,9 +105,9 @@ class Resumption:
                       trailing: Sequence[tuple[str, str]] | None) -> float | None:
         """After a stream that ended normally: seconds to wait before resending, when the server ended it with
         ABORT because it shut down (its trailing metadata says so); else None, the stream is over."""
-        drained = last is not None and last.finish_reason == pb.FINISH_REASON_ABORT and (DRAINED_KEY, "true") in (
-            tuple(trailing or ()))
-        return self._next_delay() if drained else None
+        if not self.resume_drained or last is None or last.finish_reason != pb.FINISH_REASON_ABORT:
+            return None
+        return self._next_delay() if (DRAINED_KEY, "true") in tuple(trailing or ()) else None
 
     def _next_delay(self) -> float | None:
         if self.resumes >= self.max_resumes:
