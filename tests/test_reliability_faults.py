@@ -126,7 +126,8 @@ def test_a_new_scheduler_on_a_live_executor_starts_clean_after_the_old_one_was_k
     work = workload(6, seed=5)
     port = free_port()
     with running_stack(executor_argv("shadow", port, SHADOW), tmp_path, executor_port=port) as s:
-        responses = [s.stub.Generate(greedy_request(p, m)) for p, m in work]
+        # Long enough (no EOS) that every stream is still going when the scheduler dies, however fast it runs.
+        responses = [s.stub.Generate(greedy_request(p, 900, ignore_eos=True)) for p, _ in work]
         for r in responses:
             next(r)
         s.scheduler.kill()
