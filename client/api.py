@@ -90,22 +90,15 @@ class Client:
         while True:
             responses = self.stub.Generate(resumption.attempt(), timeout=resumption.remaining_s(),
                                            metadata=self.metadata)
-            held = None  # an ABORT is yielded only once it is known not to be a drain to resume from
             try:
                 for response in responses:
-                    if held is not None:
-                        yield Chunk.from_proto(held)
-                    resumption.keep(response)
-                    held = response if response.finish_reason == pb.FINISH_REASON_ABORT else None
-                    if held is None:
-                        yield Chunk.from_proto(response)
-                delay = resumption.drained_delay(held, responses.trailing_metadata())
+                    for ready in resumption.receive(response):
+                        yield Chunk.from_proto(ready)
+                delay, rest = resumption.finish(responses.trailing_metadata())
+                for ready in rest:
+                    yield Chunk.from_proto(ready)
                 if delay is None:
-                    if held is not None:
-                        yield Chunk.from_proto(held)
                     return
-                if held.token_ids or held.text:  # what the drained stream produced before its ABORT
-                    yield Chunk.from_proto(held).unfinished()
             except grpc.RpcError as e:
                 delay = resumption.retry_delay(e)
                 if delay is None:
@@ -206,22 +199,15 @@ class AsyncClient:
         resumption = Resumption(request, self.timeout, self.max_resumes, self.balanced)
         while True:
             call = self.stub.Generate(resumption.attempt(), timeout=resumption.remaining_s(), metadata=self.metadata)
-            held = None  # an ABORT is yielded only once it is known not to be a drain to resume from
             try:
                 async for response in call:
-                    if held is not None:
-                        yield Chunk.from_proto(held)
-                    resumption.keep(response)
-                    held = response if response.finish_reason == pb.FINISH_REASON_ABORT else None
-                    if held is None:
-                        yield Chunk.from_proto(response)
-                delay = resumption.drained_delay(held, await call.trailing_metadata())
+                    for ready in resumption.receive(response):
+                        yield Chunk.from_proto(ready)
+                delay, rest = resumption.finish(await call.trailing_metadata())
+                for ready in rest:
+                    yield Chunk.from_proto(ready)
                 if delay is None:
-                    if held is not None:
-                        yield Chunk.from_proto(held)
                     return
-                if held.token_ids or held.text:  # what the drained stream produced before its ABORT
-                    yield Chunk.from_proto(held).unfinished()
             except grpc.RpcError as e:
                 delay = resumption.retry_delay(e)
                 if delay is None:

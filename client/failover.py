@@ -75,6 +75,8 @@ class Resumption:
     received: list[int] = field(default_factory=list)
     resumes: int = 0
     deadline: float | None = field(init=False)
+    # An ABORT of the current attempt, handed over only once the stream's end says it was no drain.
+    held: pb.GenerateResponse | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
@@ -83,6 +85,7 @@ class Resumption:
 
     def attempt(self) -> pb.GenerateRequest:
         """The request to send now: the original plus the tokens received so far."""
+        self.held = None
         if not self.received:
             return self.request
         request = pb.GenerateRequest()
@@ -93,8 +96,29 @@ class Resumption:
     def remaining_s(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
-    def keep(self, response: pb.GenerateResponse) -> None:
+    def receive(self, response: pb.GenerateResponse) -> list[pb.GenerateResponse]:
+        """The responses to hand the caller now; an ABORT waits for ``finish``."""
+        ready = [self.held] if self.held is not None else []
         self.received.extend(response.token_ids)
+        self.held = response if response.finish_reason == pb.FINISH_REASON_ABORT else None
+        if self.held is None:
+            ready.append(response)
+        return ready
+
+    def finish(self, trailing: Sequence[tuple[str, str]] | None) -> tuple[float | None, list[pb.GenerateResponse]]:
+        """At a stream's normal end: seconds to wait before resending (None: the stream is over) and the responses
+        still to hand over; a drained stream's last piece goes without its ABORT, continued by the resend."""
+        held, self.held = self.held, None
+        delay = self.drained_delay(held, trailing)
+        if delay is None:
+            return None, [held] if held is not None else []
+        if not (held.token_ids or held.text):
+            return delay, []
+        piece = pb.GenerateResponse()
+        piece.CopyFrom(held)
+        piece.ClearField("finish_reason")
+        piece.ClearField("usage")
+        return delay, [piece]
 
     def retry_delay(self, error: grpc.RpcError) -> float | None:
         """Seconds to wait before resending after ``error``; None to raise it (not UNAVAILABLE, resends used up,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from nanoserve.v1 import generation_pb2 as pb
 
@@ -54,10 +54,6 @@ class Chunk:
     index: int = 0
     # On the first chunk, when asked: prompt tokens from the second on, each with its logprob.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-
-    def unfinished(self) -> Chunk:
-        """The same piece without its finish: a drained stream's last piece, continued on another server."""
-        return replace(self, finish_reason=None, usage=None)
 
     @classmethod
     def from_proto(cls, response: pb.GenerateResponse) -> Chunk:
