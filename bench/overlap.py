@@ -85,9 +85,9 @@ class TimedSimulated(SimulatedExecutor):
         """Mean microseconds per decode step outside the wait, and in prepare_input, since the last ``clear``."""
         return tuple(1e6 * statistics.fmean(column) for column in zip(*self.busy_s, strict=True))
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
+    def forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
         t0 = time.perf_counter()
-        output = super()._forward(chunks)
+        output = super().forward(chunks)
         self._forwarded += time.perf_counter() - t0
         return output
 

@@ -20,9 +20,8 @@ from executor_svc.distributed import free_init_method, init_group, spawn_workers
 from executor_svc.model_registry import resolve_model
 from executor_svc.model_runner import ModelRunner, rank_device, worker_main
 from executor_svc.requests import RequestTable, ScheduledChunk
-from executor_svc.steps import run_forward_passes
+from executor_svc.steps import TableExecutor
 from executor_svc.values import StepOutput
-from executor_svc.wire import step_result
 from nanoserve.v1 import executor_pb2 as pb
 
 
@@ -36,7 +35,7 @@ def read_chat_template(folder: Path) -> str:
     return template if isinstance(template, str) else ""
 
 
-class ModelExecutor:
+class ModelExecutor(TableExecutor):
     def __init__(self, options: ExecutorOptions | None = None) -> None:
         self.options = options = options or ExecutorOptions()
         self.folder = resolve_model(options.model)
@@ -68,17 +67,7 @@ class ModelExecutor:
             attention_backend=runner.backend.name,
         )
 
-    def get_info(self) -> pb.ExecutorInfo:
-        return self.info
-
-    def reset(self) -> int:
-        return self.table.reset()
-
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
-        output = run_forward_passes(self.table, self.table.apply(plan), self._forward)
-        return step_result(self.info.instance_id, plan.step_id, output)
-
-    def _forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
+    def forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
         """One forward pass and sampling over ``chunks``: 0, and no logprobs, for a chunk short of its end."""
         sampled, prompt_logprobs, forward_ms, sample_ms = self.runner.run(chunks)
         token_ids = iter(sampled.token_ids)

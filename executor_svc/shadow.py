@@ -16,9 +16,8 @@ import numpy as np
 import xxhash
 
 from executor_svc.requests import RequestTable, ScheduledChunk
-from executor_svc.steps import run_forward_passes
+from executor_svc.steps import TableExecutor
 from executor_svc.values import StepOutput
-from executor_svc.wire import step_result
 from nanoserve.v1 import executor_pb2 as pb
 
 EMPTY_SLOT = -1
@@ -52,7 +51,7 @@ def reference_generate(
             return out
 
 
-class ShadowExecutor:
+class ShadowExecutor(TableExecutor):
     """Implements the executor contract with token ids as its only 'KV'."""
 
     def __init__(
@@ -84,22 +83,12 @@ class ShadowExecutor:
             attention_backend="shadow",
         )
 
-    def get_info(self) -> pb.ExecutorInfo:
-        return self.info
-
-    def reset(self) -> int:
-        return self.table.reset()
-
     def _slots(self, block_table: list[int], start: int, end: int) -> np.ndarray:
         positions = np.arange(start, end)
         bs = self.info.block_size
         return np.asarray(block_table, dtype=np.int64)[positions // bs] * bs + positions % bs
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
-        output = run_forward_passes(self.table, self.table.apply(plan), self._compute)
-        return step_result(self.info.instance_id, plan.step_id, output)
-
-    def _compute(self, chunks: list[ScheduledChunk]) -> StepOutput:
+    def forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
         """Write each chunk's tokens into its KV slots, then derive each sampled token from the KV read back."""
         for chunk in chunks:
             state = chunk.state

@@ -29,9 +29,8 @@ from executor_svc.model_runner import prepare_input
 from executor_svc.requests import RequestTable, ScheduledChunk
 from executor_svc.service import serve
 from executor_svc.shadow_server import model_free_info
-from executor_svc.steps import run_forward_passes
+from executor_svc.steps import TableExecutor
 from executor_svc.values import StepOutput
-from executor_svc.wire import step_result
 from nanoserve.v1 import executor_pb2 as pb
 
 PR_SET_TIMERSLACK = 29
@@ -46,7 +45,7 @@ def accelerator_wait(seconds: float) -> None:
     time.sleep(seconds)
 
 
-class SimulatedExecutor:
+class SimulatedExecutor(TableExecutor):
     """The executor contract with every per-step CPU cost of ``ModelExecutor`` and a wait for the rest."""
 
     def __init__(self, info: pb.ExecutorInfo, step_ms: float) -> None:
@@ -55,22 +54,12 @@ class SimulatedExecutor:
         self.table = RequestTable(info.num_blocks, info.block_size, info.vocab_size, info.max_model_len)
         self.token_id = next(t for t in range(1, info.vocab_size) if t not in info.eos_token_ids)
 
-    def get_info(self) -> pb.ExecutorInfo:
-        return self.info
-
-    def reset(self) -> int:
-        return self.table.reset()
-
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
-        output = run_forward_passes(self.table, self.table.apply(plan), self._forward)
-        return step_result(self.info.instance_id, plan.step_id, output)
-
     def _wait(self) -> None:
         """What the device would run: the forward pass and the sampling."""
         accelerator_wait(self.step_s)
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
-        """``ModelRunner.run`` and ``ModelExecutor._forward`` with the device's work replaced by the wait."""
+    def forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
+        """``ModelRunner.run`` and ``ModelExecutor.forward`` with the device's work replaced by the wait."""
         t0 = time.perf_counter()
         prepare_input(chunks, self.info.block_size)
         self._wait()

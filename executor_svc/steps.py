@@ -8,10 +8,13 @@ only validates, applies and records.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from executor_svc.requests import RequestTable, ScheduledChunk
 from executor_svc.values import StepOutput, TokenLogprobs
+from executor_svc.wire import step_result
+from nanoserve.v1 import executor_pb2 as pb
 
 # Computes and samples one token per chunk, in order (0 for a chunk that does not sample).
 ForwardPass = Callable[[list[ScheduledChunk]], StepOutput]
@@ -55,3 +58,25 @@ def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], forward: F
     if asked:
         total.logprobs = [entry for entries in logprobs for entry in entries]
     return total
+
+
+class TableExecutor(ABC):
+    """The executor contract for an executor whose requests live in a ``RequestTable``: the model's, the
+    shadow-KV test's and the simulated accelerator's differ only in ``forward``."""
+
+    info: pb.ExecutorInfo
+    table: RequestTable
+
+    def get_info(self) -> pb.ExecutorInfo:
+        return self.info
+
+    def reset(self) -> int:
+        return self.table.reset()
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        output = run_forward_passes(self.table, self.table.apply(plan), self.forward)
+        return step_result(self.info.instance_id, plan.step_id, output)
+
+    @abstractmethod
+    def forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
+        """Compute and sample one token per chunk, in order (0 for a chunk short of its end): a ``ForwardPass``."""
