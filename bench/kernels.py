@@ -9,7 +9,10 @@
 - ``rms_norm``, ``silu_and_mul``, ``rotary``: one call at ``--rows`` rows; the peer is the layer's torch code.
 
 Each figure is the median of ``--repeats`` timings, peers taking turns; ``ratio`` is torch's time over the
-kernel's. JSON: ``{kernel}_{rows}_ms`` and ``{kernel}_{rows}_torch_ms`` per row.
+kernel's. Then the table the executor itself chooses by on this machine for W1's model at ``--dtype``
+(``executor_svc/kernel_probe.py``: measured at its start-up, or read from this machine's cache). JSON:
+``{kernel}_{rows}_ms`` and ``{kernel}_{rows}_torch_ms`` per row, and ``choice`` ({family: {class: "c" or
+"torch"}}).
 """
 
 from __future__ import annotations
@@ -33,10 +36,14 @@ from executor_svc import cpu_kernels  # noqa: E402
 from executor_svc.attention.base import AttentionMetadata  # noqa: E402
 from executor_svc.attention.cpu_backend import CpuAttention  # noqa: E402
 from executor_svc.attention.torch_backend import TorchAttention  # noqa: E402
+from executor_svc.config import ExecutorOptions  # noqa: E402
+from executor_svc.kernel_choice import CLASSES, FAMILIES, KernelChoice  # noqa: E402
 from executor_svc.layers import cpu_fused  # noqa: E402
 from executor_svc.layers.linear import PackedWeight  # noqa: E402
 from executor_svc.layers.norm import RMSNorm  # noqa: E402
 from executor_svc.layers.rotary import RotaryEmbedding, rotate_half  # noqa: E402
+from executor_svc.model_registry import DEFAULT_MODEL, resolve_model  # noqa: E402
+from executor_svc.model_runner import ModelRunner  # noqa: E402
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -183,7 +190,16 @@ def main(argv: list[str] | None = None) -> None:
             figures[f"{name}_{rows}_ms"], figures[f"{name}_{rows}_torch_ms"] = a, b
     print(f"{args.dtype}, {args.threads} threads, medians of {args.repeats}")
     print_table(["kernel", "rows", "torch ms", "C kernel ms", "ratio"], rows_out)
-    write_json(args.json, figures)
+    choice = executor_choice(args.dtype)
+    print(f"\nthe executor's choice for {DEFAULT_MODEL} ({choice.source}):")
+    print_table(["family", *CLASSES], [[f, *(choice.table[f][c] for c in CLASSES)] for f in FAMILIES])
+    write_json(args.json, {**figures, "choice": {f: dict(choice.table[f]) for f in FAMILIES}})
+
+
+def executor_choice(dtype: str) -> KernelChoice:
+    """The kernel table an executor of W1's model starts with here (the threads are this process's)."""
+    options = ExecutorOptions(dtype=dtype, threads=torch.get_num_threads(), kv_cache_memory=256 << 20)
+    return ModelRunner(resolve_model(DEFAULT_MODEL), options).kernels
 
 
 if __name__ == "__main__":

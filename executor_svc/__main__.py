@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from common.flags import EnvFlags, boolean, port, positive_float, positive_int
 from common.security import TLSConfig
 from executor_svc.config import DTYPES, ExecutorOptions
+from executor_svc.kernel_choice import parse_override
 from executor_svc.model_registry import DEFAULT_MODEL
 from executor_svc.openmp import set_wait_policy
 
@@ -29,6 +30,14 @@ def parse_bytes(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 1073741824, 512M, 2GiB)")
     return int(float(match[1]) * UNITS[match[2]])
+
+
+def cpu_kernels_flag(text: str) -> str:
+    try:
+        parse_override(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -49,6 +58,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--max-model-len", positive_int, None, "longest context in tokens (None: the model's)")
     add("--threads", positive_int, None, "torch threads per rank on CPU (None: torch's choice)")
     add("--enforce-eager", boolean, False, "never capture CUDA graphs")
+    add("--cpu-kernels", cpu_kernels_flag, "auto",
+        "CPU kernels: auto (measured at start-up, cached per machine), c, torch, or family[:class]=c|torch items")
     add("--tls-cert", str, "", "PEM certificate chain (with --tls-key: serve TLS)")
     add("--tls-key", str, "", "PEM private key of --tls-cert")
     add("--tls-ca", str, "", "PEM CA: only a scheduler with a client certificate it signed may connect (mutual TLS)")
@@ -68,6 +79,7 @@ def options_from_args(args: argparse.Namespace) -> ExecutorOptions:
         max_model_len=args.max_model_len,
         threads=args.threads,
         enforce_eager=args.enforce_eager,
+        cpu_kernels=args.cpu_kernels,
     )
 
 

@@ -140,6 +140,8 @@ class ExecutorOptions:
     max_model_len: int | None = None
     threads: int | None = None
     enforce_eager: bool = False
+    # CPU kernels per family and rows: auto (measured at start-up, cached per machine), c, torch, or items.
+    cpu_kernels: str = "auto"
 
     def resolved_device(self) -> str:
         if self.device:

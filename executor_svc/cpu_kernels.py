@@ -67,10 +67,20 @@ def _build(compiler: str, target: Path) -> None:
     log.info("built the CPU kernels %s in %.1f s", target.name, time.perf_counter() - started)
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def library_id() -> str:
+    """The name of this machine's kernel build (a hash of sources, flags and CPU features), or ``none``."""
+    compiler = _compiler()
+    return "none" if compiler is None else _library_path(compiler).stem
+
+
 @functools.cache
 def kernel_library() -> ctypes.CDLL | None:
     """The loaded kernel library, or None (logged once) when it cannot be built here."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         log.info("no C compiler found: the CPU kernels are unavailable, using torch")
         return None

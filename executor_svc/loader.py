@@ -17,6 +17,7 @@ from torch import nn
 
 from executor_svc.attention.base import AttentionBackend
 from executor_svc.config import ModelConfig, UnsupportedModel
+from executor_svc.kernel_choice import ALL_C, KernelChoice
 from executor_svc.layers.linear import prepack_for_cpu
 from executor_svc.models import MODEL_CLASSES
 
@@ -71,9 +72,13 @@ def load_weights(model: nn.Module, folder: str | Path, tie_word_embeddings: bool
 
 @torch.inference_mode()
 def load_model(
-    folder: str | Path, config: ModelConfig, backend: AttentionBackend, device: torch.device, dtype: torch.dtype
+    folder: str | Path, config: ModelConfig, backend: AttentionBackend, device: torch.device, dtype: torch.dtype,
+    kernels: KernelChoice | None = ALL_C,
 ) -> nn.Module:
-    """Build the model for ``config.architecture`` on ``device`` in ``dtype`` and fill it from ``folder``."""
+    """Build the model for ``config.architecture`` on ``device`` in ``dtype`` and fill it from ``folder``.
+
+    CPU linear weights get the copies ``kernels`` reads (``None``: not chosen yet, so both the C kernel's and
+    torch's, for ``kernel_probe`` to race)."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -82,5 +87,8 @@ def load_model(
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, folder, config.tie_word_embeddings)
-    prepack_for_cpu(model)
+    if kernels is None:
+        prepack_for_cpu(model, c_kernel=True, torch_copy=True)
+    else:
+        prepack_for_cpu(model, c_kernel=kernels.uses("linear", "c"), torch_copy=kernels.uses("linear", "torch"))
     return model.eval()

@@ -18,11 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from executor_svc import kernel_probe
 from executor_svc.attention import get_backend
 from executor_svc.attention.base import AttentionMetadata
 from executor_svc.config import DEFAULT_CPU_KV_CACHE_BYTES, ExecutorOptions, ModelConfig, UnsupportedModel
 from executor_svc.constraints import GrammarConstraints
 from executor_svc.distributed import all_reduce_min, broadcast_object, init_group, tp_rank, tp_size
+from executor_svc.kernel_choice import ALL_C
 from executor_svc.loader import load_model
 from executor_svc.malloc import keep_heap_memory
 from executor_svc.prompt_logprobs import prompt_logprobs, score_rows
@@ -137,14 +139,27 @@ class ModelRunner:
             )
         self.block_size = options.block_size
         self.backend = get_backend(options.attention_backend, self.device)
-        self.model = load_model(folder, self.config, self.backend, self.device, self.dtype)
+        on_cpu = self.device.type == "cpu"
+        kernels_cache = kernel_probe.choice_cache(self._kernel_shape()) if on_cpu else None
+        known = kernel_probe.known_choice(options.cpu_kernels, kernels_cache) if on_cpu else ALL_C
+        self.model = load_model(folder, self.config, self.backend, self.device, self.dtype, known)
         self.graphs = None  # before the CUDA memory profile, whose forward runs eagerly
         self.num_blocks = self._allocate_kv_cache()
+        self.kernels = ALL_C
+        if on_cpu:
+            self.kernels = kernel_probe.settle(self.model, self.backend, known, options.cpu_kernels, kernels_cache,
+                                               self.dtype)
         self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
         self.constraints = GrammarConstraints(Path(folder) / "tokenizer.json", self.config.vocab_size,
                                               self.config.eos_token_ids)
         if self.device.type == "cuda" and not options.enforce_eager:
             self.graphs = DecodeGraphs.capture(self.model, self.max_model_len, self.block_size, self.device)
+
+    def _kernel_shape(self) -> tuple[object, ...]:
+        """What the CPU kernel choice depends on besides the machine: it is cached under these."""
+        c = self.config
+        return (self.dtype, torch.get_num_threads(), tp_size(), self.backend.name, self.block_size, c.hidden_size,
+                c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size)
 
     def _block_bytes(self) -> int:
         c = self.config

@@ -12,6 +12,7 @@ import torch
 from bench import kernels, options, overhead, overlap, profile, random_model, serving, throughput
 from bench.common import w1, w2
 from executor_svc import cpu_kernels
+from executor_svc.kernel_choice import CLASSES, FAMILIES
 
 
 def test_workloads_draw_as_benchmarks_md_defines():
@@ -101,6 +102,8 @@ def test_kernels_writes_its_keys(tmp_path):
     for name in kernels.KERNELS:
         for rows in (1, 3):
             assert figures[f"{name}_{rows}_ms"] > 0 and figures[f"{name}_{rows}_torch_ms"] > 0
+    assert set(figures["choice"]) == set(FAMILIES)
+    assert all(set(row) == set(CLASSES) and set(row.values()) <= {"c", "torch"} for row in figures["choice"].values())
 
 
 def test_profile_accounts_for_the_run(tmp_path):

@@ -13,14 +13,17 @@ import torch
 from executor_svc.attention.base import AttentionMetadata
 from executor_svc.attention.torch_backend import TorchAttention
 from executor_svc.cpu_kernels import kernel_library
+from executor_svc.kernel_choice import ALL_C, KernelChoice
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class CpuAttention(TorchAttention):
-    """``TorchAttention`` with decode in the compiled kernel for float32 and bfloat16 caches."""
+    """``TorchAttention`` with decode in the compiled kernel for float32 and bfloat16 caches, at the batch sizes
+    where the executor's kernel choice found it the faster (everywhere, so far)."""
 
     name = "cpu"
+    kernels: KernelChoice = ALL_C
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,8 +54,14 @@ class CpuAttention(TorchAttention):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         supported = k_cache.dtype in KERNEL_DTYPES and q.dtype == k_cache.dtype and k_cache.is_contiguous()
-        if q.device.type != "cpu" or not supported:
+        if q.device.type != "cpu" or not supported or not self.kernels.use_c("decode_attention", q.shape[0]):
             return super().decode(q, k_cache, v_cache, meta, scale)
+        return self.kernel_decode(q, k_cache, v_cache, meta, scale)
+
+    def kernel_decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """The C kernel's decode, for CPU float32 or bfloat16 ``q`` and contiguous caches of its dtype."""
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         q = q.contiguous()

@@ -1,4 +1,5 @@
-"""SiLU-and-mul over the packed gate-up projection (one C kernel on the CPU: ``cpu_fused.silu_and_mul``)."""
+"""SiLU-and-mul over the packed gate-up projection (on the CPU one C kernel, ``cpu_fused.silu_and_mul``, where the
+executor's kernel choice says it is the faster)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor_svc.kernel_choice import ALL_C, KernelChoice
 from executor_svc.layers import cpu_fused
 
 
 class SiluAndMul(nn.Module):
+    kernels: KernelChoice = ALL_C
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = cpu_fused.silu_and_mul(x)
-        if fused is not None:
-            return fused
+        if self.kernels.use_c("silu_and_mul", x.numel() // max(x.shape[-1], 1)):
+            fused = cpu_fused.silu_and_mul(x)
+            if fused is not None:
+                return fused
+        return self.torch_forward(x)
+
+    @staticmethod
+    def torch_forward(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

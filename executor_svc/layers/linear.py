@@ -7,11 +7,13 @@ copies this rank's slice into the right place of the packed parameter.
 
 On the CPU, ``prepack_for_cpu`` packs each float32 or bfloat16 weight once after loading
 into the layout of our C kernel (``executor_svc/csrc/linear.c``), and that copy replaces the
-dense one. Decode multiplies a few rows (one per sequence) by each weight, where torch's GEMMs
-run far below the machine's peak; the kernel streams each weight once per call with the
-arithmetic overlapping the stream: 1.3-2.4x torch's speed at 1-64 rows (W1's machine), on par
-at thousands (prefill). Without a C compiler or AVX-512, float32 weights go to oneDNN instead
-(25-35 % faster than ``F.linear`` at decode's sizes).
+dense one unless the kernel choice asks for torch at some row count. Decode multiplies a few
+rows (one per sequence) by each weight, where torch's GEMMs run far below the machine's peak;
+the kernel streams each weight once per call with the arithmetic overlapping the stream:
+1.3-2.4x torch's speed at 1-64 rows on an AVX-512 BF16 EPYC, but slower than oneDNN's AMX
+GEMMs on a Xeon that has them, hence the choice measured per machine. Without a C compiler or
+AVX-512, and where torch is chosen, float32 weights go to oneDNN (25-35 % faster than
+``F.linear`` at decode's sizes).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from executor_svc import cpu_kernels
 from executor_svc.distributed import all_reduce, divide, tp_rank, tp_size
+from executor_svc.kernel_choice import ALL_C, KernelChoice
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -68,15 +71,21 @@ class PackedWeight:
 
 
 class LinearBase(nn.Module):
-    """A layer computing ``x @ weight.T``, through a packed copy of the weight when there is one."""
+    """A layer computing ``x @ weight.T``: through the C kernel's packed copy of the weight where the executor's
+    kernel choice (``executor_svc/kernel_choice.py``) says it is the faster at this many rows, else through torch."""
 
     weight: nn.Parameter
     packed_weight: PackedWeight | None = None
     onednn_weight: torch.Tensor | None = None
+    kernels: KernelChoice = ALL_C
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return self.packed_weight.linear(x, bias)
+        packed = self.packed_weight
+        if packed is not None and self.kernels.use_c("linear", x.numel() // packed.k):
+            return packed.linear(x, bias)
+        return self.torch_matmul(x, bias)
+
+    def torch_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
@@ -88,31 +97,50 @@ def packing_helps() -> bool:
     return library is not None and library.linear_is_vectorised() == 1
 
 
-def prepack_for_cpu(model: nn.Module) -> None:
-    """Give every float32 or bfloat16 CPU linear layer of ``model`` a packed copy of its weight: for the C
-    kernel, or where it cannot help (no compiler, no AVX-512) for oneDNN, float32 only (see the module doc).
+def cpu_linear_layers(model: nn.Module) -> list[LinearBase]:
+    return [m for m in model.modules() if isinstance(m, LinearBase) and m.weight.device.type == "cpu"]
 
-    The dense weight is then emptied unless another module shares it (a tied LM head shares the
-    embedding's), so packing costs no memory beyond such shared weights.
+
+def prepack_for_cpu(model: nn.Module, c_kernel: bool | None = None, torch_copy: bool | None = None) -> None:
+    """Give every float32 or bfloat16 CPU linear layer of ``model`` the weights its matmuls will read: a packed
+    copy for the C kernel (``c_kernel``; default: where it can help, see ``packing_helps``) and, for torch
+    (``torch_copy``; default: where there is no packed copy), a oneDNN copy of a float32 weight, or the dense
+    weight itself.
+
+    A dense weight no path reads is emptied unless another module shares it (a tied LM head shares the
+    embedding's), so packing costs no memory beyond such shared weights and the copies asked for.
     """
-    if not any(isinstance(m, LinearBase) and m.weight.device.type == "cpu" for m in model.modules()):
-        return
-    with_kernel = packing_helps()
-    if not with_kernel and not torch.backends.mkldnn.is_available():
-        return
+    layers = cpu_linear_layers(model)
+    c_kernel = packing_helps() if c_kernel is None else c_kernel and packing_helps()
+    torch_copy = not c_kernel if torch_copy is None else torch_copy or not c_kernel
     holders = Counter(id(m.weight) for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor))
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(module, LinearBase) or weight.device.type != "cpu":
+    for module in layers:
+        weight = module.weight
+        if weight.dtype not in PACKED_DTYPES:
             continue
-        if with_kernel and weight.dtype in PACKED_DTYPES:
+        if c_kernel:
             module.packed_weight = PackedWeight.pack(weight.detach())
-        elif not with_kernel and weight.dtype == torch.float32:
+        if torch_copy and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             module.onednn_weight = weight.detach().to_mkldnn()
-        else:
-            continue
-        if holders[id(weight)] == 1:
+        dense_read = torch_copy and module.onednn_weight is None
+        copied = module.packed_weight is not None or module.onednn_weight is not None
+        if holders[id(weight)] == 1 and copied and not dense_read:
             weight.data = weight.data.new_empty(0)
+
+
+def drop_unused_copies(model: nn.Module, choice: KernelChoice) -> None:
+    """After the kernel choice: free the copies of each weight that no shape class reads."""
+    c, torch_way = choice.uses("linear", "c"), choice.uses("linear", "torch")
+    holders = Counter(id(m.weight) for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor))
+    for module in cpu_linear_layers(model):
+        if module.packed_weight is None:
+            continue
+        if not torch_way:
+            module.onednn_weight = None
+            if holders[id(module.weight)] == 1:
+                module.weight.data = module.weight.data.new_empty(0)
+        elif not c:
+            module.packed_weight = None
 
 
 class ColumnParallelLinear(LinearBase):

@@ -1,6 +1,7 @@
 """RMSNorm with the optional residual add fused in front, computed in float32 like transformers.
 
-On the CPU one C kernel does both (``cpu_fused.rms_norm``); the torch code here is the reference.
+On the CPU one C kernel does both (``cpu_fused.rms_norm``) where the executor's kernel choice says it is the
+faster (``executor_svc/kernel_choice.py``); the torch code here is the reference and the other choice.
 """
 
 from __future__ import annotations
@@ -8,10 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from executor_svc.kernel_choice import ALL_C, KernelChoice
 from executor_svc.layers import cpu_fused
 
 
 class RMSNorm(nn.Module):
+    kernels: KernelChoice = ALL_C
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -28,9 +32,15 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual), the sum written into
         ``residual`` (the decoder's running residual, which nothing else holds)."""
-        fused = cpu_fused.rms_norm(x, residual, self.weight, self.eps)
-        if fused is not None:
-            return fused if residual is None else (fused, residual)
+        if self.kernels.use_c("rms_norm", x.shape[0]):
+            fused = cpu_fused.rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused if residual is None else (fused, residual)
+        return self.torch_forward(x, residual)
+
+    def torch_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return self._norm(x)
         residual.add_(x)

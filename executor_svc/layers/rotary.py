@@ -2,7 +2,8 @@
 
 cos and sin are computed in float32 from the positions, then cast to the
 model dtype, in the same order as transformers so float32 results match. On
-the CPU one C kernel rotates q and k in place (``cpu_fused.rotary``).
+the CPU one C kernel rotates q and k in place (``cpu_fused.rotary``) where the
+executor's kernel choice says it is the faster.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from executor_svc.kernel_choice import ALL_C, KernelChoice
 from executor_svc.layers import cpu_fused
 
 
@@ -19,6 +21,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    kernels: KernelChoice = ALL_C
+
     def __init__(self, head_dim: int, max_position: int, theta: float, dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -29,9 +33,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] by their positions."""
-        fused = cpu_fused.rotary(positions, q, k, self.cos, self.sin)
-        if fused is not None:
-            return fused
+        if self.kernels.use_c("rotary", positions.shape[0]):
+            fused = cpu_fused.rotary(positions, q, k, self.cos, self.sin)
+            if fused is not None:
+                return fused
+        return self.torch_forward(positions, q, k)
+
+    def torch_forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -1,0 +1,221 @@
+"""Chooses the CPU kernels at start-up: the C kernel or torch, per family and shape class (``kernel_choice.py``).
+
+Each family runs on the loaded model's own shapes at each class's probe rows. Linear passes over the
+model's own weights (all of them for the decode classes, since a decode step streams every weight from
+memory; one decoder layer's for prefill, which is compute-bound); decode attention reads layer 0 of the
+real cache through random block tables, contexts of up to 512 tokens. C and torch take turns for
+``ROUNDS`` rounds and each keeps its median; torch is chosen only when at least ``MARGIN`` faster, so two
+kernels within noise keep the C one and its numerics. The table is cached per machine (the key names the
+kernel build, which names the CPU's flags) and measured again only when something in the key changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from executor_svc import cpu_kernels, kernel_choice
+from executor_svc.attention.base import AttentionBackend, AttentionMetadata
+from executor_svc.attention.cpu_backend import CpuAttention
+from executor_svc.attention.torch_backend import TorchAttention
+from executor_svc.kernel_choice import CLASSES, FAMILIES, PREFILL_ROWS, PROBE_ROWS, KernelChoice
+from executor_svc.layers import cpu_fused
+from executor_svc.layers.activation import SiluAndMul
+from executor_svc.layers.linear import cpu_linear_layers, drop_unused_copies
+from executor_svc.layers.norm import RMSNorm
+from executor_svc.layers.rotary import RotaryEmbedding
+from executor_svc.model_registry import cache_root
+
+log = logging.getLogger("nanoserve.executor")
+
+ROUNDS = 3
+MARGIN = 0.05
+MIN_SECONDS = 0.002  # timed calls per round: at least this long, so the timer's resolution does not count
+ATTENTION_CONTEXT = 512
+
+Calls = tuple[Callable[[], object], Callable[[], object]]  # (C kernel, torch)
+Probe = Callable[[int], Calls]
+
+
+def choice_cache(parts: Iterable[object]) -> Path:
+    """Where this machine's table for ``parts`` (dtype, threads, model shape, ...) is cached."""
+    return kernel_choice.cache_path(cache_root() / "kernels", (cpu_kernels.library_id(), torch.__version__, *parts))
+
+
+def known_choice(flag: str, cache: Path) -> KernelChoice | None:
+    """The table when no measurement is needed (the flag names every family and class, or it is cached)."""
+    ways = kernel_choice.parse_override(flag)
+    if cpu_kernels.kernel_library() is None:
+        return KernelChoice.uniform("torch", source="no C kernels on this machine")
+    if kernel_choice.covers_all(ways):
+        return kernel_choice.ALL_C.with_ways(ways, source=f"--cpu-kernels {flag}")
+    cached = kernel_choice.load_cached(cache)
+    return None if cached is None else cached.with_ways(ways)
+
+
+def settle(model: nn.Module, backend: AttentionBackend, known: KernelChoice | None, flag: str, cache: Path,
+           dtype: torch.dtype) -> KernelChoice:
+    """Measure unless ``known``, hand the table to the layers and the backend, free unread weight copies, log."""
+    choice = known
+    if choice is None:
+        measured = measure(model, backend, dtype)
+        kernel_choice.save(cache, measured)
+        choice = measured.with_ways(kernel_choice.parse_override(flag))
+    have = available(model, backend, dtype)
+    choice = choice.with_ways({(f, c): "torch" for f in FAMILIES if f not in have for c in CLASSES})
+    install(model, backend, choice)
+    log.info("CPU kernels by rows per call (%s):\n%s", choice.source, choice.describe())
+    return choice
+
+
+def install(model: nn.Module, backend: AttentionBackend, choice: KernelChoice) -> None:
+    for module in model.modules():
+        if isinstance(module, RMSNorm | SiluAndMul | RotaryEmbedding) or hasattr(module, "packed_weight"):
+            module.kernels = choice
+    if isinstance(backend, CpuAttention):
+        backend.kernels = choice
+    drop_unused_copies(model, choice)
+
+
+def available(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> set[str]:
+    """The families with a C kernel for this model on this machine."""
+    if cpu_kernels.kernel_library() is None or dtype not in cpu_fused.DTYPES:
+        return set()
+    have = {"rms_norm", "silu_and_mul", "rotary"}
+    if any(m.packed_weight is not None for m in cpu_linear_layers(model)):
+        have.add("linear")
+    if isinstance(backend, CpuAttention):
+        have.add("decode_attention")
+    return have
+
+
+def measure(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> KernelChoice:
+    """Race every family with a C kernel at every class; the others are torch's."""
+    started, ways, timings = time.perf_counter(), {}, {}
+    for family, probe in probes_for(model, backend, dtype).items():
+        timings[family] = {}
+        for klass in CLASSES:
+            if family == "decode_attention" and klass == "prefill":
+                continue  # a decode batch past 256 sequences is rare: it takes the 33+ choice below
+            c_ms, torch_ms = race(*probe(PROBE_ROWS[klass]))
+            timings[family][klass] = (c_ms, torch_ms)
+            ways[family, klass] = "torch" if torch_ms < c_ms * (1 - MARGIN) else "c"
+        if family == "decode_attention":
+            ways[family, "prefill"] = ways[family, "33+"]
+    seconds = time.perf_counter() - started
+    return KernelChoice(KernelChoice.uniform("torch").with_ways(ways).table, f"measured in {seconds:.1f} s", timings)
+
+
+def race(c_call: Callable[[], object], torch_call: Callable[[], object]) -> tuple[float, float]:
+    """Median milliseconds per call of each, taking turns after one warm-up call each."""
+    c_call(), torch_call()
+    c_ms, torch_ms = [], []
+    for _ in range(ROUNDS):
+        c_ms.append(_ms_per_call(c_call))
+        torch_ms.append(_ms_per_call(torch_call))
+    return statistics.median(c_ms), statistics.median(torch_ms)
+
+
+def _ms_per_call(call: Callable[[], object]) -> float:
+    calls, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < MIN_SECONDS or calls == 0:
+        call()
+        calls += 1
+    return elapsed / calls * 1e3
+
+
+def probes_for(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> dict[str, Probe]:
+    """Each family with a C kernel here as rows -> (C call, torch call), on this model's shapes."""
+    have, probes = available(model, backend, dtype), {}
+    attention = _first_attention(model)
+    if "linear" in have and (linear := _linear_probe(model, dtype)):
+        probes["linear"] = linear
+    if "decode_attention" in have and attention is not None and attention.k_cache.dtype == dtype:
+        probes["decode_attention"] = _attention_probe(attention, backend, dtype)
+    norm = next((m for m in model.modules() if isinstance(m, RMSNorm)), None)
+    rotary = next((m for m in model.modules() if isinstance(m, RotaryEmbedding)), None)
+    gate_up = next((m for name, m in model.named_modules() if name.endswith("gate_up_proj")), None)
+    if "rms_norm" in have and norm is not None:
+        probes["rms_norm"] = _rms_norm_probe(norm, dtype)
+    if "silu_and_mul" in have and gate_up is not None:
+        probes["silu_and_mul"] = _silu_probe(sum(gate_up.shard_sizes), dtype)
+    if "rotary" in have and rotary is not None and attention is not None:
+        probes["rotary"] = _rotary_probe(rotary, attention, dtype)
+    return probes
+
+
+def _first_attention(model: nn.Module) -> nn.Module | None:
+    layers = model.attention_layers() if hasattr(model, "attention_layers") else []
+    return layers[0] if layers else None
+
+
+def _linear_probe(model: nn.Module, dtype: torch.dtype) -> Probe | None:
+    layers = [m for m in cpu_linear_layers(model) if m.packed_weight is not None]
+    first = [m for name, m in model.named_modules() if ".layers.0." in f".{name}." and m in layers]
+    if any(m.onednn_weight is None and m.weight.numel() == 0 for m in layers):
+        return None  # no torch copy to race the C one against
+
+    def at(rows: int) -> Calls:
+        chosen = layers if rows < PREFILL_ROWS or not first else first
+        inputs = {k: torch.randn(rows, k).to(dtype) for k in {m.packed_weight.k for m in chosen}}
+        return (lambda: [m.packed_weight.linear(inputs[m.packed_weight.k], None) for m in chosen],
+                lambda: [m.torch_matmul(inputs[m.packed_weight.k], None) for m in chosen])
+
+    return at
+
+
+def _attention_probe(attention: nn.Module, backend: CpuAttention, dtype: torch.dtype) -> Probe:
+    k_cache, v_cache = attention.k_cache, attention.v_cache
+    num_blocks, block_size, _, head_dim = k_cache.shape
+    num_heads, scale = attention.num_heads, attention.scale
+    gen = torch.Generator().manual_seed(0)
+
+    def at(rows: int) -> Calls:
+        lengths = torch.randint(32, ATTENTION_CONTEXT + 1, (rows,), generator=gen)
+        width = -(-ATTENTION_CONTEXT // block_size)
+        tables = torch.randint(0, num_blocks, (rows, width), generator=gen, dtype=torch.int32)
+        meta = AttentionMetadata(False, torch.full((rows,), -1), tables, context_lens=lengths.int())
+        q = torch.randn(rows, num_heads, head_dim, generator=gen).to(dtype)
+        return (lambda: backend.kernel_decode(q, k_cache, v_cache, meta, scale),
+                lambda: TorchAttention.decode(backend, q, k_cache, v_cache, meta, scale))
+
+    return at
+
+
+def _rms_norm_probe(norm: RMSNorm, dtype: torch.dtype) -> Probe:
+    def at(rows: int) -> Calls:
+        x, residual = torch.randn(rows, norm.weight.shape[0]).to(dtype), torch.randn(rows, norm.weight.shape[0])
+        residual = residual.to(dtype)
+        # Both update a copy of the residual, as the decoder's running one is updated in place.
+        return (lambda: cpu_fused.rms_norm(x, residual.clone(), norm.weight, norm.eps),
+                lambda: norm.torch_forward(x, residual.clone()))
+
+    return at
+
+
+def _silu_probe(width: int, dtype: torch.dtype) -> Probe:
+    def at(rows: int) -> Calls:
+        x = torch.randn(rows, width).to(dtype)
+        return lambda: cpu_fused.silu_and_mul(x), lambda: SiluAndMul.torch_forward(x)
+
+    return at
+
+
+def _rotary_probe(rotary: RotaryEmbedding, attention: nn.Module, dtype: torch.dtype) -> Probe:
+    heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, rotary.cos.shape[1]
+
+    def at(rows: int) -> Calls:
+        positions = torch.randint(0, rotary.cos.shape[0], (rows,))
+        qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).to(dtype)
+        q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k = q.view(rows, heads, head_dim), k.view(rows, kv_heads, head_dim)
+        return (lambda: cpu_fused.rotary(positions, q, k, rotary.cos, rotary.sin),
+                lambda: rotary.torch_forward(positions, q, k))
+
+    return at

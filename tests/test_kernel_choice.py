@@ -1,0 +1,126 @@
+"""The CPU kernel choice: measured once per machine, cached, forced by a flag, and obeyed call by call."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from executor_svc import cpu_kernels
+from executor_svc.__main__ import build_parser
+from executor_svc.config import ExecutorOptions
+from executor_svc.kernel_choice import CLASSES, FAMILIES, KernelChoice, parse_override, shape_class
+from executor_svc.layers.linear import cpu_linear_layers, packing_helps
+from executor_svc.model_executor import ModelExecutor
+from executor_svc.model_runner import ModelRunner
+from scheduler_svc.engine import Engine
+from scheduler_svc.sampling import SamplingParams
+from tests.model_fixtures import smollm2_folder, tiny_model_folders  # noqa: F401
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.kernel_library() is None, reason="no C compiler to build the kernels")
+needs_linear_kernel = pytest.mark.skipif(not packing_helps(), reason="no AVX-512 linear kernel on this CPU")
+KV_BYTES = 4 << 20
+
+
+@pytest.fixture
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh NANOSERVE_CACHE, so this test measures instead of reading this machine's table."""
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def tiny_runner(folder: Path, cpu_kernels_flag: str, dtype: str = "float32") -> ModelRunner:
+    options = ExecutorOptions(model=str(folder), dtype=dtype, block_size=8, kv_cache_memory=KV_BYTES, threads=1,
+                              cpu_kernels=cpu_kernels_flag)
+    return ModelRunner(folder, options)
+
+
+def test_rows_fall_into_the_documented_classes() -> None:
+    expected = {1: "1", 2: "2-8", 8: "2-8", 9: "9-32", 32: "9-32", 33: "33+", 256: "33+", 257: "prefill",
+                8192: "prefill"}
+    assert {rows: shape_class(rows) for rows in expected} == expected
+    choice = KernelChoice.uniform("c").with_ways({("linear", "9-32"): "torch", ("rotary", "prefill"): "torch"})
+    assert [choice.use_c("linear", r) for r in (8, 9, 32, 33)] == [True, False, False, True]
+    assert [choice.use_c("rotary", r) for r in (256, 257, 100_000)] == [True, False, False]
+
+
+def test_the_flag_forces_all_or_some_entries_and_names_a_bad_item() -> None:
+    assert parse_override("auto") == {}
+    assert set(parse_override("torch").values()) == {"torch"} and len(parse_override("c")) == 25
+    ways = parse_override("linear:prefill=torch, rotary=c")
+    assert ways == {("linear", "prefill"): "torch", **{("rotary", c): "c" for c in CLASSES}}
+    for bad in ("linear=gpu", "attention=c", "linear:64=c", ","):
+        with pytest.raises(ValueError, match="--cpu-kernels"):
+            parse_override(bad)
+    assert build_parser({}).parse_args([]).cpu_kernels == "auto"
+    with pytest.raises(SystemExit):
+        build_parser({"NANOSERVE_CPU_KERNELS": "linear=fast"}).parse_args([])
+
+
+@needs_kernels
+def test_an_executor_measures_once_logs_once_then_reads_its_cache(
+    tiny_model_folders: dict[str, Path], own_cache: Path, caplog: pytest.LogCaptureFixture  # noqa: F811
+) -> None:
+    caplog.set_level(logging.INFO, logger="nanoserve.executor")
+    first = tiny_runner(tiny_model_folders["llama"], "auto").kernels
+    assert first.source.startswith("measured in")
+    measured = set(first.timings) | {f for f in FAMILIES if f not in first.timings}
+    assert measured == set(FAMILIES)
+    for family, row in first.timings.items():
+        assert set(row) == set(CLASSES) - ({"prefill"} if family == "decode_attention" else set())
+        assert all(c_ms > 0 and torch_ms > 0 for c_ms, torch_ms in row.values())
+    [cached_file] = (own_cache / "kernels").glob("kernel-choice-*.json")
+    second = tiny_runner(tiny_model_folders["llama"], "auto").kernels
+    assert second.source == f"cached in {cached_file}" and second.table == first.table
+    logged = [r for r in caplog.records if "CPU kernels by rows per call" in r.getMessage()]
+    assert len(logged) == 2 and all(family in logged[0].getMessage() for family in FAMILIES)
+    cached_file.write_text("{not json")
+    assert tiny_runner(tiny_model_folders["llama"], "auto").kernels.source.startswith("measured in")
+
+
+@needs_linear_kernel
+def test_a_forced_table_keeps_only_the_weight_copies_it_reads(
+    tiny_model_folders: dict[str, Path], own_cache: Path  # noqa: F811
+) -> None:
+    folder = tiny_model_folders["qwen2"]  # untied LM head: no layer shares its weight
+    c_only = cpu_linear_layers(tiny_runner(folder, "c").model)
+    assert all(m.packed_weight is not None and m.weight.numel() == 0 and m.onednn_weight is None for m in c_only)
+    torch_only = cpu_linear_layers(tiny_runner(folder, "torch").model)
+    assert all(m.packed_weight is None and m.onednn_weight is not None for m in torch_only)
+    both = cpu_linear_layers(tiny_runner(folder, "c,linear:prefill=torch").model)
+    assert all(m.packed_weight is not None and m.onednn_weight is not None for m in both)
+    assert not list((own_cache / "kernels").glob("kernel-choice-*.json")), "a forced table measured nothing"
+
+
+@needs_linear_kernel
+def test_each_call_runs_the_kernel_its_rows_choose(tiny_model_folders: dict[str, Path], own_cache: Path) -> None:  # noqa: F811
+    runner = tiny_runner(tiny_model_folders["qwen2"], "c,linear:9-32=torch")
+    layer = runner.model.model.layers[0].mlp.down_proj
+    dense = layer.onednn_weight.to_dense()
+    with torch.inference_mode():
+        layer.packed_weight.data.zero_()  # the C path now answers zeros: which path ran shows in the output
+    for rows, expect_c in ((1, True), (8, True), (9, False), (32, False), (33, True), (300, True)):
+        x = torch.randn(rows, dense.shape[1])
+        with torch.inference_mode():
+            out = layer.matmul(x, None)
+        if expect_c:
+            assert torch.count_nonzero(out) == 0, rows
+        else:
+            torch.testing.assert_close(out, F.linear(x, dense), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_tokens_are_the_same_whichever_kernels_run(smollm2_folder: Path, dtype: str) -> None:  # noqa: F811
+    prompts = [[1, 504, 3458, 282, 4370, 314], [1, 2683, 1115, 33, 42]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for flag in ("c", "torch", "auto"):
+        options = ExecutorOptions(model=str(smollm2_folder), dtype=dtype, kv_cache_memory=64 << 20, threads=2,
+                                  cpu_kernels=flag)
+        outputs[flag] = Engine(ModelExecutor(options)).generate(prompts, params)
+    tokens = {flag: [c.token_ids for c in completions] for flag, completions in outputs.items()}
+    assert tokens["c"] == tokens["torch"] == tokens["auto"]
