@@ -13,7 +13,8 @@ sequences of context ``--context`` after ``--warmup`` more.
 
 Where the time goes, per decode step (means; medians of ``--repeats`` runs): the scheduler thread's
 schedule + plan, postprocess, its wait for the result and its CPU time, and (in-process, where the executor
-can be timed) the executor's step outside its wait and the part of that in ``prepare_input``.
+can be timed) the executor's two halves: ``execute`` outside the wait, which the accelerator waits for, and
+``prepare`` (apply the plan, pack the input), which runs while the step before waits.
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ from pathlib import Path
 from bench.common import HOST, Child, free_port, print_table, progress, write_json
 from bench.overhead import geometry
 from common.executor import Executor
-from executor_svc.requests import ScheduledChunk
 from executor_svc.simulated import SimulatedExecutor, simulated_executor
 from executor_svc.simulated import parse_args as simulated_args
-from executor_svc.values import StepOutput
+from executor_svc.steps import PreparedStep
 from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.engine import Engine
@@ -50,7 +50,7 @@ DEFAULTS = ServiceConfig()
 @dataclass
 class Phases:
     """Microseconds per decode step: wall (what efficiency is made of), the scheduler thread's phases and CPU,
-    and the executor's own time outside the wait (in-process only; 0 for the split)."""
+    and the executor's halves (in-process only; 0 for the split): execute outside the wait, and prepare."""
 
     wall_us: float
     schedule_us: float
@@ -66,30 +66,33 @@ class Phases:
 
 
 class TimedSimulated(SimulatedExecutor):
-    """The simulated executor noting, per decode step, its time outside the wait and the part in prepare_input."""
+    """The simulated executor noting, per decode step, its two halves' CPU time: ``prepare`` (apply + pack, which
+    runs while the step before waits) and ``execute`` outside the wait (which the accelerator waits for)."""
 
     def __init__(self, info: pb.ExecutorInfo, step_ms: float) -> None:
         super().__init__(info, step_ms)
         self.busy_s: list[tuple[float, float]] = []
-        self._waited = self._forwarded = 0.0
+        self._prepared: dict[int, float] = {}
+        self._waited = 0.0
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
-        self._waited = self._forwarded = 0.0
+    def prepare(self, plan: pb.StepPlan) -> PreparedStep:
         t0 = time.perf_counter()
-        result = super().step(plan)
+        prepared = super().prepare(plan)
         if not plan.is_prefill:
-            self.busy_s.append((time.perf_counter() - t0 - self._waited, self._forwarded - self._waited))
+            self._prepared[plan.step_id] = time.perf_counter() - t0
+        return prepared
+
+    def execute(self, prepared: PreparedStep) -> pb.StepResult:
+        self._waited = 0.0
+        t0 = time.perf_counter()
+        result = super().execute(prepared)
+        if (prepare_s := self._prepared.pop(prepared.step_id, None)) is not None:
+            self.busy_s.append((time.perf_counter() - t0 - self._waited, prepare_s))
         return result
 
     def mean_busy_us(self) -> tuple[float, float]:
-        """Mean microseconds per decode step outside the wait, and in prepare_input, since the last ``clear``."""
+        """Mean microseconds per decode step of execute outside the wait, and of prepare, since the last clear."""
         return tuple(1e6 * statistics.fmean(column) for column in zip(*self.busy_s, strict=True))
-
-    def forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
-        t0 = time.perf_counter()
-        output = super().forward(chunks)
-        self._forwarded += time.perf_counter() - t0
-        return output
 
     def _wait(self) -> None:
         t0 = time.perf_counter()
@@ -190,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         rows.append([batch, peer, efficiency(args.step_ms, p), 1e6 / p.wall_us, p.wall_us, p.schedule_us,
                      p.postprocess_us, p.wait_us, p.cpu_us, *executor])
     print_table(["batch", "executor", "efficiency", "steps/s", "wall", "schedule+plan", "postprocess",
-                 "wait for result", "scheduler CPU", "executor outside wait", "(prepare_input)"], rows)
+                 "wait for result", "scheduler CPU", "execute outside wait", "prepare (beside)"], rows)
     figures = figures_of(results, args)
     write_json(args.json, figures)
     return figures

@@ -18,7 +18,7 @@ import torch
 from executor_svc.config import ExecutorOptions
 from executor_svc.distributed import free_init_method, init_group, spawn_workers
 from executor_svc.model_registry import resolve_model
-from executor_svc.model_runner import ModelRunner, rank_device, worker_main
+from executor_svc.model_runner import ModelRunner, PreparedInput, rank_device, worker_main
 from executor_svc.requests import RequestTable, ScheduledChunk
 from executor_svc.steps import TableExecutor
 from executor_svc.values import StepOutput
@@ -67,9 +67,12 @@ class ModelExecutor(TableExecutor):
             attention_backend=runner.backend.name,
         )
 
-    def forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
+    def pack(self, chunks: list[ScheduledChunk]) -> PreparedInput:
+        return self.runner.prepare(chunks)
+
+    def forward(self, chunks: list[ScheduledChunk], inputs: PreparedInput | None = None) -> StepOutput:
         """One forward pass and sampling over ``chunks``: 0, and no logprobs, for a chunk short of its end."""
-        sampled, prompt_logprobs, forward_ms, sample_ms = self.runner.run(chunks)
+        sampled, prompt_logprobs, forward_ms, sample_ms = self.runner.run(chunks, inputs)
         token_ids = iter(sampled.token_ids)
         output = StepOutput([next(token_ids) if chunk.samples else 0 for chunk in chunks], [], forward_ms, sample_ms,
                             prompt_logprobs)

@@ -49,6 +49,10 @@ class RequestState:
     token_counts: Any = None
     # The grammar's llguidance matcher, built by the model runner at the first sampled token; it goes with the state.
     matcher: object | None = None
+    # What num_computed_tokens and len(token_ids) will be once every step applied so far has run: a plan is
+    # checked against these, so the next plan can be applied while the step before it still runs.
+    planned_computed: int = 0
+    planned_len: int = 0
 
 
 @dataclass(slots=True)
@@ -67,8 +71,9 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the last known token, so its logits are sampled."""
-        return self.end == len(self.state.token_ids)
+        """True when this chunk reaches the last token, so its logits are sampled. Applied while the step before
+        it runs, a decode chunk ends one past the last token known: the one that step is sampling."""
+        return self.end >= len(self.state.token_ids)
 
 
 class RequestTable:
@@ -89,7 +94,9 @@ class RequestTable:
         return n
 
     def apply(self, plan: pb.StepPlan) -> list[ScheduledChunk]:
-        """Validate ``plan`` against the held state, then apply it; chunks in result order.
+        """Validate ``plan`` against the state every step applied before leaves, then apply it; chunks in result
+        order. The steps applied before need not have run yet (``planned_*``); their tokens are recorded by
+        ``record_sampled`` when they have.
 
         A new request's sampling params are translated here, once for its lifetime in the table.
         """
@@ -106,6 +113,8 @@ class RequestTable:
                 wire.sampling_settings(new.sampling),
                 new.num_prompt_tokens if new.HasField("num_prompt_tokens") else len(new.token_ids),
             )
+            end = new.num_computed_tokens + new.num_scheduled_tokens
+            state.planned_computed, state.planned_len = end, len(state.token_ids) + (end == len(state.token_ids))
             self.requests[new.request_id] = state
             chunks.append(ScheduledChunk(state, new.num_computed_tokens, new.num_scheduled_tokens))
         # Runs for every held request every decode step: plain lists and local names.
@@ -114,15 +123,19 @@ class RequestTable:
         requests = self.requests
         offset = 0
         columns = (cached.request_ids, cached.num_computed_tokens, cached.num_scheduled_tokens, cached.num_new_blocks)
-        for request_id, computed, scheduled, n_new in zip(*map(list, columns), strict=True):
+        # Validated: with num_decode_steps there are no new requests and one entry per cached one.
+        steps = list(cached.num_decode_steps) or repeat(1)
+        for request_id, computed, scheduled, n_new, num_steps in zip(*map(list, columns), steps, strict=False):
             state = requests[request_id]
             if n_new:
                 state.block_table += new_block_ids[offset : offset + n_new]
                 offset += n_new
-            chunks.append(ScheduledChunk(state, computed, scheduled))
-        if cached.num_decode_steps:  # validated: no new requests, one entry per cached one
-            for chunk, num_steps in zip(chunks, cached.num_decode_steps, strict=True):
-                chunk.num_steps = num_steps
+            chunks.append(ScheduledChunk(state, computed, scheduled, num_steps))
+            end = computed + scheduled
+            if end == state.planned_len:  # it samples, num_steps tokens
+                state.planned_len += num_steps
+                end += num_steps - 1
+            state.planned_computed = end
         return chunks
 
     def record_sampled(self, chunks: list[ScheduledChunk], token_ids: list[int]) -> None:
@@ -219,13 +232,13 @@ class RequestTable:
             if state is None:
                 raise PlanError(PRECONDITION, f"cached request {rid} is unknown to this executor")
             seen.add(rid)
-            if computed != state.num_computed_tokens:
+            if computed != state.planned_computed:
                 raise PlanError(
                     PRECONDITION,
                     f"request {rid}: plan says {computed} tokens computed, executor has "
-                    f"{state.num_computed_tokens}",
+                    f"{state.planned_computed}",
                 )
-            if scheduled < 1 or computed + scheduled > len(state.token_ids):
+            if scheduled < 1 or computed + scheduled > state.planned_len:
                 raise PlanError(
                     INVALID, f"request {rid}: cannot schedule {scheduled} tokens after {computed} computed"
                 )

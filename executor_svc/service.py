@@ -87,9 +87,17 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     def __init__(self, executor: Executor, submit: Submit = submit_here) -> None:
         self.executor = executor
         self.submit = submit
+        # A StepStream prepares the next plan under prepare_lock while the step before executes under lock;
+        # every other call takes both (prepare_lock first).
+        self.prepare_lock = threading.Lock()
         self.lock = threading.Lock()
+        self.halves = all(hasattr(executor, name) for name in ("prepare", "execute"))
 
     def _locked(self, fn: Callable[..., T], *args: object) -> T:
+        with self.prepare_lock, self.lock:
+            return fn(*args)
+
+    def _executing(self, fn: Callable[..., T], *args: object) -> T:
         with self.lock:
             return fn(*args)
 
@@ -105,28 +113,40 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     def StepStream(self, plans: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
         """Steps run back to back, each as soon as the one before is computed and its plan has arrived.
 
-        A reader thread takes plans off the stream and submits each at once; this generator yields the
-        results in order, so gRPC serialises and sends step N's while step N+1 runs (vLLM's async
-        scheduling does the same). After a step fails no later plan of the stream runs: the scheduler
-        sent them before it knew, so they change nothing, and the stream ends with the failed step's
-        status (or the stream's own error, as when the scheduler cancels it).
+        A reader thread takes plans off the stream as they come. An executor whose step comes in halves
+        (``executor_svc.steps.TableExecutor``) has each plan applied and its input packed there, while the
+        step before still runs, and only the execution queued; any other executor has the whole step
+        queued. This generator yields the results in order, so gRPC serialises and sends step N's while step
+        N+1 runs (vLLM's async scheduling does the same). After a step fails no later plan of the stream
+        runs: the scheduler sent them before it knew, so they change nothing it relies on (it resets the
+        executor to recover), and the stream ends with the failed step's status (or the stream's own
+        error, as when the scheduler cancels it).
         """
         started: queue.SimpleQueue[futures.Future[pb.StepResult] | None] = queue.SimpleQueue()
         failed = threading.Event()
 
-        def step(plan: pb.StepPlan) -> pb.StepResult | None:
+        def guarded(fn: Callable[[T], pb.StepResult], arg: T) -> pb.StepResult | None:
             if failed.is_set():
                 return None
             try:
-                return self.executor.step(plan)
+                return fn(arg)
             except BaseException:
                 failed.set()
                 raise
 
+        def submit(plan: pb.StepPlan) -> futures.Future[pb.StepResult]:
+            if not self.halves:
+                return self._run(guarded, self.executor.step, plan)
+            with self.prepare_lock:
+                prepared = submit_here(guarded, self.executor.prepare, plan)
+            if prepared.exception() is not None:
+                return prepared
+            return self.submit(self._executing, guarded, self.executor.execute, prepared.result())
+
         def read() -> None:
             try:
                 for plan in plans:
-                    started.put(self._run(step, plan))
+                    started.put(submit(plan))
             except Exception as e:  # the stream's end (cancelled, broken): raised below, where gRPC sees it
                 started.put(submit_here(raise_, e))
             started.put(None)

@@ -88,7 +88,7 @@ class ShadowExecutor(TableExecutor):
         bs = self.info.block_size
         return np.asarray(block_table, dtype=np.int64)[positions // bs] * bs + positions % bs
 
-    def forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
+    def forward(self, chunks: list[ScheduledChunk], inputs: object | None = None) -> StepOutput:
         """Write each chunk's tokens into its KV slots, then derive each sampled token from the KV read back."""
         for chunk in chunks:
             state = chunk.state

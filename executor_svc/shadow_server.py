@@ -87,7 +87,7 @@ class EchoExecutor:
                 new.request_id, new.num_prompt_tokens if new.HasField("num_prompt_tokens") else len(new.token_ids))
         return step_result(self.info.instance_id, plan.step_id, run_forward_passes(self.table, chunks, self._echo))
 
-    def _echo(self, chunks: list[ScheduledChunk]) -> StepOutput:
+    def _echo(self, chunks: list[ScheduledChunk], inputs: object | None = None) -> StepOutput:
         token_ids = []
         for chunk in chunks:
             tokens = chunk.state.token_ids

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from common.security import TLSConfig
-from executor_svc.model_runner import prepare_input
+from executor_svc.model_runner import ModelInput, prepare_input
 from executor_svc.requests import RequestTable, ScheduledChunk
 from executor_svc.service import serve
 from executor_svc.shadow_server import model_free_info
@@ -58,10 +58,13 @@ class SimulatedExecutor(TableExecutor):
         """What the device would run: the forward pass and the sampling."""
         accelerator_wait(self.step_s)
 
-    def forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
+    def pack(self, chunks: list[ScheduledChunk]) -> ModelInput:
+        return prepare_input(chunks, self.info.block_size)
+
+    def forward(self, chunks: list[ScheduledChunk], inputs: ModelInput | None = None) -> StepOutput:
         """``ModelRunner.run`` and ``ModelExecutor.forward`` with the device's work replaced by the wait."""
         t0 = time.perf_counter()
-        prepare_input(chunks, self.info.block_size)
+        (inputs or self.pack(chunks)).fill_pending()
         self._wait()
         forward_ms = (time.perf_counter() - t0) * 1e3
         return StepOutput([self.token_id if chunk.samples else 0 for chunk in chunks], [], forward_ms, 0.0)

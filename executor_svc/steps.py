@@ -10,17 +10,30 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from executor_svc.requests import RequestTable, ScheduledChunk
 from executor_svc.values import StepOutput, TokenLogprobs
 from executor_svc.wire import step_result
 from nanoserve.v1 import executor_pb2 as pb
 
-# Computes and samples one token per chunk, in order (0 for a chunk that does not sample).
-ForwardPass = Callable[[list[ScheduledChunk]], StepOutput]
+# Computes and samples one token per chunk, in order (0 for a chunk that does not sample), from the input
+# the executor packed for them ahead (None: packed now).
+ForwardPass = Callable[[list[ScheduledChunk], object | None], StepOutput]
 
 
-def run_forward_passes(table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass) -> StepOutput:
+@dataclass
+class PreparedStep:
+    """A plan applied to the request table, with its input packed when it is a single pass."""
+
+    step_id: int
+    chunks: list[ScheduledChunk]
+    inputs: object | None = None
+
+
+def run_forward_passes(
+    table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass, inputs: object | None = None
+) -> StepOutput:
     """Run ``forward`` over the chunks once per decode step they ask for, recording its tokens in ``table``.
 
     Tokens come back chunk after chunk in plan order, each chunk's in the order sampled; the passes' times add up.
@@ -28,7 +41,7 @@ def run_forward_passes(table: RequestTable, chunks: list[ScheduledChunk], forwar
     if not chunks:
         return StepOutput()
     if all(chunk.num_steps == 1 for chunk in chunks):
-        output = forward(chunks)
+        output = forward(chunks, inputs)
         table.record_sampled(chunks, output.token_ids)
         return output
     return run_multi_step(table, chunks, forward)
@@ -43,7 +56,7 @@ def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], forward: F
     active = list(range(len(chunks)))
     current = chunks
     for done in range(1, max(chunk.num_steps for chunk in chunks) + 1):
-        output = forward(current)
+        output = forward(current, None)
         table.record_sampled(current, output.token_ids)
         total.forward_ms += output.forward_ms
         total.sample_ms += output.sample_ms
@@ -62,7 +75,14 @@ def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], forward: F
 
 class TableExecutor(ABC):
     """The executor contract for an executor whose requests live in a ``RequestTable``: the model's, the
-    shadow-KV test's and the simulated accelerator's differ only in ``forward``."""
+    shadow-KV test's and the simulated accelerator's differ only in ``forward`` (and ``pack``).
+
+    A step is two halves, so that a caller can run them on two threads, as the servicer's StepStream does:
+    ``prepare`` applies the plan and packs the input, and needs only the plans before it to be applied;
+    ``execute`` runs and records it, after the step before it. While the device computes step N, step N+1
+    is applied and packed; only the tokens N samples are put in at the start of N+1 (vLLM's async
+    scheduling keeps them on the device; here they are a few ints).
+    """
 
     info: pb.ExecutorInfo
     table: RequestTable
@@ -74,9 +94,21 @@ class TableExecutor(ABC):
         return self.table.reset()
 
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
-        output = run_forward_passes(self.table, self.table.apply(plan), self.forward)
-        return step_result(self.info.instance_id, plan.step_id, output)
+        return self.execute(self.prepare(plan))
+
+    def prepare(self, plan: pb.StepPlan) -> PreparedStep:
+        chunks = self.table.apply(plan)
+        single = chunks and all(chunk.num_steps == 1 for chunk in chunks)
+        return PreparedStep(plan.step_id, chunks, self.pack(chunks) if single else None)
+
+    def execute(self, prepared: PreparedStep) -> pb.StepResult:
+        output = run_forward_passes(self.table, prepared.chunks, self.forward, prepared.inputs)
+        return step_result(self.info.instance_id, prepared.step_id, output)
+
+    def pack(self, chunks: list[ScheduledChunk]) -> object | None:
+        """The step's input, built ahead of ``forward`` (None: ``forward`` reads the chunks when it runs)."""
+        return None
 
     @abstractmethod
-    def forward(self, chunks: list[ScheduledChunk]) -> StepOutput:
+    def forward(self, chunks: list[ScheduledChunk], inputs: object | None = None) -> StepOutput:
         """Compute and sample one token per chunk, in order (0 for a chunk short of its end): a ``ForwardPass``."""

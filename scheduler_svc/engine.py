@@ -177,12 +177,20 @@ class Engine:
         return self._collect(current)
 
     def _submitter(self) -> Submit:
-        """The executor's own ordered stream when it has one, else one worker thread (which keeps order)."""
+        """The executor's own ordered stream when it has one, else one worker thread (which keeps order).
+
+        An executor whose step comes in two halves (``prepare``, ``execute``: ``executor_svc.steps``) gets a second
+        thread that prepares each plan as it comes, while the worker still executes the one before.
+        """
         submit = getattr(self.executor, "submit", None)
         if submit is not None:
             return submit
         self._worker = worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor")
-        return lambda plan: worker.submit(self.executor.step, plan)
+        prepare, execute = getattr(self.executor, "prepare", None), getattr(self.executor, "execute", None)
+        if prepare is None or execute is None:
+            return lambda plan: worker.submit(self.executor.step, plan)
+        packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-prepare")
+        return lambda plan: worker.submit(lambda prepared: execute(prepared.result()), packer.submit(prepare, plan))
 
     def _launch(self, run: Callable[[pb.StepPlan], Future[pb.StepResult] | pb.StepResult]) -> Launched | None:
         """Schedule, plan and book a step, and hand its plan to ``run``; None when nothing can run."""

@@ -1,0 +1,85 @@
+"""A step in two halves: the next plan is applied and packed while the step before runs, with the same tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from executor_svc.config import ExecutorOptions
+from executor_svc.model_executor import ModelExecutor
+from executor_svc.requests import PlanError
+from nanoserve.v1 import executor_pb2 as pb
+from scheduler_svc.engine import Engine
+from scheduler_svc.sampling import SamplingParams
+from tests.model_fixtures import tiny_model_folders  # noqa: F401
+from tests.test_model_parity import random_prompts
+
+KV_BYTES = 4 << 20
+PROMPTS = {1: [5, 9, 77, 300, 41, 8], 2: [19, 23, 100, 7]}
+
+
+def tiny(folder: Path) -> ModelExecutor:
+    return ModelExecutor(ExecutorOptions(model=str(folder), block_size=8, kv_cache_memory=KV_BYTES, threads=1))
+
+
+def prefill(step_id: int) -> pb.StepPlan:
+    seeded = pb.SamplingParams(temperature=1.0, seed=7)  # a seeded sample depends on the token's position too
+    new = [pb.NewRequest(request_id=rid, token_ids=tokens, sampling=seeded, block_table=[rid * 4 + i for i in range(4)],
+                         num_scheduled_tokens=len(tokens)) for rid, tokens in PROMPTS.items()]
+    return pb.StepPlan(step_id=step_id, is_prefill=True, new_requests=new)
+
+
+def decode(step_id: int, after: int, steps: int = 1) -> pb.StepPlan:
+    """Every request's decode step once ``after`` tokens have been sampled for it."""
+    rids = list(PROMPTS)
+    cached = pb.CachedRequests(request_ids=rids, num_computed_tokens=[len(PROMPTS[r]) + after - 1 for r in rids],
+                               num_scheduled_tokens=[1] * len(rids), num_new_blocks=[0] * len(rids),
+                               num_decode_steps=[steps] * len(rids) if steps > 1 else [])
+    return pb.StepPlan(step_id=step_id, cached_requests=cached)
+
+
+def plans() -> list[pb.StepPlan]:
+    """Prefill, a 3-step decode, then single decodes: each plan can be applied before the one before runs."""
+    return [prefill(1), decode(2, 1, steps=3), decode(3, 4), decode(4, 5), decode(5, 6)]
+
+
+def tokens(results: list[pb.StepResult]) -> list[list[int]]:
+    return [list(r.token_ids) for r in results]
+
+
+def test_each_plan_prepared_before_the_one_before_runs_samples_the_same_tokens(
+    tiny_model_folders: dict[str, Path],  # noqa: F811
+) -> None:
+    in_turn = tiny(tiny_model_folders["llama"])
+    expected = [in_turn.step(plan) for plan in plans()]
+    ahead = tiny(tiny_model_folders["llama"])
+    prepared = [ahead.prepare(plan) for plan in plans()]  # every plan applied before any step runs
+    assert prepared[3].inputs.model_input.pending, "its tokens were still to be sampled when it was packed"
+    assert tokens([ahead.execute(p) for p in prepared]) == tokens(expected)
+    held = ahead.table.requests
+    assert {rid: held[rid].token_ids for rid in held} == {rid: in_turn.table.requests[rid].token_ids for rid in held}
+
+
+def test_a_plan_refused_ahead_leaves_the_step_before_and_the_table_as_they_were(
+    tiny_model_folders: dict[str, Path],  # noqa: F811
+) -> None:
+    executor = tiny(tiny_model_folders["llama"])
+    first, second = executor.prepare(prefill(1)), executor.prepare(decode(2, 1))
+    with pytest.raises(PlanError, match="executor has 7"):
+        executor.prepare(decode(3, 1))  # says 6 tokens computed for request 1; the steps applied leave 7
+    executor.execute(first)
+    assert len(executor.execute(second).token_ids) == 2
+    assert executor.prepare(decode(3, 2)).chunks, "the next plan in turn is still accepted"
+
+
+def test_an_in_process_engine_with_overlap_prepares_ahead_and_keeps_every_token(
+    tiny_model_folders: dict[str, Path],  # noqa: F811
+) -> None:
+    prompts = random_prompts(6)
+    params = [SamplingParams(temperature=0.0, max_tokens=10 + i, ignore_eos=True) for i in range(len(prompts))]
+    in_turn = Engine(tiny(tiny_model_folders["qwen2"])).generate(prompts, params)
+    engine = Engine(tiny(tiny_model_folders["qwen2"]), overlap=True)
+    overlapped = engine.generate(prompts, params)
+    assert [c.token_ids for c in overlapped] == [c.token_ids for c in in_turn]
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
