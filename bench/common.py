@@ -22,6 +22,8 @@ HOST = "127.0.0.1"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 # Children run ``python -m`` from here, so ``bench`` resolves wherever the benchmark was started.
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# What every throughput peer generates from (4 tokens) before its timed run.
+WARMUP_PROMPT = list(range(100, 132))
 
 
 @dataclass(frozen=True)

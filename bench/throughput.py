@@ -9,7 +9,9 @@ the batch's largest max_tokens); ``inprocess`` is the scheduler Engine driving
 the ModelExecutor in this process; ``split`` and ``split_overlap`` run the
 executor and the scheduler as two processes over gRPC (the latter with
 ``--overlap``) and send every request at once through the public API with
-``client.api.AsyncClient``. A peer is a function in ``PEERS``.
+``client.api.AsyncClient``; ``llamacpp`` (W1, when llama-cpp-python is installed; see bench/llamacpp.py)
+is llama.cpp on a float32 / bfloat16 GGUF of the same weights, 64 slots batching continuously as
+llama-server does, prompt chunks and decodes in one ``llama_decode``. A peer is a function in ``PEERS``.
 """
 
 from __future__ import annotations
@@ -38,10 +40,20 @@ keep_heap_memory()
 
 import torch  # noqa: E402
 
-from bench.common import HOST, WORKLOADS, Child, Workload, free_port, print_table, progress, write_json  # noqa: E402
+from bench import llamacpp  # noqa: E402 - imports llama_cpp only when its peer runs
+from bench.common import (  # noqa: E402
+    HOST,
+    WARMUP_PROMPT,
+    WORKLOADS,
+    Child,
+    Workload,
+    free_port,
+    print_table,
+    progress,
+    write_json,
+)
 
 HF_BATCH_SIZE = 16
-WARMUP_PROMPT = list(range(100, 132))
 
 
 def run_hf(args: argparse.Namespace, workload: Workload) -> float:
@@ -160,6 +172,7 @@ PEERS: dict[str, Callable[[argparse.Namespace, Workload], float]] = {
     "inprocess": run_inprocess,
     "split": partial(run_split, overlap=False),
     "split_overlap": partial(run_split, overlap=True),
+    "llamacpp": llamacpp.run_llamacpp,
 }
 
 
@@ -180,7 +193,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads (W1: 2)")
     p.add_argument("--num-requests", type=int, default=None, help="run only the first N requests")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers peer")
-    p.add_argument("--peers", nargs="+", choices=list(PEERS), default=list(PEERS), help="peers to run, in order")
+    p.add_argument("--peers", nargs="+", choices=list(PEERS), default=None,
+                   help="peers to run, in order (default: all, llamacpp where it can run)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the executor")
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="KV-cache bytes of the executor (default: 2 GiB on CPU, the free-memory share on CUDA)")
@@ -197,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     workload = WORKLOADS[args.workload]().head(args.num_requests)
     tokens = sum(workload.max_tokens)
-    peers = [name for name in args.peers if not (name == "hf" and args.skip_hf)]
+    peers = llamacpp.admit(args, [name for name in args.peers or PEERS if not (name == "hf" and args.skip_hf)])
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     runs: dict[str, list[float]] = {name: [] for name in peers}
