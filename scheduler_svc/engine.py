@@ -219,6 +219,10 @@ class Engine:
         result = launched.result
         if isinstance(result, Future):
             result = result.result(timeout=self.step_timeout_s)
+            # Hand the GIL over before postprocessing: the thread that starts the next step (an in-process
+            # executor's, or the gRPC one sending its plan) otherwise waits behind all of it. W5 in-process at
+            # 256 sequences: 300 us between two steps' executions without this, 25 us with it.
+            time.sleep(0)
         t1 = time.perf_counter()
         if result.instance_id != self.info.instance_id:
             raise ExecutorRestarted(
