@@ -53,8 +53,11 @@ class ModelInput:
     def fill_pending(self) -> None:
         """Put in the tokens the step before sampled; call it once that step has run (its tokens recorded)."""
         if self.pending:
-            rows = torch.tensor([row for row, _, _ in self.pending])
-            self.input_ids[rows] = torch.tensor([state.token_ids[pos] for _, state, pos in self.pending])
+            tokens = torch.tensor([state.token_ids[pos] for _, state, pos in self.pending])
+            if len(self.pending) == len(self.input_ids):  # a decode step after a decode step: every row
+                self.input_ids.copy_(tokens)
+            else:
+                self.input_ids[torch.tensor([row for row, _, _ in self.pending])] = tokens
             self.pending = []
 
     def to(self, device: torch.device) -> ModelInput:

@@ -73,7 +73,7 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """True when this chunk reaches the last token, so its logits are sampled. Applied while the step before
         it runs, a decode chunk ends one past the last token known: the one that step is sampling."""
-        return self.end >= len(self.state.token_ids)
+        return self.start + self.num_tokens >= len(self.state.token_ids)  # read per row each step: no self.end
 
 
 class RequestTable:
