@@ -19,6 +19,7 @@ import argparse
 import ctypes
 import logging
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -37,11 +38,16 @@ PR_SET_TIMERSLACK = 29
 LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
 
 
+_slack = threading.local()
+
+
 def accelerator_wait(seconds: float) -> None:
     """``time.sleep`` with this thread's timer slack at 1 ns where Linux allows: its default 50 us, and the
-    wake-up after it, made a 2 ms wait 4 % longer here, time a GPU's synchronize does not add."""
-    if LIBC is not None:
+    wake-up after it, made a 2 ms wait 4 % longer here, time a GPU's synchronize does not add. The slack is
+    set once per thread: each foreign call releases the GIL, and another thread then held it at the wait's end."""
+    if LIBC is not None and not getattr(_slack, "set", False):
         LIBC.prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
+        _slack.set = True
     time.sleep(seconds)
 
 
