@@ -46,6 +46,7 @@ class ModelExecutor(TableExecutor):
             self.workers = spawn_workers(worker_main, world, (world, init_method, str(self.folder), options))
             init_group(0, world, init_method, rank_device(options.resolved_device(), 0))
         self.runner = runner = ModelRunner(self.folder, options)
+        self.prepares_ahead = runner.device.type != "cpu"
         config = runner.config
         self.table = RequestTable(runner.num_blocks, runner.block_size, config.vocab_size, runner.max_model_len)
         tokenizer = self.folder / "tokenizer.json"

@@ -91,7 +91,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         # every other call takes both (prepare_lock first).
         self.prepare_lock = threading.Lock()
         self.lock = threading.Lock()
-        self.halves = all(hasattr(executor, name) for name in ("prepare", "execute"))
+        self.halves = getattr(executor, "prepares_ahead", False)
 
     def _locked(self, fn: Callable[..., T], *args: object) -> T:
         with self.prepare_lock, self.lock:
@@ -113,14 +113,14 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     def StepStream(self, plans: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
         """Steps run back to back, each as soon as the one before is computed and its plan has arrived.
 
-        A reader thread takes plans off the stream as they come. An executor whose step comes in halves
-        (``executor_svc.steps.TableExecutor``) has each plan applied and its input packed there, while the
-        step before still runs, and only the execution queued; any other executor has the whole step
-        queued. This generator yields the results in order, so gRPC serialises and sends step N's while step
-        N+1 runs (vLLM's async scheduling does the same). After a step fails no later plan of the stream
-        runs: the scheduler sent them before it knew, so they change nothing it relies on (it resets the
-        executor to recover), and the stream ends with the failed step's status (or the stream's own
-        error, as when the scheduler cancels it).
+        A reader thread takes plans off the stream as they come. An executor whose step comes in halves and
+        that ``prepares_ahead`` (``executor_svc.steps.TableExecutor`` off the CPU) has each plan applied and
+        its input packed there, while the step before still runs, and only the execution queued; any other
+        executor has the whole step queued. This generator yields the results in order, so gRPC serialises
+        and sends step N's while step N+1 runs (vLLM's async scheduling does the same). After a step fails
+        no later plan of the stream runs: the scheduler sent them before it knew, so they change nothing it
+        relies on (it resets the executor to recover), and the stream ends with the failed step's status (or
+        the stream's own error, as when the scheduler cancels it).
         """
         started: queue.SimpleQueue[futures.Future[pb.StepResult] | None] = queue.SimpleQueue()
         failed = threading.Event()

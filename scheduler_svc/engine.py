@@ -179,16 +179,17 @@ class Engine:
     def _submitter(self) -> Submit:
         """The executor's own ordered stream when it has one, else one worker thread (which keeps order).
 
-        An executor whose step comes in two halves (``prepare``, ``execute``: ``executor_svc.steps``) gets a second
-        thread that prepares each plan as it comes, while the worker still executes the one before.
+        An executor that ``prepares_ahead`` (its step in two halves, ``prepare`` and ``execute``:
+        ``executor_svc.steps``) gets a second thread that prepares each plan as it comes, while the worker still
+        executes the one before.
         """
         submit = getattr(self.executor, "submit", None)
         if submit is not None:
             return submit
         self._worker = worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor")
-        prepare, execute = getattr(self.executor, "prepare", None), getattr(self.executor, "execute", None)
-        if prepare is None or execute is None:
+        if not getattr(self.executor, "prepares_ahead", False):
             return lambda plan: worker.submit(self.executor.step, plan)
+        prepare, execute = self.executor.prepare, self.executor.execute
         packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-prepare")
         return lambda plan: worker.submit(lambda prepared: execute(prepared.result()), packer.submit(prepare, plan))
 

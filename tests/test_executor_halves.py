@@ -79,7 +79,10 @@ def test_an_in_process_engine_with_overlap_prepares_ahead_and_keeps_every_token(
     prompts = random_prompts(6)
     params = [SamplingParams(temperature=0.0, max_tokens=10 + i, ignore_eos=True) for i in range(len(prompts))]
     in_turn = Engine(tiny(tiny_model_folders["qwen2"])).generate(prompts, params)
-    engine = Engine(tiny(tiny_model_folders["qwen2"]), overlap=True)
+    executor = tiny(tiny_model_folders["qwen2"])
+    assert not executor.prepares_ahead, "on the CPU the forward has every core: nothing runs beside it"
+    executor.prepares_ahead = True  # as on a GPU, where the CPU waits for the device
+    engine = Engine(executor, overlap=True)
     overlapped = engine.generate(prompts, params)
     assert [c.token_ids for c in overlapped] == [c.token_ids for c in in_turn]
     assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
