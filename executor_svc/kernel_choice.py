@@ -65,10 +65,8 @@ class KernelChoice:
         return KernelChoice(table, source or self.source, self.timings)
 
     def describe(self) -> str:
-        """One line per family for the log: ``linear c c c torch torch`` under the class names."""
-        lines = [f"{'':18}{' '.join(f'{c:>7}' for c in CLASSES)}"]
-        lines += [f"{f:18}{' '.join(f'{self.table[f][c]:>7}' for c in CLASSES)}" for f in FAMILIES]
-        return "\n".join(lines)
+        """One log line: each family's way per class, in ``CLASSES`` order (``linear=c/c/c/c/torch ...``)."""
+        return " ".join(f"{f}={'/'.join(self.table[f][c] for c in CLASSES)}" for f in FAMILIES)
 
     def to_json(self) -> str:
         timings = {f: {c: list(t) for c, t in row.items()} for f, row in self.timings.items()}

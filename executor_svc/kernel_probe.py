@@ -70,7 +70,7 @@ def settle(model: nn.Module, backend: AttentionBackend, known: KernelChoice | No
     have = available(model, backend, dtype)
     choice = choice.with_ways({(f, c): "torch" for f in FAMILIES if f not in have for c in CLASSES})
     install(model, backend, choice)
-    log.info("CPU kernels by rows per call (%s):\n%s", choice.source, choice.describe())
+    log.info("CPU kernels for rows %s per call: %s (%s)", "/".join(CLASSES), choice.describe(), choice.source)
     return choice
 
 
