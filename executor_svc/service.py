@@ -134,14 +134,20 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 failed.set()
                 raise
 
+        refused = threading.Event()  # a plan failed to prepare: none after it is prepared
+
         def submit(plan: pb.StepPlan) -> futures.Future[pb.StepResult]:
             if not self.halves:
                 return self._run(guarded, self.executor.step, plan)
-            with self.prepare_lock:
-                prepared = submit_here(guarded, self.executor.prepare, plan)
-            if prepared.exception() is not None:
-                return prepared
-            return self.submit(self._executing, guarded, self.executor.execute, prepared.result())
+            if failed.is_set() or refused.is_set():
+                return submit_here(lambda: None)
+            try:
+                with self.prepare_lock:
+                    prepared = self.executor.prepare(plan)
+            except BaseException as e:  # raised in its turn, after the steps queued before it have run
+                refused.set()
+                return self.submit(self._executing, guarded, raise_, e)
+            return self.submit(self._executing, guarded, self.executor.execute, prepared)
 
         def read() -> None:
             try:

@@ -130,3 +130,26 @@ def test_over_grpc_errors_end_the_stream_and_a_reset_after_a_cancel_waits_for_th
             assert [r.step_id for r in again] == [7]
     finally:
         server.stop(None)
+
+
+class SlowFirst(ShadowExecutor):
+    """A shadow executor in two halves (it prepares ahead) whose first step runs a while."""
+
+    def execute(self, prepared):
+        if prepared.step_id == 0:
+            time.sleep(0.3)
+        return super().execute(prepared)
+
+
+def test_a_plan_refused_while_prepared_ahead_ends_the_stream_after_the_steps_before_it(calling_thread):
+    calling, _ = calling_thread
+    executor = SlowFirst(32, 4, 50, (EOS,))
+    assert executor.prepares_ahead
+    plans = [new_request(0, 0), new_request(1, 1), unknown_request(2), new_request(3, 3)]
+    results = ExecutorServicer(executor, calling.submit).StepStream(iter(plans), Context())
+    assert [next(results).step_id, next(results).step_id] == [0, 1], "steps queued before the refusal still ran"
+    with pytest.raises(Aborted) as refused:
+        next(results)
+    assert refused.value.args[0] == grpc.StatusCode.FAILED_PRECONDITION
+    time.sleep(0.1)
+    assert set(executor.table.requests) == {0, 1}, "no plan after the refused one was applied"
