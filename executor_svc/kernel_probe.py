@@ -65,7 +65,10 @@ def settle(model: nn.Module, backend: AttentionBackend, known: KernelChoice | No
     choice = known
     if choice is None:
         measured = measure(model, backend, dtype)
-        kernel_choice.save(cache, measured)
+        try:
+            kernel_choice.save(cache, measured)
+        except OSError as e:  # a read-only or full cache: this start uses the table, the next measures again
+            log.warning("could not cache the CPU kernel choice in %s (%s)", cache, e)
         choice = measured.with_ways(kernel_choice.parse_override(flag))
     have = available(model, backend, dtype)
     choice = choice.with_ways({(f, c): "torch" for f in FAMILIES if f not in have for c in CLASSES})

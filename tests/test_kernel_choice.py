@@ -124,3 +124,20 @@ def test_greedy_tokens_are_the_same_whichever_kernels_run(smollm2_folder: Path, 
         outputs[flag] = Engine(ModelExecutor(options)).generate(prompts, params)
     tokens = {flag: [c.token_ids for c in completions] for flag, completions in outputs.items()}
     assert tokens["c"] == tokens["torch"] == tokens["auto"]
+
+
+@needs_kernels
+def test_an_unwritable_cache_costs_the_cache_not_the_start(
+    tiny_model_folders: dict[str, Path], own_cache: Path, caplog: pytest.LogCaptureFixture  # noqa: F811
+) -> None:
+    (own_cache / "kernels").write_text("a file where the folder should be")
+    caplog.set_level(logging.WARNING, logger="nanoserve.executor")
+    assert tiny_runner(tiny_model_folders["llama"], "auto").kernels.source.startswith("measured in")
+    assert any("could not cache the CPU kernel choice" in r.getMessage() for r in caplog.records)
+
+
+def test_a_model_without_cpu_linear_layers_builds_no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    from executor_svc.layers import linear
+
+    monkeypatch.setattr(linear, "packing_helps", lambda: pytest.fail("asked for the CPU kernels"))
+    linear.prepack_for_cpu(torch.nn.Sequential(torch.nn.ReLU()))

@@ -111,6 +111,8 @@ def prepack_for_cpu(model: nn.Module, c_kernel: bool | None = None, torch_copy: 
     embedding's), so packing costs no memory beyond such shared weights and the copies asked for.
     """
     layers = cpu_linear_layers(model)
+    if not layers:
+        return  # a model on CUDA: the CPU kernels are not built for it
     c_kernel = packing_helps() if c_kernel is None else c_kernel and packing_helps()
     torch_copy = not c_kernel if torch_copy is None else torch_copy or not c_kernel
     holders = Counter(id(m.weight) for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor))
