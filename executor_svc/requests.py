@@ -242,6 +242,9 @@ class RequestTable:
                 raise PlanError(
                     INVALID, f"request {rid}: cannot schedule {scheduled} tokens after {computed} computed"
                 )
+            if num_steps > 1 and computed + scheduled != state.planned_len:
+                raise PlanError(INVALID, f"request {rid}: a multi-step decode must start at its last token, "
+                                         f"{state.planned_len - 1}; it starts at {computed}")
             end = computed + scheduled + num_steps - 1
             if end > max_model_len:
                 raise PlanError(INVALID, f"request {rid}: computing up to position {end - 1} passes the maximum "

@@ -86,3 +86,16 @@ def test_an_in_process_engine_with_overlap_prepares_ahead_and_keeps_every_token(
     overlapped = engine.generate(prompts, params)
     assert [c.token_ids for c in overlapped] == [c.token_ids for c in in_turn]
     assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+
+
+def test_a_multi_step_decode_that_does_not_start_at_the_last_token_is_refused(
+    tiny_model_folders: dict[str, Path],  # noqa: F811
+) -> None:
+    executor = tiny(tiny_model_folders["llama"])
+    chunked = pb.NewRequest(request_id=1, token_ids=PROMPTS[1], sampling=pb.SamplingParams(temperature=0),
+                            block_table=[0, 1, 2, 3], num_scheduled_tokens=2)
+    executor.step(pb.StepPlan(step_id=1, is_prefill=True, new_requests=[chunked]))
+    mid_prompt = pb.CachedRequests(request_ids=[1], num_computed_tokens=[2], num_scheduled_tokens=[1],
+                                   num_new_blocks=[0], num_decode_steps=[3])
+    with pytest.raises(PlanError, match="must start at its last token"):
+        executor.step(pb.StepPlan(step_id=2, cached_requests=mid_prompt))
