@@ -115,4 +115,6 @@ def kernel_library() -> ctypes.CDLL | None:
     library.linear_pack.argtypes = [pointer, pointer, size, size, i32]
     library.linear_forward.restype = i32
     library.linear_forward.argtypes = [pointer, size, pointer, pointer, pointer, size, size, size, i32, i32]
+    library.spin_until.restype = None
+    library.spin_until.argtypes = [ctypes.c_double]
     return library

@@ -4,7 +4,7 @@ W5 (``bench.overlap``) measures what the split costs a GPU, without a GPU. Each 
 ``ModelExecutor`` does on its CPU: validate and apply the plan (``RequestTable``), pack the step's input
 tensors and attention metadata (``model_runner.prepare_input``, as the runner does before copying them to
 the device), record the sampled tokens and build the ``StepResult``. The forward pass and the sampling
-become a sleep of ``step_ms`` (``accelerator_wait``), which releases the GIL as a CUDA synchronize does,
+become a wait of ``step_ms`` (``accelerator_wait``), which releases the GIL as a CUDA synchronize does,
 and every sampled token is one fixed id that is not an EOS id (so nothing ends before its ``max_tokens``;
 CPU work that would compute a token here would be work the GPU does). Its small tensor ops run on one torch
 thread (``--threads``), as a GPU host with cores to spare would run them without waiting for an OpenMP team.
@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from common.security import TLSConfig
+from executor_svc.cpu_kernels import kernel_library
 from executor_svc.model_runner import ModelInput, prepare_input
 from executor_svc.requests import RequestTable, ScheduledChunk
 from executor_svc.service import serve
@@ -36,19 +37,31 @@ from nanoserve.v1 import executor_pb2 as pb
 
 PR_SET_TIMERSLACK = 29
 LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
+# The last stretch of a wait is spun (``spin_until``, without the GIL), not slept: on the development VM a sleep woke
+# 45-57 us late (median, mean) even at 1 ns timer slack, 1 % of a 5 ms step and 2 % of a 2 ms one, and a CUDA
+# synchronize spins. Sleeps ending later than this still wake late.
+SPIN_S = 150e-6
 
 
 _slack = threading.local()
 
 
 def accelerator_wait(seconds: float) -> None:
-    """``time.sleep`` with this thread's timer slack at 1 ns where Linux allows: its default 50 us, and the
-    wake-up after it, made a 2 ms wait 4 % longer here, time a GPU's synchronize does not add. The slack is
-    set once per thread: each foreign call releases the GIL, and another thread then held it at the wait's end."""
+    """Wait ``seconds`` without the GIL, as a CUDA synchronize does: ``time.sleep`` until ``SPIN_S`` before the end,
+    then a spin in C (``csrc/spin_wait.c``; a plain sleep where the kernels cannot be built). This thread's timer
+    slack is set to 1 ns where Linux allows (its default 50 us made a 2 ms sleep 4 % longer), once per thread: each
+    foreign call releases the GIL, and another thread then held it at the wait's end."""
     if LIBC is not None and not getattr(_slack, "set", False):
         LIBC.prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
         _slack.set = True
-    time.sleep(seconds)
+    library = kernel_library()
+    if library is None:
+        time.sleep(seconds)
+        return
+    deadline = time.perf_counter() + seconds
+    if seconds > SPIN_S:
+        time.sleep(seconds - SPIN_S)
+    library.spin_until(deadline)
 
 
 class SimulatedExecutor(TableExecutor):
@@ -59,6 +72,7 @@ class SimulatedExecutor(TableExecutor):
         self.step_s = step_ms / 1e3
         self.table = RequestTable(info.num_blocks, info.block_size, info.vocab_size, info.max_model_len)
         self.token_id = next(t for t in range(1, info.vocab_size) if t not in info.eos_token_ids)
+        kernel_library()  # built now (once per machine), not in the first step's wait
 
     def _wait(self) -> None:
         """What the device would run: the forward pass and the sampling."""

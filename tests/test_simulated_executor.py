@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
+from executor_svc import cpu_kernels
 from executor_svc.requests import PlanError
-from executor_svc.simulated import SimulatedExecutor, parse_args, simulated_executor
+from executor_svc.simulated import SPIN_S, SimulatedExecutor, accelerator_wait, parse_args, simulated_executor
 from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.engine import Engine
 from scheduler_svc.sampling import SamplingParams
@@ -40,3 +42,29 @@ def test_a_refused_plan_changes_nothing():
 def test_a_negative_wait_is_refused():
     with pytest.raises(SystemExit):
         executor(step_ms=-1.0)
+
+
+@pytest.mark.skipif(cpu_kernels.kernel_library() is None, reason="no C compiler to build the spin")
+@pytest.mark.parametrize("seconds", [SPIN_S / 3, 4 * SPIN_S])
+def test_the_wait_never_ends_early_and_python_runs_beside_it(seconds: float):
+    """The wait releases the GIL, its spin too (a wait shorter than SPIN_S is only the spin), as a CUDA synchronize
+    does: another thread's Python code runs meanwhile."""
+    done, count = threading.Event(), [0]
+
+    def counting() -> None:
+        while not done.is_set():
+            count[0] += 1
+
+    counter = threading.Thread(target=counting)
+    counter.start()
+    try:
+        while count[0] == 0:
+            time.sleep(0.001)
+        before, started = count[0], time.perf_counter()
+        accelerator_wait(seconds)
+        waited, after = time.perf_counter() - started, count[0]
+    finally:
+        done.set()
+        counter.join()
+    assert waited >= seconds
+    assert after > before
