@@ -31,6 +31,7 @@ from pathlib import Path
 from bench.common import HOST, Child, free_port, print_table, progress, write_json
 from bench.overhead import geometry
 from common.executor import Executor
+from common.heap import freeze_startup_heap
 from executor_svc.simulated import SimulatedExecutor, simulated_executor
 from executor_svc.simulated import parse_args as simulated_args
 from executor_svc.steps import PreparedStep
@@ -173,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         child.wait_serving(target, timeout_s=60)
         remote = executor_client(replace(DEFAULTS, executor=target))
         executors = {"split": remote, "in-process": simulated_executor(simulated_args(flags), TimedSimulated)}
+        freeze_startup_heap()  # as both services do once built
         runs = [(peer, batch) for batch in args.batch for peer in peers]
         timed: dict[tuple[str, int], list[Phases]] = {run: [] for run in runs}
         # Peers alternate within each repeat, so load drift on a shared machine hits them alike.

@@ -91,6 +91,7 @@ def run_hf(args: argparse.Namespace, workload: Workload) -> float:
 
 def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
     """The scheduler Engine and the ModelExecutor in this process; seconds of generation."""
+    from common.heap import freeze_startup_heap
     from executor_svc.config import ExecutorOptions
     from executor_svc.model_executor import ModelExecutor
     from scheduler_svc.engine import Engine
@@ -103,6 +104,7 @@ def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
     )
     engine = Engine(ModelExecutor(options), SchedulerConfig(num_scheduler_steps=args.num_scheduler_steps))
     engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    freeze_startup_heap()  # as both services do once built
     start = time.perf_counter()
     for prompt, max_tokens in zip(workload.prompts, workload.max_tokens, strict=True):
         engine.add_request(

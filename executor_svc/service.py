@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common.channels import EXECUTOR_SERVER_OPTIONS
 from common.executor import Executor
+from common.heap import freeze_startup_heap
 from common.security import TLSConfig, bind, transport_name
 from executor_svc.requests import PlanError
 from nanoserve.v1 import executor_pb2 as pb
@@ -204,6 +205,7 @@ def serve(executor: Executor, host: str, port: int, grace_s: float = 5.0, tls: T
     The executor's steps run on the calling thread (a ``CallingThread``), which should be the one that
     built the executor.
     """
+    freeze_startup_heap()
     health_servicer = health.HealthServicer()
     calling_thread = CallingThread()
     server, bound = build_server(executor, host, port, tls, health_servicer, calling_thread.submit)

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common.channels import DRAINED_KEY, message_size_options
 from common.executor import Executor
+from common.heap import freeze_startup_heap
 from common.security import ApiKeyInterceptor, TLSConfig, bind, channel_credentials, transport_name
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
@@ -301,6 +302,7 @@ async def serve(config: ServiceConfig) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         aio_loop.add_signal_handler(signum, scheduler.stopping.set)
     if await scheduler.connect():
+        freeze_startup_heap()
         await scheduler.stopping.wait()
     log.info("scheduler stopping: %.0fs for the requests in flight", config.shutdown_grace)
     await scheduler.stop()
