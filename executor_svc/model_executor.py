@@ -74,6 +74,8 @@ class ModelExecutor(TableExecutor):
     def forward(self, chunks: list[ScheduledChunk], inputs: PreparedInput | None = None) -> StepOutput:
         """One forward pass and sampling over ``chunks``: 0, and no logprobs, for a chunk short of its end."""
         sampled, prompt_logprobs, forward_ms, sample_ms = self.runner.run(chunks, inputs)
+        if len(sampled.token_ids) == len(chunks):  # every chunk sampled (a decode step): no walk over the chunks
+            return StepOutput(list(sampled.token_ids), list(sampled.logprobs), forward_ms, sample_ms, prompt_logprobs)
         token_ids = iter(sampled.token_ids)
         output = StepOutput([next(token_ids) if chunk.samples else 0 for chunk in chunks], [], forward_ms, sample_ms,
                             prompt_logprobs)

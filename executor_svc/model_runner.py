@@ -51,13 +51,17 @@ class ModelInput:
     pending: list[tuple[int, RequestState, int]] = field(default_factory=list)
 
     def fill_pending(self) -> None:
-        """Put in the tokens the step before sampled; call it once that step has run (its tokens recorded)."""
+        """Put in the tokens the step before sampled; call it once that step has run (its tokens recorded).
+
+        Written through numpy into the (CPU) tensor's memory: it is on the accelerator's path, and at 256 rows
+        this takes 8 us against 27 us through ``torch.tensor`` and a copy (W5, ``bench.overlap``)."""
         if self.pending:
-            tokens = torch.tensor([state.token_ids[pos] for _, state, pos in self.pending])
-            if len(self.pending) == len(self.input_ids):  # a decode step after a decode step: every row
-                self.input_ids.copy_(tokens)
+            ids = self.input_ids.numpy()
+            tokens = [state.token_ids[pos] for _, state, pos in self.pending]
+            if len(self.pending) == len(ids):  # a decode step after a decode step: every row
+                ids[:] = tokens
             else:
-                self.input_ids[torch.tensor([row for row, _, _ in self.pending])] = tokens
+                ids[[row for row, _, _ in self.pending]] = tokens
             self.pending = []
 
     def to(self, device: torch.device) -> ModelInput:

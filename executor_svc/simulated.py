@@ -84,9 +84,12 @@ class SimulatedExecutor(TableExecutor):
     def forward(self, chunks: list[ScheduledChunk], inputs: ModelInput | None = None) -> StepOutput:
         """``ModelRunner.run`` and ``ModelExecutor.forward`` with the device's work replaced by the wait."""
         t0 = time.perf_counter()
-        (inputs or self.pack(chunks)).fill_pending()
+        inputs = inputs or self.pack(chunks)
+        inputs.fill_pending()
         self._wait()
         forward_ms = (time.perf_counter() - t0) * 1e3
+        if len(inputs.logits_indices) == len(chunks):  # every chunk samples, as ModelExecutor.forward looks
+            return StepOutput([self.token_id] * len(chunks), [], forward_ms, 0.0)
         return StepOutput([self.token_id if chunk.samples else 0 for chunk in chunks], [], forward_ms, 0.0)
 
 

@@ -29,18 +29,24 @@ class PreparedStep:
     step_id: int
     chunks: list[ScheduledChunk]
     inputs: object | None = None
+    # Every chunk is one pass (no multi-step decode): known here, so ``execute`` need not walk the chunks again.
+    single: bool = False
 
 
 def run_forward_passes(
-    table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass, inputs: object | None = None
+    table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass, inputs: object | None = None,
+    single: bool | None = None,
 ) -> StepOutput:
-    """Run ``forward`` over the chunks once per decode step they ask for, recording its tokens in ``table``.
+    """Run ``forward`` over the chunks once per decode step they ask for, recording its tokens in ``table``;
+    ``single``: whether each asks for one (None: look).
 
     Tokens come back chunk after chunk in plan order, each chunk's in the order sampled; the passes' times add up.
     """
     if not chunks:
         return StepOutput()
-    if all(chunk.num_steps == 1 for chunk in chunks):
+    if single is None:
+        single = all(chunk.num_steps == 1 for chunk in chunks)
+    if single:
         output = forward(chunks, inputs)
         table.record_sampled(chunks, output.token_ids)
         return output
@@ -102,11 +108,11 @@ class TableExecutor(ABC):
 
     def prepare(self, plan: pb.StepPlan) -> PreparedStep:
         chunks = self.table.apply(plan)
-        single = chunks and all(chunk.num_steps == 1 for chunk in chunks)
-        return PreparedStep(plan.step_id, chunks, self.pack(chunks) if single else None)
+        single = bool(chunks) and all(chunk.num_steps == 1 for chunk in chunks)
+        return PreparedStep(plan.step_id, chunks, self.pack(chunks) if single else None, single)
 
     def execute(self, prepared: PreparedStep) -> pb.StepResult:
-        output = run_forward_passes(self.table, prepared.chunks, self.forward, prepared.inputs)
+        output = run_forward_passes(self.table, prepared.chunks, self.forward, prepared.inputs, prepared.single)
         return step_result(self.info.instance_id, prepared.step_id, output)
 
     def pack(self, chunks: list[ScheduledChunk]) -> object | None:
