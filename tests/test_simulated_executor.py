@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -44,27 +45,42 @@ def test_a_negative_wait_is_refused():
         executor(step_ms=-1.0)
 
 
-@pytest.mark.skipif(cpu_kernels.kernel_library() is None, reason="no C compiler to build the spin")
+needs_spin = pytest.mark.skipif(cpu_kernels.kernel_library() is None, reason="no C compiler to build the spin")
+
+
+@needs_spin
 @pytest.mark.parametrize("seconds", [SPIN_S / 3, 4 * SPIN_S])
-def test_the_wait_never_ends_early_and_python_runs_beside_it(seconds: float):
-    """The wait releases the GIL, its spin too (a wait shorter than SPIN_S is only the spin), as a CUDA synchronize
-    does: another thread's Python code runs meanwhile."""
+def test_the_wait_never_ends_early(seconds: float):
+    started = time.perf_counter()
+    accelerator_wait(seconds)
+    assert time.perf_counter() - started >= seconds
+
+
+@needs_spin
+def test_the_spin_lets_python_run_beside_it():
+    """The spin that ends each wait releases the GIL, as a CUDA synchronize does: another thread's Python runs.
+
+    The GIL is never taken from a thread that holds it here (a switch interval of 10 s): the counter counts only
+    while this thread lets go of it, and it lets go of it each count (``time.sleep(0)``)."""
     done, count = threading.Event(), [0]
 
     def counting() -> None:
         while not done.is_set():
             count[0] += 1
+            time.sleep(0)
 
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)
     counter = threading.Thread(target=counting)
-    counter.start()
     try:
+        counter.start()
         while count[0] == 0:
             time.sleep(0.001)
-        before, started = count[0], time.perf_counter()
-        accelerator_wait(seconds)
-        waited, after = time.perf_counter() - started, count[0]
+        before = count[0]
+        cpu_kernels.kernel_library().spin_until(time.perf_counter() + 0.02)
+        after = count[0]
     finally:
         done.set()
         counter.join()
-    assert waited >= seconds
+        sys.setswitchinterval(interval)
     assert after > before
