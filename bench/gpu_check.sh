@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything to check when a GPU is lent, in one run: the CUDA tests (each attention backend against
-# transformers, CUDA graphs against eager), then W2 with random-weight Qwen3-0.6B in bfloat16, in-process
-# and split. Usage: bench/gpu_check.sh [OUT_DIR]  (default ./gpu-check; a log and w2.json land there).
+# transformers, CUDA graphs against eager), then W2 with random-weight Qwen3-0.6B in bfloat16: in-process, the
+# split at default flags (overlap on) and without overlap, and transformers' own continuous batching as the peer;
+# then in-process and the split at 8 decode steps per plan.
+# Usage: bench/gpu_check.sh [OUT_DIR]  (default ./gpu-check; a log, w2.json and w2-n8.json land there).
 # Needs a CUDA build of torch (and flash-attn for that backend) in the Python it runs: $PYTHON or python.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,5 +22,7 @@ step "$py" -m pytest -q -rs tests/test_cuda.py
 model="$out/qwen3-0.6b-random"
 [ -f "$model/config.json" ] || step "$py" -m bench.random_model "$model"
 step "$py" -m bench.throughput --workload w2 --device cuda --dtype bfloat16 --model "$model" \
-  --peers inprocess split --json "$out/w2.json"
+  --peers inprocess split_overlap split hf_cb --json "$out/w2.json"
+step "$py" -m bench.throughput --workload w2 --device cuda --dtype bfloat16 --model "$model" \
+  --peers inprocess split_overlap --num-scheduler-steps 8 --json "$out/w2-n8.json"
 exit $status

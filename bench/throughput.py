@@ -5,13 +5,13 @@ Peers generate the same requests (``ignore_eos``; W1 greedy, W2 at temperature
 generation, after model load and one warm-up (with ``--repeats``, the median of the
 peer's runs, rounds alternating between peers). ``hf`` is transformers with naive
 batching (batches of 16 in order, left padding, every row of a batch generating
-the batch's largest max_tokens); ``inprocess`` is the scheduler Engine driving
-the ModelExecutor in this process; ``split`` and ``split_overlap`` run the
-executor and the scheduler as two processes over gRPC (the latter with
-``--overlap``) and send every request at once through the public API with
-``client.api.AsyncClient``; ``llamacpp`` (W1, when llama-cpp-python is installed; see bench/llamacpp.py)
-is llama.cpp on a float32 / bfloat16 GGUF of the same weights, 64 slots batching continuously as
-llama-server does, prompt chunks and decodes in one ``llama_decode``. A peer is a function in ``PEERS``.
+the batch's largest max_tokens); ``hf_cb`` is transformers' own continuous batching (``generate_batch``'s
+manager, paged KV cache; bench/hf_cb.py), every request at once with its own max_tokens; ``inprocess`` is the
+scheduler Engine driving the ModelExecutor in this process; ``split`` and ``split_overlap`` run the executor and
+the scheduler as two processes over gRPC (the latter with ``--overlap``) and send every request at once through
+the public API with ``client.api.AsyncClient``; ``llamacpp`` (W1, when llama-cpp-python is installed; see
+bench/llamacpp.py) is llama.cpp on a float32 / bfloat16 GGUF of the same weights, 64 slots batching continuously
+as llama-server does, prompt chunks and decodes in one ``llama_decode``. A peer is a function in ``PEERS``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ keep_heap_memory()
 
 import torch  # noqa: E402
 
-from bench import llamacpp  # noqa: E402 - imports llama_cpp only when its peer runs
+from bench import hf_cb, llamacpp  # noqa: E402 - llamacpp imports llama_cpp only when its peer runs
 from bench.common import (  # noqa: E402
     HOST,
     WARMUP_PROMPT,
@@ -54,6 +54,7 @@ from bench.common import (  # noqa: E402
 )
 
 HF_BATCH_SIZE = 16
+HF_PEERS = ("hf", "hf_cb")
 
 
 def run_hf(args: argparse.Namespace, workload: Workload) -> float:
@@ -171,6 +172,7 @@ def release_gpu_memory() -> None:
 
 PEERS: dict[str, Callable[[argparse.Namespace, Workload], float]] = {
     "hf": run_hf,
+    "hf_cb": hf_cb.run_hf_cb,
     "inprocess": run_inprocess,
     "split": partial(run_split, overlap=False),
     "split_overlap": partial(run_split, overlap=True),
@@ -194,7 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--threads", type=int, default=2, help="torch threads (W1: 2)")
     p.add_argument("--num-requests", type=int, default=None, help="run only the first N requests")
-    p.add_argument("--skip-hf", action="store_true", help="skip the transformers peer")
+    p.add_argument("--skip-hf", action="store_true", help="skip the transformers peers (hf, hf_cb)")
     p.add_argument("--peers", nargs="+", choices=list(PEERS), default=None,
                    help="peers to run, in order (default: all, llamacpp where it can run)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the executor")
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     workload = WORKLOADS[args.workload]().head(args.num_requests)
     tokens = sum(workload.max_tokens)
-    peers = llamacpp.admit(args, [name for name in args.peers or PEERS if not (name == "hf" and args.skip_hf)])
+    peers = llamacpp.admit(args, [name for name in args.peers or PEERS if not (name in HF_PEERS and args.skip_hf)])
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     runs: dict[str, list[float]] = {name: [] for name in peers}

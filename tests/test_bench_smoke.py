@@ -82,16 +82,17 @@ def test_serving_through_the_openai_api_writes_the_same_keys(tmp_path):
 
 
 def test_w2_runs_on_a_shrunken_random_qwen3(tmp_path):
-    """The W2 path (random Qwen3 weights, temperature 0.6, its own max_model_len) end to end, on the CPU."""
+    """The W2 path (random Qwen3 weights, temperature 0.6, its own max_model_len) end to end, on the CPU, with the
+    transformers continuous-batching peer the GPU check runs beside it."""
     folder = random_model.save_random_qwen3(
         tmp_path / "qwen3", torch.float32, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
         vocab_size=10240,
     )
     path = tmp_path / "w2.json"
     throughput.main(["--workload", "w2", "--model", str(folder), "--num-requests", "1", "--peers", "inprocess",
-                     "--kv-cache-memory", str(64 << 20), "--repeats", "2", "--json", str(path)])
+                     "hf_cb", "--kv-cache-memory", str(64 << 20), "--repeats", "2", "--json", str(path)])
     figures = json.loads(path.read_text())
-    assert figures["inprocess_tok_s"] > 0 and figures["repeats"] == 2
+    assert figures["inprocess_tok_s"] > 0 and figures["hf_cb_tok_s"] > 0 and figures["repeats"] == 2
 
 
 @pytest.mark.skipif(cpu_kernels.kernel_library() is None, reason="no C compiler here to build the CPU kernels")
