@@ -1,20 +1,21 @@
 """W5: the split behind a simulated accelerator, or how long a GPU would wait for the CPU each step.
 
-The executor is ``executor_svc.simulated``: a real executor on the real protocol that does every per-step CPU
-cost of the model executor (apply the plan to its request table, pack the input tensors and attention
-metadata with ``model_runner.prepare_input``, record the sampled tokens, build the result, which gRPC then
-serialises) but replaces the forward pass and the sampling with a ``--step-ms`` wait that releases the GIL,
-as a CUDA synchronize does. Efficiency = step_ms x decode steps per second: 1.0 when the accelerator never
-waits. Peers: ``split``, the Engine at nanoserve-scheduler's default flags (``ServiceConfig()``: overlap on
-over the executor's StepStream, one decode step per plan) driving the executor in a child process through
-``RemoteExecutor``; ``in-process``, the same Engine configuration driving the same executor object directly.
-Each batch prefills its sequences first (untimed), then times ``--steps`` decode steps of ``--batch``
-sequences of context ``--context`` after ``--warmup`` more.
+The executor is ``executor_svc.simulated``: a real executor on the real protocol that does every per-step CPU cost
+of the model executor (apply the plan to its request table, pack the input tensors and attention metadata with
+``model_input.prepare_input``, record the sampled tokens, build the result, which gRPC then serialises) but
+replaces the forward pass and the sampling with ``--step-ms`` on a simulated device: a step is launched without
+waiting, and waited for with the GIL released, as a CUDA synchronize does. Efficiency = step_ms x decode steps per
+second: 1.0 when the accelerator never waits. Peers: ``split``, the Engine at nanoserve-scheduler's default flags
+(``ServiceConfig()``: overlap on over the executor's StepStream, one decode step per plan) driving the executor in
+a child process through ``RemoteExecutor``; ``in-process``, the same Engine configuration driving the same executor
+object directly. Each batch prefills its sequences first (untimed), then times ``--steps`` decode steps of
+``--batch`` sequences of context ``--context`` after ``--warmup`` more.
 
-Where the time goes, per decode step (means; medians of ``--repeats`` runs): the scheduler thread's
-schedule + plan, postprocess, its wait for the result and its CPU time, and (in-process, where the executor
-can be timed) the executor's two halves: ``execute`` outside the wait, which the accelerator waits for, and
-``prepare`` (apply the plan, pack the input), which runs while the step before waits.
+Where the time goes, per decode step (means; medians of ``--repeats`` runs): the scheduler thread's schedule +
+plan, postprocess, its wait for the result and its CPU time, and (in-process, where the executor can be timed) how
+long the accelerator sat idle between two steps (its step N+1 is launched once N's tokens are recorded, before N's
+result is built and handed over) and the executor's ``prepare`` half (apply the plan, pack the input), which runs
+while the step before is on the device.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from bench.common import HOST, Child, free_port, print_table, progress, write_js
 from bench.overhead import geometry
 from common.executor import Executor
 from common.heap import freeze_startup_heap
-from executor_svc.simulated import SimulatedExecutor, simulated_executor
+from executor_svc.model_input import ModelInput
+from executor_svc.requests import ScheduledChunk
+from executor_svc.simulated import Launched, SimulatedExecutor, simulated_executor
 from executor_svc.simulated import parse_args as simulated_args
 from executor_svc.steps import PreparedStep
 from nanoserve.v1 import executor_pb2 as pb
@@ -51,14 +54,15 @@ DEFAULTS = ServiceConfig()
 @dataclass
 class Phases:
     """Microseconds per decode step: wall (what efficiency is made of), the scheduler thread's phases and CPU,
-    and the executor's halves (in-process only; 0 for the split): execute outside the wait, and prepare."""
+    and (in-process only; 0 for the split) the accelerator's idle time between two steps and the executor's
+    prepare half (apply + pack, which runs while the step before is on the device)."""
 
     wall_us: float
     schedule_us: float
     postprocess_us: float
     wait_us: float
     cpu_us: float
-    executor_us: float = 0.0
+    idle_us: float = 0.0
     prepare_us: float = 0.0
 
     @staticmethod
@@ -67,38 +71,37 @@ class Phases:
 
 
 class TimedSimulated(SimulatedExecutor):
-    """The simulated executor noting, per decode step, its two halves' CPU time: ``prepare`` (apply + pack, which
-    runs while the step before waits) and ``execute`` outside the wait (which the accelerator waits for)."""
+    """The simulated executor noting how long its accelerator sat idle before each step (from the end of the step
+    before to this one's launch) and how long each decode plan took to ``prepare``."""
 
     def __init__(self, info: pb.ExecutorInfo, step_ms: float) -> None:
         super().__init__(info, step_ms)
-        self.busy_s: list[tuple[float, float]] = []
-        self._prepared: dict[int, float] = {}
-        self._waited = 0.0
+        self.idle_s: list[float] = []
+        self.prepare_s: list[float] = []
+        self._free_at: float | None = None
 
     def prepare(self, plan: pb.StepPlan) -> PreparedStep:
         t0 = time.perf_counter()
         prepared = super().prepare(plan)
         if not plan.is_prefill:
-            self._prepared[plan.step_id] = time.perf_counter() - t0
+            self.prepare_s.append(time.perf_counter() - t0)
         return prepared
 
-    def execute(self, prepared: PreparedStep) -> pb.StepResult:
-        self._waited = 0.0
-        t0 = time.perf_counter()
-        result = super().execute(prepared)
-        if (prepare_s := self._prepared.pop(prepared.step_id, None)) is not None:
-            self.busy_s.append((time.perf_counter() - t0 - self._waited, prepare_s))
-        return result
+    def launch(self, chunks: list[ScheduledChunk], inputs: ModelInput | None = None,
+               sampled_before: list[int] | None = None) -> Launched:
+        launched = super().launch(chunks, inputs, sampled_before)
+        if self._free_at is not None:
+            self.idle_s.append(max(0.0, launched.done_at - self.step_s - self._free_at))
+        self._free_at = launched.done_at
+        return launched
 
-    def mean_busy_us(self) -> tuple[float, float]:
-        """Mean microseconds per decode step of execute outside the wait, and of prepare, since the last clear."""
-        return tuple(1e6 * statistics.fmean(column) for column in zip(*self.busy_s, strict=True))
+    def clear(self) -> None:
+        self.idle_s.clear()
+        self.prepare_s.clear()
 
-    def _wait(self) -> None:
-        t0 = time.perf_counter()
-        super()._wait()
-        self._waited += time.perf_counter() - t0
+    def mean_us(self) -> tuple[float, float]:
+        """Mean microseconds of accelerator idle per launch and of prepare per decode plan, since ``clear``."""
+        return 1e6 * statistics.fmean(self.idle_s), 1e6 * statistics.fmean(self.prepare_s)
 
 
 def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps: int) -> Phases:
@@ -113,7 +116,7 @@ def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps
     for _ in range(warmup):
         engine.step()
     if isinstance(executor, TimedSimulated):
-        executor.busy_s.clear()
+        executor.clear()
     sums = [0.0] * 3
     c0, t0 = time.thread_time(), time.perf_counter()
     for _ in range(steps):
@@ -128,8 +131,8 @@ def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps
     while engine.has_unfinished():
         engine.step()
     engine.step()
-    busy = executor.mean_busy_us() if isinstance(executor, TimedSimulated) else (0.0, 0.0)
-    return Phases(*(1e6 * v / steps for v in (wall, *sums, cpu)), *busy)
+    idle = executor.mean_us() if isinstance(executor, TimedSimulated) else (0.0, 0.0)
+    return Phases(*(1e6 * v / steps for v in (wall, *sums, cpu)), *idle)
 
 
 def executor_flags(step_ms: float, max_model_len: int, num_blocks: int) -> list[str]:
@@ -191,11 +194,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
           f"{args.repeats} runs of {args.steps} steps (us per decode step)")
     rows = []
     for (peer, batch), p in results.items():
-        executor = [p.executor_us, p.prepare_us] if peer == "in-process" else ["-", "-"]
+        executor = [p.idle_us, p.prepare_us] if peer == "in-process" else ["-", "-"]
         rows.append([batch, peer, efficiency(args.step_ms, p), 1e6 / p.wall_us, p.wall_us, p.schedule_us,
                      p.postprocess_us, p.wait_us, p.cpu_us, *executor])
     print_table(["batch", "executor", "efficiency", "steps/s", "wall", "schedule+plan", "postprocess",
-                 "wait for result", "scheduler CPU", "execute outside wait", "prepare (beside)"], rows)
+                 "wait for result", "scheduler CPU", "accelerator idle", "prepare (beside)"], rows)
     figures = figures_of(results, args)
     write_json(args.json, figures)
     return figures
@@ -218,7 +221,7 @@ def figures_of(results: dict[tuple[str, int], Phases], args: argparse.Namespace)
         figures[f"{prefix}_wait_us_b{batch}"] = p.wait_us
         figures[f"{prefix}_cpu_us_b{batch}"] = p.cpu_us
         if peer == "in-process":
-            figures[f"inprocess_executor_us_b{batch}"] = p.executor_us
+            figures[f"inprocess_idle_us_b{batch}"] = p.idle_us
             figures[f"inprocess_prepare_us_b{batch}"] = p.prepare_us
     return figures
 

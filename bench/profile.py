@@ -35,6 +35,7 @@ from executor_svc.layers.linear import LinearBase  # noqa: E402
 from executor_svc.layers.norm import RMSNorm  # noqa: E402
 from executor_svc.layers.rotary import RotaryEmbedding  # noqa: E402
 from executor_svc.model_executor import ModelExecutor  # noqa: E402
+from executor_svc.model_input import ModelInput  # noqa: E402
 from executor_svc.sampler import Sampler  # noqa: E402
 from scheduler_svc.engine import Engine  # noqa: E402
 from scheduler_svc.sampling import SamplingParams  # noqa: E402
@@ -69,7 +70,7 @@ class Timers:
         execute = model_runner.ModelRunner.execute
         stack.callback(setattr, model_runner.ModelRunner, "execute", execute)
 
-        def execute_in_phase(runner: model_runner.ModelRunner, model_input: model_runner.ModelInput):
+        def execute_in_phase(runner: model_runner.ModelRunner, model_input: ModelInput):
             self.phase = "prefill" if model_input.meta.is_prefill else "decode"
             self.steps[self.phase] += 1
             return execute(runner, model_input)

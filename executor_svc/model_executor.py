@@ -18,7 +18,7 @@ import torch
 from executor_svc.config import ExecutorOptions
 from executor_svc.distributed import free_init_method, init_group, spawn_workers
 from executor_svc.model_registry import resolve_model
-from executor_svc.model_runner import ModelRunner, PreparedInput, rank_device, worker_main
+from executor_svc.model_runner import LaunchedForward, ModelRunner, PreparedInput, rank_device, worker_main
 from executor_svc.requests import RequestTable, ScheduledChunk
 from executor_svc.steps import TableExecutor
 from executor_svc.values import StepOutput
@@ -37,6 +37,7 @@ def read_chat_template(folder: Path) -> str:
 
 class ModelExecutor(TableExecutor):
     def __init__(self, options: ExecutorOptions | None = None) -> None:
+        super().__init__()
         self.options = options = options or ExecutorOptions()
         self.folder = resolve_model(options.model)
         self.workers = []
@@ -68,12 +69,23 @@ class ModelExecutor(TableExecutor):
             attention_backend=runner.backend.name,
         )
 
-    def pack(self, chunks: list[ScheduledChunk]) -> PreparedInput:
-        return self.runner.prepare(chunks)
+    def pack(self, chunks: list[ScheduledChunk], before: list[ScheduledChunk] | None = None) -> PreparedInput:
+        prepared = self.runner.prepare(chunks)
+        prepared.model_input.link(before)
+        return prepared
 
-    def forward(self, chunks: list[ScheduledChunk], inputs: PreparedInput | None = None) -> StepOutput:
-        """One forward pass and sampling over ``chunks``: 0, and no logprobs, for a chunk short of its end."""
-        sampled, prompt_logprobs, forward_ms, sample_ms = self.runner.run(chunks, inputs)
+    def fills_ahead(self, inputs: PreparedInput | None) -> bool:
+        return inputs is not None and inputs.model_input.linked is not None
+
+    def launch(self, chunks: list[ScheduledChunk], inputs: PreparedInput | None = None,
+               sampled_before: list[int] | None = None) -> LaunchedForward:
+        """The forward pass started: on a GPU its kernels are queued while the CPU carries on; on the CPU it has run."""
+        return self.runner.launch(chunks, inputs, sampled_before)
+
+    def finish(self, launched: LaunchedForward) -> StepOutput:
+        """The sampled tokens of a launched forward pass: 0, and no logprobs, for a chunk short of its end."""
+        sampled, prompt_logprobs, forward_ms, sample_ms = self.runner.finish(launched)
+        chunks = launched.chunks
         if len(sampled.token_ids) == len(chunks):  # every chunk sampled (a decode step): no walk over the chunks
             return StepOutput(list(sampled.token_ids), list(sampled.logprobs), forward_ms, sample_ms, prompt_logprobs)
         token_ids = iter(sampled.token_ids)
@@ -83,6 +95,10 @@ class ModelExecutor(TableExecutor):
             logprobs = iter(sampled.logprobs)
             output.logprobs = [next(logprobs) if chunk.samples else None for chunk in chunks]
         return output
+
+    def forward(self, chunks: list[ScheduledChunk], inputs: PreparedInput | None = None) -> StepOutput:
+        """One forward pass and sampling over ``chunks``, waited for at once."""
+        return self.finish(self.launch(chunks, inputs))
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (rank 0 only has work to do)."""

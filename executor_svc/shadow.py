@@ -64,6 +64,7 @@ class ShadowExecutor(TableExecutor):
         tokenizer_json: str = "",
         chat_template: str = "",
     ) -> None:
+        super().__init__()
         self.table = RequestTable(num_blocks, block_size, vocab_size, max_model_len)
         self.kv = np.full(num_blocks * block_size, EMPTY_SLOT, dtype=np.int64)
         self.info = pb.ExecutorInfo(

@@ -2,7 +2,7 @@
 
 W5 (``bench.overlap``) measures what the split costs a GPU, without a GPU. Each step does what
 ``ModelExecutor`` does on its CPU: validate and apply the plan (``RequestTable``), pack the step's input
-tensors and attention metadata (``model_runner.prepare_input``, as the runner does before copying them to
+tensors and attention metadata (``model_input.prepare_input``, as the runner does before copying them to
 the device), record the sampled tokens and build the ``StepResult``. The forward pass and the sampling
 become a wait of ``step_ms`` (``accelerator_wait``), which releases the GIL as a CUDA synchronize does,
 and every sampled token is one fixed id that is not an EOS id (so nothing ends before its ``max_tokens``;
@@ -22,12 +22,13 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from common.security import TLSConfig
 from executor_svc.cpu_kernels import kernel_library
-from executor_svc.model_runner import ModelInput, prepare_input
+from executor_svc.model_input import ModelInput, prepare_input
 from executor_svc.requests import RequestTable, ScheduledChunk
 from executor_svc.service import serve
 from executor_svc.shadow_server import model_free_info
@@ -46,51 +47,74 @@ SPIN_S = 150e-6
 _slack = threading.local()
 
 
-def accelerator_wait(seconds: float) -> None:
-    """Wait ``seconds`` without the GIL, as a CUDA synchronize does: ``time.sleep`` until ``SPIN_S`` before the end,
-    then a spin in C (``csrc/spin_wait.c``; a plain sleep where the kernels cannot be built). This thread's timer
-    slack is set to 1 ns where Linux allows (its default 50 us made a 2 ms sleep 4 % longer), once per thread: each
-    foreign call releases the GIL, and another thread then held it at the wait's end."""
+def accelerator_wait(deadline: float) -> None:
+    """Wait until ``deadline`` (``time.perf_counter``) without the GIL, as a CUDA synchronize does: ``time.sleep``
+    until ``SPIN_S`` before it, then a spin in C (``csrc/spin_wait.c``; a plain sleep where the kernels cannot be
+    built). This thread's timer slack is set to 1 ns where Linux allows (its default 50 us made a 2 ms sleep 4 %
+    longer), once per thread: each foreign call releases the GIL, and another thread then held it at the wait's
+    end."""
     if LIBC is not None and not getattr(_slack, "set", False):
         LIBC.prctl(PR_SET_TIMERSLACK, 1, 0, 0, 0)
         _slack.set = True
     library = kernel_library()
-    if library is None:
-        time.sleep(seconds)
-        return
-    deadline = time.perf_counter() + seconds
-    if seconds > SPIN_S:
-        time.sleep(seconds - SPIN_S)
-    library.spin_until(deadline)
+    if (left := deadline - time.perf_counter()) > SPIN_S:
+        time.sleep(left - (SPIN_S if library is not None else 0.0))
+    if library is not None:
+        library.spin_until(deadline)
+    elif (left := deadline - time.perf_counter()) > 0:
+        time.sleep(left)
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step on the simulated device: when it started and when the device is done with it."""
+
+    chunks: list[ScheduledChunk]
+    started: float
+    done_at: float
+    # Every chunk samples (a decode step), as ``ModelExecutor.finish`` looks: no walk over the chunks for the tokens.
+    every_chunk_samples: bool
 
 
 class SimulatedExecutor(TableExecutor):
     """The executor contract with every per-step CPU cost of ``ModelExecutor`` and a wait for the rest."""
 
     def __init__(self, info: pb.ExecutorInfo, step_ms: float) -> None:
+        super().__init__()
         self.info = info
         self.step_s = step_ms / 1e3
         self.table = RequestTable(info.num_blocks, info.block_size, info.vocab_size, info.max_model_len)
         self.token_id = next(t for t in range(1, info.vocab_size) if t not in info.eos_token_ids)
         kernel_library()  # built now (once per machine), not in the first step's wait
 
-    def _wait(self) -> None:
-        """What the device would run: the forward pass and the sampling."""
-        accelerator_wait(self.step_s)
+    def pack(self, chunks: list[ScheduledChunk], before: list[ScheduledChunk] | None = None) -> ModelInput:
+        inputs = prepare_input(chunks, self.info.block_size)
+        inputs.link(before)
+        return inputs
 
-    def pack(self, chunks: list[ScheduledChunk]) -> ModelInput:
-        return prepare_input(chunks, self.info.block_size)
+    def fills_ahead(self, inputs: ModelInput | None) -> bool:
+        return inputs is not None and inputs.linked is not None
+
+    def launch(self, chunks: list[ScheduledChunk], inputs: ModelInput | None = None,
+               sampled_before: list[int] | None = None) -> Launched:
+        """``ModelRunner.launch``: the input completed, then the device busy for ``step_ms`` from now."""
+        started = time.perf_counter()
+        inputs = inputs or self.pack(chunks)
+        inputs.fill_pending(sampled_before)
+        every = len(inputs.logits_indices) == len(chunks)
+        return Launched(chunks, started, time.perf_counter() + self.step_s, every)
+
+    def finish(self, launched: Launched) -> StepOutput:
+        """``ModelRunner.finish`` and ``ModelExecutor.finish``: the wait for the device, then its tokens."""
+        accelerator_wait(launched.done_at)
+        forward_ms = (time.perf_counter() - launched.started) * 1e3
+        if launched.every_chunk_samples:
+            return StepOutput([self.token_id] * len(launched.chunks), [], forward_ms, 0.0)
+        return StepOutput([self.token_id if chunk.samples else 0 for chunk in launched.chunks], [], forward_ms, 0.0)
 
     def forward(self, chunks: list[ScheduledChunk], inputs: ModelInput | None = None) -> StepOutput:
-        """``ModelRunner.run`` and ``ModelExecutor.forward`` with the device's work replaced by the wait."""
-        t0 = time.perf_counter()
-        inputs = inputs or self.pack(chunks)
-        inputs.fill_pending()
-        self._wait()
-        forward_ms = (time.perf_counter() - t0) * 1e3
-        if len(inputs.logits_indices) == len(chunks):  # every chunk samples, as ModelExecutor.forward looks
-            return StepOutput([self.token_id] * len(chunks), [], forward_ms, 0.0)
-        return StepOutput([self.token_id if chunk.samples else 0 for chunk in chunks], [], forward_ms, 0.0)
+        """One pass of a multi-step plan: launched and waited for at once."""
+        return self.finish(self.launch(chunks, inputs))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -9,6 +9,7 @@ only validates, applies and records.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,23 +32,20 @@ class PreparedStep:
     inputs: object | None = None
     # Every chunk is one pass (no multi-step decode): known here, so ``execute`` need not walk the chunks again.
     single: bool = False
+    # Its forward pass, started on the device by ``TableExecutor.launch`` as soon as the step before it was computed
+    # (None: not started yet).
+    launched: object | None = None
 
 
-def run_forward_passes(
-    table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass, inputs: object | None = None,
-    single: bool | None = None,
-) -> StepOutput:
-    """Run ``forward`` over the chunks once per decode step they ask for, recording its tokens in ``table``;
-    ``single``: whether each asks for one (None: look).
+def run_forward_passes(table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass) -> StepOutput:
+    """Run ``forward`` over the chunks once per decode step they ask for, recording its tokens in ``table``.
 
     Tokens come back chunk after chunk in plan order, each chunk's in the order sampled; the passes' times add up.
     """
     if not chunks:
         return StepOutput()
-    if single is None:
-        single = all(chunk.num_steps == 1 for chunk in chunks)
-    if single:
-        output = forward(chunks, inputs)
+    if all(chunk.num_steps == 1 for chunk in chunks):
+        output = forward(chunks, None)
         table.record_sampled(chunks, output.token_ids)
         return output
     return run_multi_step(table, chunks, forward)
@@ -81,7 +79,8 @@ def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], forward: F
 
 class TableExecutor(ABC):
     """The executor contract for an executor whose requests live in a ``RequestTable``: the model's, the
-    shadow-KV test's and the simulated accelerator's differ only in ``forward`` (and ``pack``).
+    shadow-KV test's and the simulated accelerator's differ only in ``forward`` (or ``launch`` and ``finish``) and
+    ``pack``.
 
     A step is two halves, so that a caller can run them on two threads (where ``prepares_ahead``), as the
     servicer's StepStream does:
@@ -89,6 +88,11 @@ class TableExecutor(ABC):
     ``execute`` runs and records it, after the step before it. While the device computes step N, step N+1
     is applied and packed; only the tokens N samples are put in at the start of N+1 (vLLM's async
     scheduling keeps them on the device; here they are a few ints).
+
+    ``execute`` launches step N+1's forward pass as soon as N's tokens are back, when N+1 is prepared by then:
+    from N's tokens themselves where N+1's input can take them (``fills_ahead``), else once they are recorded.
+    Recording them, building N's result and the caller's hand-over of it (to gRPC, or to the engine's thread)
+    then run while the device computes N+1 (W5, ``bench.overlap``).
     """
 
     info: pb.ExecutorInfo
@@ -97,10 +101,18 @@ class TableExecutor(ABC):
     # it keeps every core busy, and work beside it stalls the OpenMP team (W1 split: 0.87x -> 0.70x in-process).
     prepares_ahead: bool = True
 
+    def __init__(self) -> None:
+        # Steps prepared and not executed yet, in order (prepare appends from one thread, execute pops on another).
+        self._queued: deque[PreparedStep] = deque()
+        # The step prepared last: the one whose sampled tokens the next step's input waits for.
+        self._last_prepared: PreparedStep | None = None
+
     def get_info(self) -> pb.ExecutorInfo:
         return self.info
 
     def reset(self) -> int:
+        self._queued.clear()
+        self._last_prepared = None
         return self.table.reset()
 
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
@@ -109,16 +121,58 @@ class TableExecutor(ABC):
     def prepare(self, plan: pb.StepPlan) -> PreparedStep:
         chunks = self.table.apply(plan)
         single = bool(chunks) and all(chunk.num_steps == 1 for chunk in chunks)
-        return PreparedStep(plan.step_id, chunks, self.pack(chunks) if single else None, single)
+        before = self._last_prepared
+        inputs = self.pack(chunks, before.chunks if before is not None and before.single else None) if single else None
+        prepared = PreparedStep(plan.step_id, chunks, inputs, single)
+        self._queued.append(prepared)
+        self._last_prepared = prepared
+        return prepared
 
     def execute(self, prepared: PreparedStep) -> pb.StepResult:
-        output = run_forward_passes(self.table, prepared.chunks, self.forward, prepared.inputs, prepared.single)
+        while self._queued and self._queued.popleft() is not prepared:  # steps prepared but never run: dropped
+            pass
+        if not prepared.single:
+            output = run_forward_passes(self.table, prepared.chunks, self.forward)
+            if (following := self._following()) is not None:
+                following.launched = self.launch(following.chunks, following.inputs)
+            return step_result(self.info.instance_id, prepared.step_id, output)
+        launched = prepared.launched
+        output = self.finish(self.launch(prepared.chunks, prepared.inputs) if launched is None else launched)
+        following = self._following()
+        if following is not None and self.fills_ahead(following.inputs):
+            following.launched = self.launch(following.chunks, following.inputs, output.token_ids)
+            following = None
+        self.table.record_sampled(prepared.chunks, output.token_ids)
+        if following is not None:
+            following.launched = self.launch(following.chunks, following.inputs)
         return step_result(self.info.instance_id, prepared.step_id, output)
 
-    def pack(self, chunks: list[ScheduledChunk]) -> object | None:
-        """The step's input, built ahead of ``forward`` (None: ``forward`` reads the chunks when it runs)."""
+    def _following(self) -> PreparedStep | None:
+        """The step prepared to run next, when it is one pass and not launched yet (only this thread takes from the
+        queue, so a step seen there stays)."""
+        following = self._queued[0] if self._queued else None
+        return following if following is not None and following.single and following.launched is None else None
+
+    def pack(self, chunks: list[ScheduledChunk], before: list[ScheduledChunk] | None = None) -> object | None:
+        """The step's input, built ahead of ``forward`` (None: ``forward`` reads the chunks when it runs); ``before``:
+        the chunks of the step before where its tokens are still to come, for ``fills_ahead``."""
         return None
+
+    def fills_ahead(self, inputs: object | None) -> bool:
+        """Whether ``inputs`` can be launched from the step before's sampled tokens before they are recorded."""
+        return False
 
     @abstractmethod
     def forward(self, chunks: list[ScheduledChunk], inputs: object | None = None) -> StepOutput:
         """Compute and sample one token per chunk, in order (0 for a chunk short of its end): a ``ForwardPass``."""
+
+    def launch(self, chunks: list[ScheduledChunk], inputs: object | None = None,
+               sampled_before: list[int] | None = None) -> object:
+        """Start ``forward`` on the device without waiting for it. The tokens the step before sampled are recorded,
+        or given as ``sampled_before`` (where ``fills_ahead``). Here nothing starts before ``finish``: an executor
+        with a device to wait for overrides both."""
+        return chunks, inputs
+
+    def finish(self, launched: object) -> StepOutput:
+        """Wait for a launched forward pass and sample: what ``forward`` returns."""
+        return self.forward(*launched)

@@ -49,15 +49,17 @@ def test_overhead_with_multi_step_plans(tmp_path):
 
 def test_overlap_writes_its_keys(tmp_path):
     path = tmp_path / "w5.json"
-    overlap.main(["--batch", "1", "4", "--context", "32", "--steps", "5", "--warmup", "2", "--repeats", "1",
+    overlap.main(["--batch", "1", "4", "--context", "32", "--steps", "20", "--warmup", "2", "--repeats", "1",
                   "--step-ms", "1", "--json", str(path)])
     figures = json.loads(path.read_text())
     assert figures["step_ms"] == 1
     for batch in (1, 4):
-        for key in ("split_efficiency", "inprocess_efficiency", "inprocess_executor_us", "split_wait_us"):
+        for key in ("split_efficiency", "inprocess_efficiency", "inprocess_idle_us", "split_wait_us"):
             assert figures[f"{key}_b{batch}"] > 0
-        # The accelerator cannot be busy for longer than the wall time.
-        assert figures[f"split_efficiency_b{batch}"] <= 1 and figures[f"inprocess_efficiency_b{batch}"] <= 1
+        # The accelerator cannot be busy for longer than the wall time. The timed window starts and ends when a
+        # step's tokens are postprocessed, each a little after that step left the device, so it is 20 device
+        # steps long give or take the difference of those two delays: far less than one step.
+        assert figures[f"split_efficiency_b{batch}"] <= 1.05 and figures[f"inprocess_efficiency_b{batch}"] <= 1.05
 
 
 def test_serving_on_a_shadow_stack_writes_its_keys(tmp_path):

@@ -56,7 +56,15 @@ def test_each_plan_prepared_before_the_one_before_runs_samples_the_same_tokens(
     ahead = tiny(tiny_model_folders["llama"])
     prepared = [ahead.prepare(plan) for plan in plans()]  # every plan applied before any step runs
     assert prepared[3].inputs.model_input.pending, "its tokens were still to be sampled when it was packed"
-    assert tokens([ahead.execute(p) for p in prepared]) == tokens(expected)
+    results, launched_ahead = [], []
+    for i, step in enumerate(prepared):
+        results.append(ahead.execute(step))
+        launched_ahead += [i + 1 < len(prepared) and prepared[i + 1].launched is not None]
+    assert tokens(results) == tokens(expected)
+    # Each one-pass step was launched while the step before executed (the 3-step decode is launched in its turn):
+    # steps 4 and 5 from the tokens of the one before, not yet recorded, step 3 once the 3-step decode recorded its.
+    assert launched_ahead == [False, True, True, True, False]
+    assert prepared[3].inputs.model_input.linked is not None and prepared[2].inputs.model_input.linked is None
     held = ahead.table.requests
     assert {rid: held[rid].token_ids for rid in held} == {rid: in_turn.table.requests[rid].token_ids for rid in held}
 
