@@ -3,9 +3,10 @@
 W5 (``bench.overlap``) measures what the split costs a GPU, without a GPU. Each step does what
 ``ModelExecutor`` does on its CPU: validate and apply the plan (``RequestTable``), pack the step's input
 tensors and attention metadata (``model_input.prepare_input``, as the runner does before copying them to
-the device), record the sampled tokens and build the ``StepResult``. The forward pass and the sampling
-become a wait of ``step_ms`` (``accelerator_wait``), which releases the GIL as a CUDA synchronize does,
-and every sampled token is one fixed id that is not an EOS id (so nothing ends before its ``max_tokens``;
+the device), put in the tokens the step before sampled, record the sampled tokens and build the
+``StepResult``. The forward pass and the sampling run on a simulated device: ``launch`` returns at once
+with the device busy for ``step_ms`` from then, ``finish`` waits for it (``accelerator_wait``), releasing
+the GIL as a CUDA synchronize does, and every sampled token is one fixed id that is not an EOS id (so nothing ends before its ``max_tokens``;
 CPU work that would compute a token here would be work the GPU does). Its small tensor ops run on one torch
 thread (``--threads``), as a GPU host with cores to spare would run them without waiting for an OpenMP team.
 
