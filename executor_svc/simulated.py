@@ -2,13 +2,14 @@
 
 W5 (``bench.overlap``) measures what the split costs a GPU, without a GPU. Each step does what
 ``ModelExecutor`` does on its CPU: validate and apply the plan (``RequestTable``), pack the step's input
-tensors and attention metadata (``model_input.prepare_input``, as the runner does before copying them to
-the device), put in the tokens the step before sampled, record the sampled tokens and build the
-``StepResult``. The forward pass and the sampling run on a simulated device: ``launch`` returns at once
-with the device busy for ``step_ms`` from then, ``finish`` waits for it (``accelerator_wait``), releasing
-the GIL as a CUDA synchronize does, and every sampled token is one fixed id that is not an EOS id (so nothing ends before its ``max_tokens``;
-CPU work that would compute a token here would be work the GPU does). Its small tensor ops run on one torch
-thread (``--threads``), as a GPU host with cores to spare would run them without waiting for an OpenMP team.
+tensors and attention metadata (``model_input.prepare_input``, as the runner does before copying them to the
+device), put in the tokens the step before sampled, record the sampled tokens and build the ``StepResult``.
+The forward pass and the sampling run on a simulated device: ``launch`` returns at once with the device busy
+for ``step_ms`` from then, ``finish`` waits for it (``accelerator_wait``), releasing the GIL as a CUDA
+synchronize does, and every sampled token is one fixed id that is not an EOS id (so nothing ends before its
+``max_tokens``; CPU work that would compute a token here would be work the GPU does). Its small tensor ops run
+on one torch thread (``--threads``), as a GPU host with cores to spare would run them without waiting for an
+OpenMP team.
 
 ``python -m executor_svc.simulated --step-ms 5 [--port 50052 ...]`` serves it like the model-free
 executors of ``shadow_server``.

@@ -129,8 +129,9 @@ class TableExecutor(ABC):
         return prepared
 
     def execute(self, prepared: PreparedStep) -> pb.StepResult:
-        while self._queued and self._queued.popleft() is not prepared:  # steps prepared but never run: dropped
-            pass
+        while self._queued:  # steps prepared before it and never run are dropped
+            if self._queued.popleft() is prepared:
+                break
         if not prepared.single:
             output = run_forward_passes(self.table, prepared.chunks, self.forward)
             if (following := self._following()) is not None:
