@@ -9,7 +9,8 @@ the batch's largest max_tokens); ``hf_cb`` is transformers' own continuous batch
 manager, paged KV cache; bench/hf_cb.py), every request at once with its own max_tokens; ``inprocess`` is the
 scheduler Engine driving the ModelExecutor in this process; ``split`` and ``split_overlap`` run the executor and
 the scheduler as two processes over gRPC (the latter with ``--overlap``) and send every request at once through
-the public API with ``client.api.AsyncClient``; ``llamacpp`` (W1, when llama-cpp-python is installed; see
+the public API with ``client.api.AsyncClient`` (``split_whole``: at default flags, as whole completions through
+``GenerateOnce``, as an offline batch job asks, not streamed); ``llamacpp`` (W1, when llama-cpp-python is installed; see
 bench/llamacpp.py) is llama.cpp on a float32 / bfloat16 GGUF of the same weights, 64 slots batching continuously
 as llama-server does, prompt chunks and decodes in one ``llama_decode``. A peer is a function in ``PEERS``.
 """
@@ -117,8 +118,9 @@ def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
     return time.perf_counter() - start
 
 
-def run_split(args: argparse.Namespace, workload: Workload, overlap: bool) -> float:
-    """Executor and scheduler as subprocesses, every request sent at once through the public API."""
+def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, whole: bool = False) -> float:
+    """Executor and scheduler as subprocesses, every request sent at once through the public API: streamed, as
+    ``AsyncClient.generate`` does, or (``whole``) as whole completions through ``GenerateOnce``."""
 
     log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-w1-"))
     executor_port, scheduler_port = free_port(), free_port()
@@ -140,18 +142,26 @@ def run_split(args: argparse.Namespace, workload: Workload, overlap: bool) -> fl
         executor.wait_serving(f"{HOST}:{executor_port}", timeout_s=600)
         scheduler = stack.enter_context(Child("scheduler", scheduler_argv, log_dir / "scheduler.log"))
         scheduler.wait_serving(target, timeout_s=60)
-        return asyncio.run(_drive(target, workload, "split+overlap" if overlap else "split"))
+        name = "split" + ("+overlap" if overlap else "") + (" (whole)" if whole else "")
+        return asyncio.run(_drive(target, workload, name, whole))
 
 
-async def _drive(target: str, workload: Workload, name: str) -> float:
-    from client.api import AsyncClient
+async def _drive(target: str, workload: Workload, name: str, whole: bool) -> float:
+    from client.api import AsyncClient, Completion
+    from client.requests import build_request
 
     async with AsyncClient(target) as client:
-        await client.generate(token_ids=WARMUP_PROMPT, max_tokens=4, temperature=0.0, ignore_eos=True)
+
+        async def generate(**options: object) -> Completion:
+            if whole:
+                return Completion.from_proto(await client.stub.GenerateOnce(build_request(**options)))
+            return await client.generate(**options)
+
+        await generate(token_ids=WARMUP_PROMPT, max_tokens=4, temperature=0.0, ignore_eos=True)
         with progress(total=sum(workload.max_tokens), desc=name, unit="tok") as bar:
 
             async def one(prompt: list[int], max_tokens: int) -> None:
-                completion = await client.generate(
+                completion = await generate(
                     token_ids=prompt, max_tokens=max_tokens, temperature=workload.temperature, ignore_eos=True
                 )
                 assert len(completion.token_ids) == max_tokens, "a W1 request ended early"
@@ -176,6 +186,7 @@ PEERS: dict[str, Callable[[argparse.Namespace, Workload], float]] = {
     "inprocess": run_inprocess,
     "split": partial(run_split, overlap=False),
     "split_overlap": partial(run_split, overlap=True),
+    "split_whole": partial(run_split, overlap=True, whole=True),
     "llamacpp": llamacpp.run_llamacpp,
 }
 
