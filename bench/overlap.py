@@ -13,9 +13,9 @@ object directly. Each batch prefills its sequences first (untimed), then times `
 
 Where the time goes, per decode step (means; medians of ``--repeats`` runs): the scheduler thread's schedule +
 plan, postprocess, its wait for the result and its CPU time, and (in-process, where the executor can be timed) how
-long the accelerator sat idle between two steps (its step N+1 is launched once N's tokens are recorded, before N's
-result is built and handed over) and the executor's ``prepare`` half (apply the plan, pack the input), which runs
-while the step before is on the device.
+long the accelerator sat idle between two steps (its step N+1 is launched as soon as N's tokens are back, before
+they are recorded and N's result is built and handed over) and the executor's ``prepare`` half (apply the plan,
+pack the input), which runs while the step before is on the device.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The real executor: a Hugging Face llama-family model behind the step-plan contract.
 
 ``RequestTable`` validates and applies each plan (a rejected plan changes
-nothing), ``run_forward_passes`` has the model runner compute and sample once
-per decode step, and the table records the sampled tokens. Under tensor
+nothing), the model runner launches each forward pass and finishes it (waits,
+samples), and the table records the sampled tokens (``steps.TableExecutor``:
+on a GPU, the next step is launched before they are). Under tensor
 parallelism this object lives on rank 0 and the other ranks are worker
 processes it starts and stops.
 """
@@ -73,6 +74,9 @@ class ModelExecutor(TableExecutor):
         prepared = self.runner.prepare(chunks)
         prepared.model_input.link(before)
         return prepared
+
+    def launches_ahead(self, inputs: PreparedInput | None) -> bool:
+        return inputs is not None and self.runner.launches_async(inputs.model_input)
 
     def fills_ahead(self, inputs: PreparedInput | None) -> bool:
         return inputs is not None and inputs.model_input.linked is not None

@@ -152,7 +152,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     def prepare(self, chunks: list[ScheduledChunk]) -> PreparedInput:
-        """Rank 0: the step's packed input and the prompt-logprob runs it scores (``run`` makes it if not given)."""
+        """Rank 0: the step's packed input and the prompt-logprob runs it scores (``launch`` makes it if not given)."""
         rows, runs = score_rows(chunks, list(itertools.accumulate((c.num_tokens for c in chunks[:-1]), initial=0)))
         return PreparedInput(prepare_input(chunks, self.block_size, rows), runs)
 
@@ -166,6 +166,12 @@ class ModelRunner:
         if tp_size() > 1:
             broadcast_object(model_input)
         return LaunchedForward(chunks, len(model_input.logits_indices), runs, self.execute(model_input), started)
+
+    def launches_async(self, model_input: ModelInput) -> bool:
+        """Whether ``launch`` only queues this forward pass: a decode step on CUDA with captured graphs, whose
+        attention backend has no host syncs (capture would have failed); a prefill runs eagerly, and the CPU
+        computes in ``launch``."""
+        return self.graphs is not None and not model_input.meta.is_prefill
 
     def finish(self, launched: LaunchedForward) -> tuple[SamplerOutput, list[PromptLogprobs], float, float]:
         """Rank 0: wait for a launched forward pass and sample; returns the sampler output, the prompt logprobs

@@ -94,6 +94,9 @@ class SimulatedExecutor(TableExecutor):
         inputs.link(before)
         return inputs
 
+    def launches_ahead(self, inputs: ModelInput | None) -> bool:
+        return True
+
     def fills_ahead(self, inputs: ModelInput | None) -> bool:
         return inputs is not None and inputs.linked is not None
 

@@ -19,7 +19,7 @@ from executor_svc.wire import step_result
 from nanoserve.v1 import executor_pb2 as pb
 
 # Computes and samples one token per chunk, in order (0 for a chunk that does not sample), from the input
-# the executor packed for them ahead (None: packed now).
+# the executor packed for them ahead (None, as ``run_forward_passes`` passes: packed now).
 ForwardPass = Callable[[list[ScheduledChunk], object | None], StepOutput]
 
 
@@ -32,8 +32,10 @@ class PreparedStep:
     inputs: object | None = None
     # Every chunk is one pass (no multi-step decode): known here, so ``execute`` need not walk the chunks again.
     single: bool = False
+    # The step prepared just before it: the one whose sampled tokens its input may still wait for.
+    follows: PreparedStep | None = None
     # Its forward pass, started on the device by ``TableExecutor.launch`` as soon as the step before it was computed
-    # (None: not started yet).
+    # (None: not started yet, or finished).
     launched: object | None = None
 
 
@@ -89,10 +91,12 @@ class TableExecutor(ABC):
     is applied and packed; only the tokens N samples are put in at the start of N+1 (vLLM's async
     scheduling keeps them on the device; here they are a few ints).
 
-    ``execute`` launches step N+1's forward pass as soon as N's tokens are back, when N+1 is prepared by then:
-    from N's tokens themselves where N+1's input can take them (``fills_ahead``), else once they are recorded.
-    Recording them, building N's result and the caller's hand-over of it (to gRPC, or to the engine's thread)
-    then run while the device computes N+1 (W5, ``bench.overlap``).
+    ``execute`` launches step N+1's forward pass as soon as N's tokens are back, when N+1 is prepared by then
+    and its launch only queues work on the device (``launches_ahead``: on a GPU, a decode step replayed from
+    CUDA graphs): from N's tokens themselves where N+1's input can take them (``fills_ahead``), else once they
+    are recorded. Recording them, building N's result and the caller's hand-over of it (to gRPC, or to the
+    engine's thread) then run while the device computes N+1 (W5, ``bench.overlap``). An error launching N+1
+    fails step N; the scheduler recomputes both, as after any failed step.
     """
 
     info: pb.ExecutorInfo
@@ -123,7 +127,7 @@ class TableExecutor(ABC):
         single = bool(chunks) and all(chunk.num_steps == 1 for chunk in chunks)
         before = self._last_prepared
         inputs = self.pack(chunks, before.chunks if before is not None and before.single else None) if single else None
-        prepared = PreparedStep(plan.step_id, chunks, inputs, single)
+        prepared = PreparedStep(plan.step_id, chunks, inputs, single, before)
         self._queued.append(prepared)
         self._last_prepared = prepared
         return prepared
@@ -134,12 +138,12 @@ class TableExecutor(ABC):
                 break
         if not prepared.single:
             output = run_forward_passes(self.table, prepared.chunks, self.forward)
-            if (following := self._following()) is not None:
+            if (following := self._following(prepared)) is not None:
                 following.launched = self.launch(following.chunks, following.inputs)
             return step_result(self.info.instance_id, prepared.step_id, output)
-        launched = prepared.launched
+        launched, prepared.launched = prepared.launched, None  # its device buffers go once finished
         output = self.finish(self.launch(prepared.chunks, prepared.inputs) if launched is None else launched)
-        following = self._following()
+        following = self._following(prepared)
         if following is not None and self.fills_ahead(following.inputs):
             following.launched = self.launch(following.chunks, following.inputs, output.token_ids)
             following = None
@@ -148,16 +152,27 @@ class TableExecutor(ABC):
             following.launched = self.launch(following.chunks, following.inputs)
         return step_result(self.info.instance_id, prepared.step_id, output)
 
-    def _following(self) -> PreparedStep | None:
-        """The step prepared to run next, when it is one pass and not launched yet (only this thread takes from the
-        queue, so a step seen there stays)."""
-        following = self._queued[0] if self._queued else None
-        return following if following is not None and following.single and following.launched is None else None
+    def _following(self, prepared: PreparedStep) -> PreparedStep | None:
+        """The step prepared right after ``prepared``, when it is next to run, one pass, not launched yet, and its
+        launch does not wait for the device (only this thread takes from the queue, so a step seen there stays)."""
+        try:
+            following = self._queued[0]
+        except IndexError:
+            return None
+        if following.follows is not prepared or not following.single or following.launched is not None:
+            return None
+        return following if self.launches_ahead(following.inputs) else None
 
     def pack(self, chunks: list[ScheduledChunk], before: list[ScheduledChunk] | None = None) -> object | None:
         """The step's input, built ahead of ``forward`` (None: ``forward`` reads the chunks when it runs); ``before``:
         the chunks of the step before where its tokens are still to come, for ``fills_ahead``."""
         return None
+
+    def launches_ahead(self, inputs: object | None) -> bool:
+        """Whether ``launch`` returns before the device has computed ``inputs`` (a GPU's queued kernels), so that the
+        step is worth launching before the one before is recorded; else (the CPU computes it in ``launch``, or
+        a host sync would) it is launched in its own turn, not in the step before's."""
+        return False
 
     def fills_ahead(self, inputs: object | None) -> bool:
         """Whether ``inputs`` can be launched from the step before's sampled tokens before they are recorded."""

@@ -54,6 +54,7 @@ def test_each_plan_prepared_before_the_one_before_runs_samples_the_same_tokens(
     in_turn = tiny(tiny_model_folders["llama"])
     expected = [in_turn.step(plan) for plan in plans()]
     ahead = tiny(tiny_model_folders["llama"])
+    ahead.launches_ahead = lambda inputs: True  # as on a GPU, where a launch only queues the forward pass
     prepared = [ahead.prepare(plan) for plan in plans()]  # every plan applied before any step runs
     assert prepared[3].inputs.model_input.pending, "its tokens were still to be sampled when it was packed"
     results, launched_ahead = [], []
@@ -81,6 +82,28 @@ def test_a_plan_refused_ahead_leaves_the_step_before_and_the_table_as_they_were(
     assert executor.prepare(decode(3, 2)).chunks, "the next plan in turn is still accepted"
 
 
+def test_a_stale_step_never_launches_a_step_prepared_after_another(
+    tiny_model_folders: dict[str, Path],  # noqa: F811
+) -> None:
+    """A step left over from before a reset (its stream was cancelled mid-prepare) still runs after the reset; the
+    step a new stream prepares meanwhile waits for another step's tokens, and must not be launched from its."""
+    executor = tiny(tiny_model_folders["llama"])
+    executor.launches_ahead = lambda inputs: True
+    stale = executor.prepare(prefill(1))
+    executor.reset()
+    fresh = executor.prepare(prefill(1))
+    finish, prepared = executor.finish, []
+
+    def finish_while_the_next_plan_is_prepared(launched: object) -> object:
+        prepared.append(executor.prepare(decode(2, 1)))  # as the reader thread does during the device's work
+        return finish(launched)
+
+    executor.finish = finish_while_the_next_plan_is_prepared
+    executor.execute(stale)
+    following = prepared[0]
+    assert following.follows is fresh and following.launched is None
+
+
 def test_an_in_process_engine_with_overlap_prepares_ahead_and_keeps_every_token(
     tiny_model_folders: dict[str, Path],  # noqa: F811
 ) -> None:
@@ -90,6 +113,7 @@ def test_an_in_process_engine_with_overlap_prepares_ahead_and_keeps_every_token(
     executor = tiny(tiny_model_folders["qwen2"])
     assert not executor.prepares_ahead, "on the CPU the forward has every core: nothing runs beside it"
     executor.prepares_ahead = True  # as on a GPU, where the CPU waits for the device
+    executor.launches_ahead = lambda inputs: True  # and a launch only queues the forward pass
     engine = Engine(executor, overlap=True)
     overlapped = engine.generate(prompts, params)
     assert [c.token_ids for c in overlapped] == [c.token_ids for c in in_turn]
