@@ -136,6 +136,7 @@ class TableExecutor(ABC):
         while self._queued:  # steps prepared before it and never run are dropped
             if self._queued.popleft() is prepared:
                 break
+        prepared.follows = None  # no chain of every step run so far
         if not prepared.single:
             output = run_forward_passes(self.table, prepared.chunks, self.forward)
             if (following := self._following(prepared)) is not None:

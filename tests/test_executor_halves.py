@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -102,6 +104,19 @@ def test_a_stale_step_never_launches_a_step_prepared_after_another(
     executor.execute(stale)
     following = prepared[0]
     assert following.follows is fresh and following.launched is None
+
+
+def test_a_step_run_is_let_go_of(tiny_model_folders: dict[str, Path]) -> None:  # noqa: F811
+    """Each step knows the step prepared before it only until it runs: a server's steps must not pile up."""
+    executor = tiny(tiny_model_folders["llama"])
+    refs = []
+    for plan in plans():
+        step = executor.prepare(plan)
+        executor.execute(step)
+        refs.append(weakref.ref(step))
+        del step
+    gc.collect()
+    assert [ref() is None for ref in refs] == [True] * (len(refs) - 1) + [False], "only the last is still known"
 
 
 def test_an_in_process_engine_with_overlap_prepares_ahead_and_keeps_every_token(
