@@ -137,18 +137,17 @@ class TableExecutor(ABC):
             if self._queued.popleft() is prepared:
                 break
         prepared.follows = None  # no chain of every step run so far
-        if not prepared.single:
+        if prepared.single:
+            launched, prepared.launched = prepared.launched, None  # its device buffers go once finished
+            output = self.finish(self.launch(prepared.chunks, prepared.inputs) if launched is None else launched)
+            following = self._following(prepared)
+            if following is not None and self.fills_ahead(following.inputs):
+                following.launched = self.launch(following.chunks, following.inputs, output.token_ids)
+                following = None
+            self.table.record_sampled(prepared.chunks, output.token_ids)
+        else:
             output = run_forward_passes(self.table, prepared.chunks, self.forward)
-            if (following := self._following(prepared)) is not None:
-                following.launched = self.launch(following.chunks, following.inputs)
-            return step_result(self.info.instance_id, prepared.step_id, output)
-        launched, prepared.launched = prepared.launched, None  # its device buffers go once finished
-        output = self.finish(self.launch(prepared.chunks, prepared.inputs) if launched is None else launched)
-        following = self._following(prepared)
-        if following is not None and self.fills_ahead(following.inputs):
-            following.launched = self.launch(following.chunks, following.inputs, output.token_ids)
-            following = None
-        self.table.record_sampled(prepared.chunks, output.token_ids)
+            following = self._following(prepared)
         if following is not None:
             following.launched = self.launch(following.chunks, following.inputs)
         return step_result(self.info.instance_id, prepared.step_id, output)
