@@ -8,14 +8,17 @@ waiting, and waited for with the GIL released, as a CUDA synchronize does. Effic
 second: 1.0 when the accelerator never waits. Peers: ``split``, the Engine at nanoserve-scheduler's default flags
 (``ServiceConfig()``: overlap on over the executor's StepStream, one decode step per plan) driving the executor in
 a child process through ``RemoteExecutor``; ``in-process``, the same Engine configuration driving the same executor
-object directly. Each batch prefills its sequences first (untimed), then times ``--steps`` decode steps of
-``--batch`` sequences of context ``--context`` after ``--warmup`` more.
+object directly; ``api``, the split as deployed: the scheduler service at its default flags in front of the same
+executor (both child processes), with ``--batch`` clients streaming through the public API (``bench.overlap_api``).
+Each batch prefills its sequences first (untimed), then times ``--steps`` decode steps of ``--batch`` sequences of
+context ``--context`` after ``--warmup`` more.
 
 Where the time goes, per decode step (means; medians of ``--repeats`` runs): the scheduler thread's schedule +
 plan, postprocess, its wait for the result and its CPU time, and (in-process, where the executor can be timed) how
 long the accelerator sat idle between two steps (its step N+1 is launched as soon as N's tokens are back, before
 they are recorded and N's result is built and handed over) and the executor's ``prepare`` half (apply the plan,
-pack the input), which runs while the step before is on the device.
+pack the input), which runs while the step before is on the device. For ``api`` the scheduler's CPU is its whole
+process's (the streams and gRPC included) and the clients' is shown beside it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 
 from bench.common import HOST, Child, free_port, print_table, progress, write_json
 from bench.overhead import geometry
+from bench.overlap_api import TAIL_FACTOR, ApiPeer, ApiRun
 from common.executor import Executor
 from common.heap import freeze_startup_heap
 from executor_svc.model_input import ModelInput
@@ -46,16 +50,17 @@ from scheduler_svc.service import connect_engine, executor_client
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
-PEERS = ("split", "in-process")
+PEERS = ("split", "in-process", "api")
 # What nanoserve-scheduler runs with when given no flags.
 DEFAULTS = ServiceConfig()
 
 
 @dataclass
 class Phases:
-    """Microseconds per decode step: wall (what efficiency is made of), the scheduler thread's phases and CPU,
-    and (in-process only; 0 for the split) the accelerator's idle time between two steps and the executor's
-    prepare half (apply + pack, which runs while the step before is on the device)."""
+    """Microseconds per decode step: wall (what efficiency is made of), the scheduler thread's phases and CPU
+    (api: the whole scheduler process's CPU, and no phases), (in-process only) the accelerator's idle time between
+    two steps and the executor's prepare half (apply + pack, which runs while the step before is on the device),
+    and (api only) the streaming clients' CPU."""
 
     wall_us: float
     schedule_us: float
@@ -64,6 +69,13 @@ class Phases:
     cpu_us: float
     idle_us: float = 0.0
     prepare_us: float = 0.0
+    client_cpu_us: float = 0.0
+
+    @staticmethod
+    def of_api(run: ApiRun) -> Phases:
+        per_step = 1e6 / run.steps
+        return Phases(run.wall_s * per_step, 0.0, 0.0, 0.0, run.scheduler_cpu_s * per_step,
+                      client_cpu_us=run.client_cpu_s * per_step)
 
     @staticmethod
     def median(runs: list[Phases]) -> Phases:
@@ -167,7 +179,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
-    max_model_len, num_blocks = geometry(max(args.batch), args.context, args.warmup + args.steps, 1)
+    # The api peer's streams run past the timed window (TAIL_FACTOR): every executor gets room for them.
+    max_model_len, num_blocks = geometry(max(args.batch), args.context,
+                                         args.warmup + args.steps * (1 + TAIL_FACTOR), 1)
     flags = executor_flags(args.step_ms, max_model_len, num_blocks)
     port = free_port()
     peers = [p for p in PEERS if p in args.peers]
@@ -176,29 +190,40 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         target = f"{HOST}:{port}"
         child.wait_serving(target, timeout_s=60)
         remote = executor_client(replace(DEFAULTS, executor=target))
-        executors = {"split": remote, "in-process": simulated_executor(simulated_args(flags), TimedSimulated)}
+        in_process = simulated_executor(simulated_args(flags), TimedSimulated)
+        api = ApiPeer(flags) if "api" in peers else None
+        decode = {
+            "split": lambda batch: time_decode(remote, batch, args.context, args.warmup, args.steps),
+            "in-process": lambda batch: time_decode(in_process, batch, args.context, args.warmup, args.steps),
+            "api": lambda batch: Phases.of_api(api.time_decode(batch, args.context, args.warmup, args.steps,
+                                                               VOCAB_SIZE)),
+        }
         freeze_startup_heap()  # as both services do once built
         runs = [(peer, batch) for batch in args.batch for peer in peers]
         timed: dict[tuple[str, int], list[Phases]] = {run: [] for run in runs}
         # Peers alternate within each repeat, so load drift on a shared machine hits them alike.
-        with progress(total=len(runs) * args.repeats, desc="W5 decode runs") as bar:
-            for _ in range(args.repeats):
-                for peer, batch in runs:
-                    timed[peer, batch].append(time_decode(executors[peer], batch, args.context, args.warmup,
-                                                          args.steps))
-                    bar.update()
-        remote.close()
+        try:
+            with progress(total=len(runs) * args.repeats, desc="W5 decode runs") as bar:
+                for _ in range(args.repeats):
+                    for peer, batch in runs:
+                        timed[peer, batch].append(decode[peer](batch))
+                        bar.update()
+        finally:
+            remote.close()
+            if api is not None:
+                api.close()
     results = {run: Phases.median(runs_of) for run, runs_of in timed.items()}
     print(f"W5: decode steps of context {args.context}, simulated accelerator of {args.step_ms:g} ms per step, "
           f"scheduler at its default flags (overlap {'on' if DEFAULTS.overlap else 'off'}), median of "
           f"{args.repeats} runs of {args.steps} steps (us per decode step)")
     rows = []
     for (peer, batch), p in results.items():
+        phases = ["-"] * 3 if peer == "api" else [p.schedule_us, p.postprocess_us, p.wait_us]
         executor = [p.idle_us, p.prepare_us] if peer == "in-process" else ["-", "-"]
-        rows.append([batch, peer, efficiency(args.step_ms, p), 1e6 / p.wall_us, p.wall_us, p.schedule_us,
-                     p.postprocess_us, p.wait_us, p.cpu_us, *executor])
+        rows.append([batch, peer, efficiency(args.step_ms, p), 1e6 / p.wall_us, p.wall_us, *phases, p.cpu_us,
+                     *executor, p.client_cpu_us if peer == "api" else "-"])
     print_table(["batch", "executor", "efficiency", "steps/s", "wall", "schedule+plan", "postprocess",
-                 "wait for result", "scheduler CPU", "accelerator idle", "prepare (beside)"], rows)
+                 "wait for result", "scheduler CPU", "accelerator idle", "prepare (beside)", "clients' CPU"], rows)
     figures = figures_of(results, args)
     write_json(args.json, figures)
     return figures
@@ -216,10 +241,13 @@ def figures_of(results: dict[tuple[str, int], Phases], args: argparse.Namespace)
         prefix = peer.replace("-", "")
         figures[f"{prefix}_efficiency_b{batch}"] = efficiency(args.step_ms, p)
         figures[f"{prefix}_steps_per_s_b{batch}"] = 1e6 / p.wall_us
+        figures[f"{prefix}_cpu_us_b{batch}"] = p.cpu_us
+        if peer == "api":
+            figures[f"api_client_cpu_us_b{batch}"] = p.client_cpu_us
+            continue
         figures[f"{prefix}_schedule_us_b{batch}"] = p.schedule_us
         figures[f"{prefix}_postprocess_us_b{batch}"] = p.postprocess_us
         figures[f"{prefix}_wait_us_b{batch}"] = p.wait_us
-        figures[f"{prefix}_cpu_us_b{batch}"] = p.cpu_us
         if peer == "in-process":
             figures[f"inprocess_idle_us_b{batch}"] = p.idle_us
             figures[f"inprocess_prepare_us_b{batch}"] = p.prepare_us

@@ -1,11 +1,14 @@
-"""``nanoserve-scheduler`` flags and their NANOSERVE_* environment variables."""
+"""``nanoserve-scheduler`` flags, their NANOSERVE_* environment variables, and what it tunes for its executor."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 
 from common.flags import env_name
 from scheduler_svc.config import ServiceConfig, parse_config
+from scheduler_svc.service import ACCELERATOR_GIL_SWITCH_INTERVAL_S, set_gil_switch_interval
 
 
 def test_defaults():
@@ -79,3 +82,15 @@ def test_overlap_is_on_by_default_and_off_turns_it_off():
     assert parse_config(["--overlap", "off"], env={}).overlap is False
     assert parse_config([], env={"NANOSERVE_OVERLAP": "off"}).overlap is False
     assert parse_config(["--overlap"], env={"NANOSERVE_OVERLAP": "off"}).overlap is True
+
+
+@pytest.mark.parametrize(("device", "shorter"), [("cpu", False), ("cuda:0", True), ("", True)],
+                         ids=["cpu", "cuda", "simulated"])
+def test_the_gil_changes_hands_sooner_unless_the_executor_computes_on_the_scheduler_cpu(device, shorter):
+    default = sys.getswitchinterval()
+    try:
+        set_gil_switch_interval(device)
+        expected = ACCELERATOR_GIL_SWITCH_INTERVAL_S if shorter else default
+        assert sys.getswitchinterval() == pytest.approx(expected)
+    finally:
+        sys.setswitchinterval(default)

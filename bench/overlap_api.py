@@ -1,0 +1,111 @@
+"""W5's ``api`` peer: the split as a deployment runs it, with the public API in front.
+
+The scheduler service runs as a child process at its default flags, in front of its own simulated executor, and
+``batch`` clients stream from it through ``client.api.AsyncClient`` in this process, one sequence each. The
+scheduler counts the decode steps (``GetStats.num_steps``) between the moment every stream has ``warmup`` tokens
+and the moment every stream has ``warmup + steps``. Its CPU time over the same window, every thread of it (the
+engine loop, the streams, gRPC's own), is read from /proc; the clients' from this thread. The other peers
+drive the Engine directly, so this one adds what serving the streams costs the scheduler's process: a GPU waits
+for it exactly as it waits for the Engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+from bench.common import HOST, Child, free_port
+from client.api import AsyncClient
+
+# Every stream asks for this many tokens past the timed window: a stream that is read late (the clients share the
+# CPU) still has the whole batch decoding beside it until the window ends; it is cancelled then.
+TAIL_FACTOR = 1
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class ApiRun:
+    """One timed window: its seconds and decode steps, and the CPU seconds the scheduler process and the clients
+    spent in it."""
+
+    wall_s: float
+    steps: int
+    scheduler_cpu_s: float
+    client_cpu_s: float
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of every thread of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+class ApiPeer:
+    """A simulated executor and the scheduler service in front of it, as two child processes."""
+
+    def __init__(self, executor_flags: list[str]) -> None:
+        executor_port, self.port = free_port(), free_port()
+        self.executor = Child("api's simulated executor", [
+            sys.executable, "-m", "executor_svc.simulated", "--host", HOST, "--port", str(executor_port),
+            *executor_flags])
+        self.executor.wait_serving(f"{HOST}:{executor_port}", timeout_s=60)
+        self.scheduler = Child("api's scheduler", [
+            sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--host", HOST,
+            "--port", str(self.port), "--http-port", "0", "--log-level", "WARNING"])
+        self.scheduler.wait_serving(f"{HOST}:{self.port}", timeout_s=60)
+
+    def time_decode(self, batch: int, context: int, warmup: int, steps: int, vocab_size: int) -> ApiRun:
+        return asyncio.run(self._decode(batch, context, warmup, steps, vocab_size))
+
+    async def _decode(self, batch: int, context: int, warmup: int, steps: int, vocab_size: int) -> ApiRun:
+        rng = random.Random(batch)
+        prompts = [[rng.randrange(vocab_size) for _ in range(context)] for _ in range(batch)]
+        marks = (warmup, warmup + steps)
+        reached = {mark: 0 for mark in marks}
+        events = {mark: asyncio.Event() for mark in marks}
+        async with AsyncClient(f"{HOST}:{self.port}") as client:
+
+            async def stream(prompt: list[int]) -> None:
+                count = 0
+                async for chunk in client.stream(token_ids=prompt, max_tokens=warmup + steps * (1 + TAIL_FACTOR),
+                                                 temperature=0.0, ignore_eos=True):
+                    before, count = count, count + len(chunk.token_ids)
+                    for mark in marks:
+                        if before < mark <= count:
+                            reached[mark] += 1
+                            if reached[mark] == batch:
+                                events[mark].set()
+
+            before = await client.stats()
+            tasks = [asyncio.create_task(stream(prompt)) for prompt in prompts]
+            window = []
+            for mark in marks:
+                done, _ = await asyncio.wait([asyncio.create_task(events[mark].wait()), *tasks],
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not events[mark].is_set():  # a stream ended early: its error, or it stopped short
+                    for task in done:
+                        task.result()
+                    raise RuntimeError(f"a stream ended before {mark} tokens")
+                stats = await client.stats()
+                window.append((time.perf_counter(), stats.num_steps, process_cpu_s(self.scheduler.process.pid),
+                               time.thread_time()))
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            after = await client.stats()
+            while after.num_running or after.num_waiting:  # the cancelled streams' requests are aborted
+                await asyncio.sleep(0.01)
+                after = await client.stats()
+        if after.num_preemptions != before.num_preemptions:
+            raise RuntimeError("a sequence was preempted: the executor's KV cache is too small for the batch")
+        (t0, s0, c0, k0), (t1, s1, c1, k1) = window
+        return ApiRun(t1 - t0, s1 - s0, c1 - c0, k1 - k0)
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        self.executor.stop()
