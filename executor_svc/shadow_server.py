@@ -27,14 +27,14 @@ NULL_TOKEN_ID = 1
 
 
 def model_free_info(
-    args: argparse.Namespace, model_id: str, tokenizer_json: str, chat_template: str
+    args: argparse.Namespace, model_id: str, tokenizer_json: str, chat_template: str, device: str = "cpu"
 ) -> pb.ExecutorInfo:
     return pb.ExecutorInfo(
         instance_id=uuid.uuid4().hex,
         model_id=model_id,
         architecture=model_id,
         dtype="int64",
-        device="cpu",
+        device=device,
         vocab_size=args.vocab_size,
         eos_token_ids=args.eos_token_ids,
         max_model_len=args.max_model_len,

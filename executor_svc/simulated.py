@@ -154,7 +154,8 @@ def simulated_executor(args: argparse.Namespace,
     if args.step_ms < 0 or args.threads < 1:
         raise SystemExit(f"--step-ms must be >= 0 and --threads >= 1, got {args.step_ms} and {args.threads}")
     torch.set_num_threads(args.threads)
-    return kind(model_free_info(args, "simulated", "", ""), args.step_ms)
+    # Its device is an accelerator's stand-in: the scheduler treats it as one (``set_gil_switch_interval``).
+    return kind(model_free_info(args, "simulated", "", "", device="simulated"), args.step_ms)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
