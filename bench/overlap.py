@@ -9,7 +9,9 @@ second: 1.0 when the accelerator never waits. Peers: ``split``, the Engine at na
 (``ServiceConfig()``: overlap on over the executor's StepStream, one decode step per plan) driving the executor in
 a child process through ``RemoteExecutor``; ``in-process``, the same Engine configuration driving the same executor
 object directly; ``api``, the split as deployed: the scheduler service at its default flags in front of the same
-executor (both child processes), with ``--batch`` clients streaming through the public API (``bench.overlap_api``).
+executor (both child processes), with ``--batch`` clients streaming through the public API (``bench.overlap_api``);
+``floor``, the same clients streaming from ``bench.stream_floor``, gRPC Python sending one token per stream per step
+and nothing else: what any one Python process pays to serve the streams.
 Each batch prefills its sequences first (untimed), then times ``--steps`` decode steps of ``--batch`` sequences of
 context ``--context`` after ``--warmup`` more.
 
@@ -17,8 +19,8 @@ Where the time goes, per decode step (means; medians of ``--repeats`` runs): the
 plan, postprocess, its wait for the result and its CPU time, and (in-process, where the executor can be timed) how
 long the accelerator sat idle between two steps (its step N+1 is launched as soon as N's tokens are back, before
 they are recorded and N's result is built and handed over) and the executor's ``prepare`` half (apply the plan,
-pack the input), which runs while the step before is on the device. For ``api`` the scheduler's CPU is its whole
-process's (the streams and gRPC included) and the clients' is shown beside it.
+pack the input), which runs while the step before is on the device. For ``api`` and ``floor`` the scheduler's CPU is
+its whole process's (the streams and gRPC included) and the clients' is shown beside it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from bench.common import HOST, Child, free_port, print_table, progress, write_json
@@ -50,7 +53,9 @@ from scheduler_svc.service import connect_engine, executor_client
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
-PEERS = ("split", "in-process", "api")
+PEERS = ("split", "in-process", "api", "floor")
+# Peers timed through the public API, from clients in this process.
+API_PEERS = ("api", "floor")
 # What nanoserve-scheduler runs with when given no flags.
 DEFAULTS = ServiceConfig()
 
@@ -58,9 +63,9 @@ DEFAULTS = ServiceConfig()
 @dataclass
 class Phases:
     """Microseconds per decode step: wall (what efficiency is made of), the scheduler thread's phases and CPU
-    (api: the whole scheduler process's CPU, and no phases), (in-process only) the accelerator's idle time between
-    two steps and the executor's prepare half (apply + pack, which runs while the step before is on the device),
-    and (api only) the streaming clients' CPU."""
+    (api and floor: the whole serving process's CPU, and no phases), (in-process only) the accelerator's idle
+    time between two steps and the executor's prepare half (apply + pack, which runs while the step before is on
+    the device), and (api and floor) the streaming clients' CPU."""
 
     wall_us: float
     schedule_us: float
@@ -191,12 +196,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         child.wait_serving(target, timeout_s=60)
         remote = executor_client(replace(DEFAULTS, executor=target))
         in_process = simulated_executor(simulated_args(flags), TimedSimulated)
-        api = ApiPeer(flags) if "api" in peers else None
+        apis = {peer: ApiPeer.scheduler(flags) if peer == "api" else ApiPeer.floor(args.step_ms)
+                for peer in peers if peer in API_PEERS}
         decode = {
             "split": lambda batch: time_decode(remote, batch, args.context, args.warmup, args.steps),
             "in-process": lambda batch: time_decode(in_process, batch, args.context, args.warmup, args.steps),
-            "api": lambda batch: Phases.of_api(api.time_decode(batch, args.context, args.warmup, args.steps,
-                                                               VOCAB_SIZE)),
+            **{peer: partial(time_api_decode, api, args) for peer, api in apis.items()},
         }
         freeze_startup_heap()  # as both services do once built
         runs = [(peer, batch) for batch in args.batch for peer in peers]
@@ -210,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                         bar.update()
         finally:
             remote.close()
-            if api is not None:
+            for api in apis.values():
                 api.close()
     results = {run: Phases.median(runs_of) for run, runs_of in timed.items()}
     print(f"W5: decode steps of context {args.context}, simulated accelerator of {args.step_ms:g} ms per step, "
@@ -218,15 +223,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
           f"{args.repeats} runs of {args.steps} steps (us per decode step)")
     rows = []
     for (peer, batch), p in results.items():
-        phases = ["-"] * 3 if peer == "api" else [p.schedule_us, p.postprocess_us, p.wait_us]
+        phases = ["-"] * 3 if peer in API_PEERS else [p.schedule_us, p.postprocess_us, p.wait_us]
         executor = [p.idle_us, p.prepare_us] if peer == "in-process" else ["-", "-"]
         rows.append([batch, peer, efficiency(args.step_ms, p), 1e6 / p.wall_us, p.wall_us, *phases, p.cpu_us,
-                     *executor, p.client_cpu_us if peer == "api" else "-"])
+                     *executor, p.client_cpu_us if peer in API_PEERS else "-"])
     print_table(["batch", "executor", "efficiency", "steps/s", "wall", "schedule+plan", "postprocess",
                  "wait for result", "scheduler CPU", "accelerator idle", "prepare (beside)", "clients' CPU"], rows)
     figures = figures_of(results, args)
     write_json(args.json, figures)
     return figures
+
+
+def time_api_decode(api: ApiPeer, args: argparse.Namespace, batch: int) -> Phases:
+    return Phases.of_api(api.time_decode(batch, args.context, args.warmup, args.steps, VOCAB_SIZE))
 
 
 def efficiency(step_ms: float, p: Phases) -> float:
@@ -242,8 +251,8 @@ def figures_of(results: dict[tuple[str, int], Phases], args: argparse.Namespace)
         figures[f"{prefix}_efficiency_b{batch}"] = efficiency(args.step_ms, p)
         figures[f"{prefix}_steps_per_s_b{batch}"] = 1e6 / p.wall_us
         figures[f"{prefix}_cpu_us_b{batch}"] = p.cpu_us
-        if peer == "api":
-            figures[f"api_client_cpu_us_b{batch}"] = p.client_cpu_us
+        if peer in API_PEERS:
+            figures[f"{prefix}_client_cpu_us_b{batch}"] = p.client_cpu_us
             continue
         figures[f"{prefix}_schedule_us_b{batch}"] = p.schedule_us
         figures[f"{prefix}_postprocess_us_b{batch}"] = p.postprocess_us

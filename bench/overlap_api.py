@@ -46,18 +46,35 @@ def process_cpu_s(pid: int) -> float:
 
 
 class ApiPeer:
-    """A simulated executor and the scheduler service in front of it, as two child processes."""
+    """Child processes that serve the public API on ``port``, the last of them being the one that streams."""
 
-    def __init__(self, executor_flags: list[str]) -> None:
-        executor_port, self.port = free_port(), free_port()
-        self.executor = Child("api's simulated executor", [
+    def __init__(self, port: int, children: list[Child]) -> None:
+        self.port = port
+        self.children = children
+        self.server = children[-1]
+
+    @classmethod
+    def scheduler(cls, executor_flags: list[str]) -> ApiPeer:
+        """The scheduler service at its default flags in front of a simulated executor with ``executor_flags``."""
+        executor_port, port = free_port(), free_port()
+        executor = Child("api's simulated executor", [
             sys.executable, "-m", "executor_svc.simulated", "--host", HOST, "--port", str(executor_port),
             *executor_flags])
-        self.executor.wait_serving(f"{HOST}:{executor_port}", timeout_s=60)
-        self.scheduler = Child("api's scheduler", [
+        executor.wait_serving(f"{HOST}:{executor_port}", timeout_s=60)
+        scheduler = Child("api's scheduler", [
             sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--host", HOST,
-            "--port", str(self.port), "--http-port", "0", "--log-level", "WARNING"])
-        self.scheduler.wait_serving(f"{HOST}:{self.port}", timeout_s=60)
+            "--port", str(port), "--http-port", "0", "--log-level", "WARNING"])
+        scheduler.wait_serving(f"{HOST}:{port}", timeout_s=60)
+        return cls(port, [executor, scheduler])
+
+    @classmethod
+    def floor(cls, step_ms: float) -> ApiPeer:
+        """``bench.stream_floor``: gRPC Python streaming one token per stream per step, and nothing else."""
+        port = free_port()
+        floor = Child("streaming floor", [sys.executable, "-m", "bench.stream_floor", "--host", HOST, "--port",
+                                          str(port), "--step-ms", str(step_ms)])
+        floor.wait_serving(f"{HOST}:{port}", timeout_s=60)
+        return cls(port, [floor])
 
     def time_decode(self, batch: int, context: int, warmup: int, steps: int, vocab_size: int) -> ApiRun:
         return asyncio.run(self._decode(batch, context, warmup, steps, vocab_size))
@@ -92,7 +109,7 @@ class ApiPeer:
                         task.result()
                     raise RuntimeError(f"a stream ended before {mark} tokens")
                 stats = await client.stats()
-                window.append((time.perf_counter(), stats.num_steps, process_cpu_s(self.scheduler.process.pid),
+                window.append((time.perf_counter(), stats.num_steps, process_cpu_s(self.server.process.pid),
                                time.thread_time()))
             for task in tasks:
                 task.cancel()
@@ -107,5 +124,5 @@ class ApiPeer:
         return ApiRun(t1 - t0, s1 - s0, c1 - c0, k1 - k0)
 
     def close(self) -> None:
-        self.scheduler.stop()
-        self.executor.stop()
+        for child in reversed(self.children):
+            child.stop()
