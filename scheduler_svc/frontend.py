@@ -27,32 +27,59 @@ def public(error: RequestFailed) -> RequestFailed:
     return public_error(error) if isinstance(error, InvalidRequest) else error
 
 
+class Outbox:
+    """A request's outputs on their way to its reader, handed over all at once (event-loop thread only).
+
+    Lighter than an ``asyncio.Queue``: with it and ``wire.to_response``'s one-call message, the event loop's CPU per
+    step of 64 streamed tokens went from 1,391 to 1,172-1,238 us (W5 ``api``, 5 ms steps; each token costs gRPC
+    ~16 us of it). A reader that falls behind takes everything that arrived since its last read.
+    """
+
+    __slots__ = ("_outputs", "_waiter")
+
+    def __init__(self) -> None:
+        self._outputs: list[RequestOutput] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, output: RequestOutput) -> None:
+        self._outputs.append(output)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[RequestOutput]:
+        """Every output since the last take, waiting for one if there is none."""
+        while not self._outputs:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+
 class Generation:
     """One submitted request: its outputs until every choice finished; ``close`` when the caller is done."""
 
-    def __init__(self, frontend: Frontend, handle: RequestHandle, queue: asyncio.Queue[RequestOutput]) -> None:
+    def __init__(self, frontend: Frontend, handle: RequestHandle, outbox: Outbox) -> None:
         self._frontend = frontend
         self._handle = handle
-        self._queue = queue
+        self._outbox = outbox
         self.prepared: PreparedRequest = handle.prepared
+        self.request_id = handle.prepared.request_id
         self.remaining = handle.prepared.params.n
-
-    @property
-    def request_id(self) -> str:
-        return self.prepared.request_id
 
     async def batches(self) -> AsyncIterator[list[RequestOutput]]:
         """Everything produced since the last read, so a slow reader gets fewer, larger pieces; raises the
-        request's failure."""
-        queue = self._queue
+        request's failure (always its last output: nothing of a failed request follows it)."""
         while self.remaining:
-            outputs = [await queue.get()]
-            while not queue.empty() and not outputs[-1].is_last:
-                outputs.append(queue.get_nowait())
+            outputs = await self._outbox.take()
             error = outputs[-1].error
             if error is not None:
                 raise public(error)
-            self.remaining -= sum(output.finish_reason is not None for output in outputs)
+            finished = 0
+            for output in outputs:
+                if output.finish_reason is not None:
+                    finished += 1
+            self.remaining -= finished
             yield outputs
 
     def close(self) -> None:
@@ -92,11 +119,11 @@ class Frontend:
         metrics count from now, as vLLM's count from a request's arrival."""
         arrived_at = time.monotonic()
         loop = self.ready()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        outbox = Outbox()
         prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
-        handle = loop.submit(prepared, queue, arrived_at)
+        handle = loop.submit(prepared, outbox, arrived_at)
         self.by_request_id.setdefault(prepared.request_id, set()).add(handle)
-        return Generation(self, handle, queue)
+        return Generation(self, handle, outbox)
 
     def _forget(self, handle: RequestHandle, cancel: bool) -> None:
         handles = self.by_request_id[handle.prepared.request_id]

@@ -53,10 +53,6 @@ class RequestOutput:
     # An ABORT because the server shut down before the request finished: the caller may resume it elsewhere.
     drained: bool = False
 
-    @property
-    def is_last(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
 
 @dataclass(frozen=True, slots=True)
 class Processed:

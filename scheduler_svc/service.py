@@ -105,13 +105,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         with await self._submit(request, context) as generation:
+            request_id, one_choice = generation.request_id, generation.prepared.params.n == 1
             try:
                 async for outputs in generation.batches():
                     if outputs[-1].drained:  # read by clients that resume: ABORT here means "try elsewhere"
                         context.set_trailing_metadata(DRAINED_METADATA)
+                    if one_choice:
+                        yield to_response(request_id, outputs)
+                        continue
                     # One response per run of outputs of the same choice.
                     for _, run in itertools.groupby(outputs, key=lambda output: output.index):
-                        yield to_response(generation.request_id, run)
+                        yield to_response(request_id, list(run))
             except RequestFailed as e:
                 await self._fail(context, e)
 

@@ -8,7 +8,6 @@ GenerateRequest field a caller sets.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from nanoserve.v1 import executor_pb2
@@ -230,20 +229,25 @@ def token_logprob(token_id: int, lp: TokenLogprobs) -> pb.TokenLogprob:
     return pb.TokenLogprob(token_id=token_id, logprob=lp.logprob, top=top)
 
 
-def to_response(request_id: str, outputs: Iterable[RequestOutput]) -> pb.GenerateResponse:
-    """Several loop outputs of one request as one response (the last one decides the finish)."""
-    outputs = list(outputs)
-    response = pb.GenerateResponse(request_id=request_id, index=outputs[0].index)
-    prompt = outputs[0].prompt_logprobs
-    if prompt is not None:
-        token_ids, logprobs = prompt
+def to_response(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateResponse:
+    """Several loop outputs of one choice of a request as one response (the last one decides the finish)."""
+    first = outputs[0]
+    if len(outputs) == 1:  # a decode step's token, most of what streams: one constructor call (W5 api)
+        response = pb.GenerateResponse(request_id=request_id, index=first.index, text=first.text,
+                                       token_ids=first.token_ids)
+    else:
+        response = pb.GenerateResponse(request_id=request_id, index=first.index,
+                                       text="".join(output.text for output in outputs),
+                                       token_ids=[t for output in outputs for t in output.token_ids])
+    if first.prompt_logprobs is not None:
+        token_ids, logprobs = first.prompt_logprobs
         response.prompt_logprobs.extend(token_logprob(t, lp) for t, lp in zip(token_ids, logprobs, strict=True))
-    last = None
-    for last in outputs:
-        response.text += last.text
-        response.token_ids.extend(last.token_ids)
-        response.logprobs.extend(token_logprob(t, lp) for t, lp in zip(last.token_ids, last.logprobs, strict=False))
-    if last is not None and last.finish_reason is not None:
+    for output in outputs:
+        if output.logprobs:
+            response.logprobs.extend(token_logprob(t, lp) for t, lp in zip(output.token_ids, output.logprobs,
+                                                                            strict=False))
+    last = outputs[-1]
+    if last.finish_reason is not None:
         response.finish_reason = FINISH_REASONS[last.finish_reason]
         u = last.usage
         response.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
