@@ -11,6 +11,8 @@ from executor_svc.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.frontend import Outbox
+from scheduler_svc.outputs import RequestOutput
 from tests.service_fixtures import (
     CHATML_TEMPLATE,
     GatedExecutor,
@@ -212,3 +214,20 @@ def test_a_chat_template_is_used_when_present():
             return response
 
     assert asyncio.run(run()).usage.prompt_tokens > 2
+
+
+def test_an_outbox_hands_over_everything_since_the_last_take_and_outlives_a_reader_that_left():
+    async def scenario() -> None:
+        outbox = Outbox()
+        reader = asyncio.create_task(outbox.take())
+        await asyncio.sleep(0)
+        outbox.put_nowait(RequestOutput(token_ids=[1]))
+        outbox.put_nowait(RequestOutput(token_ids=[2]))
+        assert [output.token_ids for output in await reader] == [[1], [2]]
+        gone = asyncio.create_task(outbox.take())
+        await asyncio.sleep(0)
+        gone.cancel()
+        outbox.put_nowait(RequestOutput(token_ids=[3]))
+        assert [output.token_ids for output in await outbox.take()] == [[3]]
+
+    asyncio.run(scenario())
