@@ -173,10 +173,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "(default: %(default)s)")
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS),
                         help="executors to time (default: %(default)s)")
+    parser.add_argument("--stream-interval", type=int, default=DEFAULTS.stream_interval,
+                        help="the api peer's scheduler --stream-interval (default: its own, %(default)s)")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     args = parser.parse_args(argv)
     if args.step_ms <= 0:
         parser.error(f"--step-ms must be > 0, got {args.step_ms}")
+    if args.stream_interval < 1:
+        parser.error(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if max(args.batch) > DEFAULTS.max_num_seqs:
         parser.error(f"--batch is at most the default --max-num-seqs, {DEFAULTS.max_num_seqs}")
     return args
@@ -196,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         child.wait_serving(target, timeout_s=60)
         remote = executor_client(replace(DEFAULTS, executor=target))
         in_process = simulated_executor(simulated_args(flags), TimedSimulated)
-        apis = {peer: ApiPeer.scheduler(flags) if peer == "api" else ApiPeer.floor(args.step_ms)
+        apis = {peer: ApiPeer.scheduler(flags, args.stream_interval) if peer == "api" else ApiPeer.floor(args.step_ms)
                 for peer in peers if peer in API_PEERS}
         decode = {
             "split": lambda batch: time_decode(remote, batch, args.context, args.warmup, args.steps),
@@ -245,7 +249,7 @@ def efficiency(step_ms: float, p: Phases) -> float:
 
 def figures_of(results: dict[tuple[str, int], Phases], args: argparse.Namespace) -> dict[str, float]:
     figures: dict[str, float] = {"step_ms": args.step_ms, "context": args.context, "steps": args.steps,
-                                 "repeats": args.repeats}
+                                 "repeats": args.repeats, "stream_interval": args.stream_interval}
     for (peer, batch), p in results.items():
         prefix = peer.replace("-", "")
         figures[f"{prefix}_efficiency_b{batch}"] = efficiency(args.step_ms, p)

@@ -54,8 +54,9 @@ class ApiPeer:
         self.server = children[-1]
 
     @classmethod
-    def scheduler(cls, executor_flags: list[str]) -> ApiPeer:
-        """The scheduler service at its default flags in front of a simulated executor with ``executor_flags``."""
+    def scheduler(cls, executor_flags: list[str], stream_interval: int = 1) -> ApiPeer:
+        """The scheduler service at its default flags (but ``--stream-interval``) in front of a simulated executor
+        with ``executor_flags``."""
         executor_port, port = free_port(), free_port()
         executor = Child("api's simulated executor", [
             sys.executable, "-m", "executor_svc.simulated", "--host", HOST, "--port", str(executor_port),
@@ -63,7 +64,8 @@ class ApiPeer:
         executor.wait_serving(f"{HOST}:{executor_port}", timeout_s=60)
         scheduler = Child("api's scheduler", [
             sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--host", HOST,
-            "--port", str(port), "--http-port", "0", "--log-level", "WARNING"])
+            "--port", str(port), "--http-port", "0", "--log-level", "WARNING",
+            "--stream-interval", str(stream_interval)])
         scheduler.wait_serving(f"{HOST}:{port}", timeout_s=60)
         return cls(port, [executor, scheduler])
 

@@ -42,6 +42,9 @@ class ServiceConfig:
     overlap: bool = True
     # Decode steps per plan (multi-step scheduling): the executor feeds its own tokens in between.
     num_scheduler_steps: int = 1
+    # Tokens a stream gathers before a message goes out (the first and the last go at once): vLLM's and SGLang's
+    # --stream-interval.
+    stream_interval: int = 1
     # The OpenAI-compatible HTTP API, on --host beside gRPC; 0 turns it off.
     http_port: int = 8000
     # Prometheus /metrics alone, without the API key (for scrapers that cannot send one); 0 turns it off.
@@ -83,6 +86,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--overlap", boolean, "schedule step N+1 while the executor runs step N ('--overlap off': one step at a time)")
     add("--num-scheduler-steps", positive_int, "decode steps per plan: the scheduling and the RPC are paid once "
         "per this many steps, and EOS and stop strings are seen (and new requests start) only between plans")
+    add("--stream-interval", positive_int, "tokens a stream gathers before they are sent (its first token and its "
+        "end go at once): 1 sends each as it comes; more send fewer, larger messages, which costs this process "
+        "less per token when it streams to many clients")
     add("--http-port", port, "port of the OpenAI-compatible HTTP API on --host, with the same TLS and API key "
         "(0 turns it off)")
     add("--metrics-port", port, "port of Prometheus /metrics alone on --host, with the same TLS certificate but "

@@ -35,24 +35,36 @@ class Outbox:
     ~16 us of it). A reader that falls behind takes everything that arrived since its last read.
     """
 
-    __slots__ = ("_outputs", "_waiter")
+    __slots__ = ("_outputs", "_waiter", "_interval", "_tokens", "_started", "_due")
 
-    def __init__(self) -> None:
+    def __init__(self, stream_interval: int = 1) -> None:
+        """``stream_interval``: tokens to gather before the reader gets them (``--stream-interval``); the request's
+        first output, and any output that ends a choice or the request, go at once."""
         self._outputs: list[RequestOutput] = []
         self._waiter: asyncio.Future[None] | None = None
+        self._interval = stream_interval
+        self._tokens = 0  # gathered since the last take; an output without tokens counts as one
+        self._started = False
+        self._due = False
 
     def put_nowait(self, output: RequestOutput) -> None:
         self._outputs.append(output)
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._tokens += len(output.token_ids) or 1
+        if not self._due:
+            self._due = (not self._started or self._tokens >= self._interval or output.finish_reason is not None
+                         or output.error is not None)
+        if self._due and self._waiter is not None:
+            waiter, self._waiter = self._waiter, None
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def take(self) -> list[RequestOutput]:
-        """Every output since the last take, waiting for one if there is none."""
-        while not self._outputs:
+        """Every output since the last take, once they are due."""
+        while not self._due:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         outputs, self._outputs = self._outputs, []
+        self._tokens, self._due, self._started = 0, False, True
         return outputs
 
 
@@ -99,8 +111,9 @@ class Frontend:
     Event-loop thread only, like the engine loop's ``submit`` callers.
     """
 
-    def __init__(self, executor_target: str) -> None:
+    def __init__(self, executor_target: str, stream_interval: int = 1) -> None:
         self.executor_target = executor_target
+        self.stream_interval = stream_interval
         self.loop: EngineLoop | None = None
         self.tokenizer: ModelTokenizer | None = None
         # Requests in flight by the id the caller gave (or was given), for Abort.
@@ -119,7 +132,7 @@ class Frontend:
         metrics count from now, as vLLM's count from a request's arrival."""
         arrived_at = time.monotonic()
         loop = self.ready()
-        outbox = Outbox()
+        outbox = Outbox(self.stream_interval)
         prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
         handle = loop.submit(prepared, outbox, arrived_at)
         self.by_request_id.setdefault(prepared.request_id, set()).add(handle)

@@ -194,7 +194,7 @@ class SchedulerServer:
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
         interceptors.append(MalformedRequestInterceptor(SERVICE_NAME))
         self.server = grpc.aio.server(interceptors=interceptors, options=options)
-        self.frontend = Frontend(config.executor)
+        self.frontend = Frontend(config.executor, config.stream_interval)
         self.servicer = GenerationServicer(self.frontend)
         self.health = health.aio.HealthServicer()
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)

@@ -313,3 +313,15 @@ def test_a_full_queue_is_a_rate_limit_error():
         refused = asyncio.run(run())
         h.assert_idle()
     assert (refused.status_code, refused.code) == (429, "rate_limit_exceeded")
+
+
+def test_a_stream_interval_sends_fewer_larger_chunks_of_the_same_text():
+    with hosted(echo(), stream_interval=4) as gathered:
+        client = gathered.openai()
+        whole = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=9)
+        chunks = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=9, stream=True))
+        gathered.assert_idle()
+    texts = [chunk.choices[0].text for chunk in chunks if chunk.choices]
+    assert "".join(texts) == whole.choices[0].text and whole.usage.completion_tokens == 9
+    # Nine tokens: the first alone, then runs of at least four (one chunk each without the interval).
+    assert len(texts) <= 4

@@ -13,6 +13,7 @@ from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.frontend import Outbox
 from scheduler_svc.outputs import RequestOutput
+from scheduler_svc.sequence import FinishReason
 from tests.service_fixtures import (
     CHATML_TEMPLATE,
     GatedExecutor,
@@ -231,3 +232,23 @@ def test_an_outbox_hands_over_everything_since_the_last_take_and_outlives_a_read
         assert [output.token_ids for output in await outbox.take()] == [[3]]
 
     asyncio.run(scenario())
+
+
+def test_an_outbox_gathers_its_interval_of_tokens_but_hands_over_the_first_and_the_end_at_once():
+    async def scenario() -> list[list[list[int]]]:
+        outbox, taken = Outbox(stream_interval=3), []
+        outbox.put_nowait(RequestOutput(token_ids=[1]))
+        taken.append(await outbox.take())
+        reader = asyncio.create_task(outbox.take())
+        for token_id in (2, 3):
+            outbox.put_nowait(RequestOutput(token_ids=[token_id]))
+            await asyncio.sleep(0)
+        assert not reader.done()
+        outbox.put_nowait(RequestOutput(token_ids=[4]))
+        taken.append(await reader)
+        outbox.put_nowait(RequestOutput(token_ids=[5]))
+        outbox.put_nowait(RequestOutput(token_ids=[6], finish_reason=FinishReason.LENGTH))
+        taken.append(await outbox.take())
+        return [[output.token_ids for output in outputs] for outputs in taken]
+
+    assert asyncio.run(scenario()) == [[[1]], [[2], [3], [4]], [[5], [6]]]

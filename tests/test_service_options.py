@@ -239,3 +239,17 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_executor_once_per_request
     assert dict(sampling.logit_bias) == {7: -100.0}
     assert (sampling.min_tokens, list(sampling.stop_token_ids), sampling.ignore_eos) == (2, [9], False)
     assert news[0].num_prompt_tokens == 3
+
+
+def test_a_stream_interval_sends_runs_of_that_many_tokens_after_the_first_and_the_same_completion():
+    request = token_request([3, 4, 5], max_tokens=11, ignore_eos=True)
+
+    async def work(stub):
+        return [response async for response in stub.Generate(request)]
+
+    each = run(shadow(), work)
+    gathered = run(shadow(), work, stream_interval=4)
+    assert collect(gathered) == collect(each) and len(collect(each).token_ids) == 11
+    assert len(gathered[0].token_ids) >= 1 and all(len(r.token_ids) >= 4 for r in gathered[1:-1])
+    assert len(gathered) <= 4 and gathered[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
