@@ -87,11 +87,7 @@ class Generation:
             error = outputs[-1].error
             if error is not None:
                 raise public(error)
-            finished = 0
-            for output in outputs:
-                if output.finish_reason is not None:
-                    finished += 1
-            self.remaining -= finished
+            self.remaining -= sum(output.finish_reason is not None for output in outputs)
             yield outputs
 
     def close(self) -> None:

@@ -307,8 +307,8 @@ def set_gil_switch_interval(device: str) -> None:
 
     The engine loop thread shares the GIL with the event loop that writes every stream, and needs it after each
     step's result arrives, before it can send the plan the device computes next. W5 through the public API
-    (``python -m bench.overlap --peers api``, 256 streams, 5 ms steps) kept the simulated accelerator busy 0.65 of
-    the time at CPython's 5 ms, 0.82 at 0.5 ms. An executor on the CPU computes on the cores the scheduler runs
+    (``python -m bench.overlap --peers api``, 256 streams, 5 ms steps) kept the simulated accelerator busy 0.67 of
+    the time at CPython's 5 ms, 0.86 at 0.5 ms. An executor on the CPU computes on the cores the scheduler runs
     on, and more GIL hand-overs only take more of them from it.
     """
     if device != "cpu":
