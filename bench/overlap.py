@@ -200,18 +200,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         child.wait_serving(target, timeout_s=60)
         remote = executor_client(replace(DEFAULTS, executor=target))
         in_process = simulated_executor(simulated_args(flags), TimedSimulated)
-        apis = {peer: ApiPeer.scheduler(flags, args.stream_interval) if peer == "api" else ApiPeer.floor(args.step_ms)
-                for peer in peers if peer in API_PEERS}
-        decode = {
-            "split": lambda batch: time_decode(remote, batch, args.context, args.warmup, args.steps),
-            "in-process": lambda batch: time_decode(in_process, batch, args.context, args.warmup, args.steps),
-            **{peer: partial(time_api_decode, api, args) for peer, api in apis.items()},
-        }
-        freeze_startup_heap()  # as both services do once built
+        apis: dict[str, ApiPeer] = {}
         runs = [(peer, batch) for batch in args.batch for peer in peers]
         timed: dict[tuple[str, int], list[Phases]] = {run: [] for run in runs}
-        # Peers alternate within each repeat, so load drift on a shared machine hits them alike.
         try:
+            for peer in API_PEERS:
+                if peer in peers:
+                    apis[peer] = ApiPeer.scheduler(flags, args.stream_interval) if peer == "api" else (
+                        ApiPeer.floor(args.step_ms))
+            decode = {
+                "split": lambda batch: time_decode(remote, batch, args.context, args.warmup, args.steps),
+                "in-process": lambda batch: time_decode(in_process, batch, args.context, args.warmup, args.steps),
+                **{peer: partial(time_api_decode, api, args) for peer, api in apis.items()},
+            }
+            freeze_startup_heap()  # as both services do once built
+            # Peers alternate within each repeat, so load drift on a shared machine hits them alike.
             with progress(total=len(runs) * args.repeats, desc="W5 decode runs") as bar:
                 for _ in range(args.repeats):
                     for peer, batch in runs:

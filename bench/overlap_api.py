@@ -12,6 +12,7 @@ for it exactly as it waits for the Engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import sys
@@ -21,9 +22,14 @@ from dataclasses import dataclass
 from bench.common import HOST, Child, free_port
 from client.api import AsyncClient
 
-# Every stream asks for this many tokens past the timed window: a stream that is read late (the clients share the
-# CPU) still has the whole batch decoding beside it until the window ends; it is cancelled then.
+# Every stream asks for this many times --steps tokens past the timed window: a stream that is read late (the
+# clients share the CPU) still has the whole batch decoding beside it until the window ends; it is cancelled then.
 TAIL_FACTOR = 1
+# The floor has no KV cache to size, and it starts stepping the first stream at once, while the last one may open
+# a hundred steps later (256 streams, 2 ms): its streams ask for far more.
+FLOOR_TAIL_FACTOR = 10
+# A run that takes longer has stalled (a stream that neither moves nor ends): it fails instead of hanging.
+RUN_TIMEOUT_S = 600.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -48,38 +54,48 @@ def process_cpu_s(pid: int) -> float:
 class ApiPeer:
     """Child processes that serve the public API on ``port``, the last of them being the one that streams."""
 
-    def __init__(self, port: int, children: list[Child]) -> None:
+    def __init__(self, port: int, children: list[Child], tail_factor: int = TAIL_FACTOR) -> None:
         self.port = port
         self.children = children
         self.server = children[-1]
+        self.tail_factor = tail_factor
 
     @classmethod
     def scheduler(cls, executor_flags: list[str], stream_interval: int = 1) -> ApiPeer:
         """The scheduler service at its default flags (but ``--stream-interval``) in front of a simulated executor
         with ``executor_flags``."""
         executor_port, port = free_port(), free_port()
-        executor = Child("api's simulated executor", [
-            sys.executable, "-m", "executor_svc.simulated", "--host", HOST, "--port", str(executor_port),
-            *executor_flags])
-        executor.wait_serving(f"{HOST}:{executor_port}", timeout_s=60)
-        scheduler = Child("api's scheduler", [
-            sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--host", HOST,
-            "--port", str(port), "--http-port", "0", "--log-level", "WARNING",
-            "--stream-interval", str(stream_interval)])
-        scheduler.wait_serving(f"{HOST}:{port}", timeout_s=60)
+        with contextlib.ExitStack() as started:  # a child that fails to serve stops the ones before it
+            executor = started.enter_context(Child("api's simulated executor", [
+                sys.executable, "-m", "executor_svc.simulated", "--host", HOST, "--port", str(executor_port),
+                *executor_flags]))
+            executor.wait_serving(f"{HOST}:{executor_port}", timeout_s=60)
+            scheduler = started.enter_context(Child("api's scheduler", [
+                sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--host", HOST,
+                "--port", str(port), "--http-port", "0", "--log-level", "WARNING",
+                "--stream-interval", str(stream_interval)]))
+            scheduler.wait_serving(f"{HOST}:{port}", timeout_s=60)
+            started.pop_all()
         return cls(port, [executor, scheduler])
 
     @classmethod
     def floor(cls, step_ms: float) -> ApiPeer:
         """``bench.stream_floor``: gRPC Python streaming one token per stream per step, and nothing else."""
         port = free_port()
-        floor = Child("streaming floor", [sys.executable, "-m", "bench.stream_floor", "--host", HOST, "--port",
-                                          str(port), "--step-ms", str(step_ms)])
-        floor.wait_serving(f"{HOST}:{port}", timeout_s=60)
-        return cls(port, [floor])
+        with contextlib.ExitStack() as started:
+            floor = started.enter_context(Child("streaming floor", [
+                sys.executable, "-m", "bench.stream_floor", "--host", HOST, "--port", str(port), "--step-ms",
+                str(step_ms)]))
+            floor.wait_serving(f"{HOST}:{port}", timeout_s=60)
+            started.pop_all()
+        return cls(port, [floor], FLOOR_TAIL_FACTOR)
 
     def time_decode(self, batch: int, context: int, warmup: int, steps: int, vocab_size: int) -> ApiRun:
-        return asyncio.run(self._decode(batch, context, warmup, steps, vocab_size))
+        async def bounded() -> ApiRun:
+            async with asyncio.timeout(RUN_TIMEOUT_S):
+                return await self._decode(batch, context, warmup, steps, vocab_size)
+
+        return asyncio.run(bounded())
 
     async def _decode(self, batch: int, context: int, warmup: int, steps: int, vocab_size: int) -> ApiRun:
         rng = random.Random(batch)
@@ -91,7 +107,7 @@ class ApiPeer:
 
             async def stream(prompt: list[int]) -> None:
                 count = 0
-                async for chunk in client.stream(token_ids=prompt, max_tokens=warmup + steps * (1 + TAIL_FACTOR),
+                async for chunk in client.stream(token_ids=prompt, max_tokens=warmup + steps * (1 + self.tail_factor),
                                                  temperature=0.0, ignore_eos=True):
                     before, count = count, count + len(chunk.token_ids)
                     for mark in marks:
@@ -103,19 +119,22 @@ class ApiPeer:
             before = await client.stats()
             tasks = [asyncio.create_task(stream(prompt)) for prompt in prompts]
             window = []
-            for mark in marks:
-                done, _ = await asyncio.wait([asyncio.create_task(events[mark].wait()), *tasks],
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if not events[mark].is_set():  # a stream ended early: its error, or it stopped short
-                    for task in done:
-                        task.result()
-                    raise RuntimeError(f"a stream ended before {mark} tokens")
-                stats = await client.stats()
-                window.append((time.perf_counter(), stats.num_steps, process_cpu_s(self.server.process.pid),
-                               time.thread_time()))
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                for mark in marks:
+                    marked = asyncio.create_task(events[mark].wait())
+                    done, _ = await asyncio.wait([marked, *tasks], return_when=asyncio.FIRST_COMPLETED)
+                    marked.cancel()
+                    if not events[mark].is_set():  # a stream ended early: its error, or it stopped short
+                        for task in done:
+                            task.result()
+                        raise RuntimeError(f"a stream ended before {mark} tokens")
+                    stats = await client.stats()
+                    window.append((time.perf_counter(), stats.num_steps, process_cpu_s(self.server.process.pid),
+                                   time.thread_time()))
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
             after = await client.stats()
             while after.num_running or after.num_waiting:  # the cancelled streams' requests are aborted
                 await asyncio.sleep(0.01)

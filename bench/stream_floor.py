@@ -53,17 +53,17 @@ class StreamFloor(pb_grpc.GenerationServicer):
         queue: asyncio.Queue[int] = asyncio.Queue()
         self.streams.add(queue)
         try:
-            for left in range(request.stopping.max_tokens, 0, -1):
+            left = request.stopping.max_tokens
+            while left > 0:
                 token_ids = [await queue.get()]
                 while not queue.empty() and len(token_ids) < left:  # a slow reader gets fewer, larger messages
                     token_ids.append(queue.get_nowait())
+                left -= len(token_ids)
                 response = pb.GenerateResponse(request_id=request.request_id, token_ids=token_ids)
-                if len(token_ids) >= left:
+                if left == 0:
                     response.finish_reason = FINISH_LENGTH
                     response.usage.completion_tokens = request.stopping.max_tokens
                 yield response
-                if len(token_ids) >= left:
-                    return
         finally:
             self.streams.discard(queue)
 

@@ -158,7 +158,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 
 def deliver_to_event_loop(aio_loop: asyncio.AbstractEventLoop):
-    """The engine loop's ``deliver``: one thread hop per step, then each output into its caller's queue."""
+    """The engine loop's ``deliver``: one thread hop per step, then each output into its caller's outbox."""
 
     def dispatch(batch: list[tuple[RequestHandle, RequestOutput]]) -> None:
         for handle, output in batch:

@@ -84,7 +84,7 @@ def test_overlap_is_on_by_default_and_off_turns_it_off():
     assert parse_config(["--overlap"], env={"NANOSERVE_OVERLAP": "off"}).overlap is True
 
 
-@pytest.mark.parametrize(("device", "shorter"), [("cpu", False), ("cuda:0", True), ("", True)],
+@pytest.mark.parametrize(("device", "shorter"), [("cpu", False), ("cuda:0", True), ("simulated", True)],
                          ids=["cpu", "cuda", "simulated"])
 def test_the_gil_changes_hands_sooner_unless_the_executor_computes_on_the_scheduler_cpu(device, shorter):
     default = sys.getswitchinterval()

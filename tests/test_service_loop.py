@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -11,7 +12,8 @@ from executor_svc.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.frontend import Outbox
+from scheduler_svc.errors import EngineFailure, RequestFailed
+from scheduler_svc.frontend import Generation, Outbox
 from scheduler_svc.outputs import RequestOutput
 from scheduler_svc.sequence import FinishReason
 from tests.service_fixtures import (
@@ -252,3 +254,43 @@ def test_an_outbox_gathers_its_interval_of_tokens_but_hands_over_the_first_and_t
         return [[output.token_ids for output in outputs] for outputs in taken]
 
     assert asyncio.run(scenario()) == [[[1]], [[2], [3], [4]], [[5], [6]]]
+
+
+def test_an_outbox_counts_its_interval_per_choice_and_starts_each_choice_at_once():
+    async def scenario() -> list[list[tuple[int, list[int]]]]:
+        outbox, taken = Outbox(stream_interval=2), []
+        for index, token_id in ((0, 1), (1, 1)):
+            outbox.put_nowait(RequestOutput(token_ids=[token_id], index=index))
+            taken.append(await asyncio.wait_for(outbox.take(), timeout=5))  # due at once: no wait
+        reader = asyncio.create_task(outbox.take())
+        for index in (0, 1):
+            outbox.put_nowait(RequestOutput(token_ids=[2], index=index))
+        await asyncio.sleep(0)
+        assert not reader.done()
+        outbox.put_nowait(RequestOutput(token_ids=[3], index=0))
+        taken.append(await reader)
+        return [[(output.index, output.token_ids) for output in outputs] for outputs in taken]
+
+    assert asyncio.run(scenario()) == [[(0, [1])], [(1, [1])], [(0, [2]), (1, [2]), (0, [3])]]
+
+
+def test_a_failed_request_hands_over_what_came_before_its_error_then_raises_it():
+    async def scenario() -> tuple[list[list[RequestOutput]], RequestFailed]:
+        outbox = Outbox(stream_interval=4)
+        handle = SimpleNamespace(prepared=SimpleNamespace(request_id="r", params=SimpleNamespace(n=2)))
+        generation = Generation(None, handle, outbox)
+        for output in (RequestOutput(token_ids=[1], index=0), RequestOutput(token_ids=[2], index=1),
+                       RequestOutput(token_ids=[3], index=0, finish_reason=FinishReason.LENGTH),
+                       RequestOutput(error=EngineFailure("the executor keeps failing"))):
+            outbox.put_nowait(output)
+        read = []
+        with pytest.raises(RequestFailed) as failed:
+            async for outputs in generation.batches():
+                read.append(outputs)
+        return read, failed.value
+
+    read, error = asyncio.run(scenario())
+    assert [[(o.index, o.token_ids, o.finish_reason) for o in outputs] for outputs in read] == [
+        [(0, [1], None), (1, [2], None), (0, [3], FinishReason.LENGTH)]]
+    assert "keeps failing" in str(error)
+
