@@ -204,10 +204,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         runs = [(peer, batch) for batch in args.batch for peer in peers]
         timed: dict[tuple[str, int], list[Phases]] = {run: [] for run in runs}
         try:
+            start = {"api": lambda: ApiPeer.scheduler(flags, args.stream_interval),
+                     "floor": lambda: ApiPeer.floor(args.step_ms)}
             for peer in API_PEERS:
                 if peer in peers:
-                    apis[peer] = ApiPeer.scheduler(flags, args.stream_interval) if peer == "api" else (
-                        ApiPeer.floor(args.step_ms))
+                    apis[peer] = start[peer]()
             decode = {
                 "split": lambda batch: time_decode(remote, batch, args.context, args.warmup, args.steps),
                 "in-process": lambda batch: time_decode(in_process, batch, args.context, args.warmup, args.steps),

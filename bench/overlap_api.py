@@ -51,6 +51,19 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def start_serving(children: list[tuple[str, int, list[str]]]) -> list[Child]:
+    """Start each (name, port, python arguments) child in turn, once the one before serves; a child that fails to
+    serve stops the ones before it."""
+    with contextlib.ExitStack() as started:
+        serving = []
+        for name, port, argv in children:
+            child = started.enter_context(Child(name, [sys.executable, *argv]))
+            child.wait_serving(f"{HOST}:{port}", timeout_s=60)
+            serving.append(child)
+        started.pop_all()
+    return serving
+
+
 class ApiPeer:
     """Child processes that serve the public API on ``port``, the last of them being the one that streams."""
 
@@ -65,30 +78,21 @@ class ApiPeer:
         """The scheduler service at its default flags (but ``--stream-interval``) in front of a simulated executor
         with ``executor_flags``."""
         executor_port, port = free_port(), free_port()
-        with contextlib.ExitStack() as started:  # a child that fails to serve stops the ones before it
-            executor = started.enter_context(Child("api's simulated executor", [
-                sys.executable, "-m", "executor_svc.simulated", "--host", HOST, "--port", str(executor_port),
-                *executor_flags]))
-            executor.wait_serving(f"{HOST}:{executor_port}", timeout_s=60)
-            scheduler = started.enter_context(Child("api's scheduler", [
-                sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--host", HOST,
-                "--port", str(port), "--http-port", "0", "--log-level", "WARNING",
-                "--stream-interval", str(stream_interval)]))
-            scheduler.wait_serving(f"{HOST}:{port}", timeout_s=60)
-            started.pop_all()
-        return cls(port, [executor, scheduler])
+        return cls(port, start_serving([
+            ("api's simulated executor", executor_port, [
+                "-m", "executor_svc.simulated", "--host", HOST, "--port", str(executor_port), *executor_flags]),
+            ("api's scheduler", port, [
+                "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--host", HOST, "--port", str(port),
+                "--http-port", "0", "--log-level", "WARNING", "--stream-interval", str(stream_interval)]),
+        ]))
 
     @classmethod
     def floor(cls, step_ms: float) -> ApiPeer:
         """``bench.stream_floor``: gRPC Python streaming one token per stream per step, and nothing else."""
         port = free_port()
-        with contextlib.ExitStack() as started:
-            floor = started.enter_context(Child("streaming floor", [
-                sys.executable, "-m", "bench.stream_floor", "--host", HOST, "--port", str(port), "--step-ms",
-                str(step_ms)]))
-            floor.wait_serving(f"{HOST}:{port}", timeout_s=60)
-            started.pop_all()
-        return cls(port, [floor], FLOOR_TAIL_FACTOR)
+        return cls(port, start_serving([("streaming floor", port, [
+            "-m", "bench.stream_floor", "--host", HOST, "--port", str(port), "--step-ms", str(step_ms)])]),
+            FLOOR_TAIL_FACTOR)
 
     def time_decode(self, batch: int, context: int, warmup: int, steps: int, vocab_size: int) -> ApiRun:
         async def bounded() -> ApiRun:
