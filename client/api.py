@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.errors import NanoserveError
-from client.failover import DEFAULT_MAX_RESUMES, ROUND_ROBIN, Resumption, channel_target, resumable
+from client.failover import DEFAULT_MAX_RESUMES, ROUND_ROBIN, Resumption, channel_target, read_whole, resumable
 from client.requests import Message, build_request, tokenize_request
 from client.results import Chunk, Completion
 from common.channels import PUBLIC_MAX_MESSAGE_BYTES, public_channel_options
@@ -67,11 +67,12 @@ class Client:
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     def generate(self, prompt: str | None = None, **options: Any) -> Completion:
-        """The whole completion: streamed and joined, so that it survives its scheduler's death (n > 1: one
-        GenerateOnce response, not resumed)."""
+        """The whole completion: streamed (``JOINED_STREAM_INTERVAL`` tokens a response unless ``stream_interval``
+        is given) and joined, so that it survives its scheduler's death (n > 1: one GenerateOnce response, not
+        resumed)."""
         request = build_request(prompt, **options)
         if resumable(request):
-            return Completion.from_chunks(list(self._stream(request)))[0]
+            return Completion.from_chunks(list(self._stream(read_whole(request))))[0]
         try:
             return Completion.from_proto(self.stub.GenerateOnce(request, timeout=self.timeout, metadata=self.metadata))
         except grpc.RpcError as e:
@@ -188,7 +189,7 @@ class AsyncClient:
         """The whole completion, streamed and joined as ``Client.generate`` does."""
         request = build_request(prompt, **options)
         if resumable(request):
-            return Completion.from_chunks([chunk async for chunk in self._stream(request)])[0]
+            return Completion.from_chunks([chunk async for chunk in self._stream(read_whole(request))])[0]
         return Completion.from_proto(await self._unary(self.stub.GenerateOnce, request))
 
     def stream(self, prompt: str | None = None, **options: Any) -> AsyncIterator[Chunk]:

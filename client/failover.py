@@ -26,6 +26,9 @@ ROUND_ROBIN = ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": 
 DEFAULT_MAX_RESUMES = 4
 FIRST_DELAY_S = 0.1
 MAX_DELAY_S = 2.0
+# Tokens a response of a stream that ``generate`` joins carries: a sixteenth of the messages of one token each
+# for the scheduler to send and the client to read, and a resumed stream computes at most this many again.
+JOINED_STREAM_INTERVAL = 16
 
 
 def address(server: str) -> tuple[int, str]:
@@ -61,6 +64,14 @@ def channel_target(target: str, servers: list[str] | None = None) -> tuple[str, 
 def resumable(request: pb.GenerateRequest) -> bool:
     """Only a single choice resumes: the tokens of n > 1 choices would have to be resumed each on its own."""
     return request.sampling.n <= 1
+
+
+def read_whole(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    """``request`` as ``generate`` streams it, to join the pieces: ``JOINED_STREAM_INTERVAL`` tokens a response
+    unless the caller chose a ``stream_interval``."""
+    if not request.HasField("stream_interval"):
+        request.stream_interval = JOINED_STREAM_INTERVAL
+    return request
 
 
 @dataclass

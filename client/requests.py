@@ -42,6 +42,7 @@ def build_request(
     choice: Sequence[str] | None = None,
     grammar: str | None = None,
     json_object: bool | None = None,
+    stream_interval: int | None = None,
 ) -> pb.GenerateRequest:
     """Exactly one of ``prompt`` (text), ``messages`` (chat) or ``token_ids`` must be given, and at most one
     structured-output constraint (``json_schema`` as JSON text or a dict, ``regex``, ``choice``, ``grammar``
@@ -65,7 +66,8 @@ def build_request(
                                   include_stop_str_in_output=include_stop_str_in_output)
     request = pb.GenerateRequest(request_id=request_id, sampling=sampling, stopping=stopping,
                                  add_special_tokens=add_special_tokens, skip_special_tokens=skip_special_tokens,
-                                 truncate_prompt_tokens=truncate_prompt_tokens, prompt_logprobs=prompt_logprobs)
+                                 truncate_prompt_tokens=truncate_prompt_tokens, prompt_logprobs=prompt_logprobs,
+                                 stream_interval=stream_interval)
     constraint = structured_output(json_schema, regex, choice, grammar, json_object)
     if constraint is not None:
         request.structured_output.CopyFrom(constraint)

@@ -137,8 +137,8 @@ class Frontend:
         metrics count from now, as vLLM's count from a request's arrival."""
         arrived_at = time.monotonic()
         loop = self.ready()
-        outbox = Outbox(self.stream_interval)
         prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
+        outbox = Outbox(prepared.stream_interval or self.stream_interval)
         handle = loop.submit(prepared, outbox, arrived_at)
         self.by_request_id.setdefault(prepared.request_id, set()).add(handle)
         return Generation(self, handle, outbox)

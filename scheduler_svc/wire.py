@@ -64,6 +64,9 @@ class PreparedRequest:
     params: SamplingParams
     # Completion tokens a client resumes with (GenerateRequest.resume); they follow the prompt.
     resumed_token_ids: list[int] = field(default_factory=list)
+    # Tokens each choice gathers before its stream carries them (GenerateRequest.stream_interval); None: the
+    # server's --stream-interval.
+    stream_interval: int | None = None
 
 
 def public_error(error: InvalidRequest) -> InvalidRequest:
@@ -79,6 +82,15 @@ def truncated(token_ids: list[int], request: pb.GenerateRequest) -> list[int]:
     if keep < 1:
         raise InvalidRequest("truncate_prompt_tokens", f"must be >= 1, got {keep}")
     return token_ids[-keep:]
+
+
+def stream_interval(request: pb.GenerateRequest) -> int | None:
+    """The request's own stream interval, when it sets one."""
+    if not request.HasField("stream_interval"):
+        return None
+    if request.stream_interval < 1:
+        raise InvalidRequest("stream_interval", f"must be >= 1, got {request.stream_interval}")
+    return request.stream_interval
 
 
 def prompt_token_ids(request: pb.GenerateRequest, tokenizer: ModelTokenizer | None) -> list[int]:
@@ -162,9 +174,10 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
         resumed = list(request.resume.completion_token_ids)
         check_resume(resumed, params, limits)
         check_fits_cache(len(token_ids), params, limits)
+        interval = stream_interval(request)
     except InvalidRequest as e:
         raise public_error(e) from e
-    return PreparedRequest(request.request_id or uuid.uuid4().hex, token_ids, params, resumed)
+    return PreparedRequest(request.request_id or uuid.uuid4().hex, token_ids, params, resumed, interval)
 
 
 def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:

@@ -10,6 +10,8 @@ import grpc
 import pytest
 
 from client import AsyncClient, Client, NanoserveError
+from client.failover import JOINED_STREAM_INTERVAL, read_whole
+from client.requests import build_request
 from tests.service_fixtures import TOKENIZER_VOCAB_SIZE, assert_idle, executor_argv, free_port, running_stack
 
 if TYPE_CHECKING:
@@ -35,6 +37,12 @@ def test_generate_returns_the_completion_text_ids_reason_and_usage(client: Clien
     prompt_tokens = len(echo_server.tokenizer.encode(PROMPT).ids)
     assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (prompt_tokens, 9)
     assert completion.request_id
+
+
+def test_generate_asks_for_several_tokens_a_response_unless_told():
+    assert read_whole(build_request(token_ids=[1])).stream_interval == JOINED_STREAM_INTERVAL > 1
+    assert read_whole(build_request(token_ids=[1], stream_interval=1)).stream_interval == 1
+    assert not build_request(token_ids=[1]).HasField("stream_interval")
 
 
 def test_stream_yields_pieces_that_join_to_the_completion(client: Client, echo_server: EchoServer) -> None:

@@ -69,7 +69,25 @@ def sync_streams(stacks: list[Stack], work: list[tuple[list[int], int]], how: st
     return tokens, victim
 
 
-@pytest.mark.parametrize(("kind", "how"), [("async", "kill"), ("sync", "kill"), ("async", "drain"), ("sync", "drain")])
+async def joined_completions(stacks: list[Stack], work: list[tuple[list[int], int]], how: str) -> tuple[list, Stack]:
+    """Whole completions (``AsyncClient.generate``: one response per JOINED_STREAM_INTERVAL tokens), a busy scheduler
+    stopped once 64 steps ran, well past every stream's first few responses."""
+    async with AsyncClient(servers=[s.target for s in stacks], timeout=120) as client:
+        tasks = [asyncio.create_task(client.generate(token_ids=p, max_tokens=m, ignore_eos=True, temperature=0))
+                 for p, m in work]
+        deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
+        while sum(s.stub.GetStats(pb.GetStatsRequest(), timeout=5).num_steps for s in stacks) < 64:
+            assert asyncio.get_running_loop().time() < deadline, "the completions did not start"
+            await asyncio.sleep(0.01)
+        victim = stop_a_busy_scheduler(stacks, how)
+        return [list(c.token_ids) for c in await asyncio.gather(*tasks)], victim
+
+
+STREAMS = {"async": async_streams, "sync": sync_streams, "generate": joined_completions}
+
+
+@pytest.mark.parametrize(("kind", "how"), [("async", "kill"), ("sync", "kill"), ("async", "drain"), ("sync", "drain"),
+                                           ("generate", "kill")])
 def test_a_scheduler_killed_mid_generation_costs_its_streams_nothing(tmp_path: Path, kind: str, how: str):
     work = workload(8, seed=5, min_tokens=400, max_tokens=600)
     with contextlib.ExitStack() as stack:
@@ -78,8 +96,8 @@ def test_a_scheduler_killed_mid_generation_costs_its_streams_nothing(tmp_path: P
             port = free_port()
             stacks.append(stack.enter_context(running_stack(
                 executor_argv("shadow", port, SHADOW), tmp_path / name, executor_port=port, shutdown_grace=0)))
-        streams = async_streams if kind == "async" else sync_streams
-        tokens, victim = asyncio.run(streams(stacks, work, how)) if kind == "async" else streams(stacks, work, how)
+        streams = STREAMS[kind]
+        tokens, victim = streams(stacks, work, how) if kind == "sync" else asyncio.run(streams(stacks, work, how))
         assert victim.scheduler.wait(timeout=10) == (-9 if how == "kill" else 0)
         assert tokens == [expected(p, m, ignore_eos=True) for p, m in work]
         (survivor,) = [s for s in stacks if s is not victim]

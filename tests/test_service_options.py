@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import grpc
 import pytest
@@ -252,4 +253,30 @@ def test_a_stream_interval_sends_runs_of_that_many_tokens_after_the_first_and_th
     assert collect(gathered) == collect(each) and len(collect(each).token_ids) == 11
     assert len(gathered[0].token_ids) >= 1 and all(len(r.token_ids) >= 4 for r in gathered[1:-1])
     assert len(gathered) <= 4 and gathered[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+class PacedExecutor(RecordingExecutor):
+    """Steps that take 10 ms, as a device's would, so that a reader keeps up and gets every message on its own."""
+
+    def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+        time.sleep(0.01)
+        return super().step(plan)
+
+
+def test_a_request_chooses_its_own_stream_interval_over_the_servers():
+    def request(interval: int) -> pb.GenerateRequest:
+        r = token_request([3, 4, 5], max_tokens=11, ignore_eos=True)
+        r.stream_interval = interval
+        return r
+
+    async def work(stub):
+        runs = []
+        for interval in (5, 1):
+            runs.append([response async for response in stub.Generate(request(interval))])
+        return runs
+
+    gathered, each = run(PacedExecutor(shadow()), work, stream_interval=3)
+    assert collect(gathered) == collect(each) and len(collect(each).token_ids) == 11
+    assert [len(r.token_ids) for r in gathered] == [1, 5, 5]
+    assert [len(r.token_ids) for r in each] == [1] * 11
 

@@ -87,6 +87,7 @@ def test_text_is_tokenized_with_special_tokens_unless_told_not_to(tokenizer: Mod
         (tokens(1, sampling=pb.SamplingOptions(logit_bias={300: 1})), "sampling.logit_bias", "token id 300"),
         (tokens(1, stopping=pb.StoppingOptions(max_tokens=4, min_tokens=5)), "stopping.min_tokens", "at most"),
         (tokens(1, truncate_prompt_tokens=0), "truncate_prompt_tokens", ">= 1"),
+        (tokens(1, stream_interval=0), "stream_interval", ">= 1, got 0"),
     ],
 )
 def test_bad_input_names_its_field(
