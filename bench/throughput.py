@@ -9,10 +9,12 @@ the batch's largest max_tokens); ``hf_cb`` is transformers' own continuous batch
 manager, paged KV cache; bench/hf_cb.py), every request at once with its own max_tokens; ``inprocess`` is the
 scheduler Engine driving the ModelExecutor in this process; ``split`` and ``split_overlap`` run the executor and
 the scheduler as two processes over gRPC (the latter with ``--overlap``) and send every request at once through
-the public API with ``client.api.AsyncClient`` (``split_whole``: at default flags, as whole completions through
-``GenerateOnce``, as an offline batch job asks, not streamed); ``llamacpp`` (W1, when llama-cpp-python is installed; see
-bench/llamacpp.py) is llama.cpp on a float32 / bfloat16 GGUF of the same weights, 64 slots batching continuously
-as llama-server does, prompt chunks and decodes in one ``llama_decode``. A peer is a function in ``PEERS``.
+the public API with ``client.api.AsyncClient.generate`` (responses of ``JOINED_STREAM_INTERVAL`` tokens;
+``split_tokens``: at default flags, one response per token, as a streaming reader gets them at the server's default;
+``split_whole``: at default flags, as whole completions through ``GenerateOnce``, not streamed); ``llamacpp``
+(W1, when llama-cpp-python is installed; see bench/llamacpp.py) is llama.cpp on a float32 / bfloat16 GGUF of the
+same weights, 64 slots batching continuously as llama-server does, prompt chunks and decodes in one
+``llama_decode``. A peer is a function in ``PEERS``.
 """
 
 from __future__ import annotations
@@ -118,9 +120,10 @@ def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
     return time.perf_counter() - start
 
 
-def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, whole: bool = False) -> float:
-    """Executor and scheduler as subprocesses, every request sent at once through the public API: streamed, as
-    ``AsyncClient.generate`` does, or (``whole``) as whole completions through ``GenerateOnce``."""
+def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, how: str = "generate") -> float:
+    """Executor and scheduler as subprocesses, every request sent at once through the public API: ``how`` is
+    ``generate`` (``AsyncClient.generate``), ``tokens`` (the same, one response per token) or ``whole`` (whole
+    completions through ``GenerateOnce``)."""
 
     log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-w1-"))
     executor_port, scheduler_port = free_port(), free_port()
@@ -142,20 +145,20 @@ def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, whole
         executor.wait_serving(f"{HOST}:{executor_port}", timeout_s=600)
         scheduler = stack.enter_context(Child("scheduler", scheduler_argv, log_dir / "scheduler.log"))
         scheduler.wait_serving(target, timeout_s=60)
-        name = "split" + ("+overlap" if overlap else "") + (" (whole)" if whole else "")
-        return asyncio.run(_drive(target, workload, name, whole))
+        name = "split" + ("+overlap" if overlap else "") + ("" if how == "generate" else f" ({how})")
+        return asyncio.run(_drive(target, workload, name, how))
 
 
-async def _drive(target: str, workload: Workload, name: str, whole: bool) -> float:
+async def _drive(target: str, workload: Workload, name: str, how: str) -> float:
     from client.api import AsyncClient, Completion
     from client.requests import build_request
 
     async with AsyncClient(target) as client:
 
         async def generate(**options: object) -> Completion:
-            if whole:
+            if how == "whole":
                 return Completion.from_proto(await client.stub.GenerateOnce(build_request(**options)))
-            return await client.generate(**options)
+            return await client.generate(**options, **({"stream_interval": 1} if how == "tokens" else {}))
 
         await generate(token_ids=WARMUP_PROMPT, max_tokens=4, temperature=0.0, ignore_eos=True)
         with progress(total=sum(workload.max_tokens), desc=name, unit="tok") as bar:
@@ -186,7 +189,8 @@ PEERS: dict[str, Callable[[argparse.Namespace, Workload], float]] = {
     "inprocess": run_inprocess,
     "split": partial(run_split, overlap=False),
     "split_overlap": partial(run_split, overlap=True),
-    "split_whole": partial(run_split, overlap=True, whole=True),
+    "split_tokens": partial(run_split, overlap=True, how="tokens"),
+    "split_whole": partial(run_split, overlap=True, how="whole"),
     "llamacpp": llamacpp.run_llamacpp,
 }
 
