@@ -10,6 +10,7 @@ to its own statuses.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Iterable
 
@@ -36,14 +37,17 @@ class Outbox:
     arrived since its last read.
     """
 
-    __slots__ = ("_outputs", "_waiter", "_interval", "_tokens", "_started", "_due")
+    __slots__ = ("_outputs", "_waiter", "_interval", "_eager", "_tokens", "_started", "_due")
 
-    def __init__(self, stream_interval: int = 1) -> None:
+    def __init__(self, stream_interval: int | None = 1) -> None:
         """``stream_interval``: tokens of one choice to gather before the reader gets them (``--stream-interval``);
-        a choice's first output, and any output that ends a choice or the request, go at once."""
+        a choice's first output, and any output that ends a choice or the request, go at once. None, for a reader
+        of whole completions (GenerateOnce, HTTP without ``stream``): only a choice's end or the request's failure
+        wakes it, not every token of a step."""
         self._outputs: list[RequestOutput] = []
         self._waiter: asyncio.Future[None] | None = None
-        self._interval = stream_interval
+        self._interval = stream_interval if stream_interval is not None else math.inf
+        self._eager = stream_interval is not None  # a choice's first output goes at once
         # Tokens gathered since the last take, by choice; an output without tokens counts as one.
         self._tokens: dict[int, int] = {}
         self._started: set[int] = set()  # the choices that were handed over before
@@ -54,8 +58,8 @@ class Outbox:
         index = output.index
         tokens = self._tokens[index] = self._tokens.get(index, 0) + (len(output.token_ids) or 1)
         if not self._due:
-            self._due = (tokens >= self._interval or index not in self._started or output.finish_reason is not None
-                         or output.error is not None)
+            self._due = (tokens >= self._interval or (self._eager and index not in self._started)
+                         or output.finish_reason is not None or output.error is not None)
         if self._due and self._waiter is not None:
             waiter, self._waiter = self._waiter, None
             if not waiter.done():
@@ -132,13 +136,14 @@ class Frontend:
             raise ExecutorUnavailable(f"the scheduler is still connecting to the executor at {self.executor_target}")
         return self.loop
 
-    async def submit(self, request: pb.GenerateRequest) -> Generation:
+    async def submit(self, request: pb.GenerateRequest, whole: bool = False) -> Generation:
         """Validate (off the event loop: tokenizing and templating take time) and queue ``request``; its latency
-        metrics count from now, as vLLM's count from a request's arrival."""
+        metrics count from now, as vLLM's count from a request's arrival. ``whole``: the caller reads each choice
+        only once it ended, so its outputs wait for that."""
         arrived_at = time.monotonic()
         loop = self.ready()
         prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
-        outbox = Outbox(prepared.stream_interval or self.stream_interval)
+        outbox = Outbox(None if whole else prepared.stream_interval or self.stream_interval)
         handle = loop.submit(prepared, outbox, arrived_at)
         self.by_request_id.setdefault(prepared.request_id, set()).add(handle)
         return Generation(self, handle, outbox)

@@ -92,12 +92,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except RequestFailed as e:
             await self._fail(context, e)
 
-    async def _submit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Generation:
+    async def _submit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                      whole: bool = False) -> Generation:
         await self._ready(context)
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a GenerateRequest: {request.reason}")
         try:
-            return await self.frontend.submit(request)
+            return await self.frontend.submit(request, whole)
         except RequestFailed as e:
             await self._fail(context, e)
 
@@ -123,7 +124,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if not isinstance(request, MalformedRequest) and request.sampling.n > 1:
             message = f"GenerateOnce returns one completion; stream {request.sampling.n} choices with Generate"
             await self._fail(context, InvalidRequest("sampling.n", message))
-        with await self._submit(request, context) as generation:
+        with await self._submit(request, context, whole=True) as generation:
             try:
                 outputs = [output async for batch in generation.batches() for output in batch]
             except RequestFailed as e:

@@ -256,6 +256,22 @@ def test_an_outbox_gathers_its_interval_of_tokens_but_hands_over_the_first_and_t
     assert asyncio.run(scenario()) == [[[1]], [[2], [3], [4]], [[5], [6]]]
 
 
+def test_an_outbox_of_whole_completions_wakes_its_reader_only_when_a_choice_ends():
+    async def scenario() -> list[list[tuple[int, list[int]]]]:
+        outbox = Outbox(stream_interval=None)
+        reader = asyncio.create_task(outbox.take())
+        for index, token_id in ((0, 1), (1, 1), (0, 2), (1, 2)):
+            outbox.put_nowait(RequestOutput(token_ids=[token_id], index=index))
+            await asyncio.sleep(0)
+        assert not reader.done()
+        outbox.put_nowait(RequestOutput(token_ids=[3], index=1, finish_reason=FinishReason.STOP))
+        first = await reader
+        outbox.put_nowait(RequestOutput(token_ids=[3], index=0, finish_reason=FinishReason.LENGTH))
+        return [[(output.index, output.token_ids) for output in outputs] for outputs in (first, await outbox.take())]
+
+    assert asyncio.run(scenario()) == [[(0, [1]), (1, [1]), (0, [2]), (1, [2]), (1, [3])], [(0, [3])]]
+
+
 def test_an_outbox_counts_its_interval_per_choice_and_starts_each_choice_at_once():
     async def scenario() -> list[list[tuple[int, list[int]]]]:
         outbox, taken = Outbox(stream_interval=2), []

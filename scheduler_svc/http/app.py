@@ -103,7 +103,7 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
         generations: list[Generation] = []
         try:
             for request in t.requests:
-                generations.append(await frontend.submit(request))
+                generations.append(await frontend.submit(request, whole=not t.stream))
         except BaseException as e:
             for generation in generations:
                 generation.close()
