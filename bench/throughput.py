@@ -11,7 +11,8 @@ scheduler Engine driving the ModelExecutor in this process; ``split`` and ``spli
 the scheduler as two processes over gRPC (the latter with ``--overlap``) and send every request at once through
 the public API with ``client.api.AsyncClient.generate`` (responses of ``JOINED_STREAM_INTERVAL`` tokens;
 ``split_tokens``: at default flags, one response per token, as a streaming reader gets them at the server's default;
-``split_whole``: at default flags, as whole completions through ``GenerateOnce``, not streamed); ``llamacpp``
+``split_whole``: at default flags, as whole completions through ``GenerateOnce``, not streamed;
+``split_no_yield``: at default flags but ``--yield-cpu off`` for both services); ``llamacpp``
 (W1, when llama-cpp-python is installed; see bench/llamacpp.py) is llama.cpp on a float32 / bfloat16 GGUF of the
 same weights, 64 slots batching continuously as llama-server does, prompt chunks and decodes in one
 ``llama_decode``. A peer is a function in ``PEERS``.
@@ -120,10 +121,11 @@ def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
     return time.perf_counter() - start
 
 
-def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, how: str = "generate") -> float:
+def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, how: str = "generate",
+              yield_cpu: bool = True) -> float:
     """Executor and scheduler as subprocesses, every request sent at once through the public API: ``how`` is
     ``generate`` (``AsyncClient.generate``), ``tokens`` (the same, one response per token) or ``whole`` (whole
-    completions through ``GenerateOnce``)."""
+    completions through ``GenerateOnce``); ``yield_cpu`` is both services' ``--yield-cpu``."""
 
     log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-w1-"))
     executor_port, scheduler_port = free_port(), free_port()
@@ -131,13 +133,14 @@ def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, how: 
         sys.executable, "-m", "executor_svc", "--port", str(executor_port), "--model", args.model,
         "--device", args.device, "--dtype", args.dtype, "--block-size", str(args.block_size),
         "--threads", str(args.threads), "--max-model-len", str(workload.max_model_len),
+        "--yield-cpu", str(yield_cpu).lower(),
     ]
     if (kv_bytes := kv_cache_memory(args)) is not None:
         executor_argv += ["--kv-cache-memory", str(kv_bytes)]
     scheduler_argv = [
         sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--port", str(scheduler_port),
         "--overlap", str(overlap).lower(), "--num-scheduler-steps", str(args.num_scheduler_steps),
-        "--log-level", "WARNING", "--http-port", "0",
+        "--log-level", "WARNING", "--http-port", "0", "--yield-cpu", str(yield_cpu).lower(),
     ]
     target = f"{HOST}:{scheduler_port}"
     with ExitStack() as stack:
@@ -145,7 +148,8 @@ def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, how: 
         executor.wait_serving(f"{HOST}:{executor_port}", timeout_s=600)
         scheduler = stack.enter_context(Child("scheduler", scheduler_argv, log_dir / "scheduler.log"))
         scheduler.wait_serving(target, timeout_s=60)
-        name = "split" + ("+overlap" if overlap else "") + ("" if how == "generate" else f" ({how})")
+        name = ("split" + ("+overlap" if overlap else "") + ("" if how == "generate" else f" ({how})")
+                + ("" if yield_cpu else " (no yield)"))
         return asyncio.run(_drive(target, workload, name, how))
 
 
@@ -191,6 +195,7 @@ PEERS: dict[str, Callable[[argparse.Namespace, Workload], float]] = {
     "split_overlap": partial(run_split, overlap=True),
     "split_tokens": partial(run_split, overlap=True, how="tokens"),
     "split_whole": partial(run_split, overlap=True, how="whole"),
+    "split_no_yield": partial(run_split, overlap=True, yield_cpu=False),
     "llamacpp": llamacpp.run_llamacpp,
 }
 

@@ -60,6 +60,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--enforce-eager", boolean, False, "never capture CUDA graphs")
     add("--cpu-kernels", cpu_kernels_flag, "auto",
         "CPU kernels: auto (measured at start-up, cached per machine), c, torch, or family[:class]=c|torch items")
+    add("--yield-cpu", boolean, True, "on the CPU, run gRPC's and the other helper threads in SCHED_IDLE, so that "
+        "they never preempt the forward pass (the scheduler does the same with its own)")
     add("--tls-cert", str, "", "PEM certificate chain (with --tls-key: serve TLS)")
     add("--tls-key", str, "", "PEM private key of --tls-cert")
     add("--tls-ca", str, "", "PEM CA: only a scheduler with a client certificate it signed may connect (mutual TLS)")
@@ -104,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         info.attention_backend, info.tensor_parallel_size,
     )
     try:
-        serve(executor, args.host, args.port, tls=tls)
+        serve(executor, args.host, args.port, tls=tls, yield_helpers=args.yield_cpu)
     finally:
         executor.close()
 

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.channels import EXECUTOR_SERVER_OPTIONS
+from common.cpu_yield import thread_ids, yield_cpu
 from common.executor import Executor
 from common.heap import freeze_startup_heap
 from common.security import TLSConfig, bind, transport_name
@@ -199,18 +200,24 @@ def build_server(
     return server, bind(server, host, port, tls)
 
 
-def serve(executor: Executor, host: str, port: int, grace_s: float = 5.0, tls: TLSConfig | None = None) -> None:
+def serve(executor: Executor, host: str, port: int, grace_s: float = 5.0, tls: TLSConfig | None = None,
+          yield_helpers: bool = True) -> None:
     """Serve until SIGTERM or SIGINT, then report NOT_SERVING and stop within ``grace_s`` seconds.
 
     The executor's steps run on the calling thread (a ``CallingThread``), which should be the one that
-    built the executor.
+    built the executor. With ``yield_helpers``, on the CPU every thread started from here on (gRPC's, the
+    streams') runs in SCHED_IDLE, so that none preempts the forward pass (``common.cpu_yield``).
     """
     freeze_startup_heap()
+    forward_threads = thread_ids()  # this one and the OpenMP team it started while the model loaded
     health_servicer = health.HealthServicer()
     calling_thread = CallingThread()
     server, bound = build_server(executor, host, port, tls, health_servicer, calling_thread.submit)
     server.start()
     info = executor.get_info()
+    if yield_helpers and info.device == "cpu":
+        # Threads gRPC starts later come from these, and are idle too.
+        log.debug("%d helper threads yield the CPU to the forward pass", yield_cpu(thread_ids() - forward_threads))
     log.info(
         "executor serving on %s:%d (%s) model=%s device=%s dtype=%s blocks=%dx%d backend=%s instance=%s",
         host, bound, transport_name(tls), info.model_id, info.device, info.dtype, info.num_blocks, info.block_size,

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.channels import DRAINED_KEY, message_size_options
+from common.cpu_yield import thread_ids, yield_cpu
 from common.executor import Executor
 from common.heap import freeze_startup_heap
 from common.security import ApiKeyInterceptor, TLSConfig, bind, channel_credentials, transport_name
@@ -325,6 +326,8 @@ async def serve(config: ServiceConfig) -> None:
         aio_loop.add_signal_handler(signum, scheduler.stopping.set)
     if await scheduler.connect():
         set_gil_switch_interval(scheduler.loop.info.device)
+        if config.yield_cpu and scheduler.loop.info.device == "cpu":
+            log.debug("%d threads yield the CPU to the executor's forward pass", yield_cpu(thread_ids()))
         freeze_startup_heap()
         await scheduler.stopping.wait()
     log.info("scheduler stopping: %.0fs for the requests in flight", config.shutdown_grace)

@@ -1,0 +1,46 @@
+"""Helper threads that give way to a forward pass computing on the CPU (Linux's SCHED_IDLE class).
+
+A CPU model executor's OpenMP team holds every core it was given. Each time a helper thread wakes on one of them
+(gRPC's pollers, a step stream's reader and writer, the scheduler's engine loop and event loop), it preempts a team
+thread, and the rest of the team waits for that one at its next barrier: over W1 on two cores the executor's two
+forward threads were preempted ~4,100 times, 16 times a decode step. A thread in SCHED_IDLE runs only on a core that no
+normal thread wants, so the helpers run on what the team leaves (its barriers, the Python between kernels, the wait
+for the next plan) and never preempt it. W1's split, bfloat16, three alternating rounds: 13.2 s with the helpers at
+normal priority, 12.0 s with them idle, in-process 12.8 s (docs/benchmarks.md). Both services must yield: either
+one alone gave nothing.
+
+Only processes of one CPU group (cgroup) compete this way: a scheduler in another container than its executor's
+yields only to its own threads. A thread put in SCHED_IDLE cannot go back without CAP_SYS_NICE, and threads it
+starts are idle too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+
+log = logging.getLogger("nanoserve.cpu_yield")
+
+
+def thread_ids() -> set[int]:
+    """Every thread of this process, by kernel thread id (none where there is no /proc)."""
+    try:
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
+    except FileNotFoundError:
+        return set()
+
+
+def yield_cpu(tids: Iterable[int]) -> int:
+    """Put these threads in SCHED_IDLE; how many were (0 where the system has no SCHED_IDLE)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        log.info("no SCHED_IDLE here: helper threads keep their priority")
+        return 0
+    done = 0
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            done += 1
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+    return done
