@@ -12,7 +12,7 @@ the scheduler as two processes over gRPC (the latter with ``--overlap``) and sen
 the public API with ``client.api.AsyncClient.generate`` (responses of ``JOINED_STREAM_INTERVAL`` tokens;
 ``split_tokens``: at default flags, one response per token, as a streaming reader gets them at the server's default;
 ``split_whole``: at default flags, as whole completions through ``GenerateOnce``, not streamed;
-``split_no_yield``: at default flags but ``--yield-cpu off`` for both services); ``llamacpp``
+``split_yield``: at default flags but ``--yield-cpu on`` for both services); ``llamacpp``
 (W1, when llama-cpp-python is installed; see bench/llamacpp.py) is llama.cpp on a float32 / bfloat16 GGUF of the
 same weights, 64 slots batching continuously as llama-server does, prompt chunks and decodes in one
 ``llama_decode``. A peer is a function in ``PEERS``.
@@ -122,7 +122,7 @@ def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
 
 
 def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, how: str = "generate",
-              yield_cpu: bool = True) -> float:
+              yield_cpu: bool = False) -> float:
     """Executor and scheduler as subprocesses, every request sent at once through the public API: ``how`` is
     ``generate`` (``AsyncClient.generate``), ``tokens`` (the same, one response per token) or ``whole`` (whole
     completions through ``GenerateOnce``); ``yield_cpu`` is both services' ``--yield-cpu``."""
@@ -149,7 +149,7 @@ def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, how: 
         scheduler = stack.enter_context(Child("scheduler", scheduler_argv, log_dir / "scheduler.log"))
         scheduler.wait_serving(target, timeout_s=60)
         name = ("split" + ("+overlap" if overlap else "") + ("" if how == "generate" else f" ({how})")
-                + ("" if yield_cpu else " (no yield)"))
+                + (" (yield)" if yield_cpu else ""))
         return asyncio.run(_drive(target, workload, name, how))
 
 
@@ -195,7 +195,7 @@ PEERS: dict[str, Callable[[argparse.Namespace, Workload], float]] = {
     "split_overlap": partial(run_split, overlap=True),
     "split_tokens": partial(run_split, overlap=True, how="tokens"),
     "split_whole": partial(run_split, overlap=True, how="whole"),
-    "split_no_yield": partial(run_split, overlap=True, yield_cpu=False),
+    "split_yield": partial(run_split, overlap=True, yield_cpu=True),
     "llamacpp": llamacpp.run_llamacpp,
 }
 

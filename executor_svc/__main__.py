@@ -60,8 +60,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--enforce-eager", boolean, False, "never capture CUDA graphs")
     add("--cpu-kernels", cpu_kernels_flag, "auto",
         "CPU kernels: auto (measured at start-up, cached per machine), c, torch, or family[:class]=c|torch items")
-    add("--yield-cpu", boolean, True, "on the CPU, run gRPC's and the other helper threads in SCHED_IDLE, so that "
-        "they never preempt the forward pass (the scheduler does the same with its own)")
+    add("--yield-cpu", boolean, False, "on the CPU, run gRPC's and the other helper threads in SCHED_IDLE, so that "
+        "they never preempt the forward pass: more offline throughput, a later first token (with the scheduler's)")
     add("--tls-cert", str, "", "PEM certificate chain (with --tls-key: serve TLS)")
     add("--tls-key", str, "", "PEM private key of --tls-cert")
     add("--tls-ca", str, "", "PEM CA: only a scheduler with a client certificate it signed may connect (mutual TLS)")

@@ -201,7 +201,7 @@ def build_server(
 
 
 def serve(executor: Executor, host: str, port: int, grace_s: float = 5.0, tls: TLSConfig | None = None,
-          yield_helpers: bool = True) -> None:
+          yield_helpers: bool = False) -> None:
     """Serve until SIGTERM or SIGINT, then report NOT_SERVING and stop within ``grace_s`` seconds.
 
     The executor's steps run on the calling thread (a ``CallingThread``), which should be the one that

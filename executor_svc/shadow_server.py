@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from common.flags import boolean
 from common.security import TLSConfig
 from executor_svc.requests import RequestTable, ScheduledChunk
 from executor_svc.service import serve
@@ -121,6 +122,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument("--tls-ca", help="PEM CA; clients must then present a certificate it signed (mutual TLS)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.add_argument("--yield-cpu", type=boolean, default=False,
+                        help="run gRPC's threads in SCHED_IDLE, as nanoserve-executor's flag (default: off)")
     return parser.parse_args(argv)
 
 
@@ -136,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         executor = ShadowExecutor(args.num_blocks, args.block_size, args.vocab_size, tuple(args.eos_token_ids),
                                   args.max_model_len, tokenizer_json, chat_template)
-    serve(executor, args.host, args.port, tls=TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca))
+    serve(executor, args.host, args.port, tls=TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
+          yield_helpers=args.yield_cpu)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ class ServiceConfig:
     # Tokens a stream gathers before a message goes out (the first and the last go at once): vLLM's and SGLang's
     # --stream-interval.
     stream_interval: int = 1
-    # With an executor on the CPU, this process's threads run in SCHED_IDLE so that none preempts its forward pass.
-    yield_cpu: bool = True
+    # With an executor on the CPU, this process's threads run in SCHED_IDLE so that none preempts its forward pass
+    # (throughput first: a request's first token comes later).
+    yield_cpu: bool = False
     # The OpenAI-compatible HTTP API, on --host beside gRPC; 0 turns it off.
     http_port: int = 8000
     # Prometheus /metrics alone, without the API key (for scrapers that cannot send one); 0 turns it off.
@@ -92,7 +93,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "end go at once): 1 sends each as it comes; more send fewer, larger messages, which costs this process "
         "less per token when it streams to many clients")
     add("--yield-cpu", boolean, "when the executor computes on the CPU, run this process's threads in SCHED_IDLE, so "
-        "that they never preempt its forward pass on the cores they share (the executor does the same with its own)")
+        "that they never preempt its forward pass on the cores they share: more offline throughput, a later first "
+        "token (give the executor the same flag)")
     add("--http-port", port, "port of the OpenAI-compatible HTTP API on --host, with the same TLS and API key "
         "(0 turns it off)")
     add("--metrics-port", port, "port of Prometheus /metrics alone on --host, with the same TLS certificate but "

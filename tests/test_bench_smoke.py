@@ -104,7 +104,7 @@ def test_w2_runs_on_a_shrunken_random_qwen3(tmp_path):
 
 def test_the_split_peers_stream_and_ask_for_whole_completions(tmp_path):
     """Every way a client drives the split (``generate``, one response per token, and whole completions through
-    GenerateOnce), and the split with ``--yield-cpu off``, runs the workload to its last token: each request's token
+    GenerateOnce), and the split with ``--yield-cpu on``, runs the workload to its last token: each request's token
     count is checked as it returns."""
     folder = random_model.save_random_qwen3(
         tmp_path / "qwen3", torch.float32, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
@@ -112,10 +112,10 @@ def test_the_split_peers_stream_and_ask_for_whole_completions(tmp_path):
     )
     path = tmp_path / "w2-split.json"
     throughput.main(["--workload", "w2", "--model", str(folder), "--num-requests", "2", "--peers", "split_overlap",
-                     "split_tokens", "split_whole", "split_no_yield", "--kv-cache-memory", str(64 << 20),
+                     "split_tokens", "split_whole", "split_yield", "--kv-cache-memory", str(64 << 20),
                      "--json", str(path)])
     figures = json.loads(path.read_text())
-    peers = ("split_overlap", "split_tokens", "split_whole", "split_no_yield")
+    peers = ("split_overlap", "split_tokens", "split_whole", "split_yield")
     assert all(figures[f"{peer}_tok_s"] > 0 for peer in peers)
 
 

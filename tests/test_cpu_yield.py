@@ -1,6 +1,6 @@
-"""Beside an executor on the CPU, the scheduler's threads and the executor's helper threads run in SCHED_IDLE, so
-that none preempts the forward pass; the executor's own computing thread keeps its priority, and ``--yield-cpu off``
-leaves the scheduler as it was."""
+"""With ``--yield-cpu on`` beside an executor on the CPU, the scheduler's threads and the executor's helper threads run
+in SCHED_IDLE, so that none preempts the forward pass, and the executor's own computing thread keeps its priority; by
+default every thread keeps it."""
 
 from __future__ import annotations
 
@@ -50,9 +50,10 @@ def test_yield_cpu_puts_the_given_threads_in_sched_idle_and_no_other():
         helper.join()
 
 
-def test_beside_a_cpu_executor_the_scheduler_and_the_executor_helpers_yield(tmp_path: Path):
+def test_asked_to_yield_beside_a_cpu_executor_the_scheduler_and_the_executor_helpers_do(tmp_path: Path):
     port = free_port()
-    with running_stack(executor_argv("shadow", port, SHADOW), tmp_path, executor_port=port) as stack:
+    executor_cmd = executor_argv("shadow", port, {**SHADOW, "yield_cpu": "on"})
+    with running_stack(executor_cmd, tmp_path, executor_port=port, yield_cpu="on") as stack:
         stack.stub.GenerateOnce(token_request([3, 4, 5], 8, ignore_eos=True), timeout=30)
         scheduler = settled(stack.scheduler.pid, lambda found: set(found.values()) == {os.SCHED_IDLE})
         executor = settled(stack.executor.pid, lambda found: os.SCHED_IDLE in found.values())
@@ -62,11 +63,11 @@ def test_beside_a_cpu_executor_the_scheduler_and_the_executor_helpers_yield(tmp_
     assert sum(policy == os.SCHED_IDLE for policy in executor.values()) >= 3, executor  # gRPC's and the stream's
 
 
-def test_yield_cpu_off_leaves_the_scheduler_at_normal_priority(tmp_path: Path):
+def test_by_default_every_thread_keeps_its_priority(tmp_path: Path):
     port = free_port()
-    with running_stack(executor_argv("shadow", port, SHADOW), tmp_path, executor_port=port, yield_cpu="off") as stack:
+    with running_stack(executor_argv("shadow", port, SHADOW), tmp_path, executor_port=port) as stack:
         stack.stub.GenerateOnce(token_request([3, 4, 5], 8, ignore_eos=True), timeout=30)
-        time.sleep(0.5)  # past the moment it would have yielded
-        scheduler = policies(stack.scheduler.pid)
+        time.sleep(0.5)  # past the moment they would have yielded
+        scheduler, executor = policies(stack.scheduler.pid), policies(stack.executor.pid)
         assert_idle(stack.stub)
-    assert set(scheduler.values()) == {os.SCHED_OTHER}, scheduler
+    assert set(scheduler.values()) == set(executor.values()) == {os.SCHED_OTHER}, (scheduler, executor)
