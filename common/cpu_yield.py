@@ -7,8 +7,8 @@ forward threads were preempted ~4,100 times, 16 times a decode step. A thread in
 normal thread wants, so the helpers run on what the team leaves (its barriers, the Python between kernels, the wait
 for the next plan) and never preempt it: W1's split, bfloat16, went from 0.902x to 0.976x of in-process
 (docs/benchmarks.md). Both services must yield: either one alone gave nothing. The price is paid at a request's
-arrival, which now waits for such a moment too: W3's TTFT p50 went from ~185 to ~214 ms on the same two cores, and
-HTTP's from level with gRPC's to 11-15 ms behind it. So it is asked for (``--yield-cpu on``), not the default.
+arrival, which now waits for such a moment too: W3's TTFT p50 went from ~185 to ~214 ms on the same two cores (HTTP's
+from ~193 to ~228 ms). So it is asked for (``--yield-cpu on``), not the default.
 
 Only processes of one CPU group (cgroup) compete this way: a scheduler in another container than its executor's
 yields only to its own threads. A thread put in SCHED_IDLE cannot go back without CAP_SYS_NICE, and threads it
