@@ -205,8 +205,8 @@ def serve(executor: Executor, host: str, port: int, grace_s: float = 5.0, tls: T
     """Serve until SIGTERM or SIGINT, then report NOT_SERVING and stop within ``grace_s`` seconds.
 
     The executor's steps run on the calling thread (a ``CallingThread``), which should be the one that
-    built the executor. With ``yield_helpers``, on the CPU every thread started from here on (gRPC's, the
-    streams') runs in SCHED_IDLE, so that none preempts the forward pass (``common.cpu_yield``).
+    built the executor. With ``yield_helpers``, on the CPU every thread but this one and its OpenMP team (gRPC's,
+    the streams', now and later) runs in SCHED_IDLE, so that none preempts the forward pass (``common.cpu_yield``).
     """
     freeze_startup_heap()
     forward_threads = thread_ids()  # this one and the OpenMP team it started while the model loaded
