@@ -37,7 +37,7 @@ class Outbox:
     arrived since its last read.
     """
 
-    __slots__ = ("_outputs", "_waiter", "_interval", "_eager", "_tokens", "_started", "_due")
+    __slots__ = ("_outputs", "_waiter", "_interval", "_tokens", "_started", "_due")
 
     def __init__(self, stream_interval: int | None = 1) -> None:
         """``stream_interval``: tokens of one choice to gather before the reader gets them (``--stream-interval``);
@@ -47,7 +47,6 @@ class Outbox:
         self._outputs: list[RequestOutput] = []
         self._waiter: asyncio.Future[None] | None = None
         self._interval = stream_interval if stream_interval is not None else math.inf
-        self._eager = stream_interval is not None  # a choice's first output goes at once
         # Tokens gathered since the last take, by choice; an output without tokens counts as one.
         self._tokens: dict[int, int] = {}
         self._started: set[int] = set()  # the choices that were handed over before
@@ -58,7 +57,7 @@ class Outbox:
         index = output.index
         tokens = self._tokens[index] = self._tokens.get(index, 0) + (len(output.token_ids) or 1)
         if not self._due:
-            self._due = (tokens >= self._interval or (self._eager and index not in self._started)
+            self._due = (tokens >= self._interval or (index not in self._started and self._interval != math.inf)
                          or output.finish_reason is not None or output.error is not None)
         if self._due and self._waiter is not None:
             waiter, self._waiter = self._waiter, None
