@@ -6,7 +6,8 @@ of the model executor (apply the plan to its request table, pack the input tenso
 replaces the forward pass and the sampling with ``--step-ms`` on a simulated device: a step is launched without
 waiting, and waited for with the GIL released, as a CUDA synchronize does. Efficiency = step_ms x decode steps per
 second: 1.0 when the accelerator never waits. Peers: ``split``, the Engine at nanoserve-scheduler's default flags
-(``ServiceConfig()``: overlap on over the executor's StepStream, one decode step per plan) driving the executor in
+(``ServiceConfig()``: overlap on over the executor's StepStream, up to --num-scheduler-steps decode steps per plan,
+since its sequences' reader takes whole completions) driving the executor in
 a child process through ``RemoteExecutor``; ``in-process``, the same Engine configuration driving the same executor
 object directly; ``api``, the split as deployed: the scheduler service at its default flags in front of the same
 executor (both child processes), with ``--batch`` clients streaming through the public API (``bench.overlap_api``);
@@ -130,18 +131,21 @@ def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps
     seqs = [engine.add_request([rng.randrange(VOCAB_SIZE) for _ in range(context)], params) for _ in range(batch)]
     while any(s.num_completion_tokens == 0 for s in seqs):
         engine.step()
-    for _ in range(warmup):
-        engine.step()
+    decoded = 0
+    while decoded < warmup:
+        decoded += decode_steps(engine, seqs[0])
     if isinstance(executor, TimedSimulated):
         executor.clear()
     sums = [0.0] * 3
     c0, t0 = time.thread_time(), time.perf_counter()
-    for _ in range(steps):
-        engine.step()
+    decoded = 0
+    while decoded < steps:
+        decoded += decode_steps(engine, seqs[0])
         t = engine.last_timings
         for i, v in enumerate((t.schedule_s + t.plan_s, t.postprocess_s, t.execute_s)):
             sums[i] += v
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    steps = decoded
     assert engine.scheduler.num_preemptions == 0, "a sequence was preempted"
     for seq in seqs:
         engine.abort(seq)
@@ -150,6 +154,12 @@ def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps
     engine.step()
     idle = executor.mean_us() if isinstance(executor, TimedSimulated) else (0.0, 0.0)
     return Phases(*(1e6 * v / steps for v in (wall, *sums, cpu)), *idle)
+
+
+def decode_steps(engine: Engine, seq: object) -> int:
+    """One engine step; how many decode steps it settled (a plan of several at default flags: every sequence runs
+    the same number, so ``seq``'s tokens count them)."""
+    return sum(len(out.token_ids) for out in engine.step() if out.seq is seq)
 
 
 def executor_flags(step_ms: float, max_model_len: int, num_blocks: int) -> list[str]:

@@ -56,6 +56,7 @@ from bench.common import (  # noqa: E402
     progress,
     write_json,
 )
+from scheduler_svc.config import ServiceConfig  # noqa: E402
 
 HF_BATCH_SIZE = 16
 HF_PEERS = ("hf", "hf_cb")
@@ -222,8 +223,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the executor")
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="KV-cache bytes of the executor (default: 2 GiB on CPU, the free-memory share on CUDA)")
-    p.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="decode steps per plan of the engine peers (nanoserve-scheduler --num-scheduler-steps)")
+    p.add_argument("--num-scheduler-steps", type=int, default=ServiceConfig().num_scheduler_steps,
+                   help="the most decode steps per plan of the engine peers (nanoserve-scheduler "
+                   "--num-scheduler-steps; default: its default)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every peer, in turn; each peer's median "
                    "counts (this machine's load drifts between runs, and alternating rounds spreads it alike)")
     p.add_argument("--json", type=Path, default=None, help="write <peer>_tok_s, the ratios and peak_rss_mb here")

@@ -171,6 +171,13 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         except PlanError as e:
             context.abort(getattr(grpc.StatusCode, e.code), str(e))
 
+    def CutStep(self, request: pb.CutStepRequest, context: grpc.ServicerContext) -> pb.CutStepResponse:
+        """Not queued behind the step it cuts: it only marks it (an executor without multi-step cuts ignores it)."""
+        cut = getattr(self.executor, "cut", None)
+        if cut is not None:
+            cut(request.step_id)
+        return pb.CutStepResponse()
+
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> pb.ResetResponse:
         return pb.ResetResponse(num_dropped_requests=self._run(self.executor.reset).result())
 

@@ -39,10 +39,12 @@ class PreparedStep:
     launched: object | None = None
 
 
-def run_forward_passes(table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass) -> StepOutput:
+def run_forward_passes(table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass,
+                       cut: Callable[[], bool] = lambda: False) -> StepOutput:
     """Run ``forward`` over the chunks once per decode step they ask for, recording its tokens in ``table``.
 
     Tokens come back chunk after chunk in plan order, each chunk's in the order sampled; the passes' times add up.
+    ``cut`` is asked after each pass but the last whether to stop there (CutStep).
     """
     if not chunks:
         return StepOutput()
@@ -50,11 +52,16 @@ def run_forward_passes(table: RequestTable, chunks: list[ScheduledChunk], forwar
         output = forward(chunks, None)
         table.record_sampled(chunks, output.token_ids)
         return output
-    return run_multi_step(table, chunks, forward)
+    return run_multi_step(table, chunks, forward, cut)
 
 
-def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass) -> StepOutput:
-    """``run_forward_passes`` when some chunk decodes more than one token; a chunk drops out after its last."""
+def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass,
+                   cut: Callable[[], bool]) -> StepOutput:
+    """``run_forward_passes`` when some chunk decodes more than one token; a chunk drops out after its last.
+
+    Cut after ``done`` passes, each request has computed and sampled what those passes gave it, and the table plans
+    from there: the scheduler settles as many (``StepResult.num_passes``) and plans the next step on them.
+    """
     token_ids: list[list[int]] = [[] for _ in chunks]
     logprobs: list[list[TokenLogprobs | None]] = [[] for _ in chunks]
     total = StepOutput()
@@ -72,6 +79,12 @@ def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], forward: F
             token_ids[i].append(token_id)
             logprobs[i].append(entry)
         active = [i for i in active if chunks[i].num_steps > done]
+        if active and cut():
+            total.num_passes = done
+            for i in active:
+                state = chunks[i].state
+                state.planned_computed, state.planned_len = state.num_computed_tokens, len(state.token_ids)
+            break
         current = [ScheduledChunk(chunks[i].state, chunks[i].state.num_computed_tokens, 1) for i in active]
     total.token_ids = [token_id for tokens in token_ids for token_id in tokens]
     if asked:
@@ -110,14 +123,25 @@ class TableExecutor(ABC):
         self._queued: deque[PreparedStep] = deque()
         # The step prepared last: the one whose sampled tokens the next step's input waits for.
         self._last_prepared: PreparedStep | None = None
+        # The step CutStep asked to stop early (set from a gRPC thread; read between the passes of a multi-step plan).
+        self._cut_step_id: int | None = None
 
     def get_info(self) -> pb.ExecutorInfo:
         return self.info
 
     def reset(self) -> int:
         self._queued.clear()
-        self._last_prepared = None
+        self._last_prepared = self._cut_step_id = None
         return self.table.reset()
+
+    def cut(self, step_id: int) -> None:
+        """CutStep: the multi-step plan ``step_id`` stops after the pass in progress, or after its first if it has not
+        started (the call may overtake its plan). Advisory: a plan prepared after it counts on all its passes, so
+        then it runs whole."""
+        self._cut_step_id = step_id
+
+    def _is_cut(self, prepared: PreparedStep) -> bool:
+        return self._cut_step_id == prepared.step_id and self._last_prepared is prepared
 
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
         return self.execute(self.prepare(plan))
@@ -146,7 +170,7 @@ class TableExecutor(ABC):
                 following = None
             self.table.record_sampled(prepared.chunks, output.token_ids)
         else:
-            output = run_forward_passes(self.table, prepared.chunks, self.forward)
+            output = run_forward_passes(self.table, prepared.chunks, self.forward, lambda: self._is_cut(prepared))
             following = self._following(prepared)
         if following is not None:
             following.launched = self.launch(following.chunks, following.inputs)

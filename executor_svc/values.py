@@ -83,3 +83,5 @@ class StepOutput:
     sample_ms: float = 0.0
     # Requests with num_prompt_logprobs whose prompt this step computed (part of).
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # The decode passes a multi-step plan ran when it was cut short (``TableExecutor.cut``); None: all of them.
+    num_passes: int | None = None

@@ -44,6 +44,7 @@ def step_result(instance_id: str, step_id: int, output: StepOutput) -> pb.StepRe
         token_ids=output.token_ids,
         forward_ms=output.forward_ms,
         sample_ms=output.sample_ms,
+        num_passes=output.num_passes,
     )
     if output.logprobs:
         result.logprobs.extend(map(token_logprobs, output.logprobs))

@@ -40,8 +40,10 @@ class ServiceConfig:
     api_key: str = ""
     # Keep one step in flight: schedule step N+1 while the executor runs step N (``--overlap off`` to stop).
     overlap: bool = True
-    # Decode steps per plan (multi-step scheduling): the executor feeds its own tokens in between.
-    num_scheduler_steps: int = 1
+    # The most decode steps per plan (multi-step scheduling): the executor feeds its own tokens in between. A plan
+    # takes no more than any of its requests' readers take at a time (1 for a token-by-token stream), and an arrival
+    # cuts one short. 8: W1 split 1.01x in-process, against 0.95x at 1.
+    num_scheduler_steps: int = 8
     # Tokens a stream gathers before a message goes out (the first and the last go at once): vLLM's and SGLang's
     # --stream-interval.
     stream_interval: int = 1
@@ -87,8 +89,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--executor-tls-key", str, "PEM private key of --executor-tls-cert")
     add("--api-key", str, "clients must send 'authorization: Bearer <key>'; prefer the environment", secret=True)
     add("--overlap", boolean, "schedule step N+1 while the executor runs step N ('--overlap off': one step at a time)")
-    add("--num-scheduler-steps", positive_int, "decode steps per plan: the scheduling and the RPC are paid once "
-        "per this many steps, and EOS and stop strings are seen (and new requests start) only between plans")
+    add("--num-scheduler-steps", positive_int, "the most decode steps per plan: the scheduling and the RPC are paid "
+        "once per plan, and EOS and stop strings are seen only between plans. A plan computes no more steps than any "
+        "of its requests' readers take tokens at a time (a stream's interval; whole completions: no limit), and a new "
+        "request cuts one short after its current step")
     add("--stream-interval", positive_int, "tokens a stream gathers before they are sent (its first token and its "
         "end go at once): 1 sends each as it comes; more send fewer, larger messages, which costs this process "
         "less per token when it streams to many clients")

@@ -52,6 +52,11 @@ class Outbox:
         self._started: set[int] = set()  # the choices that were handed over before
         self._due = False
 
+    @property
+    def interval(self) -> float:
+        """Tokens of one choice its reader takes at a time (inf: whole completions)."""
+        return self._interval
+
     def put_nowait(self, output: RequestOutput) -> None:
         self._outputs.append(output)
         index = output.index
@@ -143,7 +148,7 @@ class Frontend:
         loop = self.ready()
         prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
         outbox = Outbox(None if whole else prepared.stream_interval or self.stream_interval)
-        handle = loop.submit(prepared, outbox, arrived_at)
+        handle = loop.submit(prepared, outbox, arrived_at, outbox.interval)
         self.by_request_id.setdefault(prepared.request_id, set()).add(handle)
         return Generation(self, handle, outbox)
 

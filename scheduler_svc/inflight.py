@@ -26,6 +26,8 @@ class RequestHandle:
     sink: object
     # When the caller's request arrived (time.monotonic, before it was tokenized) and when it was queued.
     arrived_at: float
+    # Tokens of a choice its reader takes at a time (inf: whole completions): each choice's ``max_decode_steps``.
+    tokens_per_read: float = 1
     queued_at: float = field(default_factory=time.monotonic)
     # Set by the loop thread once the request no longer counts against the queue limits.
     dequeued: bool = False
@@ -68,6 +70,7 @@ class InFlight:
         resumed = prepared.resumed_token_ids
         processor = OutputProcessor(tokenizer, prepared.prompt_token_ids, params, index, resumed)
         seq = engine.enqueue(prepared.prompt_token_ids, params, resumed)
+        seq.max_decode_steps = handle.tokens_per_read
         active = Active(handle, seq, processor)
         self.by_handle.setdefault(handle, []).append(active)
         self.by_seq_id[seq.seq_id] = active

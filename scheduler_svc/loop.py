@@ -58,13 +58,17 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, prepared: PreparedRequest, sink: object, arrived_at: float) -> RequestHandle:
+    def submit(self, prepared: PreparedRequest, sink: object, arrived_at: float,
+               tokens_per_read: float = 1) -> RequestHandle:
         """Queue a validated request that arrived at ``arrived_at`` (time.monotonic); raise QueueFull, ServerStopping
-        or InvalidRequest when it cannot be taken."""
+        or InvalidRequest when it cannot be taken. ``tokens_per_read``: how many of a choice's tokens its reader
+        takes at a time (inf: whole completions), the most decode steps a plan computes for it. A multi-step
+        decode in flight is cut short, so that the request starts after the current step of it."""
         self.admission.admit(len(prepared.prompt_token_ids))
-        handle = RequestHandle(prepared, sink, arrived_at)
+        handle = RequestHandle(prepared, sink, arrived_at, tokens_per_read)
         with self._wakeup:
             self._inbox.append(handle)
+            self.engine.cut_for_arrival()
             self._wakeup.notify()
         return handle
 
@@ -96,6 +100,8 @@ class EngineLoop:
             with self._wakeup:
                 self._wait()
                 inbox, self._inbox = self._inbox, []
+                if inbox:
+                    self.engine.arrivals_taken()
                 cancelled, self._cancelled = self._cancelled, []
             try:
                 self._admit(inbox)

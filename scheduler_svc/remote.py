@@ -45,6 +45,7 @@ class RemoteExecutor:
         self.channel = secure_or_insecure_channel(target, credentials, EXECUTOR_CHANNEL_OPTIONS)
         self.stub = pb_grpc.ExecutorStub(self.channel)
         self._stream: StepStream | None = None
+        self._cuts: set[grpc.Future] = set()
 
     def get_info(self, timeout_s: float | None = None, wait_for_ready: bool = False) -> pb.ExecutorInfo:
         timeout = self.info_timeout_s if timeout_s is None else timeout_s
@@ -59,6 +60,13 @@ class RemoteExecutor:
         if stream is None or stream.closed:
             stream = self._stream = StepStream(self.stub)
         return stream.submit(plan)
+
+    def cut(self, step_id: int) -> None:
+        """Ask the executor to stop multi-step plan ``step_id`` early, without waiting: the call is advisory, and a
+        failed one (an executor without CutStep, or gone: the step itself fails then) changes nothing."""
+        call = self.stub.CutStep.future(pb.CutStepRequest(step_id=step_id), timeout=self.info_timeout_s)
+        self._cuts.add(call)  # a call gRPC holds no reference to is cancelled when collected
+        call.add_done_callback(self._cuts.discard)
 
     def reset(self) -> int:
         """Drop every request's state, and the step stream: no answer of an older step can come back."""

@@ -64,8 +64,9 @@ class Scheduler:
     sequence of a batch may be chunked, and a chunked sequence stays at the
     head until its prompt is computed. Decode runs only when no prefill was
     scheduled; when a block cannot be appended, the tail of ``running`` is
-    preempted (its blocks freed, recomputed later). A decode sequence is
-    scheduled for up to ``num_scheduler_steps`` tokens, never past its
+    preempted (its blocks freed, recomputed later). A decode step computes
+    up to ``num_scheduler_steps`` tokens per sequence, never more than the
+    ``max_decode_steps`` of any sequence in it, nor past a sequence's
     max_tokens or the model's length.
     """
 
@@ -147,6 +148,8 @@ class Scheduler:
         # that needs more calls into the block manager (which counts, takes, or says none are free).
         block_manager, block_size, running = self.block_manager, self.block_size, self.running
         num_steps, max_model_len = self.num_scheduler_steps, self.max_model_len
+        if num_steps > 1:  # one step for all: a sequence that stopped earlier would wait for the rest
+            num_steps = min(num_steps, min(seq.max_decode_steps for seq in running))
         held: list[Sequence] = []
         steps = 1
         while running and len(scheduled) < self.max_num_seqs:
@@ -218,15 +221,19 @@ class Scheduler:
             slots.append(slot)
         return StepRecord(seqs, starts, counts, slots, is_prefill)
 
-    def settle(self, record: StepRecord, token_ids: list[int], logprobs: Collection[Any] = ()) -> list[TokenOutput]:
+    def settle(self, record: StepRecord, token_ids: list[int], logprobs: Collection[Any] = (),
+               num_passes: int | None = None) -> list[TokenOutput]:
         """Put a step's tokens in place; return what each sequence gained. ``logprobs``, when the
-        executor sent them, are parallel to ``token_ids`` and passed through.
+        executor sent them, are parallel to ``token_ids`` and passed through; ``num_passes``, when the
+        executor cut a multi-step decode short, is how many decode steps of it ran.
 
         This runs for every scheduled sequence every step, so the per-sequence work is inlined:
         blocks are hashed only when the step filled one (their tokens are all known by now), and
         a sequence finishes on EOS, a stop token or its length limit; tokens a multi-step decode
         sampled past that are dropped.
         """
+        if num_passes is not None:
+            record = self._shorten(record, num_passes)
         settled = []
         block_size, hash_blocks = self.block_size, self.block_manager.hash_blocks
         eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
@@ -268,6 +275,24 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
         return settled
+
+    @staticmethod
+    def _shorten(record: StepRecord, num_passes: int) -> StepRecord:
+        """A multi-step decode that ran only ``num_passes`` steps: each sequence books that many tokens at most, and
+        the slots and computed tokens of the steps that did not run are given back. Its blocks stay: the next steps
+        write there. No step was booked after it (the engine waits for a multi-step decode's tokens)."""
+        if record.is_prefill or num_passes < 1:
+            raise ValueError(f"the executor cut a step to {num_passes} passes; only a decode of >= 1 passes is cut")
+        counts = []
+        for seq, count, slot in zip(record.seqs, record.counts, record.slots, strict=True):
+            if count > num_passes:
+                if not seq.is_finished:
+                    seq.num_cached_tokens -= count - num_passes
+                    del seq.token_ids[slot + num_passes :]
+                    seq.final_token_pending = False
+                count = num_passes
+            counts.append(count)
+        return StepRecord(record.seqs, record.starts, counts, record.slots, record.is_prefill)
 
     def _multi_step_tokens(self, seq: Sequence, slot: int, sampled: list[int]) -> tuple[int, FinishReason | None]:
         """Place a multi-step decode's tokens from ``slot`` on, up to the first that stops ``seq``.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from enum import Enum, auto
 
 from scheduler_svc.sampling import SamplingParams
@@ -61,6 +62,10 @@ class Sequence:
         self.final_token_pending = False
         # With params.prompt_logprobs: the logprobs of prompt tokens 1.. as the executor computed them.
         self.prompt_logprobs: list = []
+        # The most decode steps one plan computes for it (with multi-step scheduling): the tokens its reader takes at
+        # a time, so that a plan never holds back a token the reader would have had sooner (1: a token-by-token
+        # stream; inf: a reader of whole completions).
+        self.max_decode_steps: float = math.inf
 
     def __len__(self) -> int:
         return len(self.token_ids)

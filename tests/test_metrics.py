@@ -48,9 +48,10 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 @pytest.fixture
 def api() -> Iterator[tuple[Hosted, GatedExecutor, str]]:
-    """The echo executor behind a gate, HTTP on, and --metrics-port; idle at the end."""
+    """The echo executor behind a gate, HTTP on, and --metrics-port; idle at the end. One decode step per plan, so
+    that each token after a choice's first is an output of its own: the count of gaps between outputs is exact."""
     gate = GatedExecutor(echo())
-    with hosted(gate, metrics_port=free_port()) as h:
+    with hosted(gate, metrics_port=free_port(), num_scheduler_steps=1) as h:
         yield h, gate, f"http://127.0.0.1:{h.server.metrics_http.port}"
         h.assert_idle()
 

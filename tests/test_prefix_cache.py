@@ -154,10 +154,11 @@ class LockstepScheduler(Scheduler):
     """Compares the blocks held at each step's peak (scheduled, nothing freed yet), and registers the
     reference's computed blocks after each step, in the order ours settles them."""
 
-    def settle(self, record: StepRecord, token_ids: list[int], logprobs: Any = ()) -> list[TokenOutput]:
+    def settle(self, record: StepRecord, token_ids: list[int], logprobs: Any = (),
+               num_passes: int | None = None) -> list[TokenOutput]:
         bm = self.block_manager
         bm.record_held()
-        outputs = super().settle(record, token_ids, logprobs)
+        outputs = super().settle(record, token_ids, logprobs, num_passes)
         for seq, start, count in zip(record.seqs, record.starts, record.counts, strict=True):
             # Tokens a multi-step decode sampled past a stop were dropped, and their KV with them.
             bm.mirror(ReferenceBlockManager.register, seq, min(start + count, len(seq.token_ids)))

@@ -71,12 +71,13 @@ def sync_streams(stacks: list[Stack], work: list[tuple[list[int], int]], how: st
 
 async def joined_completions(stacks: list[Stack], work: list[tuple[list[int], int]], how: str) -> tuple[list, Stack]:
     """Whole completions (``AsyncClient.generate``: one response per JOINED_STREAM_INTERVAL tokens), a busy scheduler
-    stopped once 64 steps ran, well past every stream's first few responses."""
+    stopped once 16 plans ran (of up to 8 decode steps each at default flags): past every stream's first few
+    responses, far from their 400-600 tokens."""
     async with AsyncClient(servers=[s.target for s in stacks], timeout=120) as client:
         tasks = [asyncio.create_task(client.generate(token_ids=p, max_tokens=m, ignore_eos=True, temperature=0))
                  for p, m in work]
         deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
-        while sum(s.stub.GetStats(pb.GetStatsRequest(), timeout=5).num_steps for s in stacks) < 64:
+        while sum(s.stub.GetStats(pb.GetStatsRequest(), timeout=5).num_steps for s in stacks) < 16:
             assert asyncio.get_running_loop().time() < deadline, "the completions did not start"
             await asyncio.sleep(0.01)
         victim = stop_a_busy_scheduler(stacks, how)

@@ -144,7 +144,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("instance_id", "step_id", "token_ids", "logprobs", "forward_ms", "sample_ms", "prompt_logprobs")
+    __slots__ = ("instance_id", "step_id", "token_ids", "logprobs", "forward_ms", "sample_ms", "prompt_logprobs", "num_passes")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class StepResult(_message.Message):
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PASSES_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     step_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -159,7 +160,8 @@ class StepResult(_message.Message):
     forward_ms: float
     sample_ms: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, instance_id: _Optional[str] = ..., step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    num_passes: int
+    def __init__(self, instance_id: _Optional[str] = ..., step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., num_passes: _Optional[int] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("request_id", "first_position", "logprobs")
@@ -170,6 +172,16 @@ class PromptLogprobs(_message.Message):
     first_position: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     def __init__(self, request_id: _Optional[int] = ..., first_position: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class CutStepRequest(_message.Message):
+    __slots__ = ("step_id",)
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    def __init__(self, step_id: _Optional[int] = ...) -> None: ...
+
+class CutStepResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()

@@ -54,6 +54,11 @@ class ExecutorStub:
                 request_serializer=nanoserve_dot_v1_dot_executor__pb2.ResetRequest.SerializeToString,
                 response_deserializer=nanoserve_dot_v1_dot_executor__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.CutStep = channel.unary_unary(
+                '/nanoserve.v1.Executor/CutStep',
+                request_serializer=nanoserve_dot_v1_dot_executor__pb2.CutStepRequest.SerializeToString,
+                response_deserializer=nanoserve_dot_v1_dot_executor__pb2.CutStepResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -92,6 +97,16 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CutStep(self, request, context):
+        """Ask a multi-step plan (num_decode_steps) to stop after the decode pass in
+        progress, so that a request that just arrived is not kept waiting for the
+        rest of it: its result then says num_passes. Advisory and idempotent: a
+        plan already answered, unknown or of one pass is left alone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +129,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=nanoserve_dot_v1_dot_executor__pb2.ResetRequest.FromString,
                     response_serializer=nanoserve_dot_v1_dot_executor__pb2.ResetResponse.SerializeToString,
+            ),
+            'CutStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.CutStep,
+                    request_deserializer=nanoserve_dot_v1_dot_executor__pb2.CutStepRequest.FromString,
+                    response_serializer=nanoserve_dot_v1_dot_executor__pb2.CutStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +244,33 @@ class Executor:
             '/nanoserve.v1.Executor/Reset',
             nanoserve_dot_v1_dot_executor__pb2.ResetRequest.SerializeToString,
             nanoserve_dot_v1_dot_executor__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CutStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanoserve.v1.Executor/CutStep',
+            nanoserve_dot_v1_dot_executor__pb2.CutStepRequest.SerializeToString,
+            nanoserve_dot_v1_dot_executor__pb2.CutStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

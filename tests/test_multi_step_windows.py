@@ -1,0 +1,187 @@
+"""Multi-step decode windows: capped by what readers take at a time, cut short by arrivals, tokens unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+from executor_svc.service import build_server
+from executor_svc.shadow import ShadowExecutor
+from executor_svc.steps import PreparedStep
+from executor_svc.values import StepOutput
+from nanoserve.v1 import executor_pb2
+from scheduler_svc.engine import Engine
+from scheduler_svc.remote import RemoteExecutor
+from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.scheduler import SchedulerConfig
+from tests.conftest import EOS
+from tests.service_fixtures import assert_idle_async, collect, in_process_scheduler, token_request
+from tests.shadow_helpers import assert_matches_reference, expected
+
+
+class WindowShadow(ShadowExecutor):
+    """A shadow executor that keeps every plan and result, whose passes can be slowed, and that can cut its own
+    windows after a random pass (as CutStep would)."""
+
+    def __init__(self, *args: object, pass_s: float = 0.0, cut_rng: random.Random | None = None,
+                 **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.pass_s = pass_s
+        self.cut_rng = cut_rng
+        self.plans: list[executor_pb2.StepPlan] = []
+        self.results: list[executor_pb2.StepResult] = []
+        self.window_started = threading.Event()
+        self._running: int | None = None
+
+    def prepare(self, plan: executor_pb2.StepPlan) -> PreparedStep:
+        copy = executor_pb2.StepPlan()
+        copy.CopyFrom(plan)
+        self.plans.append(copy)
+        return super().prepare(plan)
+
+    def execute(self, prepared: PreparedStep) -> executor_pb2.StepResult:
+        self._running = prepared.step_id
+        if not prepared.single:
+            self.window_started.set()
+        result = super().execute(prepared)
+        self.results.append(result)
+        return result
+
+    def forward(self, chunks, inputs=None) -> StepOutput:
+        time.sleep(self.pass_s)
+        output = super().forward(chunks, inputs)
+        if self.cut_rng is not None and self.cut_rng.random() < 0.3:
+            self.cut(self._running)
+        return output
+
+    def decode_steps(self) -> list[int]:
+        """Each decode plan's most steps per request (1 without num_decode_steps)."""
+        return [max(p.cached_requests.num_decode_steps, default=1) for p in self.plans
+                if not p.is_prefill and p.cached_requests.request_ids]
+
+
+def random_work(rng: random.Random, n: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = [[rng.randrange(1, 50) for _ in range(rng.randint(2, 25))] for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 40), ignore_eos=i % 3 == 0)
+              for i in range(n)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_windows_cut_after_any_pass_give_the_same_tokens_and_free_every_block(overlap, seed):
+    rng = random.Random(seed)
+    executor = WindowShadow(24, 4, 50, (EOS,), max_model_len=60, cut_rng=random.Random(seed + 100))
+    engine = Engine(executor, SchedulerConfig(6, 32, num_scheduler_steps=8), overlap=overlap)
+    prompts, params = random_work(rng, 12)
+    outputs = engine.generate(prompts, params)
+    assert_matches_reference(engine, prompts, params, outputs)
+    cut = [r for r in executor.results if r.HasField("num_passes")]
+    assert cut, "no window was cut"
+    assert all(1 <= r.num_passes < 8 for r in cut)
+    assert engine.scheduler.num_preemptions > 0, "24 blocks for 6 sequences should preempt some"
+    assert len(executor.table) == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_window_takes_no_more_steps_than_its_most_eager_reader():
+    executor = WindowShadow(64, 4, 50, (EOS,))
+    engine = Engine(executor, SchedulerConfig(num_scheduler_steps=8))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for prompt, take in (([1, 2, 3], 3), ([4, 5, 6, 7], float("inf"))):
+        engine.add_request(prompt, params).max_decode_steps = take
+    while engine.has_unfinished():
+        engine.step()
+    assert max(executor.decode_steps()) == 3, "a reader taking 3 tokens at a time caps every window at 3"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+    alone = WindowShadow(64, 4, 50, (EOS,))
+    engine = Engine(alone, SchedulerConfig(num_scheduler_steps=8))
+    outputs = engine.generate([[4, 5, 6, 7]], params)
+    assert max(alone.decode_steps()) == 8 and len(outputs[0].token_ids) == 30
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_token_by_token_stream_gets_one_step_plans_at_default_flags():
+    executor = WindowShadow(64, 4, 50, (EOS,))
+
+    async def main():
+        async with in_process_scheduler(executor) as s:
+            got = collect([r async for r in s.stub.Generate(token_request([3, 4, 5], 20, ignore_eos=True))])
+            await assert_idle_async(s.stub)
+            return got
+
+    got = asyncio.run(main())
+    assert len(got.token_ids) == 20
+    assert set(executor.decode_steps()) == {1}
+
+
+def test_an_arriving_stream_cuts_the_window_in_flight_and_starts_next():
+    """A whole completion decodes in windows of 8 slow passes; a stream sent once one is under way is prefilled
+    right after the pass in progress, not after the rest of the window."""
+    executor = WindowShadow(64, 4, 50, (EOS,), pass_s=0.05)
+    whole = token_request([3, 4, 5], 40, ignore_eos=True)
+    streamed = token_request([6, 7, 8, 9], 5, ignore_eos=True)
+
+    async def main():
+        async with in_process_scheduler(executor) as s:
+            first = asyncio.ensure_future(s.stub.GenerateOnce(whole))
+            await asyncio.to_thread(executor.window_started.wait, 10)
+            second = collect([r async for r in s.stub.Generate(streamed)])
+            done = collect([await first])
+            await assert_idle_async(s.stub)
+            return done, second
+
+    done, second = asyncio.run(main())
+    assert len(done.token_ids) == 40 and len(second.token_ids) == 5
+    windows = [r for r in executor.results if r.HasField("num_passes")]
+    assert windows and windows[0].num_passes < 8, "the window in flight ran whole"
+    cut_at = next(i for i, p in enumerate(executor.plans) if p.step_id == windows[0].step_id)
+    next_plan = executor.plans[cut_at + 1]
+    assert [list(r.token_ids) for r in next_plan.new_requests] == [[6, 7, 8, 9]], "the stream's prefill is next"
+
+
+def test_whole_completions_decode_in_windows_of_the_default_eight():
+    executor = WindowShadow(64, 4, 50, (EOS,))
+
+    async def main():
+        async with in_process_scheduler(executor) as s:
+            done = collect([await s.stub.GenerateOnce(token_request([3, 4, 5], 33, ignore_eos=True))])
+            await assert_idle_async(s.stub)
+            return done
+
+    done = asyncio.run(main())
+    assert len(done.token_ids) == 33
+    assert max(executor.decode_steps()) == 8
+
+
+def test_cut_step_over_grpc_stops_the_window_after_its_pass_in_progress():
+    executor = WindowShadow(64, 4, 50, (EOS,), pass_s=0.05)
+    server, port = build_server(executor, "127.0.0.1", 0)
+    server.start()
+    remote = RemoteExecutor(f"127.0.0.1:{port}")
+    try:
+        engine = Engine(remote, SchedulerConfig(num_scheduler_steps=8), overlap=True)
+        params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
+        prompts = [[1, 2, 3], [4, 5]]
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        threading.Thread(target=lambda: executor.window_started.wait(10) and engine.cut_for_arrival()).start()
+        outputs: dict[int, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs.setdefault(out.seq.seq_id, []).extend(out.token_ids)
+            engine.arrivals_taken()
+        engine.step()  # idle: tells the executor to drop the finished requests
+        cut = [r for r in executor.results if r.HasField("num_passes")]
+        assert len(cut) == 1 and cut[0].num_passes < 8
+        assert [outputs[i] for i in (0, 1)] == [expected(engine, p, params) for p in prompts]
+        assert len(executor.table) == 0
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        remote.close()
+        server.stop(None)
