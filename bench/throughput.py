@@ -56,7 +56,7 @@ from bench.common import (  # noqa: E402
     progress,
     write_json,
 )
-from scheduler_svc.config import ServiceConfig  # noqa: E402
+from scheduler_svc.config import ServiceConfig, decode_steps_per_plan  # noqa: E402
 
 HF_BATCH_SIZE = 16
 HF_PEERS = ("hf", "hf_cb")
@@ -108,7 +108,8 @@ def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
         model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=kv_cache_memory(args),
         threads=args.threads, device=args.device, max_model_len=workload.max_model_len,
     )
-    engine = Engine(ModelExecutor(options), SchedulerConfig(num_scheduler_steps=args.num_scheduler_steps))
+    steps = decode_steps_per_plan(ServiceConfig(num_scheduler_steps=args.num_scheduler_steps), args.device)
+    engine = Engine(ModelExecutor(options), SchedulerConfig(num_scheduler_steps=steps))
     engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     freeze_startup_heap()  # as both services do once built
     start = time.perf_counter()
@@ -140,9 +141,11 @@ def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, how: 
         executor_argv += ["--kv-cache-memory", str(kv_bytes)]
     scheduler_argv = [
         sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--port", str(scheduler_port),
-        "--overlap", str(overlap).lower(), "--num-scheduler-steps", str(args.num_scheduler_steps),
-        "--log-level", "WARNING", "--http-port", "0", "--yield-cpu", str(yield_cpu).lower(),
+        "--overlap", str(overlap).lower(), "--log-level", "WARNING", "--http-port", "0",
+        "--yield-cpu", str(yield_cpu).lower(),
     ]
+    if args.num_scheduler_steps is not None:
+        scheduler_argv += ["--num-scheduler-steps", str(args.num_scheduler_steps)]
     target = f"{HOST}:{scheduler_port}"
     with ExitStack() as stack:
         executor = stack.enter_context(Child("executor", executor_argv, log_dir / "executor.log"))
@@ -223,9 +226,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the executor")
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="KV-cache bytes of the executor (default: 2 GiB on CPU, the free-memory share on CUDA)")
-    p.add_argument("--num-scheduler-steps", type=int, default=ServiceConfig().num_scheduler_steps,
+    p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="the most decode steps per plan of the engine peers (nanoserve-scheduler "
-                   "--num-scheduler-steps; default: its default)")
+                   "--num-scheduler-steps; default: its default for --device)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every peer, in turn; each peer's median "
                    "counts (this machine's load drifts between runs, and alternating rounds spreads it alike)")
     p.add_argument("--json", type=Path, default=None, help="write <peer>_tok_s, the ratios and peak_rss_mb here")

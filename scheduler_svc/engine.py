@@ -244,7 +244,7 @@ class Engine:
         message = plan_to_proto(plan)
         record = self.scheduler.advance(ordered, is_prefill)
         t2 = time.perf_counter()
-        window = not is_prefill and any(count > 1 for count in record.counts)
+        window = not is_prefill and self.config.num_scheduler_steps > 1 and any(count > 1 for count in record.counts)
         if window:
             self._window_step_id = plan.step_id
         result = run(message)

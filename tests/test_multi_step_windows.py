@@ -145,18 +145,22 @@ def test_an_arriving_stream_cuts_the_window_in_flight_and_starts_next():
     assert [list(r.token_ids) for r in next_plan.new_requests] == [[6, 7, 8, 9]], "the stream's prefill is next"
 
 
-def test_whole_completions_decode_in_windows_of_the_default_eight():
+@pytest.mark.parametrize(("device", "flags", "window"),
+                         [("cpu", {}, 8), ("cuda", {}, 1), ("cuda", {"num_scheduler_steps": 4}, 4)],
+                         ids=["cpu-default", "accelerator-default", "flag"])
+def test_whole_completions_decode_in_windows_of_the_default_for_the_executors_device(device, flags, window):
     executor = WindowShadow(64, 4, 50, (EOS,))
+    executor.info.device = device
 
     async def main():
-        async with in_process_scheduler(executor) as s:
+        async with in_process_scheduler(executor, **flags) as s:
             done = collect([await s.stub.GenerateOnce(token_request([3, 4, 5], 33, ignore_eos=True))])
             await assert_idle_async(s.stub)
             return done
 
     done = asyncio.run(main())
     assert len(done.token_ids) == 33
-    assert max(executor.decode_steps()) == 8
+    assert max(executor.decode_steps()) == window
 
 
 def test_cut_step_over_grpc_stops_the_window_after_its_pass_in_progress():
