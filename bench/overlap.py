@@ -122,10 +122,11 @@ class TimedSimulated(SimulatedExecutor):
         return 1e6 * statistics.fmean(self.idle_s), 1e6 * statistics.fmean(self.prepare_s)
 
 
-def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps: int) -> Phases:
+def time_decode(executor: Executor, config: ServiceConfig, batch: int, context: int, warmup: int,
+                steps: int) -> Phases:
     """Prefill ``batch`` prompts of ``context`` tokens, then time ``steps`` decode steps after ``warmup``, with the
-    Engine the scheduler service builds at its default flags."""
-    engine: Engine = connect_engine(executor, DEFAULTS)
+    Engine the scheduler service builds from ``config``."""
+    engine: Engine = connect_engine(executor, config)
     rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_tokens=engine.info.max_model_len - context, ignore_eos=True)
     seqs = [engine.add_request([rng.randrange(VOCAB_SIZE) for _ in range(context)], params) for _ in range(batch)]
@@ -183,6 +184,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "(default: %(default)s)")
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS),
                         help="executors to time (default: %(default)s)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=None,
+                        help="the split and in-process peers' most decode steps per plan (default: the scheduler's "
+                        "own for this executor, 1 beside an accelerator)")
     parser.add_argument("--stream-interval", type=int, default=DEFAULTS.stream_interval,
                         help="the api peer's scheduler --stream-interval (default: its own, %(default)s)")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
@@ -208,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     with Child("simulated executor", argv) as child:
         target = f"{HOST}:{port}"
         child.wait_serving(target, timeout_s=60)
-        remote = executor_client(replace(DEFAULTS, executor=target))
+        config = replace(DEFAULTS, executor=target, num_scheduler_steps=args.num_scheduler_steps)
+        remote = executor_client(config)
         in_process = simulated_executor(simulated_args(flags), TimedSimulated)
         apis: dict[str, ApiPeer] = {}
         runs = [(peer, batch) for batch in args.batch for peer in peers]
@@ -220,8 +225,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                 if peer in peers:
                     apis[peer] = start[peer]()
             decode = {
-                "split": lambda batch: time_decode(remote, batch, args.context, args.warmup, args.steps),
-                "in-process": lambda batch: time_decode(in_process, batch, args.context, args.warmup, args.steps),
+                "split": lambda batch: time_decode(remote, config, batch, args.context, args.warmup, args.steps),
+                "in-process": lambda batch: time_decode(in_process, config, batch, args.context, args.warmup,
+                                                        args.steps),
                 **{peer: partial(time_api_decode, api, args) for peer, api in apis.items()},
             }
             freeze_startup_heap()  # as both services do once built

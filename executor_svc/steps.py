@@ -2,8 +2,8 @@
 
 One pass computes and samples every scheduled chunk. With multi-step decode a
 plan asks for several per request: each pass is fed the tokens the one before
-sampled, which the request table has recorded by then, so the table itself
-only validates, applies and records.
+sampled, from the device where it can take them there, else once the request
+table has recorded them, so the table itself only validates, applies and records.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from executor_svc.requests import RequestTable, ScheduledChunk
 from executor_svc.values import StepOutput, TokenLogprobs
@@ -39,12 +40,48 @@ class PreparedStep:
     launched: object | None = None
 
 
-def run_forward_passes(table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass,
-                       cut: Callable[[], bool] = lambda: False) -> StepOutput:
+class Passes(Protocol):
+    """How a multi-step plan's passes reach the device: ``TableExecutor``'s methods of the same names."""
+
+    def pack(self, chunks: list[ScheduledChunk], before: list[ScheduledChunk] | None = None) -> object | None: ...
+
+    def launch(self, chunks: list[ScheduledChunk], inputs: object | None = None,
+               sampled_before: list[int] | None = None) -> object: ...
+
+    def finish(self, launched: object) -> StepOutput: ...
+
+    def launches_ahead(self, inputs: object | None) -> bool: ...
+
+    def fills_ahead(self, inputs: object | None) -> bool: ...
+
+
+@dataclass
+class Synchronous:
+    """``Passes`` for a plain ``ForwardPass``: each pass computed when it is launched, its input packed then."""
+
+    forward: ForwardPass
+
+    def pack(self, chunks: list[ScheduledChunk], before: list[ScheduledChunk] | None = None) -> None:
+        return None
+
+    def launch(self, chunks: list[ScheduledChunk], inputs: object | None = None,
+               sampled_before: list[int] | None = None) -> StepOutput:
+        return self.forward(chunks, inputs)
+
+    def finish(self, launched: StepOutput) -> StepOutput:
+        return launched
+
+    def launches_ahead(self, inputs: object | None) -> bool:
+        return False
+
+    def fills_ahead(self, inputs: object | None) -> bool:
+        return False
+
+
+def run_forward_passes(table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass) -> StepOutput:
     """Run ``forward`` over the chunks once per decode step they ask for, recording its tokens in ``table``.
 
     Tokens come back chunk after chunk in plan order, each chunk's in the order sampled; the passes' times add up.
-    ``cut`` is asked after each pass but the last whether to stop there (CutStep).
     """
     if not chunks:
         return StepOutput()
@@ -52,24 +89,40 @@ def run_forward_passes(table: RequestTable, chunks: list[ScheduledChunk], forwar
         output = forward(chunks, None)
         table.record_sampled(chunks, output.token_ids)
         return output
-    return run_multi_step(table, chunks, forward, cut)
+    return run_multi_step(table, chunks, Synchronous(forward), lambda: False)
 
 
-def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass,
+def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], passes: Passes,
                    cut: Callable[[], bool]) -> StepOutput:
-    """``run_forward_passes`` when some chunk decodes more than one token; a chunk drops out after its last.
+    """The passes of a plan in which some chunk decodes more than one token; a chunk drops out after its last.
 
-    Cut after ``done`` passes, each request has computed and sampled what those passes gave it, and the table plans
-    from there: the scheduler settles as many (``StepResult.num_passes``) and plans the next step on them.
+    Each pass after the first is packed while the device computes the one before, and launched from that one's
+    tokens as soon as they are back where its launch only queues work (``launches_ahead``, ``fills_ahead``): what
+    ``TableExecutor.execute`` does across plans, within one. ``cut`` is asked before each pass but the first; cut
+    after ``done`` passes, each request has computed and sampled what those gave it, and the table plans from
+    there: the scheduler settles as many (``StepResult.num_passes``) and plans the next step on them.
     """
+    if not chunks:  # a plan that only drops requests
+        return StepOutput()
     token_ids: list[list[int]] = [[] for _ in chunks]
     logprobs: list[list[TokenLogprobs | None]] = [[] for _ in chunks]
     total = StepOutput()
     asked = False
     active = list(range(len(chunks)))
     current = chunks
-    for done in range(1, max(chunk.num_steps for chunk in chunks) + 1):
-        output = forward(current, None)
+    launched = passes.launch(current, passes.pack(current))
+    done = 0
+    while launched is not None:
+        done += 1
+        staying = [i for i in active if chunks[i].num_steps > done]
+        upcoming = [ScheduledChunk(chunks[i].state, chunks[i].start + done, 1) for i in staying]
+        stop = bool(staying) and cut()
+        inputs = passes.pack(upcoming, current) if staying and not stop else None
+        output = passes.finish(launched)
+        launched = None
+        stop = stop or (bool(staying) and cut())  # asked again: the pass in progress is the one just finished
+        if staying and not stop and passes.launches_ahead(inputs) and passes.fills_ahead(inputs):
+            launched = passes.launch(upcoming, inputs, output.token_ids)
         table.record_sampled(current, output.token_ids)
         total.forward_ms += output.forward_ms
         total.sample_ms += output.sample_ms
@@ -78,14 +131,15 @@ def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], forward: F
         for i, token_id, entry in zip(active, output.token_ids, step_logprobs, strict=True):
             token_ids[i].append(token_id)
             logprobs[i].append(entry)
-        active = [i for i in active if chunks[i].num_steps > done]
-        if active and cut():
+        if stop:
             total.num_passes = done
-            for i in active:
+            for i in staying:
                 state = chunks[i].state
                 state.planned_computed, state.planned_len = state.num_computed_tokens, len(state.token_ids)
             break
-        current = [ScheduledChunk(chunks[i].state, chunks[i].state.num_computed_tokens, 1) for i in active]
+        if staying and launched is None:
+            launched = passes.launch(upcoming, inputs)
+        active, current = staying, upcoming
     total.token_ids = [token_id for tokens in token_ids for token_id in tokens]
     if asked:
         total.logprobs = [entry for entries in logprobs for entry in entries]
@@ -170,7 +224,7 @@ class TableExecutor(ABC):
                 following = None
             self.table.record_sampled(prepared.chunks, output.token_ids)
         else:
-            output = run_forward_passes(self.table, prepared.chunks, self.forward, lambda: self._is_cut(prepared))
+            output = run_multi_step(self.table, prepared.chunks, self, lambda: self._is_cut(prepared))
             following = self._following(prepared)
         if following is not None:
             following.launched = self.launch(following.chunks, following.inputs)

@@ -57,9 +57,9 @@ class ServiceConfig:
 
 
 # Decode steps per plan by default beside an executor on the CPU, whose forward passes run one after another however
-# they are planned: W1 split 1.00x in-process at 8, 0.95x at 1 (one hour's medians; docs/benchmarks.md). An
-# accelerator's executor overlaps a step's CPU work with the step before only across plans, so one step per plan
-# serves it better (W5 split at 5 ms, b64: 0.98 at 1, 0.82 at 8).
+# they are planned: W1 split 1.00x in-process at 8, 0.95x at 1 (one hour's medians; docs/benchmarks.md). Beside an
+# accelerator a plan of several steps is not pipelined with the plan after it (the scheduler waits for its tokens),
+# so one step per plan serves it better (W5 split at 5 ms, b64: 0.983 at 1, 0.898 at 8).
 CPU_DECODE_STEPS_PER_PLAN = 8
 
 

@@ -14,6 +14,7 @@ from executor_svc.simulated import SPIN_S, SimulatedExecutor, accelerator_wait, 
 from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.engine import Engine
 from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.scheduler import SchedulerConfig
 
 
 def executor(step_ms: float = 2.0) -> SimulatedExecutor:
@@ -84,3 +85,35 @@ def test_the_spin_lets_python_run_beside_it():
         counter.join()
         sys.setswitchinterval(interval)
     assert after > before
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "cut"])
+def test_a_multi_step_plan_launches_each_pass_from_the_one_before_and_stops_where_cut(cut):
+    """Eight passes on the simulated device, each launched from the tokens of the one before as soon as it is done,
+    before they are recorded; cut, the plan stops after its first pass and the next plan starts there."""
+    simulated = executor(step_ms=2.0)
+    engine = Engine(simulated, SchedulerConfig(num_scheduler_steps=8))
+    seqs = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=17, ignore_eos=True))
+            for prompt in ([5, 6, 7], [8] * 9)]
+    engine.step()  # the prefill
+    launches = []
+    original = simulated.launch
+
+    def launch(chunks, inputs=None, sampled_before=None):
+        launched = original(chunks, inputs, sampled_before)
+        launches.append(sampled_before is not None)
+        return launched
+
+    simulated.launch = launch
+    if cut:
+        simulated.cut(engine.planner.step_id + 1)  # the next plan's
+    outputs = engine.step()
+    assert [len(o.token_ids) for o in outputs] == ([1, 1] if cut else [8, 8])
+    if not cut:
+        assert launches == [False] + [True] * 7, "each pass after the first launched from the one before's tokens"
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()
+    assert [seq.completion_token_ids for seq in seqs] == [[2] * 17] * 2
+    assert len(simulated.table) == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
