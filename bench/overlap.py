@@ -6,8 +6,8 @@ of the model executor (apply the plan to its request table, pack the input tenso
 replaces the forward pass and the sampling with ``--step-ms`` on a simulated device: a step is launched without
 waiting, and waited for with the GIL released, as a CUDA synchronize does. Efficiency = step_ms x decode steps per
 second: 1.0 when the accelerator never waits. Peers: ``split``, the Engine at nanoserve-scheduler's default flags
-(``ServiceConfig()``: overlap on over the executor's StepStream, up to --num-scheduler-steps decode steps per plan,
-since its sequences' reader takes whole completions) driving the executor in
+(``ServiceConfig()``: overlap on over the executor's StepStream, one decode step per plan beside this accelerator,
+or ``--num-scheduler-steps``) driving the executor in
 a child process through ``RemoteExecutor``; ``in-process``, the same Engine configuration driving the same executor
 object directly; ``api``, the split as deployed: the scheduler service at its default flags in front of the same
 executor (both child processes), with ``--batch`` clients streaming through the public API (``bench.overlap_api``);
@@ -50,6 +50,7 @@ from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.sequence import Sequence as SchedulerSequence
 from scheduler_svc.service import connect_engine, executor_client
 
 BLOCK_SIZE = 16
@@ -157,9 +158,9 @@ def time_decode(executor: Executor, config: ServiceConfig, batch: int, context: 
     return Phases(*(1e6 * v / steps for v in (wall, *sums, cpu)), *idle)
 
 
-def decode_steps(engine: Engine, seq: object) -> int:
-    """One engine step; how many decode steps it settled (a plan of several at default flags: every sequence runs
-    the same number, so ``seq``'s tokens count them)."""
+def decode_steps(engine: Engine, seq: SchedulerSequence) -> int:
+    """One engine step; how many decode steps it settled (a plan may hold several: every sequence runs the same
+    number, so ``seq``'s tokens count them)."""
     return sum(len(out.token_ids) for out in engine.step() if out.seq is seq)
 
 
