@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tqdm import tqdm
 
@@ -100,6 +101,26 @@ def write_json(path: Path | None, figures: dict[str, object]) -> None:
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (linear interpolation, as vLLM's serving benchmark reports), 0.0 for no values."""
     return float(np.percentile(values, q)) if len(values) else 0.0
+
+
+class StolenCpu:
+    """The share of the machine's CPU time its hypervisor gave to other guests while the ``with`` block ran (Linux
+    ``steal``; 0.0 elsewhere). On a shared VM it changes from one round to the next and only ever slows a
+    round down: a benchmark prints it beside each round."""
+
+    share: float = 0.0
+
+    def __enter__(self) -> StolenCpu:
+        self._start = psutil.cpu_times()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        end = psutil.cpu_times()
+        # guest and guest_nice are counted in user and nice already.
+        total = sum(end) - sum(self._start) - sum(getattr(end, f) - getattr(self._start, f)
+                                                  for f in ("guest", "guest_nice") if hasattr(end, f))
+        stolen = getattr(end, "steal", 0.0) - getattr(self._start, "steal", 0.0)
+        self.share = stolen / total if total > 0 else 0.0
 
 
 def free_port() -> int:

@@ -1,9 +1,11 @@
 """W1 (CPU) or W2 (GPU): offline throughput (BENCHMARKS.md), every peer in one invocation.
 
-Peers generate the same requests (``ignore_eos``; W1 greedy, W2 at temperature
-0.6) with the same weights, dtype and threads; throughput is sum(max_tokens) / wall seconds of
-generation, after model load and one warm-up (with ``--repeats``, the median of the
-peer's runs, rounds alternating between peers). ``hf`` is transformers with naive
+Peers generate the same requests (``ignore_eos``; W1 greedy, W2 at temperature 0.6) with the same weights, dtype and
+threads; throughput is sum(max_tokens) / wall seconds of generation, after model load and one warm-up. With
+``--repeats``, rounds alternate between peers and a peer's figure is the median of its rounds; beside it are each
+round's share of the machine's CPU time that the hypervisor stole, and ``paired rounds``: the median over rounds of
+the peer's speed over the in-process peer's in the same round, which the machine's drift between rounds does not
+move. ``hf`` is transformers with naive
 batching (batches of 16 in order, left padding, every row of a batch generating
 the batch's largest max_tokens); ``hf_cb`` is transformers' own continuous batching (``generate_batch``'s
 manager, paged KV cache; bench/hf_cb.py), every request at once with its own max_tokens; ``inprocess`` is the
@@ -50,6 +52,7 @@ from bench.common import (  # noqa: E402
     WARMUP_PROMPT,
     WORKLOADS,
     Child,
+    StolenCpu,
     Workload,
     free_port,
     print_table,
@@ -244,9 +247,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     runs: dict[str, list[float]] = {name: [] for name in peers}
+    stolen: dict[str, list[float]] = {name: [] for name in peers}
     for _ in range(args.repeats):
         for name in peers:
-            runs[name].append(PEERS[name](args, workload))
+            with StolenCpu() as steal:
+                runs[name].append(PEERS[name](args, workload))
+            stolen[name].append(steal.share)
             release_gpu_memory()
     seconds = {name: statistics.median(times) for name, times in runs.items()}
     tok_s = {name: tokens / s for name, s in seconds.items()}
@@ -254,16 +260,22 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{workload.name.upper()}: {len(workload)} requests, {tokens} tokens, {args.dtype}, {args.device}, "
           f"{args.threads} threads", file=sys.stderr)
     hf, inprocess = tok_s.get("hf"), tok_s.get("inprocess")
+    # Each round's ratio first: the machine's drift between rounds cancels out.
+    paired = ({name: statistics.median(base / t for base, t in zip(runs["inprocess"], runs[name], strict=True))
+               for name in peers if name != "inprocess"} if "inprocess" in runs else {})
     print_table(
-        ["peer", "seconds", "runs (s)", "tok/s", "vs hf", "vs inprocess"],
-        [[name, seconds[name], " ".join(f"{t:.1f}" for t in runs[name]), tok_s[name], tok_s[name] / hf if hf else "-",
-          tok_s[name] / inprocess if inprocess else "-"] for name in peers],
+        ["peer", "seconds", "runs (s)", "stolen CPU (%)", "tok/s", "vs hf", "vs inprocess", "paired rounds"],
+        [[name, seconds[name], " ".join(f"{t:.1f}" for t in runs[name]),
+          " ".join(f"{100 * share:.0f}" for share in stolen[name]), tok_s[name], tok_s[name] / hf if hf else "-",
+          tok_s[name] / inprocess if inprocess else "-", paired.get(name, "-")] for name in peers],
     )
     print(f"peak RSS of this process: {peak_rss_mb:.0f} MB")
     ratios = {f"{name}_over_{base}": tok_s[name] / tok_s[base]
               for name in peers for base in ("hf", "inprocess") if base in tok_s and name != base}
-    write_json(args.json, {**{f"{name}_tok_s": v for name, v in tok_s.items()}, **ratios, "peak_rss_mb": peak_rss_mb,
-                           "repeats": args.repeats})
+    write_json(args.json, {**{f"{name}_tok_s": v for name, v in tok_s.items()},
+                           **{f"{name}_stolen_cpu_share": statistics.median(v) for name, v in stolen.items()},
+                           **ratios, **{f"{name}_paired_over_inprocess": v for name, v in paired.items()},
+                           "peak_rss_mb": peak_rss_mb, "repeats": args.repeats})
 
 
 if __name__ == "__main__":

@@ -100,6 +100,8 @@ def test_w2_runs_on_a_shrunken_random_qwen3(tmp_path):
                      "hf_cb", "--kv-cache-memory", str(64 << 20), "--repeats", "2", "--json", str(path)])
     figures = json.loads(path.read_text())
     assert figures["inprocess_tok_s"] > 0 and figures["hf_cb_tok_s"] > 0 and figures["repeats"] == 2
+    assert all(0.0 <= figures[f"{peer}_stolen_cpu_share"] < 1.0 for peer in ("inprocess", "hf_cb"))
+    assert figures["hf_cb_paired_over_inprocess"] > 0 and "inprocess_paired_over_inprocess" not in figures
 
 
 def test_the_split_peers_stream_and_ask_for_whole_completions(tmp_path):
