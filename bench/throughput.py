@@ -2,22 +2,21 @@
 
 Peers generate the same requests (``ignore_eos``; W1 greedy, W2 at temperature 0.6) with the same weights, dtype and
 threads; throughput is sum(max_tokens) / wall seconds of generation, after model load and one warm-up. With
-``--repeats``, rounds alternate between peers and a peer's figure is the median of its rounds; beside it are each
-round's share of the machine's CPU time that the hypervisor stole, and ``paired rounds``: the median over rounds of
-the peer's speed over the in-process peer's in the same round, which the machine's drift between rounds does not
-move. ``hf`` is transformers with naive
-batching (batches of 16 in order, left padding, every row of a batch generating
-the batch's largest max_tokens); ``hf_cb`` is transformers' own continuous batching (``generate_batch``'s
-manager, paged KV cache; bench/hf_cb.py), every request at once with its own max_tokens; ``inprocess`` is the
-scheduler Engine driving the ModelExecutor in this process; ``split`` and ``split_overlap`` run the executor and
-the scheduler as two processes over gRPC (the latter with ``--overlap``) and send every request at once through
-the public API with ``client.api.AsyncClient.generate`` (responses of ``JOINED_STREAM_INTERVAL`` tokens;
-``split_tokens``: at default flags, one response per token, as a streaming reader gets them at the server's default;
-``split_whole``: at default flags, as whole completions through ``GenerateOnce``, not streamed;
-``split_yield``: at default flags but ``--yield-cpu on`` for both services); ``llamacpp``
-(W1, when llama-cpp-python is installed; see bench/llamacpp.py) is llama.cpp on a float32 / bfloat16 GGUF of the
-same weights, 64 slots batching continuously as llama-server does, prompt chunks and decodes in one
-``llama_decode``. A peer is a function in ``PEERS``.
+``--repeats``, rounds alternate between peers (in reverse every other round) and a peer's figure is the median of
+its rounds; beside it are each round's share of the machine's CPU time that the hypervisor stole, and ``paired
+rounds``: the median over rounds of the peer's speed over the in-process peer's in the same round, which the
+machine's drift between rounds does not move. ``hf`` is transformers with naive batching (batches of 16 in order,
+left padding, every row of a batch generating the batch's largest max_tokens); ``hf_cb`` is transformers' own
+continuous batching (``generate_batch``'s manager, paged KV cache; bench/hf_cb.py), every request at once with its
+own max_tokens; ``inprocess`` is the scheduler Engine driving the ModelExecutor in this process; ``split`` and
+``split_overlap`` run the executor and the scheduler as two processes over gRPC (the latter with ``--overlap``) and
+send every request at once through the public API with ``client.api.AsyncClient.generate`` (responses of
+``JOINED_STREAM_INTERVAL`` tokens; ``split_tokens``: at default flags, one response per token, as a streaming reader
+gets them at the server's default; ``split_whole``: at default flags, as whole completions through ``GenerateOnce``,
+not streamed; ``split_yield``: at default flags but ``--yield-cpu on`` for both services); ``llamacpp`` (W1, when
+llama-cpp-python is installed; see bench/llamacpp.py) is llama.cpp on a float32 / bfloat16 GGUF of the same weights,
+64 slots batching continuously as llama-server does, prompt chunks and decodes in one ``llama_decode``. A peer is a
+function in ``PEERS``.
 """
 
 from __future__ import annotations
@@ -232,8 +231,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="the most decode steps per plan of the engine peers (nanoserve-scheduler "
                    "--num-scheduler-steps; default: its default for --device)")
-    p.add_argument("--repeats", type=int, default=1, help="rounds of every peer, in turn; each peer's median "
-                   "counts (this machine's load drifts between runs, and alternating rounds spreads it alike)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every peer, in turn (every other round in "
+                   "reverse); each peer's median counts (this machine's load drifts between runs, and alternating "
+                   "rounds spreads it alike)")
     p.add_argument("--json", type=Path, default=None, help="write <peer>_tok_s, the ratios and peak_rss_mb here")
     return p.parse_args(argv)
 
@@ -248,8 +248,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     runs: dict[str, list[float]] = {name: [] for name in peers}
     stolen: dict[str, list[float]] = {name: [] for name in peers}
-    for _ in range(args.repeats):
-        for name in peers:
+    for round_ in range(args.repeats):
+        # Every other round in reverse (A B, B A, ...): a machine slowing down or speeding up within a round then
+        # weighs on every peer alike, not always on the later one.
+        for name in peers if round_ % 2 == 0 else peers[::-1]:
             with StolenCpu() as steal:
                 runs[name].append(PEERS[name](args, workload))
             stolen[name].append(steal.share)

@@ -104,6 +104,25 @@ def test_w2_runs_on_a_shrunken_random_qwen3(tmp_path):
     assert figures["hf_cb_paired_over_inprocess"] > 0 and "inprocess_paired_over_inprocess" not in figures
 
 
+def test_throughput_rounds_alternate_in_reverse_and_pair_with_in_process(tmp_path, monkeypatch):
+    """Every other round runs the peers in reverse, and ``paired`` ratios are taken round by round: here the split
+    loses every round but the last, which the medians alone (11 s each) would hide."""
+    calls: list[str] = []
+    seconds = {"inprocess": iter([10.0, 12.0, 11.0]), "split": iter([11.0, 13.0, 10.0])}
+
+    def peer(name: str):
+        return lambda args, workload: calls.append(name) or next(seconds[name])
+
+    for name in seconds:
+        monkeypatch.setitem(throughput.PEERS, name, peer(name))
+    path = tmp_path / "w1.json"
+    throughput.main(["--num-requests", "1", "--peers", "inprocess", "split", "--repeats", "3", "--json", str(path)])
+    assert calls == ["inprocess", "split", "split", "inprocess", "inprocess", "split"]
+    figures = json.loads(path.read_text())
+    assert figures["split_over_inprocess"] == pytest.approx(1.0)
+    assert figures["split_paired_over_inprocess"] == pytest.approx(12 / 13)
+
+
 def test_the_split_peers_stream_and_ask_for_whole_completions(tmp_path):
     """Every way a client drives the split (``generate``, one response per token, and whole completions through
     GenerateOnce), and the split with ``--yield-cpu on``, runs the workload to its last token: each request's token
