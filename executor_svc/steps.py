@@ -38,6 +38,9 @@ class PreparedStep:
     # Its forward pass, started on the device by ``TableExecutor.launch`` as soon as the step before it was computed
     # (None: not started yet, or finished).
     launched: object | None = None
+    # Its plan while not applied yet: one booked on a multi-step plan's every pass (``after_whole_step_id``), or queued
+    # behind one, is applied once the plans before it ran (or during that plan's last pass), or dropped if it was cut.
+    deferred: pb.StepPlan | None = None
 
 
 class Passes(Protocol):
@@ -92,15 +95,23 @@ def run_forward_passes(table: RequestTable, chunks: list[ScheduledChunk], forwar
     return run_multi_step(table, chunks, Synchronous(forward), lambda: False)
 
 
-def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], passes: Passes,
-                   cut: Callable[[], bool]) -> StepOutput:
+# Told a plan's last pass once it is on the device (nothing can cut the plan any more); returns what launches the
+# next plan's first pass from that pass's sampled tokens, before they are recorded (None: it waits its turn).
+LastPass = Callable[[list[ScheduledChunk]], Callable[[list[int]], None] | None]
+
+
+def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], passes: Passes, cut: Callable[[], bool],
+                   inputs: object | None = None, launched: object | None = None,
+                   last_pass: LastPass | None = None) -> StepOutput:
     """The passes of a plan in which some chunk decodes more than one token; a chunk drops out after its last.
 
     Each pass after the first is packed while the device computes the one before, and launched from that one's
     tokens as soon as they are back where its launch only queues work (``launches_ahead``, ``fills_ahead``): what
-    ``TableExecutor.execute`` does across plans, within one. ``cut`` is asked before each pass but the first; cut
-    after ``done`` passes, each request has computed and sampled what those gave it, and the table plans from
-    there: the scheduler settles as many (``StepResult.num_passes``) and plans the next step on them.
+    ``TableExecutor.execute`` does across plans, within one. The first pass may come packed (``inputs``) or
+    already on the device (``launched``); ``last_pass`` may start the next plan's first pass the same way. ``cut``
+    is asked before each pass but the first; cut after ``done`` passes, each request has computed and sampled what
+    those gave it, and the table plans from there: the scheduler settles as many (``StepResult.num_passes``) and
+    plans the next step on them.
     """
     if not chunks:  # a plan that only drops requests
         return StepOutput()
@@ -110,16 +121,22 @@ def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], passes: Pa
     asked = False
     active = list(range(len(chunks)))
     current = chunks
-    launched = passes.launch(current, passes.pack(current))
+    if launched is None:
+        launched = passes.launch(current, passes.pack(current) if inputs is None else inputs)
     done = 0
+    start_next = None
     while launched is not None:
         done += 1
         staying = [i for i in active if chunks[i].num_steps > done]
         upcoming = [ScheduledChunk(chunks[i].state, chunks[i].start + done, 1) for i in staying]
         stop = bool(staying) and cut()
         inputs = passes.pack(upcoming, current) if staying and not stop else None
+        if not staying and last_pass is not None:
+            start_next = last_pass(current)
         output = passes.finish(launched)
         launched = None
+        if start_next is not None:
+            start_next(output.token_ids)
         stop = stop or (bool(staying) and cut())  # asked again: the pass in progress is the one just finished
         if staying and not stop and passes.launches_ahead(inputs) and passes.fills_ahead(inputs):
             launched = passes.launch(upcoming, inputs, output.token_ids)
@@ -164,6 +181,11 @@ class TableExecutor(ABC):
     are recorded. Recording them, building N's result and the caller's hand-over of it (to gRPC, or to the
     engine's thread) then run while the device computes N+1 (W5, ``bench.overlap``). An error launching N+1
     fails step N; the scheduler recomputes both, as after any failed step.
+
+    A plan booked on every pass of the multi-step plan before it (``after_whole_step_id``) cannot be applied
+    before that plan is known to run whole: ``prepare`` queues it unapplied, with every plan after it, and it is
+    applied during that plan's last pass (``_start_booked``) and launched from its tokens as above, or dropped
+    unapplied in its turn if a cut stopped that plan early.
     """
 
     info: pb.ExecutorInfo
@@ -177,44 +199,71 @@ class TableExecutor(ABC):
         self._queued: deque[PreparedStep] = deque()
         # The step prepared last: the one whose sampled tokens the next step's input waits for.
         self._last_prepared: PreparedStep | None = None
-        # The step CutStep asked to stop early (set from a gRPC thread; read between the passes of a multi-step plan).
+        # The step queued last: while it waits to be applied (``PreparedStep.deferred``), so does every plan after it.
+        self._last_queued: PreparedStep | None = None
+        # The latest step CutStep asked to stop early, with every one before it (set from a gRPC thread; read between
+        # the passes of a multi-step plan).
         self._cut_step_id: int | None = None
+        # The last multi-step plan that a cut stopped early: the plans booked on its every pass are dropped.
+        self._cut_short_step_id: int | None = None
 
     def get_info(self) -> pb.ExecutorInfo:
         return self.info
 
     def reset(self) -> int:
         self._queued.clear()
-        self._last_prepared = self._cut_step_id = None
+        self._last_prepared = self._last_queued = self._cut_step_id = self._cut_short_step_id = None
         return self.table.reset()
 
     def cut(self, step_id: int) -> None:
-        """CutStep: the multi-step plan ``step_id`` stops after the pass in progress, or after its first if it has not
-        started (the call may overtake its plan). Advisory: a plan prepared after it counts on all its passes, so
-        then it runs whole."""
+        """CutStep: the multi-step plan ``step_id``, or one before it still running, stops after the pass in progress,
+        or after its first if it has not started (the call may overtake its plan). Advisory: a plan applied after it
+        counts on all its passes, so then it runs whole (a plan booked on them, ``after_whole_step_id``, is applied
+        only once they ran)."""
         self._cut_step_id = step_id
 
     def _is_cut(self, prepared: PreparedStep) -> bool:
-        return self._cut_step_id == prepared.step_id and self._last_prepared is prepared
+        cut = self._cut_step_id
+        return cut is not None and prepared.step_id <= cut and self._last_prepared is prepared
 
     def step(self, plan: pb.StepPlan) -> pb.StepResult:
         return self.execute(self.prepare(plan))
 
     def prepare(self, plan: pb.StepPlan) -> PreparedStep:
-        chunks = self.table.apply(plan)
+        behind = self._last_queued
+        prepared = PreparedStep(plan.step_id, [], deferred=plan)
+        if not plan.HasField("after_whole_step_id") and (behind is None or behind.deferred is None):
+            self._apply(prepared)  # else applied once the plans before it ran, by ``execute``
+        self._queued.append(prepared)
+        self._last_queued = prepared
+        return prepared
+
+    def _apply(self, prepared: PreparedStep, last_pass: list[ScheduledChunk] | None = None) -> None:
+        """Apply its plan and pack its input where it is one pass, or its first pass when ``last_pass`` (the chunks
+        of the pass before it, whose sampled tokens its input is linked to)."""
+        chunks = self.table.apply(prepared.deferred)
         single = bool(chunks) and all(chunk.num_steps == 1 for chunk in chunks)
         before = self._last_prepared
-        inputs = self.pack(chunks, before.chunks if before is not None and before.single else None) if single else None
-        prepared = PreparedStep(plan.step_id, chunks, inputs, single, before)
-        self._queued.append(prepared)
+        inputs = None
+        if last_pass is not None and chunks:
+            inputs = self.pack(chunks, last_pass)
+        elif single:
+            inputs = self.pack(chunks, before.chunks if before is not None and before.single else None)
+        prepared.chunks, prepared.inputs, prepared.single, prepared.follows = chunks, inputs, single, before
+        prepared.deferred = None  # last: from here on ``prepare`` applies the plans after it itself
         self._last_prepared = prepared
-        return prepared
 
     def execute(self, prepared: PreparedStep) -> pb.StepResult:
         while self._queued:  # steps prepared before it and never run are dropped
             if self._queued.popleft() is prepared:
                 break
         prepared.follows = None  # no chain of every step run so far
+        if prepared.deferred is not None:  # the plans before it have run by now
+            plan = prepared.deferred
+            if plan.HasField("after_whole_step_id") and plan.after_whole_step_id == self._cut_short_step_id:
+                prepared.deferred = None
+                return step_result(self.info.instance_id, prepared.step_id, StepOutput(num_passes=0))
+            self._apply(prepared)
         if prepared.single:
             launched, prepared.launched = prepared.launched, None  # its device buffers go once finished
             output = self.finish(self.launch(prepared.chunks, prepared.inputs) if launched is None else launched)
@@ -224,11 +273,35 @@ class TableExecutor(ABC):
                 following = None
             self.table.record_sampled(prepared.chunks, output.token_ids)
         else:
-            output = run_multi_step(self.table, prepared.chunks, self, lambda: self._is_cut(prepared))
+            inputs, launched, prepared.inputs, prepared.launched = prepared.inputs, prepared.launched, None, None
+            output = run_multi_step(self.table, prepared.chunks, self, lambda: self._is_cut(prepared), inputs, launched,
+                                    lambda last: self._start_booked(prepared, last))
+            if output.num_passes is not None:
+                self._cut_short_step_id = prepared.step_id
             following = self._following(prepared)
         if following is not None:
             following.launched = self.launch(following.chunks, following.inputs)
         return step_result(self.info.instance_id, prepared.step_id, output)
+
+    def _start_booked(self, window: PreparedStep, last: list[ScheduledChunk]) -> Callable[[list[int]], None] | None:
+        """``window``'s last pass is on the device: the plan booked on its every pass, next in the queue, is applied
+        and packed now, and its first pass launched from that pass's tokens where that only queues work (W5 at 8
+        steps per plan, 256 sequences, 2 ms: the device sat idle 1.5-2.5 ms between two plans before)."""
+        try:
+            following = self._queued[0]
+        except IndexError:
+            return None
+        plan = following.deferred
+        if plan is None or not plan.HasField("after_whole_step_id") or plan.after_whole_step_id != window.step_id:
+            return None
+        self._apply(following, last)
+        if not (self.launches_ahead(following.inputs) and self.fills_ahead(following.inputs)):
+            return None
+
+        def start(sampled: list[int]) -> None:
+            following.launched = self.launch(following.chunks, following.inputs, sampled)
+
+        return start
 
     def _following(self, prepared: PreparedStep) -> PreparedStep | None:
         """The step prepared right after ``prepared``, when it is next to run, one pass, not launched yet, and its

@@ -8,10 +8,12 @@ N+1 before it collects step N, so the executor never waits for the scheduler. Th
 executor feeds its own sampled tokens into the next decode, and a sequence that
 turns out to have finished at step N just wastes its slot in step N+1.
 
-A multi-step decode (a window) is collected before the step after it is scheduled:
-an arrival cuts it short (``cut_for_arrival``, the executor's CutStep), and how many
-of its steps ran decides where the next plan starts. One round trip per window is
-what that costs: W1 split at 8 steps per window, 1.01x in-process.
+A multi-step decode (a window) is pipelined the same way: the next plan is booked
+on every step of the window running (StepPlan.after_whole_step_id). An arrival cuts
+the window short (``cut_for_arrival``, the executor's CutStep); the executor then
+drops the plan booked on it, the engine gives that booking back (``Scheduler.unbook``,
+``Planner.unbook``) and plans again from the steps that ran. No window is booked
+ahead while a request waits: the next step may be its prefill.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from common.executor import Executor
 from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.errors import InvalidRequest
-from scheduler_svc.planner import Planner
+from scheduler_svc.planner import Plan, Planner
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, StepRecord, TokenOutput
 from scheduler_svc.sequence import FinishReason, Sequence
@@ -61,14 +63,16 @@ class Launched:
     """A step sent to the executor: its booking and its result (a future while it runs)."""
 
     record: StepRecord
-    step_id: int
-    # A decode of more than one step per sequence: collected before the next step is scheduled.
+    plan: Plan
+    # A decode of more than one step per sequence: the executor can cut it short.
     window: bool
     result: Future[pb.StepResult] | pb.StepResult
     schedule_s: float
     plan_s: float
     # Time spent handing the plan over: the whole call for a synchronous executor.
     send_s: float
+    # Booked on a window that was cut: the executor drops it, and its booking is given back.
+    dropped: bool = False
 
 
 Submit = Callable[[pb.StepPlan], Future[pb.StepResult]]
@@ -194,16 +198,20 @@ class Engine:
             return self._collect(launched)
         if self._submit is None:
             self._submit = self._submitter()
+        if self._in_flight is not None and self._in_flight.dropped:
+            self._collect_dropped(self._in_flight)
+            self._in_flight = None
         if self._in_flight is None:
             self._in_flight = self._launch(self._submit)
             if self._in_flight is None:
                 self._flush_released()
                 return []
         current = self._in_flight
-        if current.window:  # its length decides where the next plan starts: collected first
-            self._in_flight = None
+        if current.window:  # the next step counts on every step of it, where nothing may cut in between
+            ahead = not self.arrival_pending and not self.scheduler.waiting
+            self._in_flight = self._launch(self._submit, current.plan.step_id) if ahead else None
             outputs = self._collect(current)
-            if not self.arrival_pending:  # else the loop takes the request in first, and the next step is its prefill
+            if self._in_flight is None and not self.arrival_pending:  # else the request comes in first: its prefill
                 self._in_flight = self._launch(self._submit)
             return outputs
         self._in_flight = self._launch(self._submit)
@@ -226,8 +234,10 @@ class Engine:
         packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-prepare")
         return lambda plan: worker.submit(lambda prepared: execute(prepared.result()), packer.submit(prepare, plan))
 
-    def _launch(self, run: Callable[[pb.StepPlan], Future[pb.StepResult] | pb.StepResult]) -> Launched | None:
-        """Schedule, plan and book a step, and hand its plan to ``run``; None when nothing can run."""
+    def _launch(self, run: Callable[[pb.StepPlan], Future[pb.StepResult] | pb.StepResult],
+                after_whole: int | None = None) -> Launched | None:
+        """Schedule, plan and book a step, and hand its plan to ``run``; None when nothing can run. ``after_whole``:
+        the window in flight it is booked on, every step of it counted."""
         if self.scheduler.is_finished():
             return None
         t0 = time.perf_counter()
@@ -241,6 +251,7 @@ class Engine:
                     seq.scheduled_at = now
         t1 = time.perf_counter()
         plan, ordered = self.planner.build(seqs, is_prefill, self.scheduler.drain_released())
+        plan.after_whole_step_id = after_whole
         message = plan_to_proto(plan)
         record = self.scheduler.advance(ordered, is_prefill)
         t2 = time.perf_counter()
@@ -250,11 +261,10 @@ class Engine:
         result = run(message)
         if window and self.arrival_pending:  # it arrived while this was planned: cut_for_arrival saw no window
             self._cut_window()
-        return Launched(record, plan.step_id, window, result, t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return Launched(record, plan, window, result, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
-    def _collect(self, launched: Launched) -> list[TokenOutput]:
-        """Wait for a launched step and settle its tokens."""
-        t0 = time.perf_counter()
+    def _result(self, launched: Launched) -> pb.StepResult:
+        """Wait for a launched step's result: from the executor instance and for the plan expected."""
         result = launched.result
         if isinstance(result, Future):
             result = result.result(timeout=self.step_timeout_s)
@@ -262,26 +272,49 @@ class Engine:
             # executor's, or the gRPC one sending its plan) otherwise waits behind all of it. W5 in-process at
             # 256 sequences: 300 us between two steps' executions without this, 25 us with it.
             time.sleep(0)
-        t1 = time.perf_counter()
         if result.instance_id != self.info.instance_id:
             raise ExecutorRestarted(
                 f"executor instance changed from {self.info.instance_id} to {result.instance_id}"
             )
-        if result.step_id != launched.step_id:
-            raise StepMismatch(f"the executor answered step {result.step_id} where step {launched.step_id} was due")
+        step_id = launched.plan.step_id
+        if result.step_id != step_id:
+            raise StepMismatch(f"the executor answered step {result.step_id} where step {step_id} was due")
+        if launched.window and self._window_step_id == step_id:
+            self._window_step_id = None
+        return result
+
+    def _collect_dropped(self, launched: Launched) -> None:
+        """Take the answer to a plan the executor was to drop (its window was cut); its booking is given back."""
+        result = self._result(launched)
+        if not result.HasField("num_passes") or result.num_passes != 0:
+            raise StepMismatch(f"the executor ran step {result.step_id}, booked on the whole of step "
+                               f"{launched.plan.after_whole_step_id}, which it cut")
+
+    def _collect(self, launched: Launched) -> list[TokenOutput]:
+        """Wait for a launched step and settle its tokens."""
+        t0 = time.perf_counter()
+        result = self._result(launched)
+        t1 = time.perf_counter()
         self.num_steps += 1
         logprobs = logprobs_from_result(result) if result.logprobs else ()
         if result.prompt_logprobs:
             self._keep_prompt_logprobs(launched.record.seqs, result)
-        if launched.window:
-            self._window_step_id = None
         num_passes = result.num_passes if result.HasField("num_passes") else None
+        ahead = self._in_flight
+        if num_passes is not None and ahead is not None and ahead.plan.after_whole_step_id == launched.plan.step_id:
+            self._unbook(ahead)
         outputs = self.scheduler.settle(launched.record, list(result.token_ids), logprobs, num_passes)
         self.on_step(sum(launched.record.counts), result.forward_ms / 1e3)
         self.last_timings = StepTimings(
             launched.schedule_s, launched.plan_s, launched.send_s + t1 - t0, time.perf_counter() - t1
         )
         return outputs
+
+    def _unbook(self, ahead: Launched) -> None:
+        """The window ``ahead`` was booked on was cut: the executor drops it, so its booking is given back."""
+        ahead.dropped = True
+        self.scheduler.unbook(ahead.record)
+        self.scheduler.released_seq_ids[:0] = self.planner.unbook(ahead.plan)
 
     @staticmethod
     def _keep_prompt_logprobs(seqs: list[Sequence], result: pb.StepResult) -> None:

@@ -47,6 +47,8 @@ class Plan:
     finished_request_ids: list[int]
     new_requests: list[NewRequest] = field(default_factory=list)
     cached: CachedRequests = field(default_factory=CachedRequests)
+    # The multi-step plan this one counts on running whole (booked before its result came): StepPlan's field.
+    after_whole_step_id: int | None = None
 
 
 class Planner:
@@ -60,13 +62,15 @@ class Planner:
     def __init__(self) -> None:
         self.num_blocks_sent: dict[int, int] = {}
         self.step_id = 0
+        # What the last plan told the executor to drop, with the blocks each held: ``unbook`` puts it back.
+        self._last_dropped: dict[int, int] = {}
 
     def build(self, seqs: list[Sequence], is_prefill: bool, released: list[int]) -> tuple[Plan, list[Sequence]]:
         """Return the plan and the sequences in result order (new first, then cached)."""
         self.step_id += 1
         sent = self.num_blocks_sent
-        finished = [seq_id for seq_id in released if sent.pop(seq_id, None) is not None]
-        plan = Plan(self.step_id, is_prefill, finished)
+        self._last_dropped = dropped = {seq_id: sent.pop(seq_id) for seq_id in released if seq_id in sent}
+        plan = Plan(self.step_id, is_prefill, list(dropped))
         new_seqs = [seq for seq in seqs if seq.seq_id not in sent]
         cached_seqs = [seq for seq in seqs if seq.seq_id in sent] if new_seqs else seqs
         for seq in new_seqs:
@@ -91,6 +95,20 @@ class Planner:
                                          [seq.num_cached_tokens for seq in cached_seqs], scheduled, num_new_blocks,
                                          new_block_ids, decode_steps)
         return plan, new_seqs + cached_seqs
+
+    def unbook(self, plan: Plan) -> list[int]:
+        """The last plan built was dropped by the executor, none of it applied: what it sent counts as unsent.
+        Returns the ids it told the executor to drop, for the next plan to tell again."""
+        if plan.step_id != self.step_id:
+            raise ValueError(f"only the last plan ({self.step_id}) can be given back, not {plan.step_id}")
+        sent = self.num_blocks_sent
+        for new in plan.new_requests:
+            del sent[new.request_id]
+        cached = plan.cached
+        for seq_id, num_new in zip(cached.request_ids, cached.num_new_blocks, strict=True):
+            sent[seq_id] -= num_new
+        sent.update(self._last_dropped)
+        return plan.finished_request_ids
 
     def forget_all(self) -> None:
         """The executor lost every request (restart or reset)."""

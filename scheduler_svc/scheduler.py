@@ -280,19 +280,32 @@ class Scheduler:
     def _shorten(record: StepRecord, num_passes: int) -> StepRecord:
         """A multi-step decode that ran only ``num_passes`` steps: each sequence books that many tokens at most, and
         the slots and computed tokens of the steps that did not run are given back. Its blocks stay: the next steps
-        write there. No step was booked after it (the engine waits for a multi-step decode's tokens)."""
+        write there. A step booked after it was given back first (``unbook``); a sequence preempted meanwhile holds
+        no computed tokens, only its slots."""
         if record.is_prefill or num_passes < 1:
             raise ValueError(f"the executor cut a step to {num_passes} passes; only a decode of >= 1 passes is cut")
         counts = []
         for seq, count, slot in zip(record.seqs, record.counts, record.slots, strict=True):
             if count > num_passes:
                 if not seq.is_finished:
-                    seq.num_cached_tokens -= count - num_passes
+                    if seq.block_table:
+                        seq.num_cached_tokens -= count - num_passes
                     del seq.token_ids[slot + num_passes :]
                     seq.final_token_pending = False
                 count = num_passes
             counts.append(count)
         return StepRecord(record.seqs, record.starts, counts, record.slots, record.is_prefill)
+
+    @staticmethod
+    def unbook(record: StepRecord) -> None:
+        """Give back a decode booked by ``advance`` that will not run (the executor dropped it, as the multi-step
+        decode before it was cut): each sequence's computed tokens and slots are as before it. Its blocks stay, for
+        the steps that will write there; sequences it preempted stay preempted."""
+        for seq, start, slot in zip(record.seqs, record.starts, record.slots, strict=True):
+            if not seq.is_finished:
+                seq.num_cached_tokens = start
+                del seq.token_ids[slot:]
+                seq.final_token_pending = False
 
     def _multi_step_tokens(self, seq: Sequence, slot: int, sampled: list[int]) -> tuple[int, FinishReason | None]:
         """Place a multi-step decode's tokens from ``slot`` on, up to the first that stops ``seq``.

@@ -205,7 +205,8 @@ def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
 def plan_to_proto(plan: Plan) -> executor_pb2.StepPlan:
     """The StepPlan message of ``plan``; columns go in with one extend each (this runs every step)."""
     msg = executor_pb2.StepPlan(step_id=plan.step_id, is_prefill=plan.is_prefill,
-                                finished_request_ids=plan.finished_request_ids)
+                                finished_request_ids=plan.finished_request_ids,
+                                after_whole_step_id=plan.after_whole_step_id)
     for new in plan.new_requests:
         msg.new_requests.add(request_id=new.request_id, token_ids=new.token_ids, sampling=sampling_to_proto(new.params),
                              block_table=new.block_table, num_computed_tokens=new.num_computed_tokens,

@@ -146,3 +146,40 @@ def test_a_multi_step_decode_that_does_not_start_at_the_last_token_is_refused(
                                    num_new_blocks=[0], num_decode_steps=[3])
     with pytest.raises(PlanError, match="must start at its last token"):
         executor.step(pb.StepPlan(step_id=2, cached_requests=mid_prompt))
+
+
+def booked_on(plan: pb.StepPlan, window: int) -> pb.StepPlan:
+    """``plan`` sent before the result of ``window``, counting on every pass of it (windows pipelined)."""
+    plan.after_whole_step_id = window
+    return plan
+
+
+def test_a_plan_booked_on_a_window_waits_for_it_and_so_does_every_plan_behind_it(
+    tiny_model_folders: dict[str, Path],  # noqa: F811
+) -> None:
+    in_turn = tiny(tiny_model_folders["llama"])
+    expected = [in_turn.step(plan) for plan in (prefill(1), decode(2, 1, steps=3), decode(3, 4, steps=3), decode(4, 7))]
+    ahead = tiny(tiny_model_folders["llama"])
+    ahead.launches_ahead = lambda inputs: True
+    sent = [prefill(1), decode(2, 1, steps=3), booked_on(decode(3, 4, steps=3), 2), decode(4, 7)]
+    prepared = [ahead.prepare(plan) for plan in sent]  # all before any runs, as a stream's reader thread may
+    assert [step.deferred is not None for step in prepared] == [False, False, True, True]
+    results = [ahead.execute(step) for step in prepared]
+    assert tokens(results) == tokens(expected)
+    assert not any(r.HasField("num_passes") for r in results)
+
+
+def test_a_plan_booked_on_a_window_that_was_cut_is_dropped_unapplied(
+    tiny_model_folders: dict[str, Path],  # noqa: F811
+) -> None:
+    in_turn = tiny(tiny_model_folders["llama"])
+    window = [in_turn.step(plan) for plan in (prefill(1), decode(2, 1, steps=3))][1]
+    executor = tiny(tiny_model_folders["llama"])
+    prepared = [executor.prepare(plan) for plan in (prefill(1), decode(2, 1, steps=3),
+                                                    booked_on(decode(3, 4, steps=3), 2))]
+    executor.cut(3)  # the later window named: the one before it, still to run, is cut too
+    first, cut, dropped = (executor.execute(step) for step in prepared)
+    assert cut.num_passes == 1 and len(cut.token_ids) == 2
+    assert dropped.HasField("num_passes") and dropped.num_passes == 0 and not dropped.token_ids
+    after_cut = executor.step(decode(4, 2))  # planned again from the one pass that ran
+    assert list(after_cut.token_ids) == [window.token_ids[1], window.token_ids[4]], "seeded: the same positions"

@@ -15,9 +15,11 @@ from executor_svc.steps import PreparedStep
 from executor_svc.values import StepOutput
 from nanoserve.v1 import executor_pb2
 from scheduler_svc.engine import Engine
+from scheduler_svc.planner import Planner
 from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.scheduler import SchedulerConfig
+from scheduler_svc.sequence import Sequence
 from tests.conftest import EOS
 from tests.service_fixtures import assert_idle_async, collect, in_process_scheduler, token_request
 from tests.shadow_helpers import assert_matches_reference, expected
@@ -80,9 +82,16 @@ def test_windows_cut_after_any_pass_give_the_same_tokens_and_free_every_block(ov
     prompts, params = random_work(rng, 12)
     outputs = engine.generate(prompts, params)
     assert_matches_reference(engine, prompts, params, outputs)
-    cut = [r for r in executor.results if r.HasField("num_passes")]
+    cut = [r for r in executor.results if r.HasField("num_passes") and r.num_passes > 0]
     assert cut, "no window was cut"
-    assert all(1 <= r.num_passes < 8 for r in cut)
+    assert all(r.num_passes < 8 for r in cut)
+    dropped = {r.step_id for r in executor.results if r.HasField("num_passes") and r.num_passes == 0}
+    booked_on = {p.step_id: p.after_whole_step_id for p in executor.plans if p.HasField("after_whole_step_id")}
+    if overlap:
+        assert dropped, "a window booked on a cut one is dropped"
+        assert {booked_on[step_id] for step_id in dropped} <= {r.step_id for r in cut}
+    else:
+        assert not booked_on
     assert engine.scheduler.num_preemptions > 0, "24 blocks for 6 sequences should preempt some"
     assert len(executor.table) == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -138,10 +147,12 @@ def test_an_arriving_stream_cuts_the_window_in_flight_and_starts_next():
 
     done, second = asyncio.run(main())
     assert len(done.token_ids) == 40 and len(second.token_ids) == 5
-    windows = [r for r in executor.results if r.HasField("num_passes")]
+    windows = [r for r in executor.results if r.HasField("num_passes") and r.num_passes > 0]
     assert windows and windows[0].num_passes < 8, "the window in flight ran whole"
-    cut_at = next(i for i, p in enumerate(executor.plans) if p.step_id == windows[0].step_id)
-    next_plan = executor.plans[cut_at + 1]
+    dropped = {r.step_id for r in executor.results if r.HasField("num_passes") and r.num_passes == 0}
+    ran = [p for p in executor.plans if p.step_id not in dropped]
+    cut_at = next(i for i, p in enumerate(ran) if p.step_id == windows[0].step_id)
+    next_plan = ran[cut_at + 1]
     assert [list(r.token_ids) for r in next_plan.new_requests] == [[6, 7, 8, 9]], "the stream's prefill is next"
 
 
@@ -181,11 +192,29 @@ def test_cut_step_over_grpc_stops_the_window_after_its_pass_in_progress():
                 outputs.setdefault(out.seq.seq_id, []).extend(out.token_ids)
             engine.arrivals_taken()
         engine.step()  # idle: tells the executor to drop the finished requests
-        cut = [r for r in executor.results if r.HasField("num_passes")]
+        cut = [r for r in executor.results if r.HasField("num_passes") and r.num_passes > 0]
         assert len(cut) == 1 and cut[0].num_passes < 8
+        dropped = [r.step_id for r in executor.results if r.HasField("num_passes") and r.num_passes == 0]
+        booked_on = {p.step_id: p.after_whole_step_id for p in executor.plans if p.HasField("after_whole_step_id")}
+        assert [booked_on[step_id] for step_id in dropped] == [cut[0].step_id], "the window booked on it is dropped"
         assert [outputs[i] for i in (0, 1)] == [expected(engine, p, params) for p in prompts]
         assert len(executor.table) == 0
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     finally:
         remote.close()
         server.stop(None)
+
+
+def test_a_plan_given_back_sends_its_new_blocks_and_drops_again():
+    planner = Planner()
+    kept, gone = (Sequence(i, [1, 2, 3], SamplingParams(), 4, 3) for i in range(2))
+    kept.block_table, gone.block_table = [0], [1]
+    planner.build([kept, gone], True, [])
+    kept.block_table.append(2)
+    dropped, _ = planner.build([kept], False, [gone.seq_id])
+    with pytest.raises(ValueError, match="only the last plan"):
+        planner.unbook(type(dropped)(dropped.step_id - 1, False, []))
+    assert planner.unbook(dropped) == [gone.seq_id]
+    again, _ = planner.build([kept], False, [gone.seq_id])
+    assert again.finished_request_ids == [gone.seq_id]
+    assert (again.cached.num_new_blocks, again.cached.new_block_ids) == ([1], [2])

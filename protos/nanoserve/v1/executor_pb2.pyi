@@ -120,18 +120,20 @@ class CachedRequests(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_decode_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "is_prefill", "new_requests", "cached_requests", "finished_request_ids")
+    __slots__ = ("step_id", "is_prefill", "new_requests", "cached_requests", "finished_request_ids", "after_whole_step_id")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     IS_PREFILL_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_WHOLE_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     is_prefill: bool
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: CachedRequests
     finished_request_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., is_prefill: _Optional[bool] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Union[CachedRequests, _Mapping]] = ..., finished_request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    after_whole_step_id: int
+    def __init__(self, step_id: _Optional[int] = ..., is_prefill: _Optional[bool] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Union[CachedRequests, _Mapping]] = ..., finished_request_ids: _Optional[_Iterable[int]] = ..., after_whole_step_id: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")

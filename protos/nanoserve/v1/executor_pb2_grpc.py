@@ -100,8 +100,10 @@ class ExecutorServicer:
     def CutStep(self, request, context):
         """Ask a multi-step plan (num_decode_steps) to stop after the decode pass in
         progress, so that a request that just arrived is not kept waiting for the
-        rest of it: its result then says num_passes. Advisory and idempotent: a
-        plan already answered, unknown or of one pass is left alone.
+        rest of it: its result then says num_passes. The plan named and any
+        earlier one still running are cut (a scheduler with a second window in
+        flight names the later). Advisory and idempotent: a plan already
+        answered, unknown or of one pass is left alone.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
