@@ -4,7 +4,7 @@
 # split at default flags (overlap on) and without overlap, and transformers' own continuous batching as the peer;
 # then in-process and the split at 8 decode steps per plan; last, W5 with every peer (the public API's included)
 # on this machine's many cores, which the 2-core development VM cannot show.
-# Usage: bench/gpu_check.sh [OUT_DIR]  (default ./gpu-check; a log, w2.json, w2-n8.json and w5-*.json land there).
+# Usage: bench/gpu_check.sh [OUT_DIR]  (default ./gpu-check; a log, w2.json, w2-n1.json and w5-*.json land there).
 # Needs a CUDA build of torch (and flash-attn for that backend) in the Python it runs: $PYTHON or python.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ model="$out/qwen3-0.6b-random"
 step "$py" -m bench.throughput --workload w2 --device cuda --dtype bfloat16 --model "$model" \
   --peers inprocess split_overlap split hf_cb --json "$out/w2.json"
 step "$py" -m bench.throughput --workload w2 --device cuda --dtype bfloat16 --model "$model" \
-  --peers inprocess split_overlap --num-scheduler-steps 8 --json "$out/w2-n8.json"
+  --peers inprocess split_overlap --num-scheduler-steps 1 --json "$out/w2-n1.json"
 for ms in 5 2; do
   step "$py" -m bench.overlap --step-ms "$ms" --repeats 1 --json "$out/w5-${ms}ms.json"
 done

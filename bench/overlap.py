@@ -6,8 +6,8 @@ of the model executor (apply the plan to its request table, pack the input tenso
 replaces the forward pass and the sampling with ``--step-ms`` on a simulated device: a step is launched without
 waiting, and waited for with the GIL released, as a CUDA synchronize does. Efficiency = step_ms x decode steps per
 second: 1.0 when the accelerator never waits. Peers: ``split``, the Engine at nanoserve-scheduler's default flags
-(``ServiceConfig()``: overlap on over the executor's StepStream, one decode step per plan beside this accelerator,
-or ``--num-scheduler-steps``) driving the executor in
+(``ServiceConfig()``: overlap on over the executor's StepStream, up to 8 decode steps per plan with the plans
+pipelined, or ``--num-scheduler-steps``) driving the executor in
 a child process through ``RemoteExecutor``; ``in-process``, the same Engine configuration driving the same executor
 object directly; ``api``, the split as deployed: the scheduler service at its default flags in front of the same
 executor (both child processes), with ``--batch`` clients streaming through the public API (``bench.overlap_api``);
@@ -187,7 +187,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="executors to time (default: %(default)s)")
     parser.add_argument("--num-scheduler-steps", type=int, default=None,
                         help="the split and in-process peers' most decode steps per plan (default: the scheduler's "
-                        "own for this executor, 1 beside an accelerator)")
+                        f"own, {DEFAULTS.num_scheduler_steps})")
     parser.add_argument("--stream-interval", type=int, default=DEFAULTS.stream_interval,
                         help="the api peer's scheduler --stream-interval (default: its own, %(default)s)")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
@@ -213,7 +213,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     with Child("simulated executor", argv) as child:
         target = f"{HOST}:{port}"
         child.wait_serving(target, timeout_s=60)
-        config = replace(DEFAULTS, executor=target, num_scheduler_steps=args.num_scheduler_steps)
+        config = replace(DEFAULTS, executor=target,
+                         num_scheduler_steps=args.num_scheduler_steps or DEFAULTS.num_scheduler_steps)
         remote = executor_client(config)
         in_process = simulated_executor(simulated_args(flags), TimedSimulated)
         apis: dict[str, ApiPeer] = {}

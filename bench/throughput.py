@@ -58,7 +58,7 @@ from bench.common import (  # noqa: E402
     progress,
     write_json,
 )
-from scheduler_svc.config import ServiceConfig, decode_steps_per_plan  # noqa: E402
+from scheduler_svc.config import ServiceConfig  # noqa: E402
 
 HF_BATCH_SIZE = 16
 HF_PEERS = ("hf", "hf_cb")
@@ -110,7 +110,7 @@ def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
         model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=kv_cache_memory(args),
         threads=args.threads, device=args.device, max_model_len=workload.max_model_len,
     )
-    steps = decode_steps_per_plan(ServiceConfig(num_scheduler_steps=args.num_scheduler_steps), args.device)
+    steps = args.num_scheduler_steps or ServiceConfig().num_scheduler_steps
     engine = Engine(ModelExecutor(options), SchedulerConfig(num_scheduler_steps=steps))
     engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     freeze_startup_heap()  # as both services do once built
@@ -230,7 +230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="KV-cache bytes of the executor (default: 2 GiB on CPU, the free-memory share on CUDA)")
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="the most decode steps per plan of the engine peers (nanoserve-scheduler "
-                   "--num-scheduler-steps; default: its default for --device)")
+                   "--num-scheduler-steps; default: its default)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every peer, in turn (every other round in "
                    "reverse); each peer's median counts (this machine's load drifts between runs, and alternating "
                    "rounds spreads it alike)")

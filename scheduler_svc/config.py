@@ -42,8 +42,10 @@ class ServiceConfig:
     overlap: bool = True
     # The most decode steps per plan (multi-step scheduling): the executor feeds its own tokens in between. A plan
     # takes no more than any of its requests' readers take at a time (1 for a token-by-token stream), and an arrival
-    # cuts one short. None: ``decode_steps_per_plan`` picks by the executor's device.
-    num_scheduler_steps: int | None = None
+    # cuts one short. Plans are pipelined across windows (``Engine``), so 8 serves the CPU and an accelerator alike:
+    # W1 split 1.00x in-process at 8, 0.95x at 1 on the CPU; W5 split at 5 ms, b256, 0.967 / 0.966 / 0.969 at 8
+    # against 0.953 / 0.918 / 0.943 at 1, and at b1 and b64 within the scatter (docs/benchmarks.md).
+    num_scheduler_steps: int = 8
     # Tokens a stream gathers before a message goes out (the first and the last go at once): vLLM's and SGLang's
     # --stream-interval.
     stream_interval: int = 1
@@ -54,20 +56,6 @@ class ServiceConfig:
     http_port: int = 8000
     # Prometheus /metrics alone, without the API key (for scrapers that cannot send one); 0 turns it off.
     metrics_port: int = 0
-
-
-# Decode steps per plan by default beside an executor on the CPU, whose forward passes run one after another however
-# they are planned: W1 split 1.00x in-process at 8, 0.95x at 1 (one hour's medians; docs/benchmarks.md). Beside an
-# accelerator a plan of several steps is not pipelined with the plan after it (the scheduler waits for its tokens),
-# so one step per plan serves it better (W5 split at 5 ms, b64: 0.983 at 1, 0.898 at 8).
-CPU_DECODE_STEPS_PER_PLAN = 8
-
-
-def decode_steps_per_plan(config: ServiceConfig, device: str) -> int:
-    """``--num-scheduler-steps``, or its default for an executor computing on ``device`` (ExecutorInfo.device)."""
-    if config.num_scheduler_steps is not None:
-        return config.num_scheduler_steps
-    return CPU_DECODE_STEPS_PER_PLAN if device == "cpu" else 1
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -106,8 +94,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--num-scheduler-steps", positive_int, "the most decode steps per plan: the scheduling and the RPC are paid "
         "once per plan, and EOS and stop strings are seen only between plans. A plan computes no more steps than any "
         "of its requests' readers take tokens at a time (a stream's interval; whole completions: no limit), and a new "
-        f"request cuts one short after its current step. Unset: {CPU_DECODE_STEPS_PER_PLAN} when the executor "
-        "computes on the CPU, 1 on an accelerator")
+        "request cuts one short after its current step")
     add("--stream-interval", positive_int, "tokens a stream gathers before they are sent (its first token and its "
         "end go at once): 1 sends each as it comes; more send fewer, larger messages, which costs this process "
         "less per token when it streams to many clients")

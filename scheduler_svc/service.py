@@ -23,7 +23,7 @@ from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.admission import QueueLimits
 from scheduler_svc.backoff import Backoff
-from scheduler_svc.config import ServiceConfig, decode_steps_per_plan
+from scheduler_svc.config import ServiceConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import (
     CacheTooSmall,
@@ -70,8 +70,8 @@ ACCELERATOR_GIL_SWITCH_INTERVAL_S = 0.0005
 def connect_engine(executor: Executor, config: ServiceConfig) -> Engine:
     """Handshake with a reset executor: a new scheduler never inherits another one's requests."""
     executor.reset()
-    steps = decode_steps_per_plan(config, executor.get_info().device)
-    return Engine(executor, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, steps),
+    return Engine(executor, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                            config.num_scheduler_steps),
                   overlap=config.overlap, step_timeout_s=config.step_timeout)
 
 

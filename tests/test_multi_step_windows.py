@@ -157,9 +157,9 @@ def test_an_arriving_stream_cuts_the_window_in_flight_and_starts_next():
 
 
 @pytest.mark.parametrize(("device", "flags", "window"),
-                         [("cpu", {}, 8), ("cuda", {}, 1), ("cuda", {"num_scheduler_steps": 4}, 4)],
+                         [("cpu", {}, 8), ("cuda", {}, 8), ("cuda", {"num_scheduler_steps": 4}, 4)],
                          ids=["cpu-default", "accelerator-default", "flag"])
-def test_whole_completions_decode_in_windows_of_the_default_for_the_executors_device(device, flags, window):
+def test_whole_completions_decode_in_windows_of_8_by_default_on_any_device(device, flags, window):
     executor = WindowShadow(64, 4, 50, (EOS,))
     executor.info.device = device
 
