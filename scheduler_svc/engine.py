@@ -10,7 +10,7 @@ turns out to have finished at step N just wastes its slot in step N+1.
 
 A multi-step decode (a window) is pipelined the same way: the next plan is booked
 on every step of the window running (StepPlan.after_whole_step_id). An arrival cuts
-the window short (``cut_for_arrival``, the executor's CutStep); the executor then
+the window short (``cut_for_loop``, the executor's CutStep); the executor then
 drops the plan booked on it, the engine gives that booking back (``Scheduler.unbook``,
 ``Planner.unbook``) and plans again from the steps that ran. No window is booked
 ahead while a request waits: the next step may be its prefill.
@@ -124,9 +124,9 @@ class Engine:
         self.num_restarts = 0
         self.last_timings = StepTimings()
         self.on_step: OnStep = _unobserved
-        # Set by ``cut_for_arrival`` (any thread) until the loop takes the request in (``arrivals_taken``): a window
+        # Set by ``cut_for_loop`` (any thread) until the loop has taken its work in (``loop_work_taken``): a window
         # in flight is cut, and none is launched before the request is scheduled.
-        self.arrival_pending = False
+        self.loop_work_pending = False
         self._window_step_id: int | None = None
 
     @property
@@ -166,15 +166,17 @@ class Engine:
         del seq.token_ids[position + 1 :]
         self.scheduler.finish(seq, FinishReason.STOP)
 
-    def cut_for_arrival(self) -> None:
-        """A request is on its way in (any thread): the multi-step decode in flight stops after its current step
-        (where the executor can cut: CutStep), so that the request's prefill need not wait for the rest of it."""
-        self.arrival_pending = True
+    def cut_for_loop(self) -> None:
+        """The loop has work to do before the next plan (any thread): a request is on its way in, or one was
+        cancelled. The multi-step decode in flight stops after its current step (where the executor can cut:
+        CutStep), so that the request's prefill, or the freeing of the cancelled one's blocks and its answer, need
+        not wait for the rest of it."""
+        self.loop_work_pending = True
         self._cut_window()
 
-    def arrivals_taken(self) -> None:
-        """The requests ``cut_for_arrival`` announced are queued in the scheduler (the loop thread)."""
-        self.arrival_pending = False
+    def loop_work_taken(self) -> None:
+        """What ``cut_for_loop`` announced is in the scheduler: requests queued, cancels applied (the loop thread)."""
+        self.loop_work_pending = False
 
     def _cut_window(self) -> None:
         step_id, cut = self._window_step_id, getattr(self.executor, "cut", None)
@@ -208,10 +210,10 @@ class Engine:
                 return []
         current = self._in_flight
         if current.window:  # the next step counts on every step of it, where nothing may cut in between
-            ahead = not self.arrival_pending and not self.scheduler.waiting
+            ahead = not self.loop_work_pending and not self.scheduler.waiting
             self._in_flight = self._launch(self._submit, current.plan.step_id) if ahead else None
             outputs = self._collect(current)
-            if self._in_flight is None and not self.arrival_pending:  # else the request comes in first: its prefill
+            if self._in_flight is None and not self.loop_work_pending:  # else the loop's work comes first
                 self._in_flight = self._launch(self._submit)
             return outputs
         self._in_flight = self._launch(self._submit)
@@ -259,7 +261,7 @@ class Engine:
         if window:
             self._window_step_id = plan.step_id
         result = run(message)
-        if window and self.arrival_pending:  # it arrived while this was planned: cut_for_arrival saw no window
+        if window and self.loop_work_pending:  # it came while this was planned: cut_for_loop saw no window
             self._cut_window()
         return Launched(record, plan, window, result, t1 - t0, t2 - t1, time.perf_counter() - t2)
 

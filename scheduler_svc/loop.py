@@ -68,15 +68,16 @@ class EngineLoop:
         handle = RequestHandle(prepared, sink, arrived_at, tokens_per_read)
         with self._wakeup:
             self._inbox.append(handle)
-            self.engine.cut_for_arrival()
+            self.engine.cut_for_loop()
             self._wakeup.notify()
         return handle
 
     def cancel(self, handle: RequestHandle, answer: bool = False) -> None:
         """Abort ``handle`` before the next step (``answer``: its choices end with ABORT); a finished request is
-        left alone."""
+        left alone. A multi-step decode in flight is cut short, as for an arrival."""
         with self._wakeup:
             self._cancelled.append((handle, answer))
+            self.engine.cut_for_loop()
             self._wakeup.notify()
 
     def stop(self, grace_s: float = 0.0, join_timeout_s: float | None = None) -> None:
@@ -100,9 +101,9 @@ class EngineLoop:
             with self._wakeup:
                 self._wait()
                 inbox, self._inbox = self._inbox, []
-                if inbox:
-                    self.engine.arrivals_taken()
                 cancelled, self._cancelled = self._cancelled, []
+                if inbox or cancelled:
+                    self.engine.loop_work_taken()
             try:
                 self._admit(inbox)
                 for handle, answer in cancelled:

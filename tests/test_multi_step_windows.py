@@ -14,6 +14,7 @@ from executor_svc.shadow import ShadowExecutor
 from executor_svc.steps import PreparedStep
 from executor_svc.values import StepOutput
 from nanoserve.v1 import executor_pb2
+from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.engine import Engine
 from scheduler_svc.planner import Planner
 from scheduler_svc.remote import RemoteExecutor
@@ -156,6 +157,30 @@ def test_an_arriving_stream_cuts_the_window_in_flight_and_starts_next():
     assert [list(r.token_ids) for r in next_plan.new_requests] == [[6, 7, 8, 9]], "the stream's prefill is next"
 
 
+def test_an_abort_cuts_the_window_in_flight_and_is_answered_after_the_pass_in_progress():
+    """A whole completion decodes in windows of 8 slow passes; aborted once one is under way, it ends with ABORT
+    after the pass in progress, not after the rest of the window."""
+    executor = WindowShadow(64, 4, 50, (EOS,), pass_s=0.05)
+    whole = token_request([3, 4, 5], 40, ignore_eos=True)
+    whole.request_id = "whole"
+
+    async def main():
+        async with in_process_scheduler(executor) as s:
+            answer = asyncio.ensure_future(s.stub.GenerateOnce(whole))
+            await asyncio.to_thread(executor.window_started.wait, 10)
+            aborted = await s.stub.Abort(pb.AbortRequest(request_ids=["whole"]))
+            done = await answer
+            await assert_idle_async(s.stub)
+            return aborted, done
+
+    aborted, done = asyncio.run(main())
+    assert list(aborted.aborted_request_ids) == ["whole"]
+    assert done.finish_reason == pb.FINISH_REASON_ABORT
+    assert done.usage.completion_tokens < 1 + 8, "the prefill's token and the passes before the cut, not a window"
+    windows = [r for r in executor.results if r.HasField("num_passes") and r.num_passes > 0]
+    assert windows and windows[0].num_passes < 8
+
+
 @pytest.mark.parametrize(("device", "flags", "window"),
                          [("cpu", {}, 8), ("cuda", {}, 8), ("cuda", {"num_scheduler_steps": 4}, 4)],
                          ids=["cpu-default", "accelerator-default", "flag"])
@@ -185,12 +210,12 @@ def test_cut_step_over_grpc_stops_the_window_after_its_pass_in_progress():
         prompts = [[1, 2, 3], [4, 5]]
         for prompt in prompts:
             engine.add_request(prompt, params)
-        threading.Thread(target=lambda: executor.window_started.wait(10) and engine.cut_for_arrival()).start()
+        threading.Thread(target=lambda: executor.window_started.wait(10) and engine.cut_for_loop()).start()
         outputs: dict[int, list[int]] = {}
         while engine.has_unfinished():
             for out in engine.step():
                 outputs.setdefault(out.seq.seq_id, []).extend(out.token_ids)
-            engine.arrivals_taken()
+            engine.loop_work_taken()
         engine.step()  # idle: tells the executor to drop the finished requests
         cut = [r for r in executor.results if r.HasField("num_passes") and r.num_passes > 0]
         assert len(cut) == 1 and cut[0].num_passes < 8
