@@ -125,7 +125,7 @@ class Engine:
         self.last_timings = StepTimings()
         self.on_step: OnStep = _unobserved
         # Set by ``cut_for_loop`` (any thread) until the loop has taken its work in (``loop_work_taken``): a window
-        # in flight is cut, and none is launched before the request is scheduled.
+        # in flight is cut, and no step is booked on it or after it before that work is in the scheduler.
         self.loop_work_pending = False
         self._window_step_id: int | None = None
 
@@ -209,7 +209,7 @@ class Engine:
                 self._flush_released()
                 return []
         current = self._in_flight
-        if current.window:  # the next step counts on every step of it, where nothing may cut in between
+        if current.window:  # booked on its every step unless the next plan may be a prefill; a cut drops it
             ahead = not self.loop_work_pending and not self.scheduler.waiting
             self._in_flight = self._launch(self._submit, current.plan.step_id) if ahead else None
             outputs = self._collect(current)
