@@ -250,8 +250,8 @@ class TableExecutor(ABC):
         elif single:
             inputs = self.pack(chunks, before.chunks if before is not None and before.single else None)
         prepared.chunks, prepared.inputs, prepared.single, prepared.follows = chunks, inputs, single, before
-        prepared.deferred = None  # last: from here on ``prepare`` applies the plans after it itself
         self._last_prepared = prepared
+        prepared.deferred = None  # last: from here on ``prepare`` (maybe on another thread) applies the next plan
 
     def execute(self, prepared: PreparedStep) -> pb.StepResult:
         while self._queued:  # steps prepared before it and never run are dropped
