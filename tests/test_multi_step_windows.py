@@ -6,9 +6,12 @@ import asyncio
 import random
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
+from common.executor import Executor
 from executor_svc.service import build_server
 from executor_svc.shadow import ShadowExecutor
 from executor_svc.steps import PreparedStep
@@ -74,14 +77,33 @@ def random_work(rng: random.Random, n: int) -> tuple[list[list[int]], list[Sampl
     return prompts, params
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@contextmanager
+def driven(executor: WindowShadow, over_grpc: bool) -> Iterator[Executor]:
+    """``executor`` itself, or a ``RemoteExecutor`` to it through a StepStream server (plans prepared on its reader
+    thread, executed on another)."""
+    if not over_grpc:
+        yield executor
+        return
+    server, port = build_server(executor, "127.0.0.1", 0)
+    server.start()
+    remote = RemoteExecutor(f"127.0.0.1:{port}")
+    try:
+        yield remote
+    finally:
+        remote.close()
+        server.stop(None)
+
+
+@pytest.mark.parametrize(("overlap", "over_grpc"), [(False, False), (True, False), (True, True)],
+                         ids=["sync", "overlap", "overlap-grpc"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_windows_cut_after_any_pass_give_the_same_tokens_and_free_every_block(overlap, seed):
+def test_windows_cut_after_any_pass_give_the_same_tokens_and_free_every_block(overlap, over_grpc, seed):
     rng = random.Random(seed)
     executor = WindowShadow(24, 4, 50, (EOS,), max_model_len=60, cut_rng=random.Random(seed + 100))
-    engine = Engine(executor, SchedulerConfig(6, 32, num_scheduler_steps=8), overlap=overlap)
     prompts, params = random_work(rng, 12)
-    outputs = engine.generate(prompts, params)
+    with driven(executor, over_grpc) as target:
+        engine = Engine(target, SchedulerConfig(6, 32, num_scheduler_steps=8), overlap=overlap)
+        outputs = engine.generate(prompts, params)
     assert_matches_reference(engine, prompts, params, outputs)
     cut = [r for r in executor.results if r.HasField("num_passes") and r.num_passes > 0]
     assert cut, "no window was cut"
