@@ -43,8 +43,8 @@ class ServiceConfig:
     # The most decode steps per plan (multi-step scheduling): the executor feeds its own tokens in between. A plan
     # takes no more than any of its requests' readers take at a time (1 for a token-by-token stream), and an arrival
     # cuts one short. Plans are pipelined across windows (``Engine``), so 8 serves the CPU and an accelerator alike:
-    # W1 split 1.00x in-process at 8, 0.95x at 1 on the CPU; W5 split at 5 ms, b256, 0.967 / 0.966 / 0.969 at 8
-    # against 0.953 / 0.918 / 0.943 at 1, and at b1 and b64 within the scatter (docs/benchmarks.md).
+    # W1 split 1.00x in-process at 8, 0.95x at 1 on the CPU; W5 split within 0.01 of one step at 5 ms, and better
+    # where the executor's CPU per plan nears the device's step (2 ms, b256: 0.972 against 0.948; docs/benchmarks.md).
     num_scheduler_steps: int = 8
     # Tokens a stream gathers before a message goes out (the first and the last go at once): vLLM's and SGLang's
     # --stream-interval.
