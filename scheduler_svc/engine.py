@@ -170,7 +170,10 @@ class Engine:
         """The loop has work to do before the next plan (any thread): a request is on its way in, or one was
         cancelled. The multi-step decode in flight stops after its current step (where the executor can cut:
         CutStep), so that the request's prefill, or the freeing of the cancelled one's blocks and its answer, need
-        not wait for the rest of it."""
+        not wait for the rest of it. Once per batch of such work: until the loop has taken it in, a window launched
+        is cut as it goes out (``_launch``), so a burst of arrivals sends one CutStep."""
+        if self.loop_work_pending:
+            return
         self.loop_work_pending = True
         self._cut_window()
 
