@@ -231,17 +231,19 @@ class TableExecutor(ABC):
 
     def prepare(self, plan: pb.StepPlan) -> PreparedStep:
         behind = self._last_queued
-        prepared = PreparedStep(plan.step_id, [], deferred=plan)
-        if not plan.HasField("after_whole_step_id") and (behind is None or behind.deferred is None):
-            self._apply(prepared)  # else applied once the plans before it ran, by ``execute``
+        prepared = PreparedStep(plan.step_id, [])
+        if plan.HasField("after_whole_step_id") or (behind is not None and behind.deferred is not None):
+            prepared.deferred = plan  # applied once the plans before it ran, by ``execute``
+        else:
+            self._apply(prepared, plan)
         self._queued.append(prepared)
         self._last_queued = prepared
         return prepared
 
-    def _apply(self, prepared: PreparedStep, last_pass: list[ScheduledChunk] | None = None) -> None:
-        """Apply its plan and pack its input where it is one pass, or its first pass when ``last_pass`` (the chunks
-        of the pass before it, whose sampled tokens its input is linked to)."""
-        chunks = self.table.apply(prepared.deferred)
+    def _apply(self, prepared: PreparedStep, plan: pb.StepPlan, last_pass: list[ScheduledChunk] | None = None) -> None:
+        """Apply ``plan`` and pack the step's input where it is one pass, or its first pass when ``last_pass`` (the
+        chunks of the pass before it, whose sampled tokens its input is linked to)."""
+        chunks = self.table.apply(plan)
         single = bool(chunks) and all(chunk.num_steps == 1 for chunk in chunks)
         before = self._last_prepared
         inputs = None
@@ -263,7 +265,7 @@ class TableExecutor(ABC):
             if plan.HasField("after_whole_step_id") and plan.after_whole_step_id == self._cut_short_step_id:
                 prepared.deferred = None
                 return step_result(self.info.instance_id, prepared.step_id, StepOutput(num_passes=0))
-            self._apply(prepared)
+            self._apply(prepared, plan)
         if prepared.single:
             launched, prepared.launched = prepared.launched, None  # its device buffers go once finished
             output = self.finish(self.launch(prepared.chunks, prepared.inputs) if launched is None else launched)
@@ -294,7 +296,7 @@ class TableExecutor(ABC):
         plan = following.deferred
         if plan is None or not plan.HasField("after_whole_step_id") or plan.after_whole_step_id != window.step_id:
             return None
-        self._apply(following, last)
+        self._apply(following, plan, last)
         if not (self.launches_ahead(following.inputs) and self.fills_ahead(following.inputs)):
             return None
 

@@ -69,6 +69,14 @@ class WindowShadow(ShadowExecutor):
         self.cuts.append(step_id)
         super().cut(step_id)
 
+    def cut_short(self) -> list[executor_pb2.StepResult]:
+        """The results of windows a cut stopped after one pass or more."""
+        return [r for r in self.results if r.HasField("num_passes") and r.num_passes > 0]
+
+    def dropped(self) -> list[int]:
+        """The step ids of plans dropped unapplied (booked on a window that was cut), in order."""
+        return [r.step_id for r in self.results if r.HasField("num_passes") and r.num_passes == 0]
+
     def decode_steps(self) -> list[int]:
         """Each decode plan's most steps per request (1 without num_decode_steps)."""
         return [max(p.cached_requests.num_decode_steps, default=1) for p in self.plans
@@ -110,10 +118,10 @@ def test_windows_cut_after_any_pass_give_the_same_tokens_and_free_every_block(ov
         engine = Engine(target, SchedulerConfig(6, 32, num_scheduler_steps=8), overlap=overlap)
         outputs = engine.generate(prompts, params)
     assert_matches_reference(engine, prompts, params, outputs)
-    cut = [r for r in executor.results if r.HasField("num_passes") and r.num_passes > 0]
+    cut = executor.cut_short()
     assert cut, "no window was cut"
     assert all(r.num_passes < 8 for r in cut)
-    dropped = {r.step_id for r in executor.results if r.HasField("num_passes") and r.num_passes == 0}
+    dropped = set(executor.dropped())
     booked_on = {p.step_id: p.after_whole_step_id for p in executor.plans if p.HasField("after_whole_step_id")}
     if overlap:
         assert dropped, "a window booked on a cut one is dropped"
@@ -175,9 +183,9 @@ def test_an_arriving_stream_cuts_the_window_in_flight_and_starts_next():
 
     done, second = asyncio.run(main())
     assert len(done.token_ids) == 40 and len(second.token_ids) == 5
-    windows = [r for r in executor.results if r.HasField("num_passes") and r.num_passes > 0]
+    windows = executor.cut_short()
     assert windows and windows[0].num_passes < 8, "the window in flight ran whole"
-    dropped = {r.step_id for r in executor.results if r.HasField("num_passes") and r.num_passes == 0}
+    dropped = set(executor.dropped())
     ran = [p for p in executor.plans if p.step_id not in dropped]
     cut_at = next(i for i, p in enumerate(ran) if p.step_id == windows[0].step_id)
     next_plan = ran[cut_at + 1]
@@ -204,7 +212,7 @@ def test_an_abort_cuts_the_window_in_flight_and_is_answered_after_the_pass_in_pr
     assert list(aborted.aborted_request_ids) == ["whole"]
     assert done.finish_reason == pb.FINISH_REASON_ABORT
     assert done.usage.completion_tokens < 1 + 8, "the prefill's token and the passes before the cut, not a window"
-    windows = [r for r in executor.results if r.HasField("num_passes") and r.num_passes > 0]
+    windows = executor.cut_short()
     assert windows and windows[0].num_passes < 8
 
 
@@ -249,11 +257,11 @@ def test_cut_step_over_grpc_stops_the_window_after_its_pass_in_progress():
                 outputs.setdefault(out.seq.seq_id, []).extend(out.token_ids)
             engine.loop_work_taken()
         engine.step()  # idle: tells the executor to drop the finished requests
-        cut = [r for r in executor.results if r.HasField("num_passes") and r.num_passes > 0]
+        cut = executor.cut_short()
         assert len(cut) == 1 and cut[0].num_passes < 8
         # One CutStep for the burst; a window booked ahead as it came is cut once more as it goes out.
         assert executor.cuts and len(executor.cuts) == len(set(executor.cuts)), executor.cuts
-        dropped = [r.step_id for r in executor.results if r.HasField("num_passes") and r.num_passes == 0]
+        dropped = executor.dropped()
         booked_on = {p.step_id: p.after_whole_step_id for p in executor.plans if p.HasField("after_whole_step_id")}
         assert [booked_on[step_id] for step_id in dropped] == [cut[0].step_id], "the window booked on it is dropped"
         assert [outputs[i] for i in (0, 1)] == [expected(engine, p, params) for p in prompts]
