@@ -160,14 +160,19 @@ class EngineLoop:
                 self._requests.emit(handle, RequestOutput(error=e))
 
     def _step(self) -> None:
-        """One engine step; then, once idle, a drop-only plan so that idle stats mean an empty executor too."""
+        """One engine step; then, once every request has finished, the rest of the executor's work at once (a
+        step booked for sequences that ended since, a drop-only plan), so that idle stats mean an empty executor
+        too. The outputs go out first: that work changes none of them."""
         outputs = self._executor_step()
         if outputs is None:
             return
         self._requests.process(self.engine, outputs, self.tokenizer)
-        if self._has_work() and not self.engine.has_unfinished():
+        if self._has_work() and self.engine.scheduler.is_finished():
             self._deliver()
-            self._executor_step()
+            while self._has_work():  # at most two steps: the one in flight, then the drops
+                if (outputs := self._executor_step()) is None:
+                    return
+                self._requests.process(self.engine, outputs, self.tokenizer)
 
     def _executor_step(self) -> list[TokenOutput] | None:
         """``Engine.step``; None when the executor failed it (the loop then waits for the executor)."""

@@ -121,6 +121,31 @@ def test_cancel_frees_blocks_at_once_and_the_executor_drops_the_request():
     assert sum(1 for plan in executor.plans if plan.cached_requests.request_ids) < 2999, "it was not cancelled"
 
 
+def test_idle_stats_wait_for_the_executor_to_drop_a_request_that_stopped_inside_a_window():
+    # [1, 13, 7] reaches EOS at its 6th token, inside the first window of 8; the window after it was booked
+    # while it ran, for the same sequence, and is held at the gate.
+    prompt = [1, 13, 7]
+    executor = GatedExecutor(RecordingExecutor(shadow()), steps_before_closing=2)
+
+    async def run():
+        async with in_process_scheduler(executor) as s:
+            completion = await s.stub.GenerateOnce(token_request(prompt, 100))
+            await asyncio.sleep(0.2)  # time enough for the loop to publish its stats, were it to
+            held = await s.stub.GetStats(pb.GetStatsRequest())
+            table_while_held = len(executor.inner.inner.table)
+            executor.open.set()
+            return completion, held, table_while_held, await assert_idle_async(s.stub)
+
+    completion, held, table_while_held, stats = asyncio.run(run())
+    assert list(completion.token_ids) == expected_tokens(prompt, 100, ignore_eos=False)
+    assert len(completion.token_ids) == 6
+    assert table_while_held == 1 and held.num_running == 1, "stats said idle while the executor held the request"
+    booked = executor.inner.plans[2]
+    assert booked.HasField("after_whole_step_id") and booked.cached_requests.request_ids, "no window was booked"
+    assert stats.num_finished_stop == 1
+    assert len(executor.inner.inner.table) == 0
+
+
 def test_a_deadline_aborts_the_request_and_frees_its_blocks():
     # The prefill step runs and gives the first token; the first decode step then waits at the gate.
     executor = GatedExecutor(RecordingExecutor(shadow()), steps_before_closing=1)
