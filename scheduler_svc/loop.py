@@ -160,19 +160,13 @@ class EngineLoop:
                 self._requests.emit(handle, RequestOutput(error=e))
 
     def _step(self) -> None:
-        """One engine step; then, once every request has finished, the rest of the executor's work at once (a
-        step booked for sequences that ended since, a drop-only plan), so that idle stats mean an empty executor
-        too. The outputs go out first: that work changes none of them."""
-        outputs = self._executor_step()
-        if outputs is None:
-            return
-        self._requests.process(self.engine, outputs, self.tokenizer)
-        if self._has_work() and self.engine.scheduler.is_finished():
-            self._deliver()
-            while self._has_work():  # at most two steps: the one in flight, then the drops
-                if (outputs := self._executor_step()) is None:
-                    return
-                self._requests.process(self.engine, outputs, self.tokenizer)
+        """Engine steps: one, then, once every request has finished, what is left for the executor (a step
+        booked for sequences that ended since, a drop-only plan), so that idle stats mean an empty executor too."""
+        while (outputs := self._executor_step()) is not None:
+            self._requests.process(self.engine, outputs, self.tokenizer)
+            if not (self._has_work() and self.engine.scheduler.is_finished()):
+                return
+            self._deliver()  # what is left changes no output: at most the step in flight, then the drops
 
     def _executor_step(self) -> list[TokenOutput] | None:
         """``Engine.step``; None when the executor failed it (the loop then waits for the executor)."""
