@@ -1,19 +1,17 @@
 """The in-process engine: scheduler + planner + any executor, one step at a time.
 
-The gRPC scheduler service runs this same object in its engine loop; tests and
-benchmarks drive it directly with a local executor.
+The gRPC scheduler service runs this same object in its engine loop; tests and benchmarks drive it directly
+with a local executor.
 
-With ``overlap`` the engine keeps one step in flight: it schedules and sends step
-N+1 before it collects step N, so the executor never waits for the scheduler. The
-executor feeds its own sampled tokens into the next decode, and a sequence that
-turns out to have finished at step N just wastes its slot in step N+1.
+With ``overlap`` the engine keeps one step in flight: it schedules and sends step N+1 before it collects step
+N, so the executor never waits for the scheduler. The executor feeds its own sampled tokens into the next
+decode, and a sequence that turns out to have finished at step N just wastes its slot in step N+1.
 
-A multi-step decode (a window) is pipelined the same way: the next plan is booked
-on every step of the window running (StepPlan.after_whole_step_id). An arrival cuts
-the window short (``cut_for_loop``, the executor's CutStep); the executor then
-drops the plan booked on it, the engine gives that booking back (``Scheduler.unbook``,
-``Planner.unbook``) and plans again from the steps that ran. No window is booked
-ahead while a request waits: the next step may be its prefill.
+A multi-step decode (a window) is pipelined the same way: the next plan is booked on every step of the window
+running (StepPlan.after_whole_step_id). An arrival cuts the window short (``cut_for_loop``, the executor's
+CutStep); the executor then drops the plan booked on it, the engine gives that booking back
+(``Scheduler.unbook``, ``Planner.unbook``) and plans again from the steps that ran. No window is booked ahead
+while a request waits: the next step may be its prefill.
 """
 
 from __future__ import annotations
@@ -181,6 +179,11 @@ class Engine:
         """What ``cut_for_loop`` announced is in the scheduler: requests queued, cancels applied (the loop thread)."""
         self.loop_work_pending = False
 
+    def cut_for_queued(self) -> None:
+        """Requests were queued by the loop thread itself (a request's other choices, once its prompt is computed):
+        the window in flight is cut as for an arrival."""
+        self._cut_window()
+
     def _cut_window(self) -> None:
         step_id, cut = self._window_step_id, getattr(self.executor, "cut", None)
         if step_id is not None and cut is not None:
@@ -309,7 +312,9 @@ class Engine:
         if num_passes is not None and ahead is not None and ahead.plan.after_whole_step_id == launched.plan.step_id:
             self._unbook(ahead)
         outputs = self.scheduler.settle(launched.record, list(result.token_ids), logprobs, num_passes)
-        self.on_step(sum(launched.record.counts), result.forward_ms / 1e3)
+        counts = launched.record.counts  # a cut window computed at most num_passes tokens of each sequence
+        self.on_step(sum(counts) if num_passes is None else sum(min(c, num_passes) for c in counts),
+                     result.forward_ms / 1e3)
         self.last_timings = StepTimings(
             launched.schedule_s, launched.plan_s, launched.send_s + t1 - t0, time.perf_counter() - t1
         )
@@ -387,12 +392,5 @@ class Engine:
         while self.has_unfinished():
             self.step()
         self._flush_released()
-        return [
-            Completion(
-                s.token_ids[: s.num_prompt_tokens],
-                s.completion_token_ids,
-                s.finish_reason,
-                s.num_prefix_hit_tokens or 0,
-            )
-            for s in seqs
-        ]
+        return [Completion(s.token_ids[: s.num_prompt_tokens], s.completion_token_ids, s.finish_reason,
+                           s.num_prefix_hit_tokens or 0) for s in seqs]

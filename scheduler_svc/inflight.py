@@ -82,6 +82,7 @@ class InFlight:
         pending, handle.pending_choices = handle.pending_choices, []
         for index in pending:
             self.start(engine, handle, index, tokenizer)
+        engine.cut_for_queued()
 
     def process(self, engine: Engine, outputs: list[TokenOutput], tokenizer: ModelTokenizer | None) -> None:
         """A step's tokens: each choice's output queued, the sequences a stop string ended stopped, finished choices

@@ -108,6 +108,8 @@ class EngineLoop:
                 self._admit(inbox)
                 for handle, answer in cancelled:
                     self._requests.cancel(self.engine, handle, answer)
+                if cancelled:  # their answers go now, not after the next step (a window, with requests beside them)
+                    self._deliver()
                 now = time.monotonic()
                 if supervisor.retry_due(now):
                     self._recover()

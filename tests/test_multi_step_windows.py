@@ -42,6 +42,7 @@ class WindowShadow(ShadowExecutor):
         self.results: list[executor_pb2.StepResult] = []
         self.window_started = threading.Event()
         self.cuts: list[int] = []
+        self.num_passes = 0
         self._running: int | None = None
 
     def prepare(self, plan: executor_pb2.StepPlan) -> PreparedStep:
@@ -59,6 +60,7 @@ class WindowShadow(ShadowExecutor):
         return result
 
     def forward(self, chunks, inputs=None) -> StepOutput:
+        self.num_passes += 1
         time.sleep(self.pass_s)
         output = super().forward(chunks, inputs)
         if self.cut_rng is not None and self.cut_rng.random() < 0.3:
@@ -116,8 +118,17 @@ def test_windows_cut_after_any_pass_give_the_same_tokens_and_free_every_block(ov
     prompts, params = random_work(rng, 12)
     with driven(executor, over_grpc) as target:
         engine = Engine(target, SchedulerConfig(6, 32, num_scheduler_steps=8), overlap=overlap)
+        told: list[int] = []
+        engine.on_step = lambda num_tokens, forward_s: told.append(num_tokens)
         outputs = engine.generate(prompts, params)
     assert_matches_reference(engine, prompts, params, outputs)
+    # The iteration-tokens metric counts the tokens each collected step computed, a cut window's included.
+    plans = {p.step_id: p for p in executor.plans}
+    collected = [r for r in executor.results if not (r.HasField("num_passes") and r.num_passes == 0)
+                 and (plans[r.step_id].new_requests or plans[r.step_id].cached_requests.request_ids)]
+    assert len(collected) == len(told)
+    assert all(n == len(r.token_ids) for n, r in zip(told, collected, strict=True)
+               if not plans[r.step_id].is_prefill)
     cut = executor.cut_short()
     assert cut, "no window was cut"
     assert all(r.num_passes < 8 for r in cut)
@@ -192,28 +203,64 @@ def test_an_arriving_stream_cuts_the_window_in_flight_and_starts_next():
     assert [list(r.token_ids) for r in next_plan.new_requests] == [[6, 7, 8, 9]], "the stream's prefill is next"
 
 
-def test_an_abort_cuts_the_window_in_flight_and_is_answered_after_the_pass_in_progress():
+@pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside-another"])
+def test_an_abort_cuts_the_window_in_flight_and_is_answered_after_the_pass_in_progress(beside):
     """A whole completion decodes in windows of 8 slow passes; aborted once one is under way, it ends with ABORT
-    after the pass in progress, not after the rest of the window."""
+    after the pass in progress, not after the rest of the window, nor after the next window of a request beside."""
     executor = WindowShadow(64, 4, 50, (EOS,), pass_s=0.05)
     whole = token_request([3, 4, 5], 40, ignore_eos=True)
     whole.request_id = "whole"
+    other = token_request([6, 7, 8, 9], 48, ignore_eos=True)
 
     async def main():
         async with in_process_scheduler(executor) as s:
             answer = asyncio.ensure_future(s.stub.GenerateOnce(whole))
+            rest = asyncio.ensure_future(s.stub.GenerateOnce(other)) if beside else None
             await asyncio.to_thread(executor.window_started.wait, 10)
+            while beside and not any(len(p.cached_requests.request_ids) == 2 and p.HasField("after_whole_step_id")
+                                     for p in executor.plans):
+                await asyncio.sleep(0.01)  # until a window of both is booked on one of both
+            passes_before = executor.num_passes
             aborted = await s.stub.Abort(pb.AbortRequest(request_ids=["whole"]))
             done = await answer
+            passes_until_answer = executor.num_passes - passes_before
+            if rest is not None:
+                assert len((await rest).token_ids) == 48
             await assert_idle_async(s.stub)
-            return aborted, done
+            return aborted, done, passes_until_answer
 
-    aborted, done = asyncio.run(main())
+    aborted, done, passes_until_answer = asyncio.run(main())
     assert list(aborted.aborted_request_ids) == ["whole"]
     assert done.finish_reason == pb.FINISH_REASON_ABORT
     assert done.usage.completion_tokens < 1 + 8, "the prefill's token and the passes before the cut, not a window"
+    assert passes_until_answer < 8, "the answer waited for a whole window"
     windows = executor.cut_short()
     assert windows and windows[0].num_passes < 8
+
+
+def test_the_other_choices_of_a_request_cut_the_window_of_the_first():
+    """With n = 2 the second choice starts once the first's prompt is computed, while the first's window of 8 is
+    already under way: that window is cut, so the second choice's prefill comes after the pass in progress."""
+    executor = WindowShadow(64, 4, 50, (EOS,), pass_s=0.02)
+    request = token_request([3, 4, 5], 24, ignore_eos=True)
+    request.sampling.n = 2
+    request.sampling.temperature = 0
+    request.stream_interval = 64
+
+    async def main():
+        async with in_process_scheduler(executor) as s:
+            responses = [r async for r in s.stub.Generate(request)]
+            await assert_idle_async(s.stub)
+            return responses
+
+    choices: dict[int, list[int]] = {}
+    for r in asyncio.run(main()):
+        choices.setdefault(r.index, []).extend(r.token_ids)
+    assert choices[0] == choices[1] and len(choices[0]) == 24
+    prefills = [p for p in executor.plans if p.new_requests]
+    assert len(prefills) == 2
+    before = [p for p in executor.plans if p.step_id < prefills[1].step_id and not p.is_prefill]
+    assert before and executor.cuts and executor.cuts[0] == before[-1].step_id, "the first choice's window ran whole"
 
 
 @pytest.mark.parametrize(("device", "flags", "window"),
