@@ -369,13 +369,13 @@ class Engine:
     def _abandon_in_flight(self) -> None:
         """Forget the step in flight before a reset; its outcome no longer matters.
 
-        An in-process executor may still be running it on the worker thread and is not safe to reset
-        meanwhile, so that step is let end. An executor with its own stream is not waited for: its
-        reset cancels the stream, and a hung step would otherwise cost a second step timeout.
+        An in-process executor may still be running it, or a window being collected, on the worker thread and
+        is not safe to reset meanwhile, so the worker's queue is let end. An executor with its own stream is not
+        waited for: its reset cancels the stream, and a hung step would otherwise cost a second step timeout.
         """
-        launched, self._in_flight = self._in_flight, None
-        if launched is not None and self._worker is not None and isinstance(launched.result, Future):
-            wait([launched.result], timeout=self.step_timeout_s)
+        self._in_flight = None
+        if self._worker is not None:
+            wait([self._worker.submit(lambda: None)], timeout=self.step_timeout_s)
 
     def _flush_released(self) -> None:
         """Tell an idle executor to drop requests that finished in the last step."""

@@ -15,6 +15,7 @@ from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.engine import Engine, StepMismatch
 from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.scheduler import SchedulerConfig
 from tests.conftest import EOS, assert_all_blocks_free
 from tests.shadow_helpers import expected
 
@@ -98,6 +99,48 @@ def test_a_hung_step_under_overlap_costs_one_step_timeout_before_recovery():
     recovered = time.monotonic()
     assert failed - started < 2 * timeout
     assert recovered - failed < timeout / 2, "recovery waited for the step queued behind the hung one"
+
+
+class SlowWindow(Wrapped):
+    """An in-process executor whose first multi-step decode outlasts the step timeout; it notes a reset that came
+    while a step still ran on its thread (an in-process executor is not safe to reset then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slowed = self.running = self.reset_while_running = False
+
+    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+        slow = not self.slowed and max(plan.cached_requests.num_decode_steps, default=1) > 1
+        self.slowed |= slow
+        self.running = True
+        try:
+            time.sleep(0.45 if slow else 0)  # past the timeout, within the one more the reset waits
+            return self.inner.step(plan)
+        finally:
+            self.running = False
+
+    def reset(self) -> int:
+        self.reset_while_running |= self.running
+        return self.inner.reset()
+
+
+def test_recovery_from_a_timed_out_window_lets_an_in_process_executor_finish_it_before_the_reset():
+    executor = SlowWindow()
+    engine = Engine(executor, SchedulerConfig(num_scheduler_steps=8), overlap=True, step_timeout_s=0.3)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    seq = engine.add_request([1, 2, 3], params)
+    engine.cut_for_loop()  # the loop has work on its way in: nothing is booked on the window, which is collected alone
+    with pytest.raises(TimeoutError):
+        while engine.has_unfinished():
+            engine.step()
+    engine.loop_work_taken()
+    assert engine.recover() == []
+    assert not executor.reset_while_running, "the executor was reset while it still ran the window"
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()
+    assert seq.completion_token_ids == expected(engine, [1, 2, 3], params)
+    assert_all_blocks_free(engine.block_manager)
 
 
 class HangingInfo(Wrapped):
