@@ -9,7 +9,7 @@ second: 1.0 when the accelerator never waits. Peers: ``split``, the Engine at na
 (``ServiceConfig()``: overlap on over the executor's StepStream, up to 8 decode steps per plan with the plans
 pipelined, or ``--num-scheduler-steps``) driving the executor in
 a child process through ``RemoteExecutor``; ``in-process``, the same Engine configuration driving the same executor
-object directly; ``api``, the split as deployed: the scheduler service at its default flags in front of the same
+object directly (both in this process, at the GIL switch interval the scheduler service sets beside an accelerator); ``api``, the split as deployed: the scheduler service at its default flags in front of the same
 executor (both child processes), with ``--batch`` clients streaming through the public API (``bench.overlap_api``);
 ``floor``, the same clients streaming from ``bench.stream_floor``, gRPC Python sending one token per stream per step
 and nothing else: what any one Python process pays to serve the streams.
@@ -51,7 +51,7 @@ from scheduler_svc.config import ServiceConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.sampling import SamplingParams
 from scheduler_svc.sequence import Sequence as SchedulerSequence
-from scheduler_svc.service import connect_engine, executor_client
+from scheduler_svc.service import connect_engine, executor_client, set_gil_switch_interval
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
@@ -233,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                 **{peer: partial(time_api_decode, api, args) for peer, api in apis.items()},
             }
             freeze_startup_heap()  # as both services do once built
+            set_gil_switch_interval(in_process.info.device)  # as the scheduler service does beside this device
             # Peers alternate within each repeat, so load drift on a shared machine hits them alike.
             with progress(total=len(runs) * args.repeats, desc="W5 decode runs") as bar:
                 for _ in range(args.repeats):

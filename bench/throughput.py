@@ -105,6 +105,7 @@ def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
     from scheduler_svc.engine import Engine
     from scheduler_svc.sampling import SamplingParams
     from scheduler_svc.scheduler import SchedulerConfig
+    from scheduler_svc.service import set_gil_switch_interval
 
     options = ExecutorOptions(
         model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=kv_cache_memory(args),
@@ -114,15 +115,20 @@ def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
     engine = Engine(ModelExecutor(options), SchedulerConfig(num_scheduler_steps=steps))
     engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     freeze_startup_heap()  # as both services do once built
-    start = time.perf_counter()
-    for prompt, max_tokens in zip(workload.prompts, workload.max_tokens, strict=True):
-        engine.add_request(
-            prompt, SamplingParams(temperature=workload.temperature, max_tokens=max_tokens, ignore_eos=True)
-        )
-    with progress(total=sum(workload.max_tokens), desc="in-process", unit="tok") as bar:
-        while engine.has_unfinished():
-            bar.update(len(engine.step()))
-    return time.perf_counter() - start
+    interval = sys.getswitchinterval()
+    set_gil_switch_interval(engine.info.device)  # as the scheduler service does beside an accelerator
+    try:
+        start = time.perf_counter()
+        for prompt, max_tokens in zip(workload.prompts, workload.max_tokens, strict=True):
+            engine.add_request(
+                prompt, SamplingParams(temperature=workload.temperature, max_tokens=max_tokens, ignore_eos=True)
+            )
+        with progress(total=sum(workload.max_tokens), desc="in-process", unit="tok") as bar:
+            while engine.has_unfinished():
+                bar.update(len(engine.step()))
+        return time.perf_counter() - start
+    finally:
+        sys.setswitchinterval(interval)  # the peers after this one are clients
 
 
 def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, how: str = "generate",
