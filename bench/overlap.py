@@ -7,12 +7,13 @@ replaces the forward pass and the sampling with ``--step-ms`` on a simulated dev
 waiting, and waited for with the GIL released, as a CUDA synchronize does. Efficiency = step_ms x decode steps per
 second: 1.0 when the accelerator never waits. Peers: ``split``, the Engine at nanoserve-scheduler's default flags
 (``ServiceConfig()``: overlap on over the executor's StepStream, up to 8 decode steps per plan with the plans
-pipelined, or ``--num-scheduler-steps``) driving the executor in
-a child process through ``RemoteExecutor``; ``in-process``, the same Engine configuration driving the same executor
-object directly (both in this process, at the GIL switch interval the scheduler service sets beside an accelerator); ``api``, the split as deployed: the scheduler service at its default flags in front of the same
-executor (both child processes), with ``--batch`` clients streaming through the public API (``bench.overlap_api``);
-``floor``, the same clients streaming from ``bench.stream_floor``, gRPC Python sending one token per stream per step
-and nothing else: what any one Python process pays to serve the streams.
+pipelined, or ``--num-scheduler-steps``) driving the executor in a child process through ``RemoteExecutor``;
+``in-process``, the same Engine configuration driving the same executor object directly (both Engines in this
+process, at the GIL switch interval the scheduler service sets beside an accelerator); ``api``, the split as
+deployed: the scheduler service at its default flags in front of the same executor (both child processes), with
+``--batch`` clients streaming through the public API (``bench.overlap_api``); ``floor``, the same clients streaming
+from ``bench.stream_floor``, gRPC Python sending one token per stream per step and nothing else: what any one
+Python process pays to serve the streams.
 Each batch prefills its sequences first (untimed), then times ``--steps`` decode steps of ``--batch`` sequences of
 context ``--context`` after ``--warmup`` more.
 
