@@ -38,19 +38,20 @@ FLAGS = [
 ]
 
 
-def _cpu_flags() -> str:
+def cpuinfo(*keys: str) -> str:
+    """The first line of /proc/cpuinfo that starts with one of ``keys`` ("" where there is none)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return ""
-    return next((line for line in lines if line.startswith(("flags", "Features"))), "")
+    return next((line for line in lines if line.startswith(keys)), "")
 
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
     sources = [source.read_bytes() for source in SOURCES + HEADERS]
     for part in (*sources, " ".join(FLAGS).encode(), compiler.encode(), platform.machine().encode(),
-                 _cpu_flags().encode()):
+                 cpuinfo("flags", "Features").encode()):
         key.update(part)
     return cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 

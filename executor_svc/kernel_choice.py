@@ -122,7 +122,7 @@ def cache_path(root: Path, parts: Iterable[object]) -> Path:
 def load_cached(path: Path) -> KernelChoice | None:
     try:
         return KernelChoice.from_json(path.read_text(), source=f"cached in {path}")
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable, or not a table: measure again
         return None
 
 
@@ -131,4 +131,5 @@ def save(path: Path, choice: KernelChoice) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
         f.write(choice.to_json())
+    os.chmod(f.name, 0o644)  # readable by whoever shares the cache, as the kernel build is (not the temp file's 0600)
     os.replace(f.name, path)

@@ -11,7 +11,9 @@ kernel build, which names the CPU's flags) and measured again only when somethin
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -43,9 +45,21 @@ Calls = tuple[Callable[[], object], Callable[[], object]]  # (C kernel, torch)
 Probe = Callable[[int], Calls]
 
 
+# The torch side of each race: a table measured against another version of it is measured again.
+TORCH_SIDE = [Path(__file__).parent / name for name in (
+    "kernel_probe.py", "layers/linear.py", "layers/cpu_fused.py", "layers/norm.py", "layers/activation.py",
+    "layers/rotary.py", "attention/torch_backend.py", "attention/cpu_backend.py",
+)]
+
+
 def choice_cache(parts: Iterable[object]) -> Path:
-    """Where this machine's table for ``parts`` (dtype, threads, model shape, ...) is cached."""
-    return kernel_choice.cache_path(cache_root() / "kernels", (cpu_kernels.library_id(), torch.__version__, *parts))
+    """Where this machine's table for ``parts`` (dtype, threads, model shape, ...) is cached: the key also names
+    the kernel build (which names the CPU's flags), the CPU's model, torch and the torch side's sources, and the
+    oneDNN ISA limit (``ONEDNN_MAX_CPU_ISA`` can turn AMX off)."""
+    sources = hashlib.sha256(b"".join(path.read_bytes() for path in TORCH_SIDE)).hexdigest()[:16]
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA"))
+    return kernel_choice.cache_path(cache_root() / "kernels", (
+        cpu_kernels.library_id(), cpu_kernels.cpuinfo("model name"), torch.__version__, sources, isa, *parts))
 
 
 def known_choice(flag: str, cache: Path) -> KernelChoice | None:
@@ -141,7 +155,7 @@ def probes_for(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) 
         probes["linear"] = linear
     if "decode_attention" in have and attention is not None and attention.k_cache.dtype == dtype:
         probes["decode_attention"] = _attention_probe(attention, backend, dtype)
-    norm = next((m for m in model.modules() if isinstance(m, RMSNorm)), None)
+    norm = widest_norm(model)
     rotary = next((m for m in model.modules() if isinstance(m, RotaryEmbedding)), None)
     gate_up = next((m for name, m in model.named_modules() if name.endswith("gate_up_proj")), None)
     if "rms_norm" in have and norm is not None:
@@ -151,6 +165,12 @@ def probes_for(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) 
     if "rotary" in have and rotary is not None and attention is not None:
         probes["rotary"] = _rotary_probe(rotary, attention, dtype)
     return probes
+
+
+def widest_norm(model: nn.Module) -> RMSNorm | None:
+    """The hidden-size norm the table steers, not a head-wide one that comes first (Qwen3's q_norm, which runs in
+    torch whatever the table says)."""
+    return max((m for m in model.modules() if isinstance(m, RMSNorm)), key=lambda m: m.weight.shape[0], default=None)
 
 
 def _first_attention(model: nn.Module) -> nn.Module | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -12,8 +13,10 @@ import torch.nn.functional as F
 from executor_svc import cpu_kernels
 from executor_svc.__main__ import build_parser
 from executor_svc.config import ExecutorOptions
-from executor_svc.kernel_choice import CLASSES, FAMILIES, KernelChoice, parse_override, shape_class
+from executor_svc.kernel_choice import CLASSES, FAMILIES, KernelChoice, load_cached, parse_override, save, shape_class
+from executor_svc.kernel_probe import choice_cache, widest_norm
 from executor_svc.layers.linear import cpu_linear_layers, packing_helps
+from executor_svc.layers.norm import RMSNorm
 from executor_svc.model_executor import ModelExecutor
 from executor_svc.model_runner import ModelRunner
 from scheduler_svc.engine import Engine
@@ -141,3 +144,34 @@ def test_a_model_without_cpu_linear_layers_builds_no_kernels(monkeypatch: pytest
 
     monkeypatch.setattr(linear, "packing_helps", lambda: pytest.fail("asked for the CPU kernels"))
     linear.prepack_for_cpu(torch.nn.Sequential(torch.nn.ReLU()))
+
+
+@pytest.mark.parametrize("text", ['{"table": {}}', '{"table": [], "timings": {}}', '[1, 2]',
+                                  '{"table": TABLE, "timings": []}', '{"table": TABLE, "timings": {"linear": [1]}}'])
+def test_a_cached_file_that_is_not_a_table_is_measured_again(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "kernel-choice.json"
+    good = KernelChoice.uniform("torch", source="test")
+    path.write_text(text.replace("TABLE", json.dumps(good.table)))
+    assert load_cached(path) is None
+    save(path, good)
+    assert load_cached(path).table == good.table
+    assert path.stat().st_mode & 0o044 == 0o044, "another user sharing the cache cannot read the table"
+
+
+def test_the_cache_key_names_the_onednn_isa_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    free = choice_cache(["float32", 2])
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # AMX off
+    assert choice_cache(["float32", 2]) != free
+    assert choice_cache(["float32", 2]) != choice_cache(["bfloat16", 2])
+
+
+def test_the_norm_probed_is_the_hidden_size_one_the_table_steers(
+    tiny_model_folders: dict[str, Path], own_cache: Path  # noqa: F811
+) -> None:
+    model = tiny_runner(tiny_model_folders["qwen3"], "c").model
+    first = next(m for m in model.modules() if isinstance(m, RMSNorm))
+    hidden = model.model.norm.weight.shape[0]
+    assert first.weight.shape[0] < hidden, "Qwen3's first norm is its head-wide q_norm"
+    assert widest_norm(model).weight.shape[0] == hidden
