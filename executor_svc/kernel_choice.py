@@ -25,8 +25,6 @@ WAYS = ("c", "torch")
 PROBE_ROWS = {"1": 1, "2-8": 4, "9-32": 16, "33+": 64, "prefill": 512}
 PREFILL_ROWS = 257
 _BOUNDS = ((1, "1"), (8, "2-8"), (32, "9-32"), (PREFILL_ROWS - 1, "33+"))
-# Bumped when the probes change, so an old cached table is measured again.
-PROBE_VERSION = 1
 
 
 def shape_class(rows: int) -> str:
@@ -115,7 +113,7 @@ def covers_all(ways: Mapping[tuple[str, str], str]) -> bool:
 
 def cache_path(root: Path, parts: Iterable[object]) -> Path:
     """The cached table for this machine, kernel build, torch, dtype, threads and model shape (``parts``)."""
-    key = hashlib.sha256(repr((PROBE_VERSION, *parts)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(repr(tuple(parts)).encode()).hexdigest()[:16]
     return root / f"kernel-choice-{key}.json"
 
 

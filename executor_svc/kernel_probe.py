@@ -45,18 +45,19 @@ Calls = tuple[Callable[[], object], Callable[[], object]]  # (C kernel, torch)
 Probe = Callable[[int], Calls]
 
 
-# The torch side of each race: a table measured against another version of it is measured again.
-TORCH_SIDE = [Path(__file__).parent / name for name in (
-    "kernel_probe.py", "layers/linear.py", "layers/cpu_fused.py", "layers/norm.py", "layers/activation.py",
-    "layers/rotary.py", "attention/torch_backend.py", "attention/cpu_backend.py",
+# What a table's measurement depends on besides the C kernels (the build's id names those): the probes, the
+# classes and the torch side of each race. A table measured with other versions of them is measured again.
+MEASURED_WITH = [Path(__file__).parent / name for name in (
+    "kernel_probe.py", "kernel_choice.py", "layers/linear.py", "layers/cpu_fused.py", "layers/norm.py",
+    "layers/activation.py", "layers/rotary.py", "attention/torch_backend.py", "attention/cpu_backend.py",
 )]
 
 
 def choice_cache(parts: Iterable[object]) -> Path:
     """Where this machine's table for ``parts`` (dtype, threads, model shape, ...) is cached: the key also names
-    the kernel build (which names the CPU's flags), the CPU's model, torch and the torch side's sources, and the
+    the kernel build (which names the CPU's flags), the CPU's model, torch, the sources in ``MEASURED_WITH`` and the
     oneDNN ISA limit (``ONEDNN_MAX_CPU_ISA`` can turn AMX off)."""
-    sources = hashlib.sha256(b"".join(path.read_bytes() for path in TORCH_SIDE)).hexdigest()[:16]
+    sources = hashlib.sha256(b"".join(path.read_bytes() for path in MEASURED_WITH)).hexdigest()[:16]
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA"))
     return kernel_choice.cache_path(cache_root() / "kernels", (
         cpu_kernels.library_id(), cpu_kernels.cpuinfo("model name"), torch.__version__, sources, isa, *parts))
