@@ -155,7 +155,7 @@ def test_a_long_cpu_prefill_runs_the_mlp_in_chunks_with_the_same_tokens(
     whole = [c.token_ids for c in Engine(executor).generate(prompts, params)]
     calls = []
     mlp = LlamaMLP._mlp
-    monkeypatch.setattr(LlamaMLP, "_mlp", lambda self, x: calls.append(x.shape[0]) or mlp(self, x))
+    monkeypatch.setattr(LlamaMLP, "_mlp", lambda self, x, rows=None: calls.append(x.shape[0]) or mlp(self, x, rows))
     # The tiny models' gate_up is 256 wide: 1 KiB a row in float32, so 7 rows per chunk.
     monkeypatch.setattr(LlamaMLP, "CPU_CHUNK_BYTES", 7 * 1024)
     chunked = [c.token_ids for c in Engine(executor).generate(prompts, params)]

@@ -15,16 +15,17 @@ from executor_svc.__main__ import build_parser
 from executor_svc.config import ExecutorOptions
 from executor_svc.kernel_choice import CLASSES, FAMILIES, KernelChoice, load_cached, parse_override, save, shape_class
 from executor_svc.kernel_probe import choice_cache, widest_norm
-from executor_svc.layers.linear import cpu_linear_layers, packing_helps
+from executor_svc.layers import linear
+from executor_svc.layers.linear import cpu_linear_layers
 from executor_svc.layers.norm import RMSNorm
 from executor_svc.model_executor import ModelExecutor
 from executor_svc.model_runner import ModelRunner
+from executor_svc.models.llama import LlamaMLP
 from scheduler_svc.engine import Engine
 from scheduler_svc.sampling import SamplingParams
 from tests.model_fixtures import smollm2_folder, tiny_model_folders  # noqa: F401
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.kernel_library() is None, reason="no C compiler to build the kernels")
-needs_linear_kernel = pytest.mark.skipif(not packing_helps(), reason="no AVX-512 linear kernel on this CPU")
 KV_BYTES = 4 << 20
 
 
@@ -33,6 +34,13 @@ def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh NANOSERVE_CACHE, so this test measures instead of reading this machine's table."""
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
     return tmp_path
+
+
+@pytest.fixture
+def c_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights packed for the C linear kernel even where only its portable loops are built (no AVX-512): slower
+    than torch there, but the same layout and numerics, so which kernel runs is tested on every machine."""
+    monkeypatch.setattr(linear, "packing_helps", lambda: True)
 
 
 def tiny_runner(folder: Path, cpu_kernels_flag: str, dtype: str = "float32") -> ModelRunner:
@@ -84,9 +92,9 @@ def test_an_executor_measures_once_logs_once_then_reads_its_cache(
     assert tiny_runner(tiny_model_folders["llama"], "auto").kernels.source.startswith("measured in")
 
 
-@needs_linear_kernel
+@needs_kernels
 def test_a_forced_table_keeps_only_the_weight_copies_it_reads(
-    tiny_model_folders: dict[str, Path], own_cache: Path  # noqa: F811
+    tiny_model_folders: dict[str, Path], own_cache: Path, c_linear: None  # noqa: F811
 ) -> None:
     folder = tiny_model_folders["qwen2"]  # untied LM head: no layer shares its weight
     c_only = cpu_linear_layers(tiny_runner(folder, "c").model)
@@ -98,8 +106,10 @@ def test_a_forced_table_keeps_only_the_weight_copies_it_reads(
     assert not list((own_cache / "kernels").glob("kernel-choice-*.json")), "a forced table measured nothing"
 
 
-@needs_linear_kernel
-def test_each_call_runs_the_kernel_its_rows_choose(tiny_model_folders: dict[str, Path], own_cache: Path) -> None:  # noqa: F811
+@needs_kernels
+def test_each_call_runs_the_kernel_its_rows_choose(
+    tiny_model_folders: dict[str, Path], own_cache: Path, c_linear: None  # noqa: F811
+) -> None:
     runner = tiny_runner(tiny_model_folders["qwen2"], "c,linear:9-32=torch")
     layer = runner.model.model.layers[0].mlp.down_proj
     dense = layer.onednn_weight.to_dense()
@@ -113,6 +123,22 @@ def test_each_call_runs_the_kernel_its_rows_choose(tiny_model_folders: dict[str,
             assert torch.count_nonzero(out) == 0, rows
         else:
             torch.testing.assert_close(out, F.linear(x, dense), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_the_chunks_of_a_long_prefill_run_the_kernels_the_whole_prefill_chooses(
+    tiny_model_folders: dict[str, Path], own_cache: Path, c_linear: None, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    mlp = tiny_runner(tiny_model_folders["qwen2"], "c,linear:prefill=torch").model.model.layers[0].mlp
+    monkeypatch.setattr(LlamaMLP, "CPU_CHUNK_BYTES", 100 * sum(mlp.gate_up_proj.shard_sizes) * 4)  # 100-row chunks
+    gate_up, down = mlp.gate_up_proj.onednn_weight.to_dense(), mlp.down_proj.onednn_weight.to_dense()
+    x = torch.randn(300, gate_up.shape[1])
+    with torch.inference_mode():
+        for layer in (mlp.gate_up_proj, mlp.down_proj):
+            layer.packed_weight.data.zero_()  # the C path now answers zeros
+        out = mlp(x)
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    torch.testing.assert_close(out, F.linear(F.silu(gate) * up, down), rtol=1e-4, atol=1e-4)
 
 
 @needs_kernels
@@ -140,8 +166,6 @@ def test_an_unwritable_cache_costs_the_cache_not_the_start(
 
 
 def test_a_model_without_cpu_linear_layers_builds_no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    from executor_svc.layers import linear
-
     monkeypatch.setattr(linear, "packing_helps", lambda: pytest.fail("asked for the CPU kernels"))
     linear.prepack_for_cpu(torch.nn.Sequential(torch.nn.ReLU()))
 

@@ -14,8 +14,9 @@ from executor_svc.layers import cpu_fused
 class SiluAndMul(nn.Module):
     kernels: KernelChoice = ALL_C
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels.use_c("silu_and_mul", x.numel() // max(x.shape[-1], 1)):
+    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """``rows``: the row count the kernel choice goes by (default: ``x``'s), a whole step's for a chunk of it."""
+        if self.kernels.use_c("silu_and_mul", x.numel() // max(x.shape[-1], 1) if rows is None else rows):
             fused = cpu_fused.silu_and_mul(x)
             if fused is not None:
                 return fused

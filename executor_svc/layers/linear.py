@@ -79,9 +79,10 @@ class LinearBase(nn.Module):
     onednn_weight: torch.Tensor | None = None
     kernels: KernelChoice = ALL_C
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None) -> torch.Tensor:
+        """``rows``: the row count the kernel choice goes by (default: ``x``'s), a whole step's for a chunk of it."""
         packed = self.packed_weight
-        if packed is not None and self.kernels.use_c("linear", x.numel() // packed.k):
+        if packed is not None and self.kernels.use_c("linear", x.numel() // packed.k if rows is None else rows):
             return packed.linear(x, bias)
         return self.torch_matmul(x, bias)
 
@@ -159,8 +160,8 @@ class ColumnParallelLinear(LinearBase):
         target = getattr(self, param_name).data.narrow(0, sum(self.shard_sizes[:shard]), size)
         target.copy_(loaded.narrow(0, tp_rank() * size, size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        return self.matmul(x, self.bias, rows)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -183,6 +184,6 @@ class RowParallelLinear(LinearBase):
         size = self.weight.shape[1]
         self.weight.data.copy_(loaded.narrow(1, tp_rank() * size, size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(self.matmul(x, None))
+    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        y = all_reduce(self.matmul(x, None, rows))
         return y if self.bias is None else y + self.bias

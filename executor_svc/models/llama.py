@@ -53,7 +53,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """gate_up, SiLU-and-mul, down. On the CPU a long prefill runs in row chunks whose activations stay
     under ``CPU_CHUNK_BYTES``: below glibc's 32 MiB mmap threshold they reuse heap memory instead of
-    page-faulting in fresh pages every layer (``executor_svc/malloc.py``), and they stay in cache."""
+    page-faulting in fresh pages every layer (``executor_svc/malloc.py``), and they stay in cache. The
+    kernels each chunk runs are the ones the kernel choice gives the whole prefill's rows (a big model's
+    chunks are fewer rows than the prefill class starts at)."""
 
     CPU_CHUNK_BYTES = 24 << 20
 
@@ -68,11 +70,11 @@ class LlamaMLP(nn.Module):
         if x.device.type == "cpu":
             rows = max(1, self.CPU_CHUNK_BYTES // (sum(self.gate_up_proj.shard_sizes) * x.element_size()))
             if x.shape[0] > rows:
-                return torch.cat([self._mlp(part) for part in x.split(rows)])
+                return torch.cat([self._mlp(part, x.shape[0]) for part in x.split(rows)])
         return self._mlp(x)
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def _mlp(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x, rows), rows), rows)
 
 
 class LlamaDecoderLayer(nn.Module):
