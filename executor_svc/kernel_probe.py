@@ -1,9 +1,9 @@
 """Chooses the CPU kernels at start-up: the C kernel or torch, per family and shape class (``kernel_choice.py``).
 
 Each family runs on the loaded model's own shapes at each class's probe rows. Linear passes over the
-model's own weights (all of them for the decode classes, since a decode step streams every weight from
-memory; one decoder layer's for prefill, which is compute-bound); decode attention reads layer 0 of the
-real cache through random block tables, contexts of up to 512 tokens. C and torch take turns for
+model's own weights (the first gigabyte of them for the decode classes, since a decode step streams every
+weight from memory; one decoder layer's for prefill, which is compute-bound); decode attention reads layer 0
+of the real cache through random block tables, contexts of up to 512 tokens. C and torch take turns for
 ``ROUNDS`` rounds and each keeps its median; torch is chosen only when at least ``MARGIN`` faster, so two
 kernels within noise keep the C one and its numerics. The table is cached per machine (the key names the
 kernel build, which names the CPU's flags) and measured again only when something in the key changes.
@@ -26,10 +26,11 @@ from executor_svc import cpu_kernels, kernel_choice
 from executor_svc.attention.base import AttentionBackend, AttentionMetadata
 from executor_svc.attention.cpu_backend import CpuAttention
 from executor_svc.attention.torch_backend import TorchAttention
+from executor_svc.distributed import broadcast_object, tp_rank, tp_size
 from executor_svc.kernel_choice import CLASSES, FAMILIES, PREFILL_ROWS, PROBE_ROWS, KernelChoice
 from executor_svc.layers import cpu_fused
 from executor_svc.layers.activation import SiluAndMul
-from executor_svc.layers.linear import cpu_linear_layers, drop_unused_copies
+from executor_svc.layers.linear import LinearBase, cpu_linear_layers, drop_unused_copies, prepack_for_cpu
 from executor_svc.layers.norm import RMSNorm
 from executor_svc.layers.rotary import RotaryEmbedding
 from executor_svc.model_registry import cache_root
@@ -40,6 +41,7 @@ ROUNDS = 3
 MARGIN = 0.05
 MIN_SECONDS = 0.002  # timed calls per round: at least this long, so the timer's resolution does not count
 ATTENTION_CONTEXT = 512
+PROBE_WEIGHT_BYTES = 1 << 30
 
 Calls = tuple[Callable[[], object], Callable[[], object]]  # (C kernel, torch)
 Probe = Callable[[int], Calls]
@@ -74,17 +76,30 @@ def known_choice(flag: str, cache: Path) -> KernelChoice | None:
     return None if cached is None else cached.with_ways(ways)
 
 
+def agreed(choice: KernelChoice | None) -> KernelChoice | None:
+    """Rank 0's table on every rank. Tensor-parallel ranks measure at once (as they will run), each its own shards,
+    and could choose apart; they run, and cache, one table."""
+    return choice if tp_size() == 1 else broadcast_object(choice)
+
+
 def settle(model: nn.Module, backend: AttentionBackend, known: KernelChoice | None, flag: str, cache: Path,
            dtype: torch.dtype) -> KernelChoice:
-    """Measure unless ``known``, hand the table to the layers and the backend, free unread weight copies, log."""
+    """Measure unless ``known``, give the linear layers the weight copies the table reads (a model loaded for
+    measuring has only its dense weights), hand the table to the layers and the backend, log."""
     choice = known
     if choice is None:
-        measured = measure(model, backend, dtype)
-        try:
-            kernel_choice.save(cache, measured)
-        except OSError as e:  # a read-only or full cache: this start uses the table, the next measures again
-            log.warning("could not cache the CPU kernel choice in %s (%s)", cache, e)
+        raced = probe_layers(model)
+        prepack_for_cpu(model, c_kernel=True, torch_copy=True, layers=raced)
+        measured = agreed(measure(model, backend, dtype))
+        if tp_rank() == 0:
+            try:
+                kernel_choice.save(cache, measured)
+            except OSError as e:  # a read-only or full cache: this start uses the table, the next measures again
+                log.warning("could not cache the CPU kernel choice in %s (%s)", cache, e)
         choice = measured.with_ways(kernel_choice.parse_override(flag))
+        rest = [m for m in cpu_linear_layers(model) if all(m is not r for r in raced)]
+        prepack_for_cpu(model, c_kernel=choice.uses("linear", "c"), torch_copy=choice.uses("linear", "torch"),
+                        layers=rest)
     have = available(model, backend, dtype)
     choice = choice.with_ways({(f, c): "torch" for f in FAMILIES if f not in have for c in CLASSES})
     install(model, backend, choice)
@@ -172,6 +187,20 @@ def widest_norm(model: nn.Module) -> RMSNorm | None:
     """The hidden-size norm the table steers, not a head-wide one that comes first (Qwen3's q_norm, which runs in
     torch whatever the table says)."""
     return max((m for m in model.modules() if isinstance(m, RMSNorm)), key=lambda m: m.weight.shape[0], default=None)
+
+
+def probe_layers(model: nn.Module) -> list[LinearBase]:
+    """The linear layers the race runs on, and the only ones holding both weight copies while it runs (a first
+    start needs little memory beyond the model's): the first in the model's order until their weights reach
+    ``PROBE_WEIGHT_BYTES``, or all of a smaller model's. That is past the last-level cache of all but the largest
+    CPUs, so the decode classes stream weights from memory as a whole decode step does."""
+    raced, total = [], 0
+    for module in cpu_linear_layers(model):
+        if total >= PROBE_WEIGHT_BYTES:
+            break
+        raced.append(module)
+        total += module.weight.numel() * module.weight.element_size()
+    return raced
 
 
 def _first_attention(model: nn.Module) -> nn.Module | None:

@@ -77,8 +77,8 @@ def load_model(
 ) -> nn.Module:
     """Build the model for ``config.architecture`` on ``device`` in ``dtype`` and fill it from ``folder``.
 
-    CPU linear weights get the copies ``kernels`` reads (``None``: not chosen yet, so both the C kernel's and
-    torch's, for ``kernel_probe`` to race)."""
+    CPU linear weights get the copies ``kernels`` reads (``None``: not chosen yet, so they stay dense for
+    ``kernel_probe`` to copy as it measures)."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -87,8 +87,6 @@ def load_model(
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, folder, config.tie_word_embeddings)
-    if kernels is None:
-        prepack_for_cpu(model, c_kernel=True, torch_copy=True)
-    else:
+    if kernels is not None:
         prepack_for_cpu(model, c_kernel=kernels.uses("linear", "c"), torch_copy=kernels.uses("linear", "torch"))
     return model.eval()

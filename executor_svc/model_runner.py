@@ -79,7 +79,7 @@ class ModelRunner:
         self.backend = get_backend(options.attention_backend, self.device)
         on_cpu = self.device.type == "cpu"
         kernels_cache = kernel_probe.choice_cache(self._kernel_shape()) if on_cpu else None
-        known = kernel_probe.known_choice(options.cpu_kernels, kernels_cache) if on_cpu else ALL_C
+        known = kernel_probe.agreed(kernel_probe.known_choice(options.cpu_kernels, kernels_cache)) if on_cpu else ALL_C
         self.model = load_model(folder, self.config, self.backend, self.device, self.dtype, known)
         self.graphs = None  # before the CUDA memory profile, whose forward runs eagerly
         self.num_blocks = self._allocate_kv_cache()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor_svc import cpu_kernels
+from executor_svc import cpu_kernels, kernel_probe
 from executor_svc.__main__ import build_parser
 from executor_svc.config import ExecutorOptions
 from executor_svc.kernel_choice import CLASSES, FAMILIES, KernelChoice, load_cached, parse_override, save, shape_class
@@ -104,6 +104,31 @@ def test_a_forced_table_keeps_only_the_weight_copies_it_reads(
     both = cpu_linear_layers(tiny_runner(folder, "c,linear:prefill=torch").model)
     assert all(m.packed_weight is not None and m.onednn_weight is not None for m in both)
     assert not list((own_cache / "kernels").glob("kernel-choice-*.json")), "a forced table measured nothing"
+
+
+@needs_kernels
+@pytest.mark.parametrize("forced", ["linear=c", "linear=torch"])
+def test_a_first_start_holds_both_weight_copies_only_for_the_layers_it_races(
+    tiny_model_folders: dict[str, Path], own_cache: Path, c_linear: None, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+    forced: str,
+) -> None:
+    held = {}
+
+    def spy(model: torch.nn.Module, *args: object) -> KernelChoice:
+        held.update({name: (m.packed_weight is not None, m.onednn_weight is not None or m.weight.numel() > 0)
+                     for name, m in model.named_modules() if isinstance(m, linear.LinearBase)})
+        return measure(model, *args)
+
+    measure = kernel_probe.measure
+    monkeypatch.setattr(kernel_probe, "measure", spy)
+    monkeypatch.setattr(kernel_probe, "PROBE_WEIGHT_BYTES", 1)  # races the first layer alone
+    layers = cpu_linear_layers(tiny_runner(tiny_model_folders["qwen2"], forced).model)  # the flag leaves 20 to measure
+    first = "model.layers.0.self_attn.qkv_proj"
+    assert held.pop(first) == (True, True) and set(held.values()) == {(False, True)}, "copies held while measuring"
+    if forced == "linear=c":
+        assert all(m.packed_weight is not None and m.weight.numel() == 0 and m.onednn_weight is None for m in layers)
+    else:
+        assert all(m.packed_weight is None and m.onednn_weight is not None for m in layers)
 
 
 @needs_kernels

@@ -102,16 +102,19 @@ def cpu_linear_layers(model: nn.Module) -> list[LinearBase]:
     return [m for m in model.modules() if isinstance(m, LinearBase) and m.weight.device.type == "cpu"]
 
 
-def prepack_for_cpu(model: nn.Module, c_kernel: bool | None = None, torch_copy: bool | None = None) -> None:
-    """Give every float32 or bfloat16 CPU linear layer of ``model`` the weights its matmuls will read: a packed
-    copy for the C kernel (``c_kernel``; default: where it can help, see ``packing_helps``) and, for torch
-    (``torch_copy``; default: where there is no packed copy), a oneDNN copy of a float32 weight, or the dense
-    weight itself.
+def prepack_for_cpu(
+    model: nn.Module, c_kernel: bool | None = None, torch_copy: bool | None = None,
+    layers: list[LinearBase] | None = None,
+) -> None:
+    """Give every float32 or bfloat16 CPU linear layer of ``model`` (or just ``layers``) the weights its matmuls
+    will read: a packed copy for the C kernel (``c_kernel``; default: where it can help, see ``packing_helps``)
+    and, for torch (``torch_copy``; default: where there is no packed copy), a oneDNN copy of a float32 weight,
+    or the dense weight itself.
 
     A dense weight no path reads is emptied unless another module shares it (a tied LM head shares the
     embedding's), so packing costs no memory beyond such shared weights and the copies asked for.
     """
-    layers = cpu_linear_layers(model)
+    layers = cpu_linear_layers(model) if layers is None else layers
     if not layers:
         return  # a model on CUDA: the CPU kernels are not built for it
     c_kernel = packing_helps() if c_kernel is None else c_kernel and packing_helps()
