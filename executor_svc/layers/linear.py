@@ -10,10 +10,10 @@ into the layout of our C kernel (``executor_svc/csrc/linear.c``), and that copy 
 dense one unless the kernel choice asks for torch at some row count. Decode multiplies a few
 rows (one per sequence) by each weight, where torch's GEMMs run far below the machine's peak;
 the kernel streams each weight once per call with the arithmetic overlapping the stream:
-1.3-2.4x torch's speed at 1-64 rows on an AVX-512 BF16 EPYC, but slower than oneDNN's AMX
-GEMMs on a Xeon that has them, hence the choice measured per machine. Without a C compiler or
-AVX-512, and where torch is chosen, float32 weights go to oneDNN (25-35 % faster than
-``F.linear`` at decode's sizes).
+1.3-2.4x torch's speed at 1-64 rows on an AVX-512 BF16 EPYC, 2-6x torch's bfloat16 on an AVX2-only
+Zen 3, but slower than oneDNN's AMX GEMMs on a Xeon that has them, hence the choice measured per
+machine. Without a C compiler or AVX2, and where torch is chosen, float32 weights go to oneDNN
+(25-35 % faster than ``F.linear`` at decode's sizes).
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ class LinearBase(nn.Module):
 
 
 def packing_helps() -> bool:
-    """Whether the C kernel library is here and has the AVX-512 GEMM (its portable loops lose to torch's)."""
+    """Whether the C kernel library is here and has a vectorised GEMM, AVX-512 or AVX2 (its portable loops lose to
+    torch's)."""
     library = cpu_kernels.kernel_library()
     return library is not None and library.linear_is_vectorised() == 1
 
