@@ -95,6 +95,25 @@ def test_layers_are_packed_and_shared_weights_kept(monkeypatch: pytest.MonkeyPat
     assert torch.equal(fallback[1](x.bfloat16()), expected[1])
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_torchs_bfloat16_path_sums_in_float32_where_the_cpu_has_no_bfloat16(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """Without AVX512_BF16 or AMX torch's own bfloat16 GEMM is 5x slower than its float32 one, so the layer widens to
+    float32 and rounds once; with them, it keeps torch's bfloat16 GEMM."""
+    monkeypatch.setattr(linear, "native_bfloat16", lambda: native)
+    layer = ColumnParallelLinear(96, [40], bias=True).bfloat16()
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(300, 96).bfloat16()
+    if native:
+        expected = F.linear(x, layer.weight, layer.bias)
+    else:
+        expected = F.linear(x.float(), layer.weight.float(), layer.bias.float()).bfloat16()
+    out = layer.torch_matmul(x, layer.bias)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+
+
 def test_packing_refuses_what_the_kernel_cannot_read() -> None:
     with pytest.raises(ValueError, match="float16"):
         PackedWeight.pack(torch.randn(4, 4).half())

@@ -18,6 +18,7 @@ machine. Without a C compiler or AVX2, and where torch is chosen, float32 weight
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -89,7 +90,22 @@ class LinearBase(nn.Module):
     def torch_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, bias, "none", [], "")
+        if self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" and not native_bfloat16():
+            # Products of bfloat16 are exact in float32, summed there and rounded once, as torch's bfloat16 GEMM
+            # does. On a 2-core Zen 3 the weight's widening costs <1 % of a prefill GEMM, which then runs at MKL's
+            # float32 speed: 15-25 % faster than the C kernel from 512 rows, 5x torch's own bfloat16 GEMM.
+            bias = None if bias is None else bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(torch.bfloat16)
         return F.linear(x, self.weight, bias)
+
+
+@functools.cache
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512_BF16, AMX; assumed where /proc/cpuinfo names no x86
+    flags). Without, torch's bfloat16 GEMM runs at a fifth of its float32 speed (15 against 75 GFLOP/s on the
+    2-core Zen 3 VM)."""
+    flags = cpu_kernels.cpuinfo("flags").split()
+    return not flags or "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def packing_helps() -> bool:
