@@ -97,7 +97,8 @@ def settle(model: nn.Module, backend: AttentionBackend, known: KernelChoice | No
             except OSError as e:  # a read-only or full cache: this start uses the table, the next measures again
                 log.warning("could not cache the CPU kernel choice in %s (%s)", cache, e)
         choice = measured.with_ways(kernel_choice.parse_override(flag))
-        rest = [m for m in cpu_linear_layers(model) if all(m is not r for r in raced)]
+        raced_ids = {id(m) for m in raced}
+        rest = [m for m in cpu_linear_layers(model) if id(m) not in raced_ids]
         prepack_for_cpu(model, c_kernel=choice.uses("linear", "c"), torch_copy=choice.uses("linear", "torch"),
                         layers=rest)
     have = available(model, backend, dtype)
