@@ -29,12 +29,13 @@ def test_decode_matches_dense_attention(num_heads: int, num_kv_heads: int, block
     torch.testing.assert_close(out, batch.expected(0.3), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(9, 3, 16), (8, 8, 32), (4, 1, 5)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(9, 3, 16), (8, 8, 32), (4, 1, 5), (16, 2, 16)])
 def test_tiled_decode_matches_dense_attention(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int):
-    """The AVX-512 path's head sizes: partial tiles of 16 tokens, one token, an empty tail, a long context,
-    and scores large enough (scale 2) that the online softmax's running maximum moves from tile to tile."""
-    ctx_lens = [1, 15, 16, 17, 33, 1000]
+    """The tiled paths' head sizes: partial tiles (8 tokens with AVX2, 16 with AVX-512), one token, an empty
+    tail, a long context, groups of 8 query heads (two passes over a tile's values with AVX2), and scores large
+    enough (scale 2) that the online softmax's running maximum moves from tile to tile."""
+    ctx_lens = [1, 7, 8, 9, 15, 16, 17, 33, 1000]
     batch = PagedBatch(ctx_lens, [1] * len(ctx_lens), block_size, num_heads, num_kv_heads, head_dim)
     for scale in (head_dim**-0.5, 2.0):
         out = run_decode(batch, scale, CpuAttention())
@@ -42,7 +43,7 @@ def test_tiled_decode_matches_dense_attention(head_dim: int, num_heads: int, num
 
 
 def test_bfloat16_tiled_decode_matches_the_torch_backend() -> None:
-    batch = PagedBatch([1, 16, 17, 250, 700], [1] * 5, 16, 9, 3, 64)
+    batch = PagedBatch([1, 7, 9, 16, 17, 250, 700], [1] * 7, 16, 9, 3, 64)
     batch.k_cache, batch.v_cache = batch.k_cache.bfloat16(), batch.v_cache.bfloat16()
     batch.q = [q.bfloat16() for q in batch.q]
     batch.k, batch.v = [k.bfloat16() for k in batch.k], [v.bfloat16() for v in batch.v]
