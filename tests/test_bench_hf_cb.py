@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from bench import hf_cb, throughput
+from bench import hf_cb, random_model, throughput
 from executor_svc.config import ExecutorOptions
 from executor_svc.model_executor import ModelExecutor
 from scheduler_svc.engine import Engine
@@ -27,11 +27,15 @@ def test_greedy_tokens_match_the_inprocess_engine_each_to_its_own_max_tokens():
     assert seconds > 0
 
 
-def test_the_peer_writes_its_key_and_skip_hf_leaves_it_out(tmp_path):
-    path = tmp_path / "w1.json"
-    throughput.main(["--num-requests", "1", "--peers", "hf_cb", "inprocess", "--json", str(path)])
+def test_skip_hf_leaves_both_transformers_peers_out(tmp_path):
+    """``--skip-hf`` drops ``hf`` and ``hf_cb`` even when named (their keys are written by the W2 smoke test)."""
+    folder = random_model.save_random_qwen3(
+        tmp_path / "qwen3", torch.float32, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+        vocab_size=10240,
+    )
+    path = tmp_path / "w2.json"
+    throughput.main(["--workload", "w2", "--model", str(folder), "--num-requests", "1", "--peers", "hf", "hf_cb",
+                     "inprocess", "--skip-hf", "--kv-cache-memory", str(64 << 20), "--json", str(path)])
     figures = json.loads(path.read_text())
-    assert figures["hf_cb_tok_s"] > 0 and "hf_cb_over_inprocess" in figures
-    skipped = tmp_path / "skipped.json"
-    throughput.main(["--num-requests", "1", "--peers", "hf_cb", "inprocess", "--skip-hf", "--json", str(skipped)])
-    assert "hf_cb_tok_s" not in json.loads(skipped.read_text())
+    assert figures["inprocess_tok_s"] > 0
+    assert not any(key.startswith(("hf_", "hf_cb_")) or "_over_hf" in key for key in figures)

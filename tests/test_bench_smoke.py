@@ -102,6 +102,7 @@ def test_w2_runs_on_a_shrunken_random_qwen3(tmp_path):
     assert figures["inprocess_tok_s"] > 0 and figures["hf_cb_tok_s"] > 0 and figures["repeats"] == 2
     assert all(0.0 <= figures[f"{peer}_stolen_cpu_share"] < 1.0 for peer in ("inprocess", "hf_cb"))
     assert figures["hf_cb_paired_over_inprocess"] > 0 and "inprocess_paired_over_inprocess" not in figures
+    assert figures["hf_cb_over_inprocess"] > 0
 
 
 def test_throughput_rounds_alternate_in_reverse_and_pair_with_in_process(tmp_path, monkeypatch):
@@ -123,20 +124,29 @@ def test_throughput_rounds_alternate_in_reverse_and_pair_with_in_process(tmp_pat
     assert figures["split_paired_over_inprocess"] == pytest.approx(12 / 13)
 
 
-def test_the_split_peers_stream_and_ask_for_whole_completions(tmp_path):
-    """Every way a client drives the split (``generate``, one response per token, and whole completions through
-    GenerateOnce), and the split with ``--yield-cpu on``, runs the workload to its last token: each request's token
-    count is checked as it returns."""
+def run_split_peers(tmp_path, peers: tuple[str, ...]) -> dict[str, float]:
+    """W2 on a one-layer random Qwen3 through the split ``peers``; their JSON figures."""
     folder = random_model.save_random_qwen3(
         tmp_path / "qwen3", torch.float32, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
         vocab_size=10240,
     )
     path = tmp_path / "w2-split.json"
-    throughput.main(["--workload", "w2", "--model", str(folder), "--num-requests", "2", "--peers", "split_overlap",
-                     "split_tokens", "split_whole", "split_yield", "--kv-cache-memory", str(64 << 20),
-                     "--json", str(path)])
-    figures = json.loads(path.read_text())
-    peers = ("split_overlap", "split_tokens", "split_whole", "split_yield")
+    throughput.main(["--workload", "w2", "--model", str(folder), "--num-requests", "2", "--peers", *peers,
+                     "--kv-cache-memory", str(64 << 20), "--json", str(path)])
+    return json.loads(path.read_text())
+
+
+def test_the_split_at_default_flags_runs_the_workload_to_its_last_token(tmp_path):
+    """The split peer the figures table quotes: each request's token count is checked as it returns."""
+    assert run_split_peers(tmp_path, ("split_overlap",))["split_overlap_tok_s"] > 0
+
+
+@pytest.mark.slow
+def test_every_split_variant_runs_the_workload_to_its_last_token(tmp_path):
+    """The other ways a client drives the split (one response per token, whole completions through
+    GenerateOnce) and the split with ``--yield-cpu on``; each starts its own pair of services (about 10 s)."""
+    peers = ("split_tokens", "split_whole", "split_yield")
+    figures = run_split_peers(tmp_path, peers)
     assert all(figures[f"{peer}_tok_s"] > 0 for peer in peers)
 
 
