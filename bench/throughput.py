@@ -125,7 +125,8 @@ def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
             )
         with progress(total=sum(workload.max_tokens), desc="in-process", unit="tok") as bar:
             while engine.has_unfinished():
-                bar.update(len(engine.step()))
+                # an output holds a step's tokens for one sequence: several under multi-step decode
+                bar.update(sum(len(out.token_ids) for out in engine.step()))
         return time.perf_counter() - start
     finally:
         sys.setswitchinterval(interval)  # the peers after this one are clients
