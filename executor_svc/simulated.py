@@ -40,10 +40,11 @@ from nanoserve.v1 import executor_pb2 as pb
 
 PR_SET_TIMERSLACK = 29
 LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
-# The last stretch of a wait is spun (``spin_until``, without the GIL), not slept: on the development VM a sleep woke
-# 45-57 us late (median, mean) even at 1 ns timer slack, 1 % of a 5 ms step and 2 % of a 2 ms one, and a CUDA
-# synchronize spins. Sleeps ending later than this still wake late.
-SPIN_S = 150e-6
+# The last stretch of a wait is spun (``spin_until``, without the GIL), not slept, as a CUDA synchronize spins: on
+# the development VMs a 4.85 ms sleep woke late even at 1 ns timer slack, by 45-57 us (median, mean) on one and by
+# 104 / 134 / 193 us (median, p90, max) on another, where a 150 us spin left W5's efficiency 0.005-0.008 lower
+# at b1 and b64 (two alternating pairs each) than this one. Sleeps ending later than this still wake late.
+SPIN_S = 300e-6
 
 
 _slack = threading.local()
