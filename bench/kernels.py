@@ -6,6 +6,8 @@
 - ``decode_attention``: one layer of paged decode for 64 requests of context 32-512 (9 query and 3 KV
   heads of 64, block size 16, in a cache much larger than the CPU's caches); the peer is the ``torch``
   attention backend.
+- ``prefill_attention``: one layer of causal prefill of ``--rows`` tokens in prompts of up to 128, nothing
+  cached; the peer is the ``torch`` backend (SDPA per request).
 - ``rms_norm``, ``silu_and_mul``, ``rotary``: one call at ``--rows`` rows; the peer is the layer's torch code.
 
 Each figure is the median of ``--repeats`` timings, peers taking turns; ``ratio`` is torch's time over the
@@ -38,6 +40,7 @@ from executor_svc.attention.cpu_backend import CpuAttention  # noqa: E402
 from executor_svc.attention.torch_backend import TorchAttention  # noqa: E402
 from executor_svc.config import ExecutorOptions  # noqa: E402
 from executor_svc.kernel_choice import CLASSES, FAMILIES, KernelChoice  # noqa: E402
+from executor_svc.kernel_probe import prefill_batch  # noqa: E402
 from executor_svc.layers import cpu_fused  # noqa: E402
 from executor_svc.layers.linear import PackedWeight  # noqa: E402
 from executor_svc.layers.norm import RMSNorm  # noqa: E402
@@ -101,6 +104,19 @@ def decode_attention_peers(dtype: torch.dtype) -> Callable[[int], Peers]:
     return at
 
 
+def prefill_attention_peers(dtype: torch.dtype) -> Callable[[int], Peers]:
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.empty(1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)  # nothing cached: never read
+
+    def at(rows: int) -> Peers:
+        q, k, v, meta = prefill_batch(rows, HEADS, KV_HEADS, HEAD_DIM, dtype, gen)
+        kernel, reference = CpuAttention(), TorchAttention()
+        return (lambda: kernel.prefill(q, k, v, cache, cache, meta, HEAD_DIM**-0.5),
+                lambda: reference.prefill(q, k, v, cache, cache, meta, HEAD_DIM**-0.5))
+
+    return at
+
+
 def rms_norm_peers(dtype: torch.dtype) -> Callable[[int], Peers]:
     norm = RMSNorm(HIDDEN, 1e-5).to(dtype)
 
@@ -147,6 +163,7 @@ def rotary_peers(dtype: torch.dtype) -> Callable[[int], Peers]:
 KERNELS = {
     "linear": linear_peers,
     "decode_attention": decode_attention_peers,
+    "prefill_attention": prefill_attention_peers,
     "rms_norm": rms_norm_peers,
     "silu_and_mul": silu_and_mul_peers,
     "rotary": rotary_peers,

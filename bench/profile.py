@@ -47,6 +47,7 @@ COMPONENTS = [
     ("attention", TorchAttention, "prefill"),
     ("attention", TorchAttention, "decode"),
     ("attention", CpuAttention, "decode"),
+    ("attention", CpuAttention, "prefill"),
     ("kv store", TorchAttention, "store_kv"),
     ("kv store", CpuAttention, "store_kv"),
     ("rms_norm", RMSNorm, "forward"),

@@ -116,6 +116,13 @@ def kernel_library() -> ctypes.CDLL | None:
     library.linear_pack.argtypes = [pointer, pointer, size, size, i32]
     library.linear_forward.restype = i32
     library.linear_forward.argtypes = [pointer, size, pointer, pointer, pointer, size, size, size, i32, i32]
+    library.prefill_attention_supported.restype = i32
+    library.prefill_attention_supported.argtypes = [i32]
+    library.prefill_attention.restype = i32
+    library.prefill_attention.argtypes = [
+        pointer, size, pointer, size, pointer, size, *[pointer] * 3, i32, pointer, pointer, i32, pointer,
+        *[i32] * 5, f32, i32,
+    ]
     library.spin_until.restype = None
     library.spin_until.argtypes = [ctypes.c_double]
     return library

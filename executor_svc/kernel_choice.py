@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FAMILIES = ("linear", "decode_attention", "rms_norm", "silu_and_mul", "rotary")
+FAMILIES = ("linear", "decode_attention", "prefill_attention", "rms_norm", "silu_and_mul", "rotary")
 CLASSES = ("1", "2-8", "9-32", "33+", "prefill")
 WAYS = ("c", "torch")
 # The rows each class is measured at. A call has as many rows as tokens: one per sequence in decode, so

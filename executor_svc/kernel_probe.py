@@ -3,7 +3,8 @@
 Each family runs on the loaded model's own shapes at each class's probe rows. Linear passes over the
 model's own weights (the first gigabyte of them for the decode classes, since a decode step streams every
 weight from memory; one decoder layer's for prefill, which is compute-bound); decode attention reads layer 0
-of the real cache through random block tables, contexts of up to 512 tokens. C and torch take turns for
+of the real cache through random block tables, contexts of up to 512 tokens; prefill attention runs
+prompts of up to 128 tokens with nothing cached. C and torch take turns for
 ``ROUNDS`` rounds and each keeps its median; torch is chosen only when at least ``MARGIN`` faster, so two
 kernels within noise keep the C one and its numerics. The table is cached per machine (the key names the
 kernel build, which names the CPU's flags) and measured again only when something in the key changes.
@@ -12,6 +13,7 @@ kernel build, which names the CPU's flags) and measured again only when somethin
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import statistics
@@ -41,6 +43,7 @@ ROUNDS = 3
 MARGIN = 0.05
 MIN_SECONDS = 0.002  # timed calls per round: at least this long, so the timer's resolution does not count
 ATTENTION_CONTEXT = 512
+PREFILL_REQUEST_TOKENS = 128
 PROBE_WEIGHT_BYTES = 1 << 30
 
 Calls = tuple[Callable[[], object], Callable[[], object]]  # (C kernel, torch)
@@ -126,6 +129,9 @@ def available(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -
         have.add("linear")
     if isinstance(backend, CpuAttention):
         have.add("decode_attention")
+        attention = _first_attention(model)
+        if attention is not None and cpu_kernels.kernel_library().prefill_attention_supported(attention.head_dim):
+            have.add("prefill_attention")
     return have
 
 
@@ -172,6 +178,8 @@ def probes_for(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) 
         probes["linear"] = linear
     if "decode_attention" in have and attention is not None and attention.k_cache.dtype == dtype:
         probes["decode_attention"] = _attention_probe(attention, backend, dtype)
+    if "prefill_attention" in have and attention is not None and attention.k_cache.dtype == dtype:
+        probes["prefill_attention"] = _prefill_attention_probe(attention, backend, dtype)
     norm = widest_norm(model)
     rotary = next((m for m in model.modules() if isinstance(m, RotaryEmbedding)), None)
     gate_up = next((m for name, m in model.named_modules() if name.endswith("gate_up_proj")), None)
@@ -238,6 +246,32 @@ def _attention_probe(attention: nn.Module, backend: CpuAttention, dtype: torch.d
         q = torch.randn(rows, num_heads, head_dim, generator=gen).to(dtype)
         return (lambda: backend.kernel_decode(q, k_cache, v_cache, meta, scale),
                 lambda: TorchAttention.decode(backend, q, k_cache, v_cache, meta, scale))
+
+    return at
+
+
+def prefill_batch(
+    rows: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """q, k, v (views of one qkv projection, as the model hands them over) and metadata of a prefill of ``rows``
+    tokens, in requests of at most ``PREFILL_REQUEST_TOKENS`` with nothing cached: W1's prompts."""
+    lengths = [min(PREFILL_REQUEST_TOKENS, rows - start) for start in range(0, rows, PREFILL_REQUEST_TOKENS)]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    tables = torch.zeros(len(lengths), 1, dtype=torch.int32)
+    meta = AttentionMetadata(True, torch.full((rows,), -1), tables, cu, cu, max(lengths), max(lengths))
+    return q.view(rows, num_heads, head_dim), k.view(rows, -1, head_dim), v.view(rows, -1, head_dim), meta
+
+
+def _prefill_attention_probe(attention: nn.Module, backend: CpuAttention, dtype: torch.dtype) -> Probe:
+    k_cache, v_cache, scale = attention.k_cache, attention.v_cache, attention.scale
+    gen = torch.Generator().manual_seed(0)
+
+    def at(rows: int) -> Calls:
+        q, k, v, meta = prefill_batch(rows, attention.num_heads, attention.num_kv_heads, attention.head_dim, dtype, gen)
+        return (lambda: backend.kernel_prefill(q, k, v, k_cache, v_cache, meta, scale),
+                lambda: TorchAttention.prefill(backend, q, k, v, k_cache, v_cache, meta, scale))
 
     return at
 

@@ -60,7 +60,7 @@ def test_rows_fall_into_the_documented_classes() -> None:
 
 def test_the_flag_forces_all_or_some_entries_and_names_a_bad_item() -> None:
     assert parse_override("auto") == {}
-    assert set(parse_override("torch").values()) == {"torch"} and len(parse_override("c")) == 25
+    assert set(parse_override("torch").values()) == {"torch"} and len(parse_override("c")) == 30
     ways = parse_override("linear:prefill=torch, rotary=c")
     assert ways == {("linear", "prefill"): "torch", **{("rotary", c): "c" for c in CLASSES}}
     for bad in ("linear=gpu", "attention=c", "linear:64=c", ","):

@@ -1,7 +1,9 @@
-"""The CPU default: torch attention for prefill, a C kernel (``executor_svc/csrc/paged_decode.c``) for decode.
+"""The CPU default: C kernels for decode (``executor_svc/csrc/paged_decode.c``) and prefill
+(``prefill_attention.c``), torch where they do not apply or the executor's kernel choice found torch faster.
 
 Decode is where a CPU step spends its attention time, and torch can only attend to a gathered copy of
-each request's context; the kernel reads keys and values in place through the block tables. Keys and
+each request's context; the kernel reads keys and values in place through the block tables. torch's SDPA
+ran W1's prefill at 20-50 GFLOP/s; the prefill kernel runs at about twice that (``bench.kernels``). Keys and
 values go into the cache by a C copy too (``executor_svc/csrc/fused_ops.c``): torch's masked
 ``index_copy_`` took several ops a layer for a few kilobytes.
 """
@@ -18,9 +20,14 @@ from executor_svc.kernel_choice import ALL_C, KernelChoice
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """[tokens, heads, head_dim] with each token's heads packed, whatever the stride between tokens."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 class CpuAttention(TorchAttention):
-    """``TorchAttention`` with decode in the compiled kernel for float32 and bfloat16 caches, at the batch sizes
-    where the executor's kernel choice found it the faster (everywhere, so far)."""
+    """``TorchAttention`` with decode and prefill in the compiled kernels for float32 and bfloat16, at the row
+    counts where the executor's kernel choice found them the faster."""
 
     name = "cpu"
     kernels: KernelChoice = ALL_C
@@ -31,6 +38,8 @@ class CpuAttention(TorchAttention):
         if library is None:
             raise RuntimeError("the CPU attention kernel could not be built (see the log); use the torch backend")
         self._kernel = library.paged_decode
+        self._prefill = library.prefill_attention
+        self._prefill_supported = library.prefill_attention_supported
         self._store = library.store_kv
 
     def store_kv(
@@ -49,6 +58,52 @@ class CpuAttention(TorchAttention):
         )
         if outside:
             raise IndexError(f"{outside} cache slots are past the cache's {k_cache.shape[0]} blocks")
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        chosen = self.kernels.use_c("prefill_attention", q.shape[0])
+        if chosen and self.prefill_applies(q, k, v, k_cache, v_cache, meta):
+            return self.kernel_prefill(q, k, v, k_cache, v_cache, meta, scale)
+        return super().prefill(q, k, v, k_cache, v_cache, meta, scale)
+
+    def prefill_applies(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> bool:
+        """The kernel's layouts and dtypes, on a build (AVX-512) and head_dim it supports."""
+        same = q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and q.dtype in KERNEL_DTYPES
+        cache = k_cache.dim() == 4 and k_cache.is_contiguous() and v_cache.is_contiguous()
+        return (q.device.type == "cpu" and same and (cache or not meta.has_cached_context)
+                and all(map(_rows_contiguous, (q, k, v))) and bool(self._prefill_supported(q.shape[2])))
+
+    def kernel_prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """The C kernel's prefill, where ``prefill_applies``."""
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        cu_q = meta.cu_seqlens_q.to(torch.int32).contiguous()
+        cu_k = meta.cu_seqlens_k.to(torch.int32).contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype)
+        _, num_heads, head_dim = q.shape
+        num_kv_heads, block_size = k.shape[1], k_cache.shape[1] if k_cache.dim() == 4 else 1
+        failed = self._prefill(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+            v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], cu_q.data_ptr(), cu_k.data_ptr(),
+            cu_q.shape[0] - 1, out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size,
+            int(q.dtype == torch.bfloat16), scale, torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("the CPU prefill attention kernel could not allocate its scratch memory")
+        return out
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
