@@ -165,7 +165,7 @@ class ModelRunner:
         model_input.fill_pending(sampled_before)
         if tp_size() > 1:
             broadcast_object(model_input)
-        return LaunchedForward(chunks, len(model_input.logits_indices), runs, self.execute(model_input), started)
+        return LaunchedForward(chunks, model_input.num_sampled, runs, self.execute(model_input), started)
 
     def launches_async(self, model_input: ModelInput) -> bool:
         """Whether ``launch`` only queues this forward pass: a decode step on CUDA with captured graphs, whose

@@ -107,7 +107,7 @@ class SimulatedExecutor(TableExecutor):
         started = time.perf_counter()
         inputs = inputs or self.pack(chunks)
         inputs.fill_pending(sampled_before)
-        every = len(inputs.logits_indices) == len(chunks)
+        every = inputs.num_sampled == len(chunks)
         return Launched(chunks, started, time.perf_counter() + self.step_s, every)
 
     def finish(self, launched: Launched) -> StepOutput:
