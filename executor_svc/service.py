@@ -47,6 +47,12 @@ def submit_here(fn: Callable[..., T], *args: object) -> futures.Future[T]:
 Submit = Callable[..., futures.Future]
 
 
+# A signal's Python handler runs on the main thread once it runs Python again. The kernel may deliver SIGTERM to
+# another thread (a gRPC one), and a main thread parked in ``SimpleQueue.get`` for a call that never comes (an
+# executor the scheduler refused) never ran it: the process ignored SIGTERM until killed. Waking bounds the delay.
+IDLE_WAKE_S = 0.5
+
+
 class CallingThread:
     """Runs calls made from any thread on the one thread inside ``run``, in the order submitted.
 
@@ -70,8 +76,14 @@ class CallingThread:
         return self.submit(fn, *args).result()
 
     def run(self) -> None:
-        """Serve calls on this thread until ``stop``."""
-        while (item := self._calls.get()) is not None:
+        """Serve calls on this thread until ``stop``, waking every ``IDLE_WAKE_S`` while there are none."""
+        while True:
+            try:
+                item = self._calls.get(timeout=IDLE_WAKE_S)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
             run_into(*item)
 
     def stop(self) -> None:

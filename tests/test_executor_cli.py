@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.remote import RemoteExecutor
 from scheduler_svc.sampling import SamplingParams
 from tests.model_fixtures import hf_greedy, tiny_model_folders  # noqa: F401
-from tests.service_fixtures import free_port
+from tests.service_fixtures import HOST, executor_argv, free_port, spawn, wait_serving
 from tests.test_model_parity import random_prompts
 from tests.test_security import Certs, certs  # noqa: F401
 
@@ -110,3 +111,31 @@ def test_calls_from_grpc_threads_run_on_the_serving_thread() -> None:
     calling.stop()
     runner.join(timeout=5)
     assert not runner.is_alive()
+
+
+def unblocked_helper_thread(pid: int) -> int:
+    """A thread of process ``pid`` other than its main one that does not block SIGTERM."""
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+        status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        if int(task.name) != pid and not int(status["SigBlk"], 16) & (1 << (signal.SIGTERM - 1)):
+            return int(task.name)
+    raise AssertionError(f"every thread of {pid} but the main one blocks SIGTERM")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
+def test_sigterm_delivered_to_a_grpc_thread_stops_an_idle_executor(tmp_path: Path) -> None:
+    """The kernel may hand a process's SIGTERM to any thread that does not block it; an executor no scheduler
+    sends steps to kept serving until killed when it landed on a gRPC thread (its main thread waited for a call)."""
+    port = free_port()
+    log = tmp_path / "executor.log"
+    server = spawn(executor_argv("shadow", port, {}), log)
+    try:
+        wait_serving(f"{HOST}:{port}", server)
+        assert ctypes.CDLL(None, use_errno=True).tgkill(server.pid, unblocked_helper_thread(server.pid),
+                                                        signal.SIGTERM) == 0, os.strerror(ctypes.get_errno())
+        assert server.wait(timeout=15) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert "executor stopping on signal 15" in log.read_text()
