@@ -47,22 +47,22 @@ def cpuinfo(*keys: str) -> str:
     return next((line for line in lines if line.startswith(keys)), "")
 
 
-def _library_path(compiler: str) -> Path:
+def _library_path(compiler: str, flags: list[str]) -> Path:
     key = hashlib.sha256()
     sources = [source.read_bytes() for source in SOURCES + HEADERS]
-    for part in (*sources, " ".join(FLAGS).encode(), compiler.encode(), platform.machine().encode(),
+    for part in (*sources, " ".join(flags).encode(), compiler.encode(), platform.machine().encode(),
                  cpuinfo("flags", "Features").encode()):
         key.update(part)
     return cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, flags: list[str], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     # Build beside the target and rename: processes starting together never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"], check=True, capture_output=True,
                        text=True)
         os.replace(built, target)
     log.info("built the CPU kernels %s in %.1f s", target.name, time.perf_counter() - started)
@@ -75,20 +75,22 @@ def _compiler() -> str | None:
 def library_id() -> str:
     """The name of this machine's kernel build (a hash of sources, flags and CPU features), or ``none``."""
     compiler = _compiler()
-    return "none" if compiler is None else _library_path(compiler).stem
+    return "none" if compiler is None else _library_path(compiler, FLAGS).stem
 
 
 @functools.cache
-def kernel_library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (logged once) when it cannot be built here."""
+def kernel_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (logged once) when it cannot be built here. ``extra_flags`` build a
+    variant beside it: ``("-mno-avx512f",)`` gives an AVX-512 machine the AVX2 kernels, for their tests."""
     compiler = _compiler()
     if compiler is None:
         log.info("no C compiler found: the CPU kernels are unavailable, using torch")
         return None
-    target = _library_path(compiler)
+    flags = [*FLAGS, *extra_flags]
+    target = _library_path(compiler, flags)
     try:
         if not target.is_file():
-            _build(compiler, target)
+            _build(compiler, flags, target)
         # torch is loaded already, so the library's libgomp.so.1 resolves to torch's: one OpenMP thread pool.
         library = ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as e:

@@ -30,3 +30,18 @@ def decode_meta(slot_mapping: torch.Tensor, block_tables: torch.Tensor, ctx_lens
         block_tables=block_tables,
         context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
     )
+
+
+def cpu_kernel_builds() -> list[object]:
+    """pytest params of the CPU kernel builds to test: this machine's own and, on an AVX-512 machine, the AVX2
+    variant of the same sources, so that both instruction sets' kernels are tested wherever the suite runs."""
+    import pytest
+
+    from executor_svc import cpu_kernels
+
+    native = cpu_kernels.kernel_library()
+    builds = [pytest.param(native, id="native")]
+    flags = cpu_kernels.cpuinfo("flags").split()
+    if native is not None and {"avx512f", "avx2", "fma"} <= set(flags):
+        builds.append(pytest.param(cpu_kernels.kernel_library(("-mno-avx512f",)), id="avx2"))
+    return builds

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -9,12 +11,14 @@ from executor_svc import cpu_kernels
 from executor_svc.attention.cpu_backend import CpuAttention
 from executor_svc.attention.torch_backend import TorchAttention
 from executor_svc.kernel_choice import KernelChoice
+from tests.attention_helpers import cpu_kernel_builds
 from tests.test_attention_torch import PagedBatch
 
 library = cpu_kernels.kernel_library()
 pytestmark = pytest.mark.skipif(
-    library is None or not library.prefill_attention_supported(64), reason="the prefill kernel needs AVX-512"
+    library is None or not library.prefill_attention_supported(64), reason="the prefill kernel needs AVX-512 or AVX2"
 )
+BUILDS = cpu_kernel_builds()
 
 # Cached prefixes mid-block and of whole blocks, a 1-token query, queries across the kernel's blocks of 64
 # tokens (64, 65, 130), score tiles of 32 keys (31, 32, 33), and a long prompt after a long prefix.
@@ -39,24 +43,27 @@ def run_prefill(batch: PagedBatch, backend: TorchAttention, scale: float, dtype:
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(9, 3, 16), (8, 8, 32), (4, 1, 5), (16, 2, 16)])
-def test_prefill_kernel_matches_dense_attention(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int):
+@pytest.mark.parametrize("build", BUILDS)
+def test_prefill_kernel_matches_dense_attention(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int,
+                                                build: ctypes.CDLL):
     """Groups of 1-8 query heads (passes of 8 rows that mix tokens), and scores large enough (scale 2) that the
     softmax's maximum matters; there float32 scores are off by up to 1e-4 in torch too, so the bound is torch's."""
     batch = PagedBatch(CTX_LENS, Q_LENS, block_size, num_heads, num_kv_heads, head_dim)
     for scale in (head_dim**-0.5, 2.0):
         exact = batch.expected(scale)
-        error = (run_prefill(batch, CpuAttention(), scale, torch.float32) - exact).abs().max()
+        error = (run_prefill(batch, CpuAttention(build), scale, torch.float32) - exact).abs().max()
         torch_error = (run_prefill(batch, TorchAttention(), scale, torch.float32) - exact).abs().max()
         assert error <= max(2 * torch_error, 1e-5)
 
 
-def test_bfloat16_prefill_kernel_is_as_close_as_torch() -> None:
+@pytest.mark.parametrize("build", BUILDS)
+def test_bfloat16_prefill_kernel_is_as_close_as_torch(build: ctypes.CDLL) -> None:
     """bfloat16 in and out, float32 inside: no further from float64 than the torch backend is."""
     batch = PagedBatch(CTX_LENS, Q_LENS, 16, 9, 3, 64)
     batch.k_cache, batch.v_cache = batch.k_cache.bfloat16().float(), batch.v_cache.bfloat16().float()
     batch.q = [q.bfloat16().float() for q in batch.q]
     batch.k, batch.v = [k.bfloat16().float() for k in batch.k], [v.bfloat16().float() for v in batch.v]
-    out = run_prefill(batch, CpuAttention(), 0.125, torch.bfloat16)
+    out = run_prefill(batch, CpuAttention(build), 0.125, torch.bfloat16)
     reference = run_prefill(batch, TorchAttention(), 0.125, torch.bfloat16)
     assert out.dtype == torch.bfloat16
     exact = batch.expected(0.125)

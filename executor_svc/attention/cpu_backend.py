@@ -10,6 +10,8 @@ values go into the cache by a C copy too (``executor_svc/csrc/fused_ops.c``): to
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from executor_svc.attention.base import AttentionMetadata
@@ -32,9 +34,10 @@ class CpuAttention(TorchAttention):
     name = "cpu"
     kernels: KernelChoice = ALL_C
 
-    def __init__(self) -> None:
+    def __init__(self, library: ctypes.CDLL | None = None) -> None:
+        """``library``: a kernel build other than this machine's own (``kernel_library``), for tests."""
         super().__init__()
-        library = kernel_library()
+        library = library or kernel_library()
         if library is None:
             raise RuntimeError("the CPU attention kernel could not be built (see the log); use the torch backend")
         self._kernel = library.paged_decode
@@ -78,7 +81,7 @@ class CpuAttention(TorchAttention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> bool:
-        """The kernel's layouts and dtypes, on a build (AVX-512) and head_dim it supports."""
+        """The kernel's layouts and dtypes, on a build (AVX-512, or AVX2 with FMA) and head_dim it supports."""
         same = q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and q.dtype in KERNEL_DTYPES
         cache = k_cache.dim() == 4 and k_cache.is_contiguous() and v_cache.is_contiguous()
         return (q.device.type == "cpu" and same and (cache or not meta.has_cached_context)

@@ -1,14 +1,16 @@
-/* Causal prefill attention for the CPU (AVX-512): each request's query tokens over its context, the cached
- * prefix read through the block table and this step's keys and values read where the projection left them.
+/* Causal prefill attention for the CPU (AVX-512, or AVX2 with FMA): each request's query tokens over its
+ * context, the cached prefix read through the block table and this step's keys and values read where the
+ * projection left them.
  *
  * torch's CPU SDPA ran W1's prefill (prompts of 32-256 tokens, head_dim 64) at 20-50 GFLOP/s; this kernel
  * runs GEMM-shaped loops on float32 copies instead, 2.5-3x as fast there (bench.kernels). First each request's
- * context is copied once per KV head, keys transposed in tiles of 16 ([head_dim, 16] each, so that a vector
- * holds 16 keys' scores with no horizontal sums) and values as they are. Then a work item is one request's
- * KV head and a block of Q_BLOCK query tokens: the query rows of the KV head's group (GQA: the group shares
- * the copies) go through the copy ROWS at a time: all their scores, an exact softmax over them, then the
- * values. Sums are float32 for float32 and bfloat16 alike. Copying once per KV head instead of once per
- * block of queries took the copy from about a quarter of the kernel's time to an eighth.
+ * context is copied once per KV head, keys transposed in tiles of TILE ([head_dim, TILE] each, so that a
+ * vector holds TILE keys' scores with no horizontal sums) and values as they are. Then a work item is one
+ * request's KV head and a block of Q_BLOCK query tokens: the query rows of the KV head's group (GQA: the group
+ * shares the copies) go through the copy ROWS at a time: all their scores, an exact softmax over them, then
+ * the values. Sums are float32 for float32 and bfloat16 alike. Copying once per KV head instead of once per
+ * block of queries took the copy from about a quarter of the kernel's time to an eighth. The inner loops, and
+ * TILE, ROWS, VALUE_ROWS and KEYS, are the instruction set's: prefill_avx512.h, prefill_avx2.h.
  *
  * Layout (executor_svc/attention/base.py): q rows [tokens, num_heads, head_dim] at q_stride elements apart,
  * k and v rows [tokens, num_kv_heads, head_dim] at k_stride and v_stride; caches [num_blocks, block_size,
@@ -22,17 +24,19 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "exp512.h"
+
+#if defined(__AVX512F__)
+#include "prefill_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "prefill_avx2.h"
+#endif
 
 #define Q_BLOCK 64 /* query tokens per work item */
-#define ROWS 8     /* query rows per pass over the keys: 16 score accumulators */
-#define VALUE_ROWS 4 /* rows per pass over the values: 16 accumulators */
-#define KEYS 32    /* keys per score tile: two vectors */
 
 static inline int padded(int keys) { return (keys + KEYS - 1) / KEYS * KEYS; }
 
 int prefill_attention_supported(int head_dim) {
-#if defined(__AVX512F__)
+#if defined(TILE)
     return head_dim > 0 && head_dim <= 256 && head_dim % 64 == 0;
 #else
     (void)head_dim;
@@ -40,8 +44,7 @@ int prefill_attention_supported(int head_dim) {
 #endif
 }
 
-#if defined(__AVX512F__)
-#define INLINE static inline __attribute__((always_inline))
+#if defined(TILE)
 
 typedef struct {
     const void *q, *k, *v, *k_cache, *v_cache;
@@ -66,8 +69,8 @@ INLINE void load_floats(float *dst, const void *src, int n, int bf16) {
     for (int i = 0; i < n; i++) dst[i] = bf16_to_float(((const uint16_t *)src)[i]);
 }
 
-/* Request `seq`'s context for KV head `kv` as float32: keys in tiles of 16 transposed ([dim, 16] each, so
- * that a vector holds 16 keys' products), zero past the context up to a whole number of KEYS, then values
+/* Request `seq`'s context for KV head `kv` as float32: keys in tiles of TILE transposed ([dim, TILE] each,
+ * so that a vector holds TILE keys' products), zero past the context up to a whole number of KEYS, then values
  * [keys, dim]. Tokens before `cached` are in the cache, the rest in this step's k and v. */
 static void copy_context(const prefill_args *a, float *kt, float *vals, int seq, int kv) {
     int dim = a->dim, esize = a->bf16 ? 2 : 4, n = a->cu_k[seq + 1] - a->cu_k[seq];
@@ -87,69 +90,12 @@ static void copy_context(const prefill_args *a, float *kt, float *vals, int seq,
             v = (const char *)a->v + (token * a->v_stride + (int64_t)kv * dim) * esize;
         }
         load_floats(row, k, dim, a->bf16);
-        float *tile = kt + (int64_t)(t / 16) * 16 * dim + t % 16;
-        for (int d = 0; d < dim; d++) tile[d * 16] = row[d];
+        float *tile = kt + (int64_t)(t / TILE) * TILE * dim + t % TILE;
+        for (int d = 0; d < dim; d++) tile[d * TILE] = row[d];
         load_floats(vals + (int64_t)t * dim, v, dim, a->bf16);
     }
     for (int t = n; t < padded(n); t++)
-        for (int d = 0; d < dim; d++) kt[(int64_t)(t / 16) * 16 * dim + d * 16 + t % 16] = 0.0f;
-}
-
-/* scores[r][0..n) = qs[r] . key t for ROWS rows, in tiles of KEYS keys (past n: padding, never read). */
-INLINE void score_rows(const float *qs, const float *kt, int stride, int n, int dim, float *scores) {
-    for (int t0 = 0; t0 < n; t0 += KEYS) {
-        __m512 acc[ROWS][2];
-        const float *tile = kt + (int64_t)t0 * dim;
-        for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        for (int d = 0; d < dim; d++) {
-            __m512 k0 = _mm512_loadu_ps(tile + d * 16), k1 = _mm512_loadu_ps(tile + 16 * dim + d * 16);
-            for (int r = 0; r < ROWS; r++) {
-                __m512 q = _mm512_set1_ps(qs[r * dim + d]);
-                acc[r][0] = _mm512_fmadd_ps(q, k0, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(q, k1, acc[r][1]);
-            }
-        }
-        for (int r = 0; r < ROWS; r++) {
-            _mm512_storeu_ps(scores + r * stride + t0, acc[r][0]);
-            _mm512_storeu_ps(scores + r * stride + t0 + 16, acc[r][1]);
-        }
-    }
-}
-
-/* Softmax numerators of scores[0..seen) in place, zeros in [seen, n); returns 1 / their sum. */
-INLINE float softmax_row(float *s, int seen, int n) {
-    __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-    for (int t = 0; t < seen; t += 16) {
-        __mmask16 m = seen - t >= 16 ? 0xffff : (__mmask16)((1u << (seen - t)) - 1);
-        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, m, s + t));
-    }
-    __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    for (int t = 0; t < n; t += 16) {
-        __mmask16 m = t >= seen ? 0 : seen - t >= 16 ? 0xffff : (__mmask16)((1u << (seen - t)) - 1);
-        __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), max)));
-        _mm512_storeu_ps(s + t, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    return 1.0f / _mm512_reduce_add_ps(sum);
-}
-
-/* out[r] = sum over keys t < n of p[r][t] * value t, for VALUE_ROWS rows, 64 columns at a time. */
-INLINE void add_value_rows(const float *p, int stride, const float *vals, int n, int dim, float *out) {
-    for (int c = 0; c < dim; c += 64) {
-        __m512 acc[VALUE_ROWS][4];
-        for (int r = 0; r < VALUE_ROWS; r++)
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
-        for (int t = 0; t < n; t++) {
-            __m512 v[4];
-            for (int j = 0; j < 4; j++) v[j] = _mm512_loadu_ps(vals + (int64_t)t * dim + c + 16 * j);
-            for (int r = 0; r < VALUE_ROWS; r++) {
-                __m512 w = _mm512_set1_ps(p[r * stride + t]);
-                for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(w, v[j], acc[r][j]);
-            }
-        }
-        for (int r = 0; r < VALUE_ROWS; r++)
-            for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + r * dim + c + 16 * j, acc[r][j]);
-    }
+        for (int d = 0; d < dim; d++) kt[(int64_t)(t / TILE) * TILE * dim + d * TILE + t % TILE] = 0.0f;
 }
 
 /* One work item: query tokens [i0, i1) of request `seq` for the query heads of KV head `kv`, whose
@@ -198,7 +144,7 @@ int prefill_attention(const void *q, int64_t q_stride, const void *k, int64_t k_
                       int num_heads, int num_kv_heads, int head_dim, int block_size, int bf16, float scale,
                       int num_threads) {
     if (!prefill_attention_supported(head_dim)) return 2;
-#if defined(__AVX512F__)
+#if defined(TILE)
     prefill_args a = {q, k, v, k_cache, v_cache, block_tables, cu_q, cu_k, out, q_stride, k_stride, v_stride,
                       max_blocks, num_heads, num_kv_heads, head_dim, block_size, bf16, scale};
     int blocks = 0, longest = 0, group = num_heads / num_kv_heads;
