@@ -1,4 +1,5 @@
-"""Attention metadata for test batches, shared by the torch-backend tests and the Triton kernel cases."""
+"""Attention metadata for test batches, shared by the torch-backend tests and the Triton kernel cases; the CPU kernel
+builds the kernel tests run on."""
 
 from __future__ import annotations
 

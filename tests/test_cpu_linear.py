@@ -7,6 +7,8 @@ than torch's own); bfloat16 ones are rounded once from float32 sums, as torch's 
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from executor_svc import cpu_kernels
 from executor_svc.layers import linear
 from executor_svc.layers.linear import ColumnParallelLinear, PackedWeight, RowParallelLinear, prepack_for_cpu
+from tests.attention_helpers import cpu_kernel_builds
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.kernel_library() is None, reason="no C compiler here to build the CPU kernels"
@@ -27,6 +30,13 @@ ROWS = [1, 7, 17, 64, 300]
 @pytest.fixture(autouse=True)
 def seeded() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(params=cpu_kernel_builds())
+def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ctypes.CDLL:
+    """Each kernel build to test (this machine's, and its AVX2 variant on an AVX-512 machine) as the library."""
+    monkeypatch.setattr(cpu_kernels, "kernel_library", lambda *flags: request.param)
+    return request.param
 
 
 def check(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -43,7 +53,7 @@ def check(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_matches_torch(dtype: torch.dtype, n: int, k: int, rows: int) -> None:
+def test_matches_torch(dtype: torch.dtype, n: int, k: int, rows: int, build: ctypes.CDLL) -> None:
     gen = torch.Generator().manual_seed(n * 1000 + k + rows)
     weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
@@ -54,7 +64,7 @@ def test_matches_torch(dtype: torch.dtype, n: int, k: int, rows: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_strided_and_batched_inputs(dtype: torch.dtype) -> None:
+def test_strided_and_batched_inputs(dtype: torch.dtype, build: ctypes.CDLL) -> None:
     """Rows of a wider tensor (an odd offset and stride), and [batch, tokens, k] inputs."""
     weight = torch.randn(48, 65).to(dtype)
     wide = torch.randn(9, 131).to(dtype)
