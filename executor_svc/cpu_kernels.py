@@ -2,8 +2,9 @@
 
 All sources make one library, compiled for the CPU it runs on (``-march=native``) into ``$NANOSERVE_CACHE/kernels``,
 named by a hash of the sources and headers, the flags and the CPU's feature flags, so a cache shared between
-machines never hands one a library built for another. No compiler, or a failed build, means no
-kernel: the caller falls back to plain torch.
+machines never hands one a library built for another. ``$NANOSERVE_KERNEL_CFLAGS`` adds flags after the defaults,
+such as ``-mno-avx512f`` to run the AVX2 kernels on an AVX-512 machine (``bench.kernels`` then times them there).
+No compiler, or a failed build, means no kernel: the caller falls back to plain torch.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def _build(compiler: str, flags: list[str], target: Path) -> None:
     log.info("built the CPU kernels %s in %.1f s", target.name, time.perf_counter() - started)
 
 
+def _flags(extra_flags: tuple[str, ...] = ()) -> list[str]:
+    return [*FLAGS, *os.environ.get("NANOSERVE_KERNEL_CFLAGS", "").split(), *extra_flags]
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
@@ -75,7 +80,7 @@ def _compiler() -> str | None:
 def library_id() -> str:
     """The name of this machine's kernel build (a hash of sources, flags and CPU features), or ``none``."""
     compiler = _compiler()
-    return "none" if compiler is None else _library_path(compiler, FLAGS).stem
+    return "none" if compiler is None else _library_path(compiler, _flags()).stem
 
 
 @functools.cache
@@ -86,7 +91,7 @@ def kernel_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     if compiler is None:
         log.info("no C compiler found: the CPU kernels are unavailable, using torch")
         return None
-    flags = [*FLAGS, *extra_flags]
+    flags = _flags(extra_flags)
     target = _library_path(compiler, flags)
     try:
         if not target.is_file():

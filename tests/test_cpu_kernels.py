@@ -40,3 +40,17 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone() -> None:
     assert cpu_kernels.kernel_library() is not None
     assert sys.float_info.min / 4 > 0
     assert torch.tensor([1e-40]).mul(1.0).item() != 0
+
+
+def test_extra_compiler_flags_make_another_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``NANOSERVE_KERNEL_CFLAGS`` is part of the build's name, so the kernel choice cached for one build is
+    never read for another; a flag the compiler rejects leaves torch."""
+    build = cpu_kernels.kernel_library.__wrapped__
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    plain = cpu_kernels.library_id()
+    monkeypatch.setenv("NANOSERVE_KERNEL_CFLAGS", "-O2")
+    assert cpu_kernels.library_id() != plain
+    assert build() is not None
+    assert [p.stem for p in (tmp_path / "kernels").glob("cpu_kernels-*.so")] == [cpu_kernels.library_id()]
+    monkeypatch.setenv("NANOSERVE_KERNEL_CFLAGS", "--no-such-flag")
+    assert build() is None
