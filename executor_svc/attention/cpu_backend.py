@@ -22,9 +22,15 @@ from executor_svc.kernel_choice import ALL_C, KernelChoice
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a contiguous int32 tensor: itself when it is one (the model input's tables are; a no-op ``.to``
+    still costs 1-2 us, and each of a step's layers asks)."""
+    return x if x.dtype == torch.int32 and x.is_contiguous() else x.to(torch.int32).contiguous()
+
+
 def _rows_contiguous(x: torch.Tensor) -> bool:
     """[tokens, heads, head_dim] with each token's heads packed, whatever the stride between tokens."""
-    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    return (x.shape[2] == 1 or x.stride(2) == 1) and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
 
 
 class CpuAttention(TorchAttention):
@@ -48,16 +54,18 @@ class CpuAttention(TorchAttention):
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        rows_contiguous = k.shape[0] > 0 and k[0].is_contiguous() and v[0].is_contiguous()
         shapes = k.shape == v.shape and k_cache.shape == v_cache.shape and slot_mapping.shape == k.shape[:1]
-        layouts = k.shape[1:] == k_cache.shape[2:] and k_cache.is_contiguous() and v_cache.is_contiguous()
+        layouts = k.dim() == 3 and k.shape[1:] == k_cache.shape[2:]
+        layouts = layouts and k_cache.is_contiguous() and v_cache.is_contiguous()
+        rows_contiguous = layouts and k.shape[0] > 0 and _rows_contiguous(k) and _rows_contiguous(v)
         dtypes = k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and slot_mapping.dtype == torch.int64
-        if k.device.type != "cpu" or not (rows_contiguous and shapes and layouts and dtypes):
+        if not k.is_cpu or not (shapes and rows_contiguous and dtypes):
             return super().store_kv(k, v, k_cache, v_cache, slot_mapping)
-        slots = slot_mapping.contiguous()
+        slots = slot_mapping if slot_mapping.is_contiguous() else slot_mapping.contiguous()
         outside = self._store(
             k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            slots.data_ptr(), k.shape[0], k_cache.shape[0] * k_cache.shape[1], k[0].numel(), k.element_size(),
+            slots.data_ptr(), k.shape[0], k_cache.shape[0] * k_cache.shape[1], k.shape[1] * k.shape[2],
+            k.element_size(),
         )
         if outside:
             raise IndexError(f"{outside} cache slots are past the cache's {k_cache.shape[0]} blocks")
@@ -92,9 +100,7 @@ class CpuAttention(TorchAttention):
         meta: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
         """The C kernel's prefill, where ``prefill_applies``."""
-        tables = meta.block_tables.to(torch.int32).contiguous()
-        cu_q = meta.cu_seqlens_q.to(torch.int32).contiguous()
-        cu_k = meta.cu_seqlens_k.to(torch.int32).contiguous()
+        tables, cu_q, cu_k = _int32(meta.block_tables), _int32(meta.cu_seqlens_q), _int32(meta.cu_seqlens_k)
         out = torch.empty(q.shape, dtype=q.dtype)
         _, num_heads, head_dim = q.shape
         num_kv_heads, block_size = k.shape[1], k_cache.shape[1] if k_cache.dim() == 4 else 1
@@ -112,7 +118,7 @@ class CpuAttention(TorchAttention):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         supported = k_cache.dtype in KERNEL_DTYPES and q.dtype == k_cache.dtype and k_cache.is_contiguous()
-        if q.device.type != "cpu" or not supported or not self.kernels.use_c("decode_attention", q.shape[0]):
+        if not q.is_cpu or not supported or not self.kernels.use_c("decode_attention", q.shape[0]):
             return super().decode(q, k_cache, v_cache, meta, scale)
         return self.kernel_decode(q, k_cache, v_cache, meta, scale)
 
@@ -122,9 +128,8 @@ class CpuAttention(TorchAttention):
         """The C kernel's decode, for CPU float32 or bfloat16 ``q`` and contiguous caches of its dtype."""
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        q = q.contiguous()
-        tables = meta.block_tables.to(torch.int32).contiguous()
-        lengths = meta.context_lens.to(torch.int32).contiguous()
+        q = q if q.is_contiguous() else q.contiguous()
+        tables, lengths = _int32(meta.block_tables), _int32(meta.context_lens)
         out = torch.empty_like(q)
         failed = self._kernel(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lengths.data_ptr(),
