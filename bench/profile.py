@@ -3,7 +3,9 @@
 Runs W1 (BENCHMARKS.md) through the scheduler Engine and the ModelExecutor in this process, as
 ``bench.throughput``'s ``inprocess`` peer does, with a timer around each component's Python entry point:
 the linear layers (``LinearBase.matmul``, LM head included), attention's store and compute, RMSNorm, the
-rotary embedding, SiLU-and-mul, the embedding and the sampler. ``other`` is the rest of the forward pass
+rotary embedding, SiLU-and-mul, the embedding and the sampler; a decode step the C decoder stack ran
+(``executor_svc/models/cpu_decode_stack.py``) counts as one ``stack (C layers)``, which ``--cpu-decode-stack
+off`` splits into its families. ``other`` is the rest of the forward pass
 (Python between the ops); ``scheduling, batch`` is what ``Engine.step`` spends outside the forward pass and
 the sampler (scheduling, the plan, packing the batch, postprocessing). The timers cost
 ~1 us a call, a few tenths of a second over a run.
@@ -36,6 +38,7 @@ from executor_svc.layers.norm import RMSNorm  # noqa: E402
 from executor_svc.layers.rotary import RotaryEmbedding  # noqa: E402
 from executor_svc.model_executor import ModelExecutor  # noqa: E402
 from executor_svc.model_input import ModelInput  # noqa: E402
+from executor_svc.models.cpu_decode_stack import CpuDecodeStack  # noqa: E402
 from executor_svc.sampler import Sampler  # noqa: E402
 from scheduler_svc.engine import Engine  # noqa: E402
 from scheduler_svc.sampling import SamplingParams  # noqa: E402
@@ -55,6 +58,7 @@ COMPONENTS = [
     ("silu_and_mul", SiluAndMul, "forward"),
     ("embedding", VocabParallelEmbedding, "forward"),
     ("sampler", Sampler, "__call__"),
+    ("stack (C layers)", CpuDecodeStack, "run"),
 ]
 
 
@@ -106,11 +110,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (W1: 2)")
     parser.add_argument("--num-requests", type=int, help="run only the first N requests")
+    parser.add_argument("--cpu-decode-stack", choices=["on", "off"], default="on",
+                        help="off: decode steps layer by layer, so that each family's share shows")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     workload = w1().head(args.num_requests)
     options = ExecutorOptions(dtype=args.dtype, kv_cache_memory=2 << 30, threads=args.threads,
-                              max_model_len=workload.max_model_len)
+                              max_model_len=workload.max_model_len, cpu_decode_stack=args.cpu_decode_stack == "on")
     engine = Engine(ModelExecutor(options))
     engine.generate([list(range(100, 132))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     timers = Timers()

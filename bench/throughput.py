@@ -8,7 +8,8 @@ rounds``: the median over rounds of the peer's speed over the in-process peer's 
 machine's drift between rounds does not move. ``hf`` is transformers with naive batching (batches of 16 in order,
 left padding, every row of a batch generating the batch's largest max_tokens); ``hf_cb`` is transformers' own
 continuous batching (``generate_batch``'s manager, paged KV cache; bench/hf_cb.py), every request at once with its
-own max_tokens; ``inprocess`` is the scheduler Engine driving the ModelExecutor in this process; ``split`` and
+own max_tokens; ``inprocess`` is the scheduler Engine driving the ModelExecutor in this process
+(``inprocess_layers``: the same with ``--cpu-decode-stack off``, decode steps layer by layer); ``split`` and
 ``split_overlap`` run the executor and the scheduler as two processes over gRPC (the latter with ``--overlap``) and
 send every request at once through the public API with ``client.api.AsyncClient.generate`` (responses of
 ``JOINED_STREAM_INTERVAL`` tokens; ``split_tokens``: at default flags, one response per token, as a streaming reader
@@ -97,8 +98,9 @@ def run_hf(args: argparse.Namespace, workload: Workload) -> float:
     return time.perf_counter() - start
 
 
-def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
-    """The scheduler Engine and the ModelExecutor in this process; seconds of generation."""
+def run_inprocess(args: argparse.Namespace, workload: Workload, stack: bool = True) -> float:
+    """The scheduler Engine and the ModelExecutor in this process; seconds of generation. ``stack``: the executor's
+    ``--cpu-decode-stack``."""
     from common.heap import freeze_startup_heap
     from executor_svc.config import ExecutorOptions
     from executor_svc.model_executor import ModelExecutor
@@ -109,7 +111,7 @@ def run_inprocess(args: argparse.Namespace, workload: Workload) -> float:
 
     options = ExecutorOptions(
         model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=kv_cache_memory(args),
-        threads=args.threads, device=args.device, max_model_len=workload.max_model_len,
+        threads=args.threads, device=args.device, max_model_len=workload.max_model_len, cpu_decode_stack=stack,
     )
     steps = args.num_scheduler_steps or ServiceConfig().num_scheduler_steps
     engine = Engine(ModelExecutor(options), SchedulerConfig(num_scheduler_steps=steps))
@@ -204,6 +206,7 @@ PEERS: dict[str, Callable[[argparse.Namespace, Workload], float]] = {
     "hf": run_hf,
     "hf_cb": hf_cb.run_hf_cb,
     "inprocess": run_inprocess,
+    "inprocess_layers": partial(run_inprocess, stack=False),
     "split": partial(run_split, overlap=False),
     "split_overlap": partial(run_split, overlap=True),
     "split_tokens": partial(run_split, overlap=True, how="tokens"),

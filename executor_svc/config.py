@@ -142,6 +142,8 @@ class ExecutorOptions:
     enforce_eager: bool = False
     # CPU kernels per family and rows: auto (measured at start-up, cached per machine), c, torch, or items.
     cpu_kernels: str = "auto"
+    # CPU: a decode step's decoder layers in one C call where they fit (models/cpu_decode_stack.py).
+    cpu_decode_stack: bool = True
 
     def resolved_device(self) -> str:
         if self.device:

@@ -130,6 +130,10 @@ def kernel_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         pointer, size, pointer, size, pointer, size, *[pointer] * 3, i32, pointer, pointer, i32, pointer,
         *[i32] * 5, f32, i32,
     ]
+    library.decode_stack_scratch_bytes.restype = size
+    library.decode_stack_scratch_bytes.argtypes = [pointer, size]
+    library.decode_stack.restype = i32
+    library.decode_stack.argtypes = [pointer, i32, pointer, pointer]
     library.spin_until.restype = None
     library.spin_until.argtypes = [ctypes.c_double]
     return library

@@ -27,6 +27,7 @@ from executor_svc.kernel_choice import ALL_C
 from executor_svc.loader import load_model
 from executor_svc.malloc import keep_heap_memory
 from executor_svc.model_input import ModelInput, prepare_input
+from executor_svc.models import cpu_decode_stack
 from executor_svc.prompt_logprobs import ScoredRun, prompt_logprobs, score_rows
 from executor_svc.requests import RequestState, ScheduledChunk
 from executor_svc.sampler import Sampler, SamplerOutput
@@ -87,6 +88,9 @@ class ModelRunner:
         if on_cpu:
             self.kernels = kernel_probe.settle(self.model, self.backend, known, options.cpu_kernels, kernels_cache,
                                                self.dtype)
+            # after the cache and the packed weights, whose addresses it keeps
+            if options.cpu_decode_stack and cpu_decode_stack.attach(self.model, self.backend, self.dtype):
+                log.info("CPU decode steps run the decoder layers in one C call")
         self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
         self.constraints = GrammarConstraints(Path(folder) / "tokenizer.json", self.config.vocab_size,
                                               self.config.eos_token_ids)

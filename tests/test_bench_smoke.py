@@ -162,13 +162,17 @@ def test_kernels_writes_its_keys(tmp_path):
     assert all(set(row) == set(CLASSES) and set(row.values()) <= {"c", "torch"} for row in figures["choice"].values())
 
 
-def test_profile_accounts_for_the_run(tmp_path):
-    """Two W1 requests on the embedded model: the components add up to no more than the run."""
+@pytest.mark.parametrize("stack", ["on", "off"])
+def test_profile_accounts_for_the_run(tmp_path, stack):
+    """Two W1 requests on the embedded model: the components add up to no more than the run; decode steps in the
+    C decoder stack, or (off) layer by layer."""
     path = tmp_path / "profile.json"
-    profile.main(["--dtype", "bfloat16", "--num-requests", "2", "--json", str(path)])
+    profile.main(["--dtype", "bfloat16", "--num-requests", "2", "--cpu-decode-stack", stack, "--json", str(path)])
     figures = json.loads(path.read_text())
     assert figures["prefill_steps"] >= 1 and figures["decode_steps"] > 10
-    assert figures["decode_linear_s"] > 0 and figures["decode_attention_s"] > 0
+    assert figures["decode_linear_s"] > 0  # the LM head, outside the stack
+    assert (figures["decode_stack_s"] > 0) == (stack == "on")
+    assert (figures["decode_attention_s"] > 0) == (stack == "off")
     parts = [v for k, v in figures.items() if k.startswith(("prefill_", "decode_")) and k.endswith("_s")]
     assert all(v >= 0 for v in parts)
     assert sum(parts) <= figures["total_s"] * 1.01

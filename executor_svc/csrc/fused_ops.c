@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 /* Let `omp simd` loops call glibc's vector expf (libmvec), as paged_decode.c does. */
 #pragma omp declare simd notinbranch

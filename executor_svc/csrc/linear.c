@@ -25,6 +25,7 @@
 #include <omp.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif

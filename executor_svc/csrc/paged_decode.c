@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "paged_decode.h"
 
 /* Let `omp simd` loops call glibc's vector expf (libmvec). glibc declares it only under -ffast-math,

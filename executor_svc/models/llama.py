@@ -20,6 +20,7 @@ from executor_svc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from executor_svc.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from executor_svc.layers.norm import RMSNorm
 from executor_svc.layers.rotary import RotaryEmbedding
+from executor_svc.models.cpu_decode_stack import CpuDecodeStack
 
 
 class LlamaAttention(nn.Module):
@@ -104,12 +105,17 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # On the CPU, the layers of a decode step in one C call where they fit (``cpu_decode_stack.attach``).
+        self.cpu_stack: CpuDecodeStack | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+        if self.cpu_stack is not None and self.cpu_stack.applies(hidden, meta):
+            hidden, residual = self.cpu_stack.run(hidden, positions, meta)
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -1,0 +1,101 @@
+"""The CPU decode stack (``executor_svc/models/cpu_decode_stack.py``): the tokens of the layer-by-layer path, on the
+models and steps it fits, and that path wherever it does not fit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor_svc import cpu_kernels
+from executor_svc.config import ExecutorOptions
+from executor_svc.model_executor import ModelExecutor
+from executor_svc.models.cpu_decode_stack import CpuDecodeStack
+from scheduler_svc.engine import Engine
+from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.scheduler import SchedulerConfig
+from tests.conftest import assert_all_blocks_free
+from tests.model_fixtures import smollm2_folder, tiny_model_folders  # noqa: F401
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernel_library() is None, reason="no C compiler here to build the kernels")
+
+PROMPTS = [[1 + i, 2, 3, 4, 5, 6, 7, 8] * (1 + i % 5) for i in range(10)]
+
+
+def generate(folder: Path, dtype: str, stack: bool, monkeypatch: pytest.MonkeyPatch, kernels: str = "c",
+             max_tokens: int = 24) -> tuple[list[list[int]], list[int], ModelExecutor]:
+    """Greedy completions of PROMPTS (every request at once, so decode batches shrink as they finish), the row
+    counts of the steps the stack ran, and the executor."""
+    ran: list[int] = []
+    run = CpuDecodeStack.run
+    monkeypatch.setattr(CpuDecodeStack, "run", lambda self, hidden, *rest: ran.append(hidden.shape[0]) or run(
+        self, hidden, *rest))
+    executor = ModelExecutor(ExecutorOptions(
+        model=str(folder), dtype=dtype, threads=2, kv_cache_memory=64 << 20, cpu_kernels=kernels,
+        cpu_decode_stack=stack))
+    engine = Engine(executor, SchedulerConfig())
+    lengths = [max_tokens - i for i in range(len(PROMPTS))]
+    out = engine.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths])
+    assert_all_blocks_free(engine.block_manager)
+    return [c.token_ids for c in out], ran, executor
+
+
+def decoder(executor: ModelExecutor) -> torch.nn.Module:
+    return executor.runner.model.model
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_stack_gives_the_layers_tokens_on_smollm2(dtype: str, smollm2_folder: Path,  # noqa: F811
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    with_stack, ran, executor = generate(smollm2_folder, dtype, True, monkeypatch)
+    assert decoder(executor).cpu_stack is not None
+    assert set(ran) == set(range(1, len(PROMPTS) + 1)), "every decode batch size, prefills not"
+    without, ran_off, executor = generate(smollm2_folder, dtype, False, monkeypatch)
+    assert decoder(executor).cpu_stack is None and not ran_off
+    assert with_stack == without
+    assert all(len(set(tokens)) > 1 for tokens in with_stack)  # real text, not a stuck token
+
+
+def test_qwen2_biases_fit_and_qwen3_norms_do_not(tiny_model_folders: dict[str, Path],  # noqa: F811
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen2's q/k/v biases go into the stack's qkv projection; Qwen3's q/k norms keep the layers' path."""
+    qwen2, ran, executor = generate(tiny_model_folders["qwen2"], "float32", True, monkeypatch)
+    assert ran and decoder(executor).cpu_stack is not None
+    assert qwen2 == generate(tiny_model_folders["qwen2"], "float32", False, monkeypatch)[0]
+    _, ran, executor = generate(tiny_model_folders["qwen3"], "float32", True, monkeypatch)
+    assert decoder(executor).cpu_stack is None and not ran
+
+
+def test_rows_where_a_weight_carrying_family_runs_torch_take_the_layers(tiny_model_folders: dict[str, Path],  # noqa: F811
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel choice says torch for linear at 2-8 rows: those steps run layer by layer, the rest stacked,
+    and the tokens are those of the choice without the stack."""
+    kernels = "linear:2-8=torch"
+    tokens, ran, _ = generate(tiny_model_folders["llama"], "float32", True, monkeypatch, kernels, max_tokens=40)
+    assert ran and all(rows == 1 or rows > 8 for rows in ran)
+    assert tokens == generate(tiny_model_folders["llama"], "float32", False, monkeypatch, kernels, max_tokens=40)[0]
+
+
+def test_the_torch_attention_backend_keeps_the_layers(tiny_model_folders: dict[str, Path]) -> None:  # noqa: F811
+    executor = ModelExecutor(ExecutorOptions(model=str(tiny_model_folders["llama"]), dtype="float32", threads=2,
+                                             kv_cache_memory=16 << 20, attention_backend="torch"))
+    assert decoder(executor).cpu_stack is None
+
+
+def test_a_position_or_slot_outside_is_an_error_not_a_write(tiny_model_folders: dict[str, Path],  # noqa: F811
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    _, _, executor = generate(tiny_model_folders["llama"], "float32", True, monkeypatch, max_tokens=12)
+    model = decoder(executor)
+    stack, cache = model.cpu_stack, model.layers[0].self_attn.attn.k_cache
+    meta = type("Meta", (), {})()
+    meta.is_prefill, meta.block_tables = False, torch.zeros(1, 1, dtype=torch.int32)
+    meta.context_lens, meta.slot_mapping = torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+    hidden = torch.randn(1, model.norm.weight.shape[0])
+    with pytest.raises(IndexError, match="rotary"):
+        stack.run(hidden.clone(), torch.tensor([10**6]), meta)
+    before = cache.clone()
+    meta.slot_mapping = torch.tensor([cache.shape[0] * cache.shape[1]])
+    with pytest.raises(IndexError, match="slot"):
+        stack.run(hidden.clone(), torch.zeros(1, dtype=torch.int64), meta)
+    assert torch.equal(cache, before)
