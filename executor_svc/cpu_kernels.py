@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch  # noqa: F401  (imported before any kernel library: see kernel_library)
+import torch  # imported before any kernel library: see kernel_library
 
 from executor_svc.model_registry import cache_root
 
@@ -37,6 +37,12 @@ FLAGS = [
     # a * b + c stays two roundings, as in torch (fused_ops.c matches its elementwise ops); intrinsics still FMA.
     "-ffp-contract=off",
 ]
+
+
+def contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a contiguous tensor of ``dtype`` for a kernel to read: itself where it is one already (a no-op
+    ``.to`` still costs 1-2 us, and each of a step's layers asks)."""
+    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
 
 
 def cpuinfo(*keys: str) -> str:

@@ -16,16 +16,10 @@ import torch
 
 from executor_svc.attention.base import AttentionMetadata
 from executor_svc.attention.torch_backend import TorchAttention
-from executor_svc.cpu_kernels import kernel_library
+from executor_svc.cpu_kernels import contiguous_as, kernel_library
 from executor_svc.kernel_choice import ALL_C, KernelChoice
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _int32(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a contiguous int32 tensor: itself when it is one (the model input's tables are; a no-op ``.to``
-    still costs 1-2 us, and each of a step's layers asks)."""
-    return x if x.dtype == torch.int32 and x.is_contiguous() else x.to(torch.int32).contiguous()
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:
@@ -100,7 +94,8 @@ class CpuAttention(TorchAttention):
         meta: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
         """The C kernel's prefill, where ``prefill_applies``."""
-        tables, cu_q, cu_k = _int32(meta.block_tables), _int32(meta.cu_seqlens_q), _int32(meta.cu_seqlens_k)
+        tables = contiguous_as(meta.block_tables, torch.int32)
+        cu_q, cu_k = contiguous_as(meta.cu_seqlens_q, torch.int32), contiguous_as(meta.cu_seqlens_k, torch.int32)
         out = torch.empty(q.shape, dtype=q.dtype)
         _, num_heads, head_dim = q.shape
         num_kv_heads, block_size = k.shape[1], k_cache.shape[1] if k_cache.dim() == 4 else 1
@@ -129,7 +124,7 @@ class CpuAttention(TorchAttention):
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         q = q if q.is_contiguous() else q.contiguous()
-        tables, lengths = _int32(meta.block_tables), _int32(meta.context_lens)
+        tables, lengths = contiguous_as(meta.block_tables, torch.int32), contiguous_as(meta.context_lens, torch.int32)
         out = torch.empty_like(q)
         failed = self._kernel(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lengths.data_ptr(),

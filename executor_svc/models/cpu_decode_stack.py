@@ -23,6 +23,7 @@ from torch import nn
 from executor_svc import cpu_kernels
 from executor_svc.attention.base import AttentionMetadata
 from executor_svc.attention.cpu_backend import CpuAttention
+from executor_svc.cpu_kernels import contiguous_as
 from executor_svc.distributed import tp_size
 from executor_svc.layers.cpu_fused import DTYPES
 
@@ -50,11 +51,6 @@ class _Shape(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("rows", ctypes.c_int64), ("max_blocks", ctypes.c_int), *((name, _P) for name in (
         "positions", "slots", "block_tables", "context_lens", "hidden", "residual", "scratch"))]
-
-
-def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as a contiguous tensor of ``dtype``: itself where it is one (a no-op ``.to`` still costs 1-2 us)."""
-    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
 
 
 def _tensor(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -139,8 +135,8 @@ class CpuDecodeStack:
         scratch_bytes = self._scratch_bytes(self._args[2], rows)
         if self.scratch.numel() < scratch_bytes:
             self.scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
-        positions, slots = _as(positions, torch.int64), _as(meta.slot_mapping, torch.int64)
-        tables, lengths = _as(meta.block_tables, torch.int32), _as(meta.context_lens, torch.int32)
+        positions, slots = contiguous_as(positions, torch.int64), contiguous_as(meta.slot_mapping, torch.int64)
+        tables, lengths = contiguous_as(meta.block_tables, torch.int32), contiguous_as(meta.context_lens, torch.int32)
         step = self.step
         step.rows, step.max_blocks = rows, tables.shape[1]
         step.positions, step.slots = positions.data_ptr(), slots.data_ptr()
