@@ -136,6 +136,8 @@ def kernel_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         pointer, size, pointer, size, pointer, size, *[pointer] * 3, i32, pointer, pointer, i32, pointer,
         *[i32] * 5, f32, i32,
     ]
+    library.argmax_rows.restype = None
+    library.argmax_rows.argtypes = [pointer, size, size, size, pointer, i32, i32]
     library.decode_stack_scratch_bytes.restype = size
     library.decode_stack_scratch_bytes.argtypes = [pointer, size]
     library.decode_stack.restype = i32

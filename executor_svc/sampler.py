@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from executor_svc import cpu_kernels
 from executor_svc.logits_processors import RequestTokens, apply_logits_processors
 from executor_svc.values import SamplingSettings, TokenLogprobs
 
@@ -43,6 +44,21 @@ class SamplerOutput:
     # Shaped like StepResult.logprobs: one entry per row (None for rows that did
     # not ask) when any row asked, otherwise no entries at all.
     logprobs: list[TokenLogprobs | None]
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax, ties to the lowest id: on the CPU through the C kernel (``csrc/fused_ops.c``), which
+    took 64 rows of 49,152 logits in about 1.0 ms (bfloat16) and 0.7 ms (float32) on the 2-core VM, against
+    torch's 2.9-3.3 and 1.9-2.8 ms."""
+    library = cpu_kernels.kernel_library() if logits.is_cpu else None
+    if (library is not None and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16)
+            and logits.stride(-1) == 1 and logits.shape[1] > 0):
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        library.argmax_rows(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr(),
+                            logits.dtype == torch.bfloat16, torch.get_num_threads())
+        return out.tolist()
+    # float32 first: the same argmax (bfloat16 widens exactly), 2.5x faster on the CPU than in bfloat16.
+    return logits.float().argmax(dim=-1).tolist()
 
 
 def seeded_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
@@ -72,8 +88,7 @@ class Sampler:
         ``requests[i]`` holds row i's tokens; needed only when some row has logits processors.
         """
         if all(row.plain_greedy for row in rows):
-            # float32 first: the same argmax (bfloat16 widens exactly), 2.5x faster on the CPU than in bfloat16.
-            return SamplerOutput(logits.float().argmax(dim=-1).tolist(), [])
+            return SamplerOutput(greedy_tokens(logits), [])
         raw = logits = logits.float()
         if any(row.has_logits_processors for row in rows):
             logits = apply_logits_processors(raw, rows, requests, self.eos_token_ids)

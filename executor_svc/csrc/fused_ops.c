@@ -170,3 +170,47 @@ int64_t store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_strid
     }
     return 0;
 }
+
+/* Element i of a float32 or bfloat16 row, as float32. */
+static inline float element(const void *row, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+/* out[r] = the index of row r's largest element (x [rows, n], rows `stride` elements apart), ties to the lowest
+ * index and a NaN above everything, as torch.argmax: the greedy token. One vectorised pass finds the maximum,
+ * a second the first chunk of ARGMAX_CHUNK that holds it, a scalar scan its index in the chunk: 64 rows of
+ * SmolLM2's 49,152 bfloat16 logits in about 1.0 ms on the 2-core VM, against torch's CPU argmax's 3.3. */
+#define ARGMAX_CHUNK 256
+static inline __attribute__((always_inline)) int64_t argmax_row(const void *row, int64_t n, int bf16) {
+    float top = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+    for (int64_t i = 0; i < n; i++) {
+        float v = element(row, i, bf16);
+        nan |= v != v;
+        top = v > top ? v : top;
+    }
+    for (int64_t c = 0; c < n; c += ARGMAX_CHUNK) {
+        int64_t end = c + ARGMAX_CHUNK < n ? c + ARGMAX_CHUNK : n;
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int64_t i = c; i < end; i++) {
+            float v = element(row, i, bf16);
+            hit |= nan ? v != v : v == top;
+        }
+        for (int64_t i = c; hit && i < end; i++) {
+            float v = element(row, i, bf16);
+            if (nan ? v != v : v == top) return i;
+        }
+    }
+    return 0;
+}
+
+void argmax_rows(const void *x, int64_t stride, int64_t rows, int64_t n, int64_t *out, int bf16, int num_threads) {
+    int threads = rows * n >= PARALLEL_MIN_ELEMENTS ? num_threads : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const void *row = row_at(x, r * stride, bf16);
+        out[r] = bf16 ? argmax_row(row, n, 1) : argmax_row(row, n, 0); /* one copy of the loops per dtype */
+    }
+}

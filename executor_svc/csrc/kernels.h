@@ -10,6 +10,7 @@ int linear_forward(const void *x, int64_t x_stride, const void *packed, const vo
 void rms_norm(const void *x, int64_t x_stride, void *residual, const void *weight, void *out, int64_t rows, int dim,
               float eps, int bf16, int num_threads);
 void silu_and_mul(const void *x, void *out, int64_t rows, int d, int bf16, int num_threads);
+void argmax_rows(const void *x, int64_t stride, int64_t rows, int64_t n, int64_t *out, int bf16, int num_threads);
 int64_t rotary(void *q, int64_t q_stride, void *k, int64_t k_stride, const int64_t *positions,
                const void *cos_table, const void *sin_table, int64_t num_positions, int64_t tokens, int num_heads,
                int num_kv_heads, int head_dim, int bf16, int num_threads);
