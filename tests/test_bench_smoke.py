@@ -49,7 +49,7 @@ def test_overhead_with_multi_step_plans(tmp_path):
 
 def test_overlap_writes_its_keys(tmp_path):
     path = tmp_path / "w5.json"
-    overlap.main(["--batch", "1", "4", "--context", "32", "--steps", "20", "--warmup", "2", "--repeats", "1",
+    overlap.main(["--batch", "1", "4", "--context", "32", "--steps", "60", "--warmup", "2", "--repeats", "1",
                   "--step-ms", "1", "--json", str(path)])
     figures = json.loads(path.read_text())
     assert figures["step_ms"] == 1
@@ -57,14 +57,15 @@ def test_overlap_writes_its_keys(tmp_path):
         for key in ("split_efficiency", "inprocess_efficiency", "inprocess_idle_us", "split_wait_us"):
             assert figures[f"{key}_b{batch}"] > 0
         # The accelerator cannot be busy for longer than the wall time. The timed window starts and ends when a
-        # step's tokens are postprocessed, each a little after that step left the device, so it is 20 device
-        # steps long give or take the difference of those two delays: far less than one step.
+        # step's tokens are postprocessed, each a little after that step left the device, so it is 60 device
+        # steps long give or take the difference of those two delays: on the loaded 2-core VM up to ~2 steps
+        # (1.08 seen over 20 steps in a full suite).
         assert figures[f"split_efficiency_b{batch}"] <= 1.05 and figures[f"inprocess_efficiency_b{batch}"] <= 1.05
         # The api and floor peers streamed every token of the window to their clients; the window's ends are the
         # server's step counts as GetStats read them, each late by an RPC, which on the loaded 2-core VM has taken
-        # over 3 of these 1 ms steps (1.17 seen in a full suite): within 5 steps of 20.
+        # over 3 of these 1 ms steps (1.17 seen over 20 steps in a full suite): within 6 steps of 60.
         for peer in ("api", "floor"):
-            assert 0 < figures[f"{peer}_efficiency_b{batch}"] <= 1.25
+            assert 0 < figures[f"{peer}_efficiency_b{batch}"] <= 1.1
             assert figures[f"{peer}_client_cpu_us_b{batch}"] > 0 and figures[f"{peer}_cpu_us_b{batch}"] >= 0
 
 
