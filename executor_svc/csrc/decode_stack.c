@@ -4,7 +4,7 @@
  * the layers' Python code (executor_svc/models/llama.py) calls them one by one.
  *
  * Those calls cost 10-20 us of Python each on the 2-core VM, ~180 us a layer: a third of a 1-sequence
- * decode step of SmolLM2-135M (bench.kernels). Here they cost a C function call.
+ * decode step of SmolLM2-135M (docs/benchmarks.md, decode step). Here they cost a C function call.
  *
  * Shapes and layouts are executor_svc/layers/cpu_decode_stack.py's, which checks that a model and a step
  * fit them: weights packed for linear_forward, biases of the qkv and gate-up projections only (NULL where

@@ -27,15 +27,7 @@ def _usable(*tensors: torch.Tensor) -> bool:
 
 def _row_stride(x: torch.Tensor) -> int | None:
     """Elements between rows of ``x`` [rows, ...] whose rows are each contiguous, else None."""
-    if x.shape[0] == 0:
-        return None
-    shape, strides = x.shape, x.stride()
-    expected = 1
-    for i in range(len(shape) - 1, 0, -1):
-        if shape[i] != 1 and strides[i] != expected:
-            return None
-        expected *= shape[i]
-    return strides[0]
+    return x.stride(0) if x.shape[0] > 0 and x[0].is_contiguous() else None
 
 
 def rms_norm(
