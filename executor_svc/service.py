@@ -221,7 +221,8 @@ def build_server(
 
 def serve(executor: Executor, host: str, port: int, grace_s: float = 5.0, tls: TLSConfig | None = None,
           yield_helpers: bool = False) -> None:
-    """Serve until SIGTERM or SIGINT, then report NOT_SERVING and stop within ``grace_s`` seconds.
+    """Serve until SIGTERM or SIGINT, then report NOT_SERVING and stop within ``grace_s`` seconds; a port in use
+    logs one line and exits with status 1.
 
     The executor's steps run on the calling thread (a ``CallingThread``), which should be the one that
     built the executor. With ``yield_helpers``, on the CPU every thread but this one and its OpenMP team (gRPC's,
@@ -231,7 +232,11 @@ def serve(executor: Executor, host: str, port: int, grace_s: float = 5.0, tls: T
     forward_threads = thread_ids()  # this one and the OpenMP team it started while the model loaded
     health_servicer = health.HealthServicer()
     calling_thread = CallingThread()
-    server, bound = build_server(executor, host, port, tls, health_servicer, calling_thread.submit)
+    try:
+        server, bound = build_server(executor, host, port, tls, health_servicer, calling_thread.submit)
+    except OSError as e:  # the port in use: one clear line, as the scheduler says it, not a traceback
+        log.error("cannot serve: %s", e)
+        raise SystemExit(1) from None
     server.start()
     info = executor.get_info()
     if yield_helpers and info.device == "cpu":

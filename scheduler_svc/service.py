@@ -191,24 +191,29 @@ class SchedulerServer:
     def __init__(self, config: ServiceConfig, executor: Executor | None = None) -> None:
         """Serve ``executor`` (an in-process one in tests), or by default the executor service at config.executor."""
         self.config = config
-        options = message_size_options(config.max_message_bytes)
-        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
-        interceptors.append(MalformedRequestInterceptor(SERVICE_NAME))
-        self.server = grpc.aio.server(interceptors=interceptors, options=options)
         self.frontend = Frontend(config.executor, config.stream_interval)
         self.servicer = GenerationServicer(self.frontend)
         self.health = health.aio.HealthServicer()
-        pb_grpc.add_GenerationServicer_to_server(self.servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.tls = TLSConfig.from_flags(config.tls_cert, config.tls_key, config.tls_ca)
-        self.port = bind(self.server, config.host, config.port, self.tls)
         # The scheduler's metrics join the process' ones once the executor answered (they are labelled with its model).
         self.registry = new_registry()
-        self.http = HttpServer(create_app(self.frontend, self.is_serving, self.registry, config.api_key), config.host,
-                               config.http_port, self.tls) if config.http_port else None
-        self.metrics_http = HttpServer(create_metrics_app(self.registry), config.host, config.metrics_port,
-                                       metrics_tls(self.tls)) if config.metrics_port else None
+        # The HTTP ports before gRPC's: a plain socket closes now, while a grpc.aio server left unstopped by a failed
+        # start is shut down by the interpreter's exit, which printed an empty "Error in sys.excepthook" (FastAPI's
+        # cache of route endpoints keeps this object, and so its server, alive until then).
+        self.http: HttpServer | None = None
+        self.metrics_http: HttpServer | None = None
+        try:
+            if config.http_port:
+                self.http = HttpServer(create_app(self.frontend, self.is_serving, self.registry, config.api_key),
+                                       config.host, config.http_port, self.tls)
+            if config.metrics_port:
+                self.metrics_http = HttpServer(create_metrics_app(self.registry), config.host, config.metrics_port,
+                                               metrics_tls(self.tls), "the metrics port")
+            self.server, self.port = self._grpc_server(config)
+        except BaseException:
+            for server in self.http_servers:
+                server.close()
+            raise
         self.executor = executor if executor is not None else executor_client(config)
         self.loop: EngineLoop | None = None
         self.stopping = asyncio.Event()
@@ -216,6 +221,16 @@ class SchedulerServer:
         # What health should say once the executor answered; the engine loop flips it on outages.
         self.serving = False
         self._health_lock = asyncio.Lock()
+
+    def _grpc_server(self, config: ServiceConfig) -> tuple[grpc.aio.Server, int]:
+        """The gRPC server, bound; its port (the one asked for, or the one picked for port 0)."""
+        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+        interceptors.append(MalformedRequestInterceptor(SERVICE_NAME))
+        server = grpc.aio.server(interceptors=interceptors, options=message_size_options(config.max_message_bytes))
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        return server, bind(server, config.host, config.port, self.tls)
 
     async def _sync_health(self) -> None:
         """Publish the current status; serialized, and each update reads the latest state, so the last one wins."""

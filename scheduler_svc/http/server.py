@@ -25,8 +25,9 @@ class _Server(uvicorn.Server):
         yield
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port``, bound now so that a port in use fails at start-up as gRPC's does.
+def listen(host: str, port: int, name: str = "the HTTP API") -> socket.socket:
+    """A listening socket on ``host:port``, bound now so that a port in use fails at start-up as gRPC's does;
+    the error names the flag's port by ``name``.
 
     It names IPPROTO_TCP, so asyncio turns Nagle off on each connection: without it every streamed
     chunk after a connection's first response waited for the client's delayed ACK (~40 ms).
@@ -40,7 +41,7 @@ def listen(host: str, port: int) -> socket.socket:
         sock.listen()
     except OSError as e:
         sock.close()
-        raise OSError(f"cannot bind the HTTP API on {host}:{port}: {e.strerror or e}") from e
+        raise OSError(f"cannot bind {name} on {host}:{port}: {e.strerror or e}") from e
     return sock
 
 
@@ -55,13 +56,17 @@ def tls_options(tls: TLSConfig | None) -> dict[str, object]:
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int, tls: TLSConfig | None) -> None:
-        self.socket = listen(host, port)
+    def __init__(self, app: FastAPI, host: str, port: int, tls: TLSConfig | None, name: str = "the HTTP API") -> None:
+        self.socket = listen(host, port, name)
         self.port: int = self.socket.getsockname()[1]
         # No access log and uvicorn's own lines only from WARNING: the scheduler logs nothing per request at INFO.
         config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                                 **tls_options(tls))
-        config.load()  # reads the TLS files now, so a bad one fails at start-up
+        try:
+            config.load()  # reads the TLS files now, so a bad one fails at start-up
+        except BaseException:
+            self.socket.close()
+            raise
         self.server = _Server(config)
         self.task: asyncio.Task[None] | None = None
         if tls is None and not is_loopback(host):
@@ -71,10 +76,14 @@ class HttpServer:
     def start(self) -> None:
         self.task = asyncio.create_task(self.server.serve(sockets=[self.socket]), name="http-api")
 
+    def close(self) -> None:
+        """Release the port of a server never started."""
+        self.socket.close()
+
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, give open responses ``grace_s`` seconds, then close what is left."""
         if self.task is None:
-            self.socket.close()
+            self.close()
             return
         self.server.config.timeout_graceful_shutdown = grace_s
         self.server.should_exit = True
