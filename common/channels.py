@@ -1,4 +1,4 @@
-"""gRPC message-size and keepalive options, one place for both ends of each hop."""
+"""gRPC message-size, keepalive and port options, one place for both ends of each hop."""
 
 from __future__ import annotations
 
@@ -18,10 +18,19 @@ def message_size_options(max_bytes: int) -> GrpcOptions:
     return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes)]
 
 
-EXECUTOR_SERVER_OPTIONS: GrpcOptions = message_size_options(EXECUTOR_MAX_MESSAGE_BYTES)
+def server_options(max_bytes: int) -> GrpcOptions:
+    """A service's server: messages bounded by ``max_bytes``, and its port its own.
+
+    gRPC sets SO_REUSEPORT on Linux unless told not to: a second executor or scheduler started on a port in use
+    then served beside the first, each taking some of the connections, instead of failing to bind.
+    """
+    return [*message_size_options(max_bytes), ("grpc.so_reuseport", 0)]
+
+
+EXECUTOR_SERVER_OPTIONS: GrpcOptions = server_options(EXECUTOR_MAX_MESSAGE_BYTES)
 # The scheduler's channel to its executor pings it, so a peer that vanished without a FIN is noticed in seconds.
 EXECUTOR_CHANNEL_OPTIONS: GrpcOptions = [
-    *EXECUTOR_SERVER_OPTIONS,
+    *message_size_options(EXECUTOR_MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 ]

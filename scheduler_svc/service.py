@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.channels import DRAINED_KEY, message_size_options
+from common.channels import DRAINED_KEY, server_options
 from common.cpu_yield import thread_ids, yield_cpu
 from common.executor import Executor
 from common.heap import freeze_startup_heap
@@ -226,7 +226,7 @@ class SchedulerServer:
         """The gRPC server, bound; its port (the one asked for, or the one picked for port 0)."""
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
         interceptors.append(MalformedRequestInterceptor(SERVICE_NAME))
-        server = grpc.aio.server(interceptors=interceptors, options=message_size_options(config.max_message_bytes))
+        server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

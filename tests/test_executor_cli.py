@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -141,16 +140,3 @@ def test_sigterm_delivered_to_a_grpc_thread_stops_an_idle_executor(tmp_path: Pat
             server.wait()
     assert "executor stopping on signal 15" in log.read_text()
 
-
-@pytest.mark.parametrize("kind", ["model", "shadow"])
-def test_a_port_in_use_stops_the_executor_with_one_line_naming_it(
-        kind: str, tiny_model_folders: dict[str, Path]) -> None:  # noqa: F811
-    with socket.create_server((HOST, 0)) as busy:
-        port = busy.getsockname()[1]
-        argv = (executor_argv("shadow", port, {}) if kind == "shadow" else
-                [sys.executable, "-m", "executor_svc", "--host", HOST, "--port", str(port), "--kv-cache-memory", "4M",
-                 "--model", str(tiny_model_folders["llama"])])
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1, done.stderr
-    assert f"cannot serve: cannot bind {HOST}:{port}" in done.stderr
-    assert "Traceback" not in done.stderr, done.stderr

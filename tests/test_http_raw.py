@@ -8,7 +8,6 @@ import json
 import shutil
 import socket
 import ssl
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from scheduler_svc.http import errors
 from scheduler_svc.http.translate import openai_param
 from scheduler_svc.tokenizer import ChatMessage
 from tests.http_fixtures import Hosted, hosted
-from tests.service_fixtures import HOST, GatedExecutor, free_port, scheduler_argv
+from tests.service_fixtures import HOST, GatedExecutor, free_port
 from tests.test_service_options import TOKENIZER, echo
 
 MODEL = "echo"
@@ -192,33 +191,6 @@ def test_503_until_the_executor_answers_and_while_draining():
             await stopping
 
     asyncio.run(run())
-
-
-@pytest.mark.parametrize(("flag", "named"), [("port", "cannot bind"), ("http_port", "cannot bind the HTTP API on"),
-                                             ("metrics_port", "cannot bind the metrics port on")])
-def test_a_port_in_use_stops_the_scheduler_with_one_line_naming_it(flag: str, named: str):
-    with socket.create_server((HOST, 0)) as busy:
-        port = busy.getsockname()[1]
-        argv = scheduler_argv(**{"port": 0, "executor_target": f"{HOST}:{free_port()}", flag: port})
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1
-    assert f"cannot serve: {named} {HOST}:{port}" in done.stderr
-    # grpc.aio's report, with nothing in it, of a server a failed start left for the interpreter's exit to shut down
-    assert "excepthook" not in done.stderr, done.stderr
-
-
-def test_a_grpc_port_in_use_releases_the_http_ports_bound_before_it():
-    http_port, metrics_port = free_port(), free_port()
-    with socket.create_server((HOST, 0)) as busy:
-        config = ServiceConfig(host=HOST, port=busy.getsockname()[1], http_port=http_port, metrics_port=metrics_port)
-
-        async def start() -> None:
-            service.SchedulerServer(config, echo())
-
-        with pytest.raises(OSError, match=f"cannot bind {HOST}:{config.port}"):
-            asyncio.run(start())
-    for port in (http_port, metrics_port):
-        socket.create_server((HOST, port)).close()
 
 
 def test_tokenize_and_detokenize_speak_vllms_shapes(echo_api: Hosted):
