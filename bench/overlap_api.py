@@ -24,7 +24,9 @@ from client.api import AsyncClient
 
 # Every stream asks for this many times --steps tokens past the timed window: a stream that is read late (the
 # clients share the CPU) still has the whole batch decoding beside it until the window ends; it is cancelled then.
-TAIL_FACTOR = 1
+# At 1, one run in seven of 256 streams at 2 ms (the scheduler's process saturated) failed: one stream had read its
+# 420 tokens while 43 had not read 220, the slowest 76.
+TAIL_FACTOR = 4
 # The floor has no KV cache to size, and it starts stepping the first stream at once, while the last one may open
 # a hundred steps later (256 streams, 2 ms): its streams ask for far more.
 FLOOR_TAIL_FACTOR = 10
@@ -109,19 +111,24 @@ class ApiPeer:
         events = {mark: asyncio.Event() for mark in marks}
         async with AsyncClient(f"{HOST}:{self.port}") as client:
 
-            async def stream(prompt: list[int]) -> None:
+            max_tokens = warmup + steps * (1 + self.tail_factor)
+            counts = [0] * batch  # tokens each stream has read
+
+            async def stream(index: int, prompt: list[int]) -> int:
                 count = 0
-                async for chunk in client.stream(token_ids=prompt, max_tokens=warmup + steps * (1 + self.tail_factor),
-                                                 temperature=0.0, ignore_eos=True):
+                async for chunk in client.stream(token_ids=prompt, max_tokens=max_tokens, temperature=0.0,
+                                                 ignore_eos=True):
                     before, count = count, count + len(chunk.token_ids)
+                    counts[index] = count
                     for mark in marks:
                         if before < mark <= count:
                             reached[mark] += 1
                             if reached[mark] == batch:
                                 events[mark].set()
+                return count
 
             before = await client.stats()
-            tasks = [asyncio.create_task(stream(prompt)) for prompt in prompts]
+            tasks = [asyncio.create_task(stream(index, prompt)) for index, prompt in enumerate(prompts)]
             window = []
             try:
                 for mark in marks:
@@ -129,9 +136,10 @@ class ApiPeer:
                     done, _ = await asyncio.wait([marked, *tasks], return_when=asyncio.FIRST_COMPLETED)
                     marked.cancel()
                     if not events[mark].is_set():  # a stream ended early: its error, or it stopped short
-                        for task in done:
-                            task.result()
-                        raise RuntimeError(f"a stream ended before {mark} tokens")
+                        ended = min(task.result() for task in done if task is not marked)
+                        short = sorted(count for count in counts if count < mark)
+                        raise RuntimeError(f"batch {batch}: a stream ended after {ended} of its {max_tokens} tokens "
+                                           f"while {len(short)} had fewer than {mark} (the fewest {short[0]})")
                     stats = await client.stats()
                     window.append((time.perf_counter(), stats.num_steps, process_cpu_s(self.server.process.pid),
                                    time.thread_time()))
