@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything to check when a GPU is lent, in one run: the CUDA tests (each attention backend against
 # transformers, CUDA graphs against eager), then W2 with random-weight Qwen3-0.6B in bfloat16: in-process, the
-# split at default flags (overlap on) and without overlap, and transformers' own continuous batching as the peer;
-# then in-process and the split at 8 decode steps per plan; last, W5 with every peer (the public API's included)
-# on this machine's many cores, which the 2-core development VM cannot show.
+# split at default flags (overlap on, up to 8 decode steps per plan) and without overlap, and transformers' own
+# continuous batching as the peer; then in-process and the split at one decode step per plan; last, W5 with every
+# peer (the public API's included) on this machine's many cores, which the 2-core development VM cannot show.
 # Usage: bench/gpu_check.sh [OUT_DIR]  (default ./gpu-check; a log, w2.json, w2-n1.json and w5-*.json land there).
 # Needs a CUDA build of torch (and flash-attn for that backend) in the Python it runs: $PYTHON or python.
 set -uo pipefail
