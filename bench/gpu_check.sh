@@ -5,11 +5,14 @@
 # continuous batching as the peer; then in-process and the split at one decode step per plan; last, W5 with every
 # peer (the public API's included) on this machine's many cores, which the 2-core development VM cannot show.
 # Usage: bench/gpu_check.sh [OUT_DIR]  (default ./gpu-check; a log, w2.json, w2-n1.json and w5-*.json land there).
-# Needs a CUDA build of torch (and flash-attn for that backend) in the Python it runs: $PYTHON or python.
+# Needs a CUDA build of torch (and flash-attn for that backend) in the Python it runs: $PYTHON or python3. The
+# random-weight model (1.2 GB) is written once to $MODEL_DIR (default /tmp/nanoserve-qwen3-0.6b-random), outside
+# OUT_DIR, so that a folder the device tool sends back holds only the figures. On the lent machine, which has no
+# network, the services' packages come as wheels: bench/gpu_wheels.sh, and docs/benchmarks.md (W2) for the call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check}
-py=${PYTHON:-python}
+py=${PYTHON:-python3}
 mkdir -p "$out"
 exec > >(tee "$out/log.txt") 2>&1
 status=0
@@ -20,7 +23,7 @@ step() {
 step nvidia-smi
 step "$py" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 step "$py" -m pytest -q -rs tests/test_cuda.py
-model="$out/qwen3-0.6b-random"
+model=${MODEL_DIR:-/tmp/nanoserve-qwen3-0.6b-random}
 [ -f "$model/config.json" ] || step "$py" -m bench.random_model "$model"
 step "$py" -m bench.throughput --workload w2 --device cuda --dtype bfloat16 --model "$model" \
   --peers inprocess split_overlap split hf_cb --json "$out/w2.json"
