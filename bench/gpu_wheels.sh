@@ -3,8 +3,8 @@
 # transformers, tokenizers, numpy and the like, but not the services' gRPC, structured-output and HTTP packages.
 # Downloads them (no dependencies: the image has the rest) for that machine's CPython 3.12 into DIR (default
 # .whl, ignored by git), each at the version installed in this checkout's .venv, so that the generated protos
-# meet the protobuf runtime they were made for. On the machine, before bench/gpu_check.sh:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+# meet the protobuf runtime they were made for. docs/benchmarks.md (W2) gives the device call that installs them
+# there and runs bench/gpu_check.sh.
 # Usage: bench/gpu_wheels.sh [DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -115,17 +115,16 @@ class ApiPeer:
             counts = [0] * batch  # tokens each stream has read
 
             async def stream(index: int, prompt: list[int]) -> int:
-                count = 0
                 async for chunk in client.stream(token_ids=prompt, max_tokens=max_tokens, temperature=0.0,
                                                  ignore_eos=True):
-                    before, count = count, count + len(chunk.token_ids)
-                    counts[index] = count
+                    before = counts[index]
+                    counts[index] += len(chunk.token_ids)
                     for mark in marks:
-                        if before < mark <= count:
+                        if before < mark <= counts[index]:
                             reached[mark] += 1
                             if reached[mark] == batch:
                                 events[mark].set()
-                return count
+                return counts[index]
 
             before = await client.stats()
             tasks = [asyncio.create_task(stream(index, prompt)) for index, prompt in enumerate(prompts)]
@@ -137,9 +136,9 @@ class ApiPeer:
                     marked.cancel()
                     if not events[mark].is_set():  # a stream ended early: its error, or it stopped short
                         ended = min(task.result() for task in done if task is not marked)
-                        short = sorted(count for count in counts if count < mark)
+                        behind = [count for count in counts if count < mark]
                         raise RuntimeError(f"batch {batch}: a stream ended after {ended} of its {max_tokens} tokens "
-                                           f"while {len(short)} had fewer than {mark} (the fewest {short[0]})")
+                                           f"while {len(behind)} had fewer than {mark} (the fewest {min(behind)})")
                     stats = await client.stats()
                     window.append((time.perf_counter(), stats.num_steps, process_cpu_s(self.server.process.pid),
                                    time.thread_time()))
