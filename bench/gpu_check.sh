@@ -15,21 +15,27 @@ out=${1:-gpu-check}
 py=${PYTHON:-python3}
 mkdir -p "$out"
 exec > >(tee "$out/log.txt") 2>&1
+export PYTHONUNBUFFERED=1
 status=0
+# step SECONDS COMMAND...: each step has its own time limit, so that one that hangs leaves the lease's minutes to
+# the steps after it (the device call's own limit would end them all).
 step() {
-  echo "== $*"
-  "$@" || { echo "== FAILED ($?): $*"; status=1; }
+  local limit=$1
+  shift
+  echo "== $(date +%T) $*"
+  timeout --kill-after=10 "$limit" "$@" || { echo "== FAILED ($?): $*"; status=1; }
 }
-step nvidia-smi
-step "$py" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-step "$py" -m pytest -q -rs tests/test_cuda.py
+step 30 nvidia-smi
+step 60 "$py" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+step 150 "$py" -m pytest -q -rs tests/test_cuda.py
 model=${MODEL_DIR:-/tmp/nanoserve-qwen3-0.6b-random}
-[ -f "$model/config.json" ] || step "$py" -m bench.random_model "$model"
-step "$py" -m bench.throughput --workload w2 --device cuda --dtype bfloat16 --model "$model" \
+[ -f "$model/config.json" ] || step 120 "$py" -m bench.random_model "$model"
+step 300 "$py" -m bench.throughput --workload w2 --device cuda --dtype bfloat16 --model "$model" \
   --peers inprocess split_overlap split hf_cb --json "$out/w2.json"
-step "$py" -m bench.throughput --workload w2 --device cuda --dtype bfloat16 --model "$model" \
+step 150 "$py" -m bench.throughput --workload w2 --device cuda --dtype bfloat16 --model "$model" \
   --peers inprocess split_overlap --num-scheduler-steps 1 --json "$out/w2-n1.json"
 for ms in 5 2; do
-  step "$py" -m bench.overlap --step-ms "$ms" --repeats 1 --json "$out/w5-${ms}ms.json"
+  step 150 "$py" -m bench.overlap --step-ms "$ms" --repeats 1 --json "$out/w5-${ms}ms.json"
 done
+echo "== $(date +%T) done"
 exit $status

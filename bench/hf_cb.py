@@ -45,7 +45,9 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], max_tokens: list[
     hints = WorkloadHints(max(map(len, prompts)), max(max_tokens), len(prompts))
     cb_config = ContinuousBatchingConfig()
     if model.device.type == "cpu":  # room for every request at once, not a share of the machine's memory (~8 GB here)
-        pages = (-(-(len(p) + n) // cb_config.page_size) for p, n in zip(prompts, max_tokens, strict=True))
+        # transformers 5.17 (the GPU image's) calls a page a block.
+        page = getattr(cb_config, "page_size", None) or cb_config.block_size
+        pages = (-(-(len(p) + n) // page) for p, n in zip(prompts, max_tokens, strict=True))
         cb_config.num_blocks = sum(pages)
     done: dict[str, list[int]] = {}
     with model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cb_config,

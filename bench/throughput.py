@@ -265,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
             with StolenCpu() as steal:
                 runs[name].append(PEERS[name](args, workload))
             stolen[name].append(steal.share)
+            # Each run's figure as it lands, so a run cut short (a time limit, a peer that fails) still leaves those.
+            print(f"round {round_ + 1} {name}: {runs[name][-1]:.1f} s, {tokens / runs[name][-1]:.1f} tok/s",
+                  file=sys.stderr, flush=True)
             release_gpu_memory()
     seconds = {name: statistics.median(times) for name, times in runs.items()}
     tok_s = {name: tokens / s for name, s in seconds.items()}
