@@ -9,7 +9,8 @@ machine's drift between rounds does not move. ``hf`` is transformers with naive 
 left padding, every row of a batch generating the batch's largest max_tokens); ``hf_cb`` is transformers' own
 continuous batching (``generate_batch``'s manager, paged KV cache; bench/hf_cb.py), every request at once with its
 own max_tokens; ``inprocess`` is the scheduler Engine driving the ModelExecutor in this process
-(``inprocess_layers``: the same with ``--cpu-decode-stack off``, decode steps layer by layer); ``split`` and
+(``inprocess_layers``: the same with ``--cpu-decode-stack off``, decode steps layer by layer;
+``inprocess_overlap``: the same with the Engine's overlap, one step in flight on a worker thread); ``split`` and
 ``split_overlap`` run the executor and the scheduler as two processes over gRPC (the latter with ``--overlap``) and
 send every request at once through the public API with ``client.api.AsyncClient.generate`` (responses of
 ``JOINED_STREAM_INTERVAL`` tokens; ``split_tokens``: at default flags, one response per token, as a streaming reader
@@ -98,9 +99,10 @@ def run_hf(args: argparse.Namespace, workload: Workload) -> float:
     return time.perf_counter() - start
 
 
-def run_inprocess(args: argparse.Namespace, workload: Workload, stack: bool = True) -> float:
+def run_inprocess(args: argparse.Namespace, workload: Workload, stack: bool = True, overlap: bool = False) -> float:
     """The scheduler Engine and the ModelExecutor in this process; seconds of generation. ``stack``: the executor's
-    ``--cpu-decode-stack``."""
+    ``--cpu-decode-stack``; ``overlap``: the Engine keeps a step in flight on a worker thread, as the split's
+    default flags do over gRPC."""
     from common.heap import freeze_startup_heap
     from executor_svc.config import ExecutorOptions
     from executor_svc.model_executor import ModelExecutor
@@ -114,7 +116,7 @@ def run_inprocess(args: argparse.Namespace, workload: Workload, stack: bool = Tr
         threads=args.threads, device=args.device, max_model_len=workload.max_model_len, cpu_decode_stack=stack,
     )
     steps = args.num_scheduler_steps or ServiceConfig().num_scheduler_steps
-    engine = Engine(ModelExecutor(options), SchedulerConfig(num_scheduler_steps=steps))
+    engine = Engine(ModelExecutor(options), SchedulerConfig(num_scheduler_steps=steps), overlap=overlap)
     engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     freeze_startup_heap()  # as both services do once built
     interval = sys.getswitchinterval()
@@ -125,7 +127,8 @@ def run_inprocess(args: argparse.Namespace, workload: Workload, stack: bool = Tr
             engine.add_request(
                 prompt, SamplingParams(temperature=workload.temperature, max_tokens=max_tokens, ignore_eos=True)
             )
-        with progress(total=sum(workload.max_tokens), desc="in-process", unit="tok") as bar:
+        with progress(total=sum(workload.max_tokens), desc="in-process" + (" overlap" if overlap else ""),
+                      unit="tok") as bar:
             while engine.has_unfinished():
                 # an output holds a step's tokens for one sequence: several under multi-step decode
                 bar.update(sum(len(out.token_ids) for out in engine.step()))
@@ -207,6 +210,7 @@ PEERS: dict[str, Callable[[argparse.Namespace, Workload], float]] = {
     "hf_cb": hf_cb.run_hf_cb,
     "inprocess": run_inprocess,
     "inprocess_layers": partial(run_inprocess, stack=False),
+    "inprocess_overlap": partial(run_inprocess, overlap=True),
     "split": partial(run_split, overlap=False),
     "split_overlap": partial(run_split, overlap=True),
     "split_tokens": partial(run_split, overlap=True, how="tokens"),

@@ -30,8 +30,8 @@ def test_without_llama_cpp_the_default_run_leaves_it_out_and_asking_for_it_names
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     default = throughput.parse_args([])
     assert llamacpp.admit(default, list(throughput.PEERS)) == [
-        "hf", "hf_cb", "inprocess", "inprocess_layers", "split", "split_overlap", "split_tokens", "split_whole",
-        "split_yield"]
+        "hf", "hf_cb", "inprocess", "inprocess_layers", "inprocess_overlap", "split", "split_overlap", "split_tokens",
+        "split_whole", "split_yield"]
     assert "GGML_NATIVE=ON" in capsys.readouterr().err
     asked = throughput.parse_args(["--peers", "inprocess", "llamacpp"])
     with pytest.raises(SystemExit, match="GGML_NATIVE=ON"):
