@@ -77,7 +77,8 @@ def test_strided_and_batched_inputs(dtype: torch.dtype, build: ctypes.CDLL) -> N
 
 def test_layers_are_packed_and_shared_weights_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     """Packing replaces a layer's dense weight unless another module holds it too; where the kernel cannot
-    help (no library, or no AVX-512) float32 goes to oneDNN and bfloat16 stays dense, with the same outputs."""
+    help (no library, or no AVX-512) float32 goes to oneDNN, and bfloat16 too where the CPU has it natively (else it
+    stays dense), with the same outputs."""
     monkeypatch.setattr(linear, "packing_helps", lambda: True)
     model = torch.nn.Sequential(ColumnParallelLinear(64, [32, 32], bias=True), RowParallelLinear(64, 64))
     for module in model:
@@ -94,15 +95,19 @@ def test_layers_are_packed_and_shared_weights_kept(monkeypatch: pytest.MonkeyPat
     torch.testing.assert_close(model[1](model[0](x)), expected, atol=1e-4, rtol=1e-4)
 
     monkeypatch.setattr(linear, "packing_helps", lambda: False)
-    fallback = [RowParallelLinear(64, 64), RowParallelLinear(64, 64).bfloat16()]
-    for layer in fallback:
-        torch.nn.init.normal_(layer.weight)
-    expected = [fallback[0](x), fallback[1](x.bfloat16())]
-    prepack_for_cpu(torch.nn.Sequential(*fallback))
-    assert fallback[0].onednn_weight is not None or not torch.backends.mkldnn.is_available()
-    assert fallback[1].packed_weight is None and fallback[1].onednn_weight is None
-    torch.testing.assert_close(fallback[0](x), expected[0], atol=1e-4, rtol=1e-4)
-    assert torch.equal(fallback[1](x.bfloat16()), expected[1])
+    for native in (True, False):
+        monkeypatch.setattr(linear, "native_bfloat16", lambda native=native: native)
+        fallback = [RowParallelLinear(64, 64), RowParallelLinear(64, 64).bfloat16()]
+        for layer in fallback:
+            torch.nn.init.normal_(layer.weight)
+        expected = [fallback[0](x), fallback[1](x.bfloat16())]
+        prepack_for_cpu(torch.nn.Sequential(*fallback))
+        onednn = torch.backends.mkldnn.is_available()
+        assert (fallback[0].onednn_weight is not None) == onednn
+        assert fallback[1].packed_weight is None and (fallback[1].onednn_weight is not None) == (onednn and native)
+        assert (fallback[1].weight.numel() == 0) == (onednn and native), "dense only where torch reads it"
+        torch.testing.assert_close(fallback[0](x), expected[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fallback[1](x.bfloat16()), expected[1], atol=0.1, rtol=0.02)
 
 
 @pytest.mark.parametrize("native", [True, False])
