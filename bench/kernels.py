@@ -2,7 +2,8 @@
 
 - ``linear``: one decode step's linear layers (30 layers of qkv, o, gate-up and down, plus the LM head,
   each layer its own weights so that they stream from memory as in the model) at ``--rows`` rows; the
-  peer is what the executor ran before (float32: oneDNN with prepacked weights; bfloat16: ``F.linear``).
+  peer is the executor's torch path (oneDNN with weights in its own layout, ``onednn_copy``; ``F.linear``
+  where that has none, as for bfloat16 on a CPU without native bfloat16; ``--dense-torch``: always ``F.linear``).
 - ``decode_attention``: one layer of paged decode for 64 requests of context 32-512 (9 query and 3 KV
   heads of 64, block size 16, in a cache much larger than the CPU's caches); the peer is the ``torch``
   attention backend.
@@ -42,7 +43,7 @@ from executor_svc.config import ExecutorOptions  # noqa: E402
 from executor_svc.kernel_choice import CLASSES, FAMILIES, KernelChoice  # noqa: E402
 from executor_svc.kernel_probe import prefill_batch  # noqa: E402
 from executor_svc.layers import cpu_fused  # noqa: E402
-from executor_svc.layers.linear import PackedWeight  # noqa: E402
+from executor_svc.layers.linear import PackedWeight, onednn_copy  # noqa: E402
 from executor_svc.layers.norm import RMSNorm  # noqa: E402
 from executor_svc.layers.rotary import RotaryEmbedding, rotate_half  # noqa: E402
 from executor_svc.model_registry import DEFAULT_MODEL, resolve_model  # noqa: E402
@@ -56,16 +57,18 @@ LAYER_SHAPES = [(HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2
 Peers = tuple[Callable[[], object], Callable[[], object]]  # (kernel, torch)
 
 
-def linear_peers(dtype: torch.dtype) -> Callable[[int], Peers]:
+def linear_peers(dtype: torch.dtype, dense: bool = False) -> Callable[[int], Peers]:
+    """``dense``: torch reads the dense weights through ``F.linear``, as the executor's bfloat16 did before it kept
+    oneDNN's copy (A/B of that copy on a new CPU)."""
     shapes = LAYER_SHAPES * LAYERS + [(VOCAB, HIDDEN)]
     weights = []
     for n, k in progress(shapes, desc="packing weights"):
         w = (torch.randn(n, k) / k**0.5).to(dtype)
-        theirs = w.to_mkldnn() if dtype == torch.float32 else w
-        weights.append((PackedWeight.pack(w), theirs))
+        onednn = None if dense else onednn_copy(w)
+        weights.append((PackedWeight.pack(w), w if onednn is None else onednn))
 
     def torch_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if dtype == torch.float32:
+        if w.is_mkldnn:
             return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
         return F.linear(x, w)
 
@@ -184,6 +187,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64],
                         help="rows per call (decode: running sequences)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (W1: 2)")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="the model whose executor's choice to show: embedded name or local HF folder "
+                             "(python -m bench.random_model FOLDER --arch smollm2-135m where the embedded one "
+                             "is missing)")
+    parser.add_argument("--dense-torch", action="store_true",
+                        help="linear's torch peer: F.linear on the dense weights instead of oneDNN's copy")
     parser.add_argument("--repeats", type=int, default=7, help="timings per peer and row count (median)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -193,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     rows_out, figures = [], {}
     for name in args.kernels:
-        peers_at = KERNELS[name](dtype)
+        peers_at = linear_peers(dtype, args.dense_torch) if name == "linear" else KERNELS[name](dtype)
         for rows in progress(args.rows, desc=name):
             ours, theirs = peers_at(rows)
             calls = 3 if name == "linear" else 50
@@ -207,16 +216,16 @@ def main(argv: list[str] | None = None) -> None:
             figures[f"{name}_{rows}_ms"], figures[f"{name}_{rows}_torch_ms"] = a, b
     print(f"{args.dtype}, {args.threads} threads, medians of {args.repeats}")
     print_table(["kernel", "rows", "torch ms", "C kernel ms", "ratio"], rows_out)
-    choice = executor_choice(args.dtype)
-    print(f"\nthe executor's choice for {DEFAULT_MODEL} ({choice.source}):")
+    choice = executor_choice(args.dtype, args.model)
+    print(f"\nthe executor's choice for {args.model} ({choice.source}):")
     print_table(["family", *CLASSES], [[f, *(choice.table[f][c] for c in CLASSES)] for f in FAMILIES])
     write_json(args.json, {**figures, "choice": {f: dict(choice.table[f]) for f in FAMILIES}})
 
 
-def executor_choice(dtype: str) -> KernelChoice:
-    """The kernel table an executor of W1's model starts with here (the threads are this process's)."""
+def executor_choice(dtype: str, model: str = DEFAULT_MODEL) -> KernelChoice:
+    """The kernel table an executor of ``model`` starts with here (the threads are this process's)."""
     options = ExecutorOptions(dtype=dtype, threads=torch.get_num_threads(), kv_cache_memory=256 << 20)
-    return ModelRunner(resolve_model(DEFAULT_MODEL), options).kernels
+    return ModelRunner(resolve_model(model), options).kernels
 
 
 if __name__ == "__main__":

@@ -109,13 +109,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (W1: 2)")
+    parser.add_argument("--model", default=ExecutorOptions.model,
+                        help="embedded model name or local HF folder (python -m bench.random_model FOLDER --arch "
+                             "smollm2-135m where the embedded one is missing)")
     parser.add_argument("--num-requests", type=int, help="run only the first N requests")
     parser.add_argument("--cpu-decode-stack", choices=["on", "off"], default="on",
                         help="off: decode steps layer by layer, so that each family's share shows")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     workload = w1().head(args.num_requests)
-    options = ExecutorOptions(dtype=args.dtype, kv_cache_memory=2 << 30, threads=args.threads,
+    options = ExecutorOptions(model=args.model, dtype=args.dtype, kv_cache_memory=2 << 30, threads=args.threads,
                               max_model_len=workload.max_model_len, cpu_decode_stack=args.cpu_decode_stack == "on")
     engine = Engine(ModelExecutor(options))
     engine.generate([list(range(100, 132))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))

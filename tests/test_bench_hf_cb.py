@@ -29,7 +29,7 @@ def test_greedy_tokens_match_the_inprocess_engine_each_to_its_own_max_tokens():
 
 def test_skip_hf_leaves_both_transformers_peers_out(tmp_path):
     """``--skip-hf`` drops ``hf`` and ``hf_cb`` even when named (their keys are written by the W2 smoke test)."""
-    folder = random_model.save_random_qwen3(
+    folder = random_model.save_random(
         tmp_path / "qwen3", torch.float32, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
         vocab_size=10240,
     )

@@ -93,7 +93,7 @@ def test_serving_through_the_openai_api_writes_the_same_keys(tmp_path):
 def test_w2_runs_on_a_shrunken_random_qwen3(tmp_path):
     """The W2 path (random Qwen3 weights, temperature 0.6, its own max_model_len) end to end, on the CPU, with the
     in-process peer at the split's overlap and the transformers continuous-batching peer the GPU check runs."""
-    folder = random_model.save_random_qwen3(
+    folder = random_model.save_random(
         tmp_path / "qwen3", torch.float32, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
         vocab_size=10240,
     )
@@ -130,7 +130,7 @@ def test_throughput_rounds_alternate_in_reverse_and_pair_with_in_process(tmp_pat
 
 def run_split_peers(tmp_path, peers: tuple[str, ...]) -> dict[str, float]:
     """W2 on a one-layer random Qwen3 through the split ``peers``; their JSON figures."""
-    folder = random_model.save_random_qwen3(
+    folder = random_model.save_random(
         tmp_path / "qwen3", torch.float32, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
         vocab_size=10240,
     )
@@ -180,6 +180,21 @@ def test_profile_accounts_for_the_run(tmp_path, stack):
     parts = [v for k, v in figures.items() if k.startswith(("prefill_", "decode_")) and k.endswith("_s")]
     assert all(v >= 0 for v in parts)
     assert sum(parts) <= figures["total_s"] * 1.01
+
+
+def test_profile_and_kernels_take_a_random_weight_w1_model(tmp_path):
+    """Where the embedded model's wheel is missing (the GPU machine's host CPU), a random-weight folder of its
+    architecture stands in: the profile runs W1 on it and ``bench.kernels`` shows that executor's choice."""
+    folder = random_model.save_random(tmp_path / "smollm2", torch.float32, arch="smollm2-135m", num_hidden_layers=1,
+                                      vocab_size=10240)
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["model_type"], config["hidden_size"], config["num_key_value_heads"]) == ("llama", 576, 3)
+    path = tmp_path / "profile.json"
+    profile.main(["--model", str(folder), "--num-requests", "2", "--json", str(path)])
+    figures = json.loads(path.read_text())
+    assert figures["prefill_steps"] >= 1 and figures["decode_steps"] > 10 and figures["tok_s"] > 0
+    choice = kernels.executor_choice("float32", str(folder))
+    assert set(choice.table) == set(FAMILIES)
 
 
 def test_a_child_that_dies_shows_the_end_of_its_log(tmp_path):
