@@ -4,10 +4,10 @@ Runs W1 (BENCHMARKS.md) through the scheduler Engine and the ModelExecutor in th
 ``bench.throughput``'s ``inprocess`` peer does, with a timer around each component's Python entry point:
 the linear layers (``LinearBase.matmul``, LM head included), attention's store and compute, RMSNorm, the
 rotary embedding, SiLU-and-mul, the embedding and the sampler; a decode step the C decoder stack ran
-(``executor_svc/models/cpu_decode_stack.py``) counts as one ``stack (C layers)``, which ``--cpu-decode-stack
-off`` splits into its families. ``other`` is the rest of the forward pass
-(Python between the ops); ``scheduling, batch`` is what ``Engine.step`` spends outside the forward pass and
-the sampler (scheduling, the plan, packing the batch, postprocessing). The timers cost
+(``executor_svc/models/cpu_decode_stack.py``) counts as one ``stack (C layers)``, its projections included
+where they run in torch, which ``--cpu-decode-stack off`` splits into its families. ``other`` is the rest of
+the forward pass (Python between the ops); ``scheduling, batch`` is what ``Engine.step`` spends outside the
+forward pass and the sampler (scheduling, the plan, packing the batch, postprocessing). The timers cost
 ~1 us a call, a few tenths of a second over a run.
 """
 
@@ -115,11 +115,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-requests", type=int, help="run only the first N requests")
     parser.add_argument("--cpu-decode-stack", choices=["on", "off"], default="on",
                         help="off: decode steps layer by layer, so that each family's share shows")
+    parser.add_argument("--cpu-kernels", default="auto",
+                        help="the executor's --cpu-kernels (e.g. another machine's choice: linear:33+=torch)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     workload = w1().head(args.num_requests)
     options = ExecutorOptions(model=args.model, dtype=args.dtype, kv_cache_memory=2 << 30, threads=args.threads,
-                              max_model_len=workload.max_model_len, cpu_decode_stack=args.cpu_decode_stack == "on")
+                              max_model_len=workload.max_model_len, cpu_decode_stack=args.cpu_decode_stack == "on",
+                              cpu_kernels=args.cpu_kernels)
     engine = Engine(ModelExecutor(options))
     engine.generate([list(range(100, 132))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     timers = Timers()

@@ -114,6 +114,7 @@ def run_inprocess(args: argparse.Namespace, workload: Workload, stack: bool = Tr
     options = ExecutorOptions(
         model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=kv_cache_memory(args),
         threads=args.threads, device=args.device, max_model_len=workload.max_model_len, cpu_decode_stack=stack,
+        cpu_kernels=args.cpu_kernels,
     )
     steps = args.num_scheduler_steps or ServiceConfig().num_scheduler_steps
     engine = Engine(ModelExecutor(options), SchedulerConfig(num_scheduler_steps=steps), overlap=overlap)
@@ -149,7 +150,7 @@ def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, how: 
         sys.executable, "-m", "executor_svc", "--port", str(executor_port), "--model", args.model,
         "--device", args.device, "--dtype", args.dtype, "--block-size", str(args.block_size),
         "--threads", str(args.threads), "--max-model-len", str(workload.max_model_len),
-        "--yield-cpu", str(yield_cpu).lower(),
+        "--yield-cpu", str(yield_cpu).lower(), "--cpu-kernels", args.cpu_kernels,
     ]
     if (kv_bytes := kv_cache_memory(args)) is not None:
         executor_argv += ["--kv-cache-memory", str(kv_bytes)]
@@ -239,6 +240,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers peers (hf, hf_cb)")
     p.add_argument("--peers", nargs="+", choices=list(PEERS), default=None,
                    help="peers to run, in order (default: all, llamacpp where it can run)")
+    p.add_argument("--cpu-kernels", default="auto",
+                   help="the executor's --cpu-kernels (e.g. another machine's choice: linear:33+=torch)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the executor")
     p.add_argument("--kv-cache-memory", type=int, default=None,
                    help="KV-cache bytes of the executor (default: 2 GiB on CPU, the free-memory share on CUDA)")
