@@ -142,6 +142,8 @@ def kernel_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     library.decode_stack_scratch_bytes.argtypes = [pointer, size]
     library.decode_stack.restype = i32
     library.decode_stack.argtypes = [pointer, i32, pointer, pointer]
+    library.decode_stack_attention.restype = i32
+    library.decode_stack_attention.argtypes = [pointer] * 5
     library.spin_until.restype = None
     library.spin_until.argtypes = [ctypes.c_double]
     return library

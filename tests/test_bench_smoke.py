@@ -166,12 +166,13 @@ def test_kernels_writes_its_keys(tmp_path):
     assert all(set(row) == set(CLASSES) and set(row.values()) <= {"c", "torch"} for row in figures["choice"].values())
 
 
-@pytest.mark.parametrize("stack", ["on", "off"])
-def test_profile_accounts_for_the_run(tmp_path, stack):
+@pytest.mark.parametrize(("stack", "linear"), [("on", "c"), ("off", "c"), ("on", "torch")])
+def test_profile_accounts_for_the_run(tmp_path, stack, linear):
     """Two W1 requests on the embedded model: the components add up to no more than the run; decode steps in the
-    C decoder stack, or (off) layer by layer."""
+    C decoder stack (its projections in torch where the kernel choice imposed says so), or (off) layer by layer."""
     path = tmp_path / "profile.json"
-    profile.main(["--dtype", "bfloat16", "--num-requests", "2", "--cpu-decode-stack", stack, "--json", str(path)])
+    profile.main(["--dtype", "bfloat16", "--num-requests", "2", "--cpu-decode-stack", stack,
+                  "--cpu-kernels", f"linear={linear}", "--json", str(path)])
     figures = json.loads(path.read_text())
     assert figures["prefill_steps"] >= 1 and figures["decode_steps"] > 10
     assert figures["decode_linear_s"] > 0  # the LM head, outside the stack

@@ -67,14 +67,41 @@ def test_qwen2_biases_fit_and_qwen3_norms_do_not(tiny_model_folders: dict[str, P
     assert decoder(executor).cpu_stack is None and not ran
 
 
-def test_rows_where_a_weight_carrying_family_runs_torch_take_the_layers(tiny_model_folders: dict[str, Path],  # noqa: F811
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel choice says torch for linear at 2-8 rows: those steps run layer by layer, the rest stacked,
-    and the tokens are those of the choice without the stack."""
-    kernels = "linear:2-8=torch"
+def test_rows_where_linear_runs_torch_keep_the_stack_with_torch_projections(
+        tiny_model_folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """The kernel choice says torch for linear at 2-8 rows: those steps run the stack with each projection in
+    torch, the rest the whole stack in C, and the tokens are those of the choice without the stack."""
+    kernels, torch_rows = "linear:2-8=torch", []
+    run_torch = CpuDecodeStack._run_torch_linears
+    monkeypatch.setattr(CpuDecodeStack, "_run_torch_linears", lambda self, hidden, residual: torch_rows.append(
+        hidden.shape[0]) or run_torch(self, hidden, residual))
     tokens, ran, _ = generate(tiny_model_folders["llama"], "float32", True, monkeypatch, kernels, max_tokens=40)
-    assert ran and all(rows == 1 or rows > 8 for rows in ran)
+    assert set(ran) == set(range(1, len(PROMPTS) + 1))
+    assert set(torch_rows) == set(range(2, 9))
     assert tokens == generate(tiny_model_folders["llama"], "float32", False, monkeypatch, kernels, max_tokens=40)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_linear_in_torch_everywhere_drops_the_packed_copies_and_keeps_the_stack(
+        dtype: str, smollm2_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """As a Xeon with AMX may choose: no C linear at any row count, so no packed weights to point the whole
+    stack at, yet every decode step still runs its C parts in the stack, with the layers' tokens."""
+    with_stack, ran, executor = generate(smollm2_folder, dtype, True, monkeypatch, "linear=torch")
+    model = decoder(executor)
+    assert model.cpu_stack is not None and not model.cpu_stack.packed
+    assert all(layer.self_attn.qkv_proj.packed_weight is None for layer in model.layers)
+    assert set(ran) == set(range(1, len(PROMPTS) + 1))
+    assert with_stack == generate(smollm2_folder, dtype, False, monkeypatch, "linear=torch")[0]
+
+
+def test_rows_where_attention_or_norm_runs_torch_take_the_layers(tiny_model_folders: dict[str, Path],  # noqa: F811
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode attention or RMSNorm in torch at 2-8 rows: those steps run layer by layer, the rest stacked."""
+    for kernels in ("decode_attention:2-8=torch", "rms_norm:2-8=torch"):
+        tokens, ran, _ = generate(tiny_model_folders["llama"], "float32", True, monkeypatch, kernels, max_tokens=40)
+        assert ran and all(rows == 1 or rows > 8 for rows in ran)
+        assert tokens == generate(tiny_model_folders["llama"], "float32", False, monkeypatch, kernels,
+                                  max_tokens=40)[0]
 
 
 def test_the_torch_attention_backend_keeps_the_layers(tiny_model_folders: dict[str, Path]) -> None:  # noqa: F811
@@ -83,9 +110,10 @@ def test_the_torch_attention_backend_keeps_the_layers(tiny_model_folders: dict[s
     assert decoder(executor).cpu_stack is None
 
 
-def test_a_position_or_slot_outside_is_an_error_not_a_write(tiny_model_folders: dict[str, Path],  # noqa: F811
+@pytest.mark.parametrize("kernels", ["c", "linear=torch"])
+def test_a_position_or_slot_outside_is_an_error_not_a_write(kernels: str, tiny_model_folders: dict[str, Path],  # noqa: F811
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    _, _, executor = generate(tiny_model_folders["llama"], "float32", True, monkeypatch, max_tokens=12)
+    _, _, executor = generate(tiny_model_folders["llama"], "float32", True, monkeypatch, kernels, max_tokens=12)
     model = decoder(executor)
     stack, cache = model.cpu_stack, model.layers[0].self_attn.attn.k_cache
     meta = type("Meta", (), {})()

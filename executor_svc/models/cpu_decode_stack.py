@@ -5,12 +5,16 @@ the 2-core development VM: ~180 us a layer, a third of a 1-sequence step of Smol
 the same kernels in the same order with the same roundings, so its tokens are the layers' own when their
 kernel choice is C throughout (``tests/test_cpu_decode_stack.py``).
 
-It serves a decode step where the kernel choice has C for the families that carry a step's weight at its row
-count: linear, decode attention and RMSNorm. SiLU-and-mul and rotary then run C inside the stack whatever
-the choice says for them: torch wins those only at few rows, by the cost of the C call's wrapper, which the
-stack does not pay. It fits Llama and Qwen2 (q/k/v biases) on one rank with every projection packed for the C
-linear kernel and the ``cpu`` attention backend; Qwen3's q/k norms and biases after a row-parallel
-projection take the layers' path. ``--cpu-decode-stack off`` turns it off.
+It serves a decode step where the kernel choice has C for decode attention and RMSNorm at its row count.
+Where it has C for linear too, the whole stack is one call. Where it has torch (oneDNN's AMX GEMMs on a Xeon
+that has them), the four projections of each layer run in torch and the stack's C code between them in four
+calls (RMSNorm, then rotary with the KV store and attention, RMSNorm, SiLU-and-mul): on the 2-core EPYC with
+linear forced to torch from 9 rows, as a Xeon with AMX chose, W1 in-process took 19.1 s against the layers'
+20.5 s (medians of 4 rounds; ``docs/benchmarks.md``). SiLU-and-mul and rotary run C inside the stack
+whatever the choice says for them: torch wins those only at few rows, by the cost of the C call's wrapper,
+which the stack does not pay. It fits Llama and Qwen2 (q/k/v biases) on one rank with the ``cpu`` attention
+backend; Qwen3's q/k norms and biases after a row-parallel projection take the layers' path.
+``--cpu-decode-stack off`` turns it off.
 """
 
 from __future__ import annotations
@@ -64,11 +68,16 @@ class CpuDecodeStack:
     def __init__(self, model: nn.Module, backend: CpuAttention, dtype: torch.dtype) -> None:
         library = cpu_kernels.kernel_library()
         self._run, self._scratch_bytes = library.decode_stack, library.decode_stack_scratch_bytes
+        self._attention, self._rms_norm, self._silu_and_mul = (
+            library.decode_stack_attention, library.rms_norm, library.silu_and_mul)
         first = model.layers[0]
         attn, mlp = first.self_attn, first.mlp
         self.backend, self.dtype, self.first = backend, dtype, first
+        self.packed = all(lin.packed_weight is not None for lin in _linears(model.layers))
         self.keep: list[torch.Tensor] = []  # what the layer structs point into, beyond the model's own tensors
         self.layers = (_Layer * len(model.layers))()
+        # per layer, for steps whose projections run in torch: its struct, norms and projections
+        self.torch_layers: list[tuple] = []
         for layer, spec in zip(model.layers, self.layers, strict=True):
             a, m = layer.self_attn, layer.mlp
             tensors = [_tensor(layer.input_layernorm.weight, dtype), _tensor(layer.post_attention_layernorm.weight,
@@ -77,15 +86,21 @@ class CpuDecodeStack:
             spec.input_norm, spec.post_norm = tensors[0].data_ptr(), tensors[1].data_ptr()
             spec.qkv_bias = None if tensors[2] is None else tensors[2].data_ptr()
             spec.gate_up_bias = None if tensors[3] is None else tensors[3].data_ptr()
-            spec.qkv, spec.o = a.qkv_proj.packed_weight.data.data_ptr(), a.o_proj.packed_weight.data.data_ptr()
-            spec.gate_up = m.gate_up_proj.packed_weight.data.data_ptr()
-            spec.down = m.down_proj.packed_weight.data.data_ptr()
+            if self.packed:
+                spec.qkv, spec.o = a.qkv_proj.packed_weight.data.data_ptr(), a.o_proj.packed_weight.data.data_ptr()
+                spec.gate_up = m.gate_up_proj.packed_weight.data.data_ptr()
+                spec.down = m.down_proj.packed_weight.data.data_ptr()
             spec.k_cache, spec.v_cache = a.attn.k_cache.data_ptr(), a.attn.v_cache.data_ptr()
+            self.torch_layers.append((
+                ctypes.addressof(spec), tensors[0].data_ptr(), tensors[1].data_ptr(), a.qkv_proj.torch_matmul,
+                a.qkv_proj.bias, a.o_proj.torch_matmul, m.gate_up_proj.torch_matmul, m.gate_up_proj.bias,
+                m.down_proj.torch_matmul,
+            ))
         cache = attn.attn.k_cache
         self.cos, self.sin = _tensor(attn.rotary.cos, dtype), _tensor(attn.rotary.sin, dtype)
         self.shape = _Shape(
             hidden=first.input_layernorm.weight.shape[0], heads=attn.num_heads, kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim, intermediate=mlp.down_proj.packed_weight.k, block_size=cache.shape[1],
+            head_dim=attn.head_dim, intermediate=mlp.gate_up_proj.shard_sizes[0], block_size=cache.shape[1],
             bf16=int(dtype == torch.bfloat16), threads=torch.get_num_threads(),
             num_slots=cache.shape[0] * cache.shape[1], num_positions=self.cos.shape[0],
             eps=first.input_layernorm.eps, scale=attn.attn.scale, cos=self.cos.data_ptr(), sin=self.sin.data_ptr(),
@@ -105,12 +120,12 @@ class CpuDecodeStack:
         layers = getattr(model, "layers", None)
         if dtype not in DTYPES or tp_size() != 1 or not layers:
             return False
+        linears = _linears(layers)
+        if any(lin.packed_weight is not None and lin.packed_weight.dtype != dtype for lin in linears):
+            return False
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
-            linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
             if a.q_norm is not None or a.o_proj.bias is not None or m.down_proj.bias is not None:
-                return False
-            if any(lin.packed_weight is None or lin.packed_weight.dtype != dtype for lin in linears):
                 return False
             cache = a.attn.k_cache
             if cache.dim() != 4 or cache.dtype != dtype or not cache.is_cpu or not cache.is_contiguous():
@@ -118,12 +133,16 @@ class CpuDecodeStack:
         return True
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A decode step on the CPU, at a row count where linear, decode attention and RMSNorm run C."""
+        """A decode step on the CPU, at a row count where decode attention and RMSNorm run C; linear may run
+        either way, C only where the weights have packed copies."""
         rows = hidden.shape[0]
         return (not meta.is_prefill and hidden.is_cpu and hidden.dtype == self.dtype and rows > 0
-                and self.first.self_attn.qkv_proj.kernels.use_c("linear", rows)
+                and (self.packed or not self._c_linear(rows))
                 and self.backend.kernels.use_c("decode_attention", rows)
                 and self.first.input_layernorm.kernels.use_c("rms_norm", rows))
+
+    def _c_linear(self, rows: int) -> bool:
+        return self.first.self_attn.qkv_proj.kernels.use_c("linear", rows)
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,11 +162,43 @@ class CpuDecodeStack:
         step.block_tables, step.context_lens = tables.data_ptr(), lengths.data_ptr()
         step.hidden, step.residual, step.scratch = hidden.data_ptr(), residual.data_ptr(), self.scratch.data_ptr()
         self.shape.threads = torch.get_num_threads()
-        failed = self._run(*self._args)
-        if failed:
-            error, message = ERRORS[failed]
-            raise error(message)
+        if not self._c_linear(rows):
+            return self._run_torch_linears(hidden, residual)
+        _check(self._run(*self._args))
         return hidden, residual
+
+    def _run_torch_linears(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stack with each projection through torch (``LinearBase.torch_matmul``), the rest in C between."""
+        rows, shape, step = hidden.shape[0], self._args[2], self._args[3]
+        size, eps, bf16, threads = self.shape.hidden, self.shape.eps, self.shape.bf16, self.shape.threads
+        normed, act = torch.empty_like(hidden), torch.empty(rows, self.shape.intermediate, dtype=self.dtype)
+        attn = torch.empty(rows, self.shape.heads * self.shape.head_dim, dtype=self.dtype)
+        normed_p, attn_p, act_p, residual_p = normed.data_ptr(), attn.data_ptr(), act.data_ptr(), residual.data_ptr()
+        residual.copy_(hidden)  # the embeddings are the residual; the first norm adds nothing
+        x, added = hidden, None
+        # each projection's output is held in a name while C reads it: a temporary would be freed first
+        for spec, input_norm, post_norm, qkv, qkv_bias, o, gate_up, gate_up_bias, down in self.torch_layers:
+            self._rms_norm(x.data_ptr(), size, added, input_norm, normed_p, rows, size, eps, bf16, threads)
+            added = residual_p
+            y = qkv(normed, qkv_bias)
+            _check(self._attention(spec, shape, step, y.data_ptr(), attn_p))
+            y = o(attn, None)
+            self._rms_norm(y.data_ptr(), size, residual_p, post_norm, normed_p, rows, size, eps, bf16, threads)
+            y = gate_up(normed, gate_up_bias)
+            self._silu_and_mul(y.data_ptr(), act_p, rows, self.shape.intermediate, bf16, threads)
+            x = down(act, None)
+        return x, residual
+
+
+def _linears(layers: nn.ModuleList) -> list[nn.Module]:
+    return [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+
+def _check(failed: int) -> None:
+    if failed:
+        error, message = ERRORS[failed]
+        raise error(message)
 
 
 def attach(model: nn.Module, backend: object, dtype: torch.dtype) -> bool:
