@@ -59,10 +59,12 @@ def test_the_stack_gives_the_layers_tokens_on_smollm2(dtype: str, smollm2_folder
 
 def test_qwen2_biases_fit_and_qwen3_norms_do_not(tiny_model_folders: dict[str, Path],  # noqa: F811
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Qwen2's q/k/v biases go into the stack's qkv projection; Qwen3's q/k norms keep the layers' path."""
-    qwen2, ran, executor = generate(tiny_model_folders["qwen2"], "float32", True, monkeypatch)
-    assert ran and decoder(executor).cpu_stack is not None
-    assert qwen2 == generate(tiny_model_folders["qwen2"], "float32", False, monkeypatch)[0]
+    """Qwen2's q/k/v biases go into the stack's qkv projection, C or torch; Qwen3's q/k norms keep the layers'
+    path."""
+    for kernels in ("c", "linear=torch"):
+        qwen2, ran, executor = generate(tiny_model_folders["qwen2"], "float32", True, monkeypatch, kernels)
+        assert ran and decoder(executor).cpu_stack is not None
+        assert qwen2 == generate(tiny_model_folders["qwen2"], "float32", False, monkeypatch, kernels)[0]
     _, ran, executor = generate(tiny_model_folders["qwen3"], "float32", True, monkeypatch)
     assert decoder(executor).cpu_stack is None and not ran
 
