@@ -71,6 +71,16 @@ def test_the_flag_forces_all_or_some_entries_and_names_a_bad_item() -> None:
         build_parser({"NANOSERVE_CPU_KERNELS": "linear=fast"}).parse_args([])
 
 
+def test_a_slow_spell_in_most_rounds_of_one_kernel_does_not_flip_the_race(monkeypatch: pytest.MonkeyPatch) -> None:
+    """C takes 46 ms a call and torch 52, but the machine is busy during three of C's five turns (80 ms): the race
+    still finds C the faster, as the spell's medians would not."""
+    turns = {"c": iter([80.0, 46.0, 80.0, 80.0, 47.0]), "torch": iter([52.0, 53.0, 52.0, 54.0, 52.0])}
+    monkeypatch.setattr(kernel_probe, "_ms_per_call", lambda call: next(turns[call()]))
+    c_ms, torch_ms = kernel_probe.race(lambda: "c", lambda: "torch")
+    assert (c_ms, torch_ms) == (46.0, 52.0)
+    assert all(next(rest, None) is None for rest in turns.values()), "every round ran, in turns"
+
+
 @needs_kernels
 def test_an_executor_measures_once_logs_once_then_reads_its_cache(
     tiny_model_folders: dict[str, Path], own_cache: Path, caplog: pytest.LogCaptureFixture  # noqa: F811
