@@ -28,6 +28,7 @@ keep_heap_memory()
 
 from bench.common import print_table, progress, w1, write_json  # noqa: E402
 from executor_svc import model_runner  # noqa: E402
+from executor_svc.__main__ import cpu_kernels_flag  # noqa: E402
 from executor_svc.attention.cpu_backend import CpuAttention  # noqa: E402
 from executor_svc.attention.torch_backend import TorchAttention  # noqa: E402
 from executor_svc.config import ExecutorOptions  # noqa: E402
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-requests", type=int, help="run only the first N requests")
     parser.add_argument("--cpu-decode-stack", choices=["on", "off"], default="on",
                         help="off: decode steps layer by layer, so that each family's share shows")
-    parser.add_argument("--cpu-kernels", default="auto",
+    parser.add_argument("--cpu-kernels", type=cpu_kernels_flag, default="auto",
                         help="the executor's --cpu-kernels (e.g. another machine's choice: linear:33+=torch)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

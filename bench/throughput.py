@@ -60,6 +60,7 @@ from bench.common import (  # noqa: E402
     progress,
     write_json,
 )
+from executor_svc.__main__ import cpu_kernels_flag  # noqa: E402
 from scheduler_svc.config import ServiceConfig  # noqa: E402
 
 HF_BATCH_SIZE = 16
@@ -150,8 +151,10 @@ def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, how: 
         sys.executable, "-m", "executor_svc", "--port", str(executor_port), "--model", args.model,
         "--device", args.device, "--dtype", args.dtype, "--block-size", str(args.block_size),
         "--threads", str(args.threads), "--max-model-len", str(workload.max_model_len),
-        "--yield-cpu", str(yield_cpu).lower(), "--cpu-kernels", args.cpu_kernels,
+        "--yield-cpu", str(yield_cpu).lower(),
     ]
+    if args.cpu_kernels != "auto":  # else NANOSERVE_CPU_KERNELS, where set, still reaches the executor
+        executor_argv += ["--cpu-kernels", args.cpu_kernels]
     if (kv_bytes := kv_cache_memory(args)) is not None:
         executor_argv += ["--kv-cache-memory", str(kv_bytes)]
     scheduler_argv = [
@@ -240,7 +243,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers peers (hf, hf_cb)")
     p.add_argument("--peers", nargs="+", choices=list(PEERS), default=None,
                    help="peers to run, in order (default: all, llamacpp where it can run)")
-    p.add_argument("--cpu-kernels", default="auto",
+    p.add_argument("--cpu-kernels", type=cpu_kernels_flag, default="auto",
                    help="the executor's --cpu-kernels (e.g. another machine's choice: linear:33+=torch)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the executor")
     p.add_argument("--kv-cache-memory", type=int, default=None,

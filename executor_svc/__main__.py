@@ -60,8 +60,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--enforce-eager", boolean, False, "never capture CUDA graphs")
     add("--cpu-kernels", cpu_kernels_flag, "auto",
         "CPU kernels: auto (measured at start-up, cached per machine), c, torch, or family[:class]=c|torch items")
-    add("--cpu-decode-stack", boolean, True, "CPU: run a decode step's decoder layers in one C call where they fit "
-        "(the same kernels and tokens, without ~10 Python calls a layer)")
+    add("--cpu-decode-stack", boolean, True, "CPU: run a decode step's decoder layers in one C call where they fit, "
+        "or their C parts in four calls a layer between torch projections (the same kernels and tokens, without "
+        "~10 Python calls a layer)")
     add("--yield-cpu", boolean, False, "on the CPU, run gRPC's and the other helper threads in SCHED_IDLE, so that "
         "they never preempt the forward pass: more offline throughput, a later first token (with the scheduler's)")
     add("--tls-cert", str, "", "PEM certificate chain (with --tls-key: serve TLS)")

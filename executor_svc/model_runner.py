@@ -90,7 +90,8 @@ class ModelRunner:
                                                self.dtype)
             # after the cache and the packed weights, whose addresses it keeps
             if options.cpu_decode_stack and cpu_decode_stack.attach(self.model, self.backend, self.dtype):
-                log.info("CPU decode steps run the decoder layers in one C call")
+                log.info("CPU decode steps run the decoder layers in the C stack (with torch projections where "
+                         "linear runs torch)")
         self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
         self.constraints = GrammarConstraints(Path(folder) / "tokenizer.json", self.config.vocab_size,
                                               self.config.eos_token_ids)

@@ -172,7 +172,7 @@ def test_profile_accounts_for_the_run(tmp_path, stack, linear):
     C decoder stack (its projections in torch where the kernel choice imposed says so), or (off) layer by layer."""
     path = tmp_path / "profile.json"
     profile.main(["--dtype", "bfloat16", "--num-requests", "2", "--cpu-decode-stack", stack,
-                  "--cpu-kernels", f"linear={linear}", "--json", str(path)])
+                  "--cpu-kernels", f"c,linear={linear}", "--json", str(path)])
     figures = json.loads(path.read_text())
     assert figures["prefill_steps"] >= 1 and figures["decode_steps"] > 10
     assert figures["decode_linear_s"] > 0  # the LM head, outside the stack

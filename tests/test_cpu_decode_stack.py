@@ -61,7 +61,7 @@ def test_qwen2_biases_fit_and_qwen3_norms_do_not(tiny_model_folders: dict[str, P
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Qwen2's q/k/v biases go into the stack's qkv projection, C or torch; Qwen3's q/k norms keep the layers'
     path."""
-    for kernels in ("c", "linear=torch"):
+    for kernels in ("c", "c,linear=torch"):
         qwen2, ran, executor = generate(tiny_model_folders["qwen2"], "float32", True, monkeypatch, kernels)
         assert ran and decoder(executor).cpu_stack is not None
         assert qwen2 == generate(tiny_model_folders["qwen2"], "float32", False, monkeypatch, kernels)[0]
@@ -73,7 +73,7 @@ def test_rows_where_linear_runs_torch_keep_the_stack_with_torch_projections(
         tiny_model_folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """The kernel choice says torch for linear at 2-8 rows: those steps run the stack with each projection in
     torch, the rest the whole stack in C, and the tokens are those of the choice without the stack."""
-    kernels, torch_rows = "linear:2-8=torch", []
+    kernels, torch_rows = "c,linear:2-8=torch", []
     run_torch = CpuDecodeStack._run_torch_linears
     monkeypatch.setattr(CpuDecodeStack, "_run_torch_linears", lambda self, hidden, residual: torch_rows.append(
         hidden.shape[0]) or run_torch(self, hidden, residual))
@@ -88,18 +88,18 @@ def test_linear_in_torch_everywhere_drops_the_packed_copies_and_keeps_the_stack(
         dtype: str, smollm2_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """As a Xeon with AMX may choose: no C linear at any row count, so no packed weights to point the whole
     stack at, yet every decode step still runs its C parts in the stack, with the layers' tokens."""
-    with_stack, ran, executor = generate(smollm2_folder, dtype, True, monkeypatch, "linear=torch")
+    with_stack, ran, executor = generate(smollm2_folder, dtype, True, monkeypatch, "c,linear=torch")
     model = decoder(executor)
     assert model.cpu_stack is not None and not model.cpu_stack.packed
     assert all(layer.self_attn.qkv_proj.packed_weight is None for layer in model.layers)
     assert set(ran) == set(range(1, len(PROMPTS) + 1))
-    assert with_stack == generate(smollm2_folder, dtype, False, monkeypatch, "linear=torch")[0]
+    assert with_stack == generate(smollm2_folder, dtype, False, monkeypatch, "c,linear=torch")[0]
 
 
 def test_rows_where_attention_or_norm_runs_torch_take_the_layers(tiny_model_folders: dict[str, Path],  # noqa: F811
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode attention or RMSNorm in torch at 2-8 rows: those steps run layer by layer, the rest stacked."""
-    for kernels in ("decode_attention:2-8=torch", "rms_norm:2-8=torch"):
+    for kernels in ("c,decode_attention:2-8=torch", "c,rms_norm:2-8=torch"):
         tokens, ran, _ = generate(tiny_model_folders["llama"], "float32", True, monkeypatch, kernels, max_tokens=40)
         assert ran and all(rows == 1 or rows > 8 for rows in ran)
         assert tokens == generate(tiny_model_folders["llama"], "float32", False, monkeypatch, kernels,
@@ -112,7 +112,7 @@ def test_the_torch_attention_backend_keeps_the_layers(tiny_model_folders: dict[s
     assert decoder(executor).cpu_stack is None
 
 
-@pytest.mark.parametrize("kernels", ["c", "linear=torch"])
+@pytest.mark.parametrize("kernels", ["c", "c,linear=torch"])
 def test_a_position_or_slot_outside_is_an_error_not_a_write(kernels: str, tiny_model_folders: dict[str, Path],  # noqa: F811
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     _, _, executor = generate(tiny_model_folders["llama"], "float32", True, monkeypatch, kernels, max_tokens=12)

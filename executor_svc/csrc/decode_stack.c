@@ -6,9 +6,10 @@
  * Those calls cost 10-20 us of Python each on the 2-core VM, ~180 us a layer: a third of a 1-sequence
  * decode step of SmolLM2-135M (docs/benchmarks.md, decode step). Here they cost a C function call.
  *
- * Shapes and layouts are executor_svc/layers/cpu_decode_stack.py's, which checks that a model and a step
- * fit them: weights packed for linear_forward, biases of the qkv and gate-up projections only (NULL where
- * there are none), caches [num_blocks, block_size, num_kv_heads, head_dim], every row a decode row. */
+ * Shapes and layouts are executor_svc/models/cpu_decode_stack.py's, which checks that a model and a step
+ * fit them: for decode_stack, weights packed for linear_forward; biases of the qkv and gate-up projections
+ * only (NULL where there are none), caches [num_blocks, block_size, num_kv_heads, head_dim], every row a
+ * decode row. */
 #include <stdint.h>
 #include <string.h>
 

@@ -1,4 +1,5 @@
-"""A CPU decode step's whole stack of decoder layers in one C call (``executor_svc/csrc/decode_stack.c``).
+"""A CPU decode step's whole stack of decoder layers in C (``executor_svc/csrc/decode_stack.c``): one call, or four
+a layer between projections that run in torch.
 
 Called layer by layer, a decode step makes ~10 kernel calls a layer from Python, each 10-20 us of wrapper on
 the 2-core development VM: ~180 us a layer, a third of a 1-sequence step of SmolLM2-135M. The C stack runs
@@ -120,9 +121,9 @@ class CpuDecodeStack:
         layers = getattr(model, "layers", None)
         if dtype not in DTYPES or tp_size() != 1 or not layers:
             return False
-        linears = _linears(layers)
-        if any(lin.packed_weight is not None and lin.packed_weight.dtype != dtype for lin in linears):
-            return False
+        for lin in _linears(layers):  # the C code reads each projection's output as ``dtype``
+            if lin.weight.dtype != dtype or lin.packed_weight is not None and lin.packed_weight.dtype != dtype:
+                return False
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
             if a.q_norm is not None or a.o_proj.bias is not None or m.down_proj.bias is not None:
@@ -147,7 +148,7 @@ class CpuDecodeStack:
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's output, the residual) for a step ``applies`` took; ``hidden`` (the embeddings,
-        [rows, hidden]) is overwritten."""
+        [rows, hidden]) may be overwritten."""
         rows = hidden.shape[0]
         hidden = hidden if hidden.is_contiguous() else hidden.contiguous()
         residual = torch.empty_like(hidden)

@@ -105,7 +105,7 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # On the CPU, the layers of a decode step in one C call where they fit (``cpu_decode_stack.attach``).
+        # On the CPU, the layers of a decode step in the C stack where they fit (``cpu_decode_stack.attach``).
         self.cpu_stack: CpuDecodeStack | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
