@@ -172,7 +172,8 @@ class CpuDecodeStack:
         """The stack with each projection through torch (``LinearBase.torch_matmul``), the rest in C between."""
         rows, shape, step = hidden.shape[0], self._args[2], self._args[3]
         size, eps, bf16, threads = self.shape.hidden, self.shape.eps, self.shape.bf16, self.shape.threads
-        normed, act = torch.empty_like(hidden), torch.empty(rows, self.shape.intermediate, dtype=self.dtype)
+        inter = self.shape.intermediate
+        normed, act = torch.empty_like(hidden), torch.empty(rows, inter, dtype=self.dtype)
         attn = torch.empty(rows, self.shape.heads * self.shape.head_dim, dtype=self.dtype)
         normed_p, attn_p, act_p, residual_p = normed.data_ptr(), attn.data_ptr(), act.data_ptr(), residual.data_ptr()
         residual.copy_(hidden)  # the embeddings are the residual; the first norm adds nothing
@@ -186,7 +187,7 @@ class CpuDecodeStack:
             y = o(attn, None)
             self._rms_norm(y.data_ptr(), size, residual_p, post_norm, normed_p, rows, size, eps, bf16, threads)
             y = gate_up(normed, gate_up_bias)
-            self._silu_and_mul(y.data_ptr(), act_p, rows, self.shape.intermediate, bf16, threads)
+            self._silu_and_mul(y.data_ptr(), act_p, rows, inter, bf16, threads)
             x = down(act, None)
         return x, residual
 
