@@ -7,8 +7,10 @@ rotary embedding, SiLU-and-mul, the embedding and the sampler; a decode step the
 (``executor_svc/models/cpu_decode_stack.py``) counts as one ``stack (C layers)``, its projections included
 where they run in torch, which ``--cpu-decode-stack off`` splits into its families. ``other`` is the rest of
 the forward pass (Python between the ops); ``scheduling, batch`` is what ``Engine.step`` spends outside the
-forward pass and the sampler (scheduling, the plan, packing the batch, postprocessing). The timers cost
-~1 us a call, a few tenths of a second over a run.
+forward pass and the sampler (scheduling, the plan, packing the batch, postprocessing). The stack's own time
+is split as well (``stack_*_s``): its projections in torch, its C attention (rotary, KV store, attention), its C
+RMSNorms and SiLU-and-mul, the one C call of a step whose projections run C too, and the Python between them.
+The timers cost ~1 us a call, a few tenths of a second over a run.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ COMPONENTS = [
 ]
 
 
+# The parts of the C decoder stack's time (decode steps only): table row, JSON key (``stack_<key>_s``).
+STACK_PARTS = {"projections (torch)": "projections", "attention (C)": "attention", "norms, SiLU (C)": "norms_silu",
+               "whole-C call": "whole_c"}
+
+
 class Timers:
     """Seconds per (phase, component); the phase is that of the forward pass last started."""
 
@@ -90,6 +97,22 @@ class Timers:
         original = vars(cls)[method]
         stack.callback(setattr, cls, method, original)
         setattr(cls, method, self._timed(name, original))
+
+    def wrap_stack_parts(self, stack: ExitStack, decoder_stack: CpuDecodeStack) -> None:
+        """Time the decoder stack's calls from Python: its kernels and the torch projections it holds."""
+        for attribute, name in (("_attention", "attention (C)"), ("_rms_norm", "norms, SiLU (C)"),
+                                ("_silu_and_mul", "norms, SiLU (C)"), ("_run", "whole-C call")):
+            original = getattr(decoder_stack, attribute)
+            stack.callback(setattr, decoder_stack, attribute, original)
+            setattr(decoder_stack, attribute, self._timed(name, original))
+        layers = decoder_stack.torch_layers
+        stack.callback(setattr, decoder_stack, "torch_layers", layers)
+        projection = "projections (torch)"
+        decoder_stack.torch_layers = [
+            (spec, input_norm, post_norm, self._timed(projection, qkv), qkv_bias, self._timed(projection, o),
+             self._timed(projection, gate_up), gate_up_bias, self._timed(projection, down))
+            for spec, input_norm, post_norm, qkv, qkv_bias, o, gate_up, gate_up_bias, down in layers
+        ]
 
     def _timed(self, name: str, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
@@ -133,6 +156,9 @@ def main(argv: list[str] | None = None) -> None:
         timers.wrap(stack, "forward", model_runner.ModelRunner, "execute")
         timers.watch_phase(stack)
         timers.wrap(stack, "step", Engine, "step")
+        decoder_stack = getattr(engine.executor.runner.model.model, "cpu_stack", None)
+        if decoder_stack is not None:
+            timers.wrap_stack_parts(stack, decoder_stack)
         for prompt, limit in zip(workload.prompts, workload.max_tokens, strict=True):
             engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=limit, ignore_eos=True))
         start = time.perf_counter()
@@ -153,6 +179,13 @@ def main(argv: list[str] | None = None) -> None:
             rows.append([phase, name, value, 100 * value / total])
             figures[f"{phase}_{name.split(' ')[0].rstrip(',')}_s"] = value
         figures[f"{phase}_steps"] = steps[phase]
+    stack_s = seconds["decode", "stack (C layers)"]
+    if stack_s > 0:
+        parts = {name: seconds["decode", name] for name in STACK_PARTS}
+        parts["python between"] = stack_s - sum(parts.values())
+        for name, value in parts.items():
+            rows.append(["decode", f"stack: {name}", value, 100 * value / total])
+            figures[f"stack_{STACK_PARTS.get(name, 'python')}_s"] = value
     print(f"W1, {args.dtype}, {args.threads} threads: {total:.2f} s, {figures['tok_s']:.1f} tok/s, "
           f"{steps['prefill']} prefill and {steps['decode']} decode steps")
     print_table(["phase", "component", "seconds", "% of run"], rows)

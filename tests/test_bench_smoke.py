@@ -178,6 +178,14 @@ def test_profile_accounts_for_the_run(tmp_path, stack, linear):
     assert figures["decode_linear_s"] > 0  # the LM head, outside the stack
     assert (figures["decode_stack_s"] > 0) == (stack == "on")
     assert (figures["decode_attention_s"] > 0) == (stack == "off")
+    if stack == "on":  # the stack's parts: one C call a step, or torch projections with C between them
+        assert (figures["stack_whole_c_s"] > 0) == (linear == "c")
+        assert (figures["stack_projections_s"] > 0) == (figures["stack_attention_s"] > 0) == (linear == "torch")
+        assert (linear == "c") or figures["stack_norms_silu_s"] > 0
+        stack_parts = [figures[f"stack_{key}_s"] for key in (*profile.STACK_PARTS.values(), "python")]
+        assert all(v >= 0 for v in stack_parts) and sum(stack_parts) == pytest.approx(figures["decode_stack_s"])
+    else:
+        assert not any(key.startswith("stack_") for key in figures)
     parts = [v for k, v in figures.items() if k.startswith(("prefill_", "decode_")) and k.endswith("_s")]
     assert all(v >= 0 for v in parts)
     assert sum(parts) <= figures["total_s"] * 1.01
