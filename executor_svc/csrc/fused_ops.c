@@ -78,7 +78,7 @@ static inline void put_exact(void *row, int64_t i, float v, int bf16) {
     }
 }
 
-/* One row of rms_norm below, in three vectorised passes (the sum, the sum of squares, the scaling) instead of ten
+/* One row of rms_norm below, in three vectorised passes (x + residual, the squares, the scaling) instead of ten
  * over the row: 38 rows of 576 took 6.6 us in float32 and 12.0 in bfloat16 against 11.7 and 14.5 on one Zen 4
  * core. The squares are summed in a pass of their own over float32 values, in 16 lanes as before: folded into
  * the first pass, bfloat16 loads made it 32 lanes in two sums, another rounding of the same sum, and a greedy
@@ -89,7 +89,8 @@ static inline __attribute__((always_inline)) void rms_norm_row(const void *x, vo
     if (residual != NULL) {
 #pragma omp simd
         for (int i = 0; i < dim; i++) {
-            float v = bf16 ? bf16_round(element(x, i, 1) + element(residual, i, 1)) : element(x, i, 0) + element(residual, i, 0);
+            float v = element(x, i, bf16) + element(residual, i, bf16);
+            v = bf16 ? bf16_round(v) : v;
             put_exact(residual, i, v, bf16);
             h[i] = v;
         }
