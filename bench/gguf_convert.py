@@ -22,7 +22,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
 from gguf.quants import dequantize, quantize
 
-from executor_svc.model_registry import EMBEDDED_MODELS, cache_root
+from executor_svc.runtime.registry import EMBEDDED_MODELS, cache_root
 
 # dtype -> (the tensor type of 2-D weights, general.file_type).
 GGUF_DTYPES = {

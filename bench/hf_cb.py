@@ -25,7 +25,7 @@ def load_model(args: argparse.Namespace) -> torch.nn.Module:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
-    from executor_svc.model_registry import resolve_model
+    from executor_svc.runtime.registry import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=getattr(torch, args.dtype))
     return model.to(args.device).eval()

@@ -13,7 +13,7 @@
 
 Each figure is the median of ``--repeats`` timings, peers taking turns; ``ratio`` is torch's time over the
 kernel's. Then the table the executor itself chooses by on this machine for W1's model at ``--dtype``
-(``executor_svc/kernel_probe.py``: measured at its start-up, or read from this machine's cache). JSON:
+(``executor_svc/cpu/probe.py``: measured at its start-up, or read from this machine's cache). JSON:
 ``{kernel}_{rows}_ms`` and ``{kernel}_{rows}_torch_ms`` per row, and ``choice`` ({family: {class: "c" or
 "torch"}}).
 """
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from executor_svc.openmp import set_wait_policy
+from executor_svc.cpu.openmp import set_wait_policy
 
 set_wait_policy()
 
@@ -39,15 +39,15 @@ from executor_svc import cpu_kernels  # noqa: E402
 from executor_svc.attention.base import AttentionMetadata  # noqa: E402
 from executor_svc.attention.cpu_backend import CpuAttention  # noqa: E402
 from executor_svc.attention.torch_backend import TorchAttention  # noqa: E402
-from executor_svc.config import ExecutorOptions  # noqa: E402
-from executor_svc.kernel_choice import CLASSES, FAMILIES, KernelChoice  # noqa: E402
-from executor_svc.kernel_probe import prefill_batch  # noqa: E402
+from executor_svc.cpu.choice import CLASSES, FAMILIES, KernelChoice  # noqa: E402
+from executor_svc.cpu.probe import prefill_batch  # noqa: E402
 from executor_svc.layers import cpu_fused  # noqa: E402
 from executor_svc.layers.linear import PackedWeight, onednn_copy  # noqa: E402
 from executor_svc.layers.norm import RMSNorm  # noqa: E402
 from executor_svc.layers.rotary import RotaryEmbedding, rotate_half  # noqa: E402
-from executor_svc.model_registry import DEFAULT_MODEL, resolve_model  # noqa: E402
-from executor_svc.model_runner import ModelRunner  # noqa: E402
+from executor_svc.runtime.config import ExecutorOptions  # noqa: E402
+from executor_svc.runtime.model_runner import ModelRunner  # noqa: E402
+from executor_svc.runtime.registry import DEFAULT_MODEL, resolve_model  # noqa: E402
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16

@@ -25,7 +25,7 @@ import numpy as np
 
 from bench.common import WARMUP_PROMPT, Workload, progress
 from bench.gguf_convert import GGUF_DTYPES, converted_gguf
-from executor_svc.model_registry import EMBEDDED_MODELS
+from executor_svc.runtime.registry import EMBEDDED_MODELS
 
 INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --no-binary llama-cpp-python "llama-cpp-python>=0.3.36" gguf'
 # llama-server's defaults: the logical batch one llama_decode takes, and the physical batch it computes at once.

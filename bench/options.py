@@ -16,20 +16,20 @@ import statistics
 import time
 from pathlib import Path
 
-from executor_svc.malloc import keep_heap_memory
-from executor_svc.openmp import set_wait_policy
+from executor_svc.cpu.malloc import keep_heap_memory
+from executor_svc.cpu.openmp import set_wait_policy
 
 set_wait_policy()
 keep_heap_memory()
 
 from bench.common import print_table, progress, write_json  # noqa: E402
-from executor_svc.config import ExecutorOptions  # noqa: E402
-from executor_svc.model_executor import ModelExecutor  # noqa: E402
+from executor_svc.runtime.config import ExecutorOptions  # noqa: E402
+from executor_svc.runtime.model_executor import ModelExecutor  # noqa: E402
 from nanoserve.v1 import generation_pb2 as pb  # noqa: E402
-from scheduler_svc.engine import Engine  # noqa: E402
-from scheduler_svc.sampling import SamplingParams  # noqa: E402
-from scheduler_svc.structured import compile_grammar  # noqa: E402
-from scheduler_svc.tokenizer import ModelTokenizer  # noqa: E402
+from scheduler_svc.api.structured import compile_grammar  # noqa: E402
+from scheduler_svc.core.sampling import SamplingParams  # noqa: E402
+from scheduler_svc.core.tokenizer import ModelTokenizer  # noqa: E402
+from scheduler_svc.engine.engine import Engine  # noqa: E402
 
 # A small object schema whose completions stay short; with ignore_eos a finished one keeps sampling EOS, masked.
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

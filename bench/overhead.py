@@ -1,6 +1,6 @@
 """W4: scheduler + RPC overhead per decode step, with a null executor behind the real gRPC hop.
 
-The null executor (``executor_svc.shadow_server.NullExecutor``, served by the same
+The null executor (``executor_svc.fakes.shadow_server.NullExecutor``, served by the same
 gRPC servicer as every executor) runs in its own process and answers every plan
 with a fixed token at once, so a step's time is all scheduling, plan building, the
 RPC (serialise, transport, deserialise) and postprocessing. Peers, same engine and
@@ -34,14 +34,14 @@ import grpc
 from bench.common import HOST, Child, free_port, print_table, progress, write_json
 from common.channels import EXECUTOR_CHANNEL_OPTIONS
 from common.executor import Executor
+from executor_svc.fakes.shadow_server import NullExecutor, model_free_info
+from executor_svc.fakes.shadow_server import parse_args as null_server_args
 from executor_svc.service import build_server
-from executor_svc.shadow_server import NullExecutor, model_free_info
-from executor_svc.shadow_server import parse_args as null_server_args
 from nanoserve.v1 import executor_pb2 as pb
-from scheduler_svc.engine import Engine
-from scheduler_svc.remote import RemoteExecutor
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import SchedulerConfig
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.executor_client import RemoteExecutor
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000

@@ -1,6 +1,6 @@
 """W5: the split behind a simulated accelerator, or how long a GPU would wait for the CPU each step.
 
-The executor is ``executor_svc.simulated``: a real executor on the real protocol that does every per-step CPU cost
+The executor is ``executor_svc.fakes.simulated``: a real executor on the real protocol that does every per-step CPU cost
 of the model executor (apply the plan to its request table, pack the input tensors and attention metadata with
 ``model_input.prepare_input``, record the sampled tokens, build the result, which gRPC then serialises) but
 replaces the forward pass and the sampling with ``--step-ms`` on a simulated device: a step is launched without
@@ -42,17 +42,17 @@ from bench.overhead import geometry
 from bench.overlap_api import TAIL_FACTOR, ApiPeer, ApiRun
 from common.executor import Executor
 from common.heap import freeze_startup_heap
-from executor_svc.model_input import ModelInput
-from executor_svc.requests import ScheduledChunk
-from executor_svc.simulated import Launched, SimulatedExecutor, simulated_executor
-from executor_svc.simulated import parse_args as simulated_args
-from executor_svc.steps import PreparedStep
+from executor_svc.core.request_table import ScheduledChunk
+from executor_svc.core.step_pipeline import PreparedStep
+from executor_svc.fakes.simulated import Launched, SimulatedExecutor, simulated_executor
+from executor_svc.fakes.simulated import parse_args as simulated_args
+from executor_svc.runtime.model_input import ModelInput
 from nanoserve.v1 import executor_pb2 as pb
+from scheduler_svc.api.grpc_service import connect_engine, executor_client, set_gil_switch_interval
 from scheduler_svc.config import ServiceConfig
-from scheduler_svc.engine import Engine
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.sequence import Sequence as SchedulerSequence
-from scheduler_svc.service import connect_engine, executor_client, set_gil_switch_interval
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.sequence import Sequence as SchedulerSequence
+from scheduler_svc.engine.engine import Engine
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     flags = executor_flags(args.step_ms, max_model_len, num_blocks)
     port = free_port()
     peers = [p for p in PEERS if p in args.peers]
-    argv = [sys.executable, "-m", "executor_svc.simulated", "--host", HOST, "--port", str(port), *flags]
+    argv = [sys.executable, "-m", "executor_svc.fakes.simulated", "--host", HOST, "--port", str(port), *flags]
     with Child("simulated executor", argv) as child:
         target = f"{HOST}:{port}"
         child.wait_serving(target, timeout_s=60)

@@ -82,7 +82,7 @@ class ApiPeer:
         executor_port, port = free_port(), free_port()
         return cls(port, start_serving([
             ("api's simulated executor", executor_port, [
-                "-m", "executor_svc.simulated", "--host", HOST, "--port", str(executor_port), *executor_flags]),
+                "-m", "executor_svc.fakes.simulated", "--host", HOST, "--port", str(executor_port), *executor_flags]),
             ("api's scheduler", port, [
                 "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--host", HOST, "--port", str(port),
                 "--http-port", "0", "--log-level", "WARNING", "--stream-interval", str(stream_interval)]),

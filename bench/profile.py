@@ -4,7 +4,7 @@ Runs W1 (BENCHMARKS.md) through the scheduler Engine and the ModelExecutor in th
 ``bench.throughput``'s ``inprocess`` peer does, with a timer around each component's Python entry point:
 the linear layers (``LinearBase.matmul``, LM head included), attention's store and compute, RMSNorm, the
 rotary embedding, SiLU-and-mul, the embedding and the sampler; a decode step the C decoder stack ran
-(``executor_svc/models/cpu_decode_stack.py``) counts as one ``stack (C layers)``, its projections included
+(``executor_svc/cpu/decode_stack.py``) counts as one ``stack (C layers)``, its projections included
 where they run in torch, which ``--cpu-decode-stack off`` splits into its families. ``other`` is the rest of
 the forward pass (Python between the ops); ``scheduling, batch`` is what ``Engine.step`` spends outside the
 forward pass and the sampler (scheduling, the plan, packing the batch, postprocessing). The stack's own time
@@ -22,8 +22,8 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
-from executor_svc.malloc import keep_heap_memory
-from executor_svc.openmp import set_wait_policy
+from executor_svc.cpu.malloc import keep_heap_memory
+from executor_svc.cpu.openmp import set_wait_policy
 
 set_wait_policy()
 keep_heap_memory()
@@ -33,18 +33,18 @@ from executor_svc import model_runner  # noqa: E402
 from executor_svc.__main__ import cpu_kernels_flag  # noqa: E402
 from executor_svc.attention.cpu_backend import CpuAttention  # noqa: E402
 from executor_svc.attention.torch_backend import TorchAttention  # noqa: E402
-from executor_svc.config import ExecutorOptions  # noqa: E402
+from executor_svc.cpu.decode_stack import CpuDecodeStack  # noqa: E402
 from executor_svc.layers.activation import SiluAndMul  # noqa: E402
 from executor_svc.layers.embedding import VocabParallelEmbedding  # noqa: E402
 from executor_svc.layers.linear import LinearBase  # noqa: E402
 from executor_svc.layers.norm import RMSNorm  # noqa: E402
 from executor_svc.layers.rotary import RotaryEmbedding  # noqa: E402
-from executor_svc.model_executor import ModelExecutor  # noqa: E402
-from executor_svc.model_input import ModelInput  # noqa: E402
-from executor_svc.models.cpu_decode_stack import CpuDecodeStack  # noqa: E402
-from executor_svc.sampler import Sampler  # noqa: E402
-from scheduler_svc.engine import Engine  # noqa: E402
-from scheduler_svc.sampling import SamplingParams  # noqa: E402
+from executor_svc.runtime.config import ExecutorOptions  # noqa: E402
+from executor_svc.runtime.model_executor import ModelExecutor  # noqa: E402
+from executor_svc.runtime.model_input import ModelInput  # noqa: E402
+from executor_svc.sample.sampler import Sampler  # noqa: E402
+from scheduler_svc.core.sampling import SamplingParams  # noqa: E402
+from scheduler_svc.engine.engine import Engine  # noqa: E402
 
 # (component, class, method). A call inside a call of the same component (CpuAttention falling back to
 # TorchAttention's decode) is counted once.

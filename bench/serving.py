@@ -141,7 +141,7 @@ def launch(kind: str, workload: Workload, stack: ExitStack, max_num_seqs: int, t
     if kind == "shadow":
         longest = max(len(p) + m for p, m in zip(workload.prompts, workload.max_tokens, strict=True))
         num_blocks = len(workload) * -(-longest // BLOCK_SIZE)
-        argv = [sys.executable, "-m", "executor_svc.shadow_server", "--port", str(executor_port),
+        argv = [sys.executable, "-m", "executor_svc.fakes.shadow_server", "--port", str(executor_port),
                 "--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE),
                 "--vocab-size", str(SHADOW_VOCAB_SIZE), "--max-model-len", str(workload.max_model_len),
                 "--log-level", "WARNING"]

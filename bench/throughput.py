@@ -37,11 +37,11 @@ from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
-from executor_svc.malloc import keep_heap_memory
-from executor_svc.openmp import set_wait_policy
+from executor_svc.cpu.malloc import keep_heap_memory
+from executor_svc.cpu.openmp import set_wait_policy
 
-# Before torch loads OpenMP, for every peer alike: the executor's short spin (executor_svc/openmp.py),
-# and its malloc thresholds (executor_svc/malloc.py).
+# Before torch loads OpenMP, for every peer alike: the executor's short spin (executor_svc/cpu/openmp.py),
+# and its malloc thresholds (executor_svc/cpu/malloc.py).
 set_wait_policy()
 keep_heap_memory()
 
@@ -72,7 +72,7 @@ def run_hf(args: argparse.Namespace, workload: Workload) -> float:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
-    from executor_svc.model_registry import resolve_model
+    from executor_svc.runtime.registry import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=getattr(torch, args.dtype))
     model = model.to(args.device).eval()
@@ -105,12 +105,12 @@ def run_inprocess(args: argparse.Namespace, workload: Workload, stack: bool = Tr
     ``--cpu-decode-stack``; ``overlap``: the Engine keeps a step in flight on a worker thread, as the split's
     default flags do over gRPC."""
     from common.heap import freeze_startup_heap
-    from executor_svc.config import ExecutorOptions
-    from executor_svc.model_executor import ModelExecutor
-    from scheduler_svc.engine import Engine
-    from scheduler_svc.sampling import SamplingParams
-    from scheduler_svc.scheduler import SchedulerConfig
-    from scheduler_svc.service import set_gil_switch_interval
+    from executor_svc.runtime.config import ExecutorOptions
+    from executor_svc.runtime.model_executor import ModelExecutor
+    from scheduler_svc.api.grpc_service import set_gil_switch_interval
+    from scheduler_svc.core.sampling import SamplingParams
+    from scheduler_svc.core.scheduler import SchedulerConfig
+    from scheduler_svc.engine.engine import Engine
 
     options = ExecutorOptions(
         model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_memory=kv_cache_memory(args),

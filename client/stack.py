@@ -49,7 +49,7 @@ class Service:
 def executor_service(port: int, shadow: bool) -> Service:
     """The embedded model on CPU, or with ``shadow`` the model-free test executor (no torch needed)."""
     if shadow:
-        argv = [sys.executable, "-m", "executor_svc.shadow_server", "--host", HOST, "--port", str(port)]
+        argv = [sys.executable, "-m", "executor_svc.fakes.shadow_server", "--host", HOST, "--port", str(port)]
         return Service("executor", argv, {}, f"{HOST}:{port}")
     env = {"NANOSERVE_HOST": HOST, "NANOSERVE_PORT": str(port),
            "NANOSERVE_MODEL": os.environ.get("NANOSERVE_MODEL", DEFAULT_MODEL), **EXECUTOR_CPU_ENV}

@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 
 from common.flags import EnvFlags, boolean, port, positive_float, positive_int
 from common.security import TLSConfig
-from executor_svc.config import DTYPES, ExecutorOptions
-from executor_svc.kernel_choice import parse_override
-from executor_svc.model_registry import DEFAULT_MODEL
-from executor_svc.openmp import set_wait_policy
+from executor_svc.cpu.choice import parse_override
+from executor_svc.cpu.openmp import set_wait_policy
+from executor_svc.runtime.config import DTYPES, ExecutorOptions
+from executor_svc.runtime.registry import DEFAULT_MODEL
 
 log = logging.getLogger("nanoserve.executor")
 
@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as e:
         parser.error(str(e))
     set_wait_policy()
-    from executor_svc.model_executor import ModelExecutor
+    from executor_svc.runtime.model_executor import ModelExecutor
     from executor_svc.service import serve
 
     executor = ModelExecutor(options)

@@ -19,7 +19,7 @@ from common.cpu_yield import thread_ids, yield_cpu
 from common.executor import Executor
 from common.heap import freeze_startup_heap
 from common.security import TLSConfig, bind, transport_name
-from executor_svc.requests import PlanError
+from executor_svc.core.request_table import PlanError
 from nanoserve.v1 import executor_pb2 as pb
 from nanoserve.v1 import executor_pb2_grpc as pb_grpc
 
@@ -58,7 +58,7 @@ class CallingThread:
 
     torch work in the executor process stays on one thread: libgomp gives every thread that starts
     parallel work its own team of OpenMP threads, and once a process has more of them than CPUs it cuts
-    their spin before sleeping (``executor_svc/openmp.py``) to 100. Steps run on changing gRPC worker
+    their spin before sleeping (``executor_svc/cpu/openmp.py``) to 100. Steps run on changing gRPC worker
     threads measured 25 % slower on two cores.
     """
 
@@ -128,7 +128,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         """Steps run back to back, each as soon as the one before is computed and its plan has arrived.
 
         A reader thread takes plans off the stream as they come. An executor whose step comes in halves and
-        that ``prepares_ahead`` (``executor_svc.steps.TableExecutor`` off the CPU) has each plan applied and
+        that ``prepares_ahead`` (``executor_svc.core.step_pipeline.TableExecutor`` off the CPU) has each plan applied and
         its input packed there, while the step before still runs, and only the execution queued; any other
         executor has the whole step queued. This generator yields the results in order, so gRPC serialises
         and sends step N's while step N+1 runs (vLLM's async scheduling does the same). After a step fails

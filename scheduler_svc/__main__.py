@@ -7,8 +7,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from scheduler_svc.api.grpc_service import serve
 from scheduler_svc.config import parse_config
-from scheduler_svc.service import serve
 
 
 def main(argv: Sequence[str] | None = None) -> None:

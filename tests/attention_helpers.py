@@ -38,7 +38,7 @@ def cpu_kernel_builds() -> list[object]:
     variant of the same sources, so that both instruction sets' kernels are tested wherever the suite runs."""
     import pytest
 
-    from executor_svc import cpu_kernels
+    from executor_svc.cpu import kernels as cpu_kernels
 
     native = cpu_kernels.kernel_library()
     builds = [pytest.param(native, id="native")]

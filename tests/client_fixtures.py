@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 from tokenizers import Tokenizer
 
-from scheduler_svc.tokenizer import ChatMessage, ModelTokenizer
+from scheduler_svc.core.tokenizer import ChatMessage, ModelTokenizer
 from tests.service_fixtures import (
     CHATML_TEMPLATE,
     TOKENIZER_VOCAB_SIZE,

@@ -10,10 +10,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
-from executor_svc.shadow import ShadowExecutor
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.engine import Engine
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from executor_svc.fakes.shadow import ShadowExecutor
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.engine.engine import Engine
 
 EOS = 0
 

@@ -14,7 +14,7 @@ import openai
 
 from common.executor import Executor
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.service import SchedulerServer
+from scheduler_svc.api.grpc_service import SchedulerServer
 from tests.service_fixtures import HOST, IDLE_TIMEOUT_S, free_port, in_process_scheduler
 
 START_TIMEOUT_S = 30.0

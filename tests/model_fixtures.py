@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
-from executor_svc.model_registry import DEFAULT_MODEL, resolve_model  # noqa: E402
+from executor_svc.runtime.registry import DEFAULT_MODEL, resolve_model  # noqa: E402
 
 TINY_VOCAB = 512
 _TINY_COMMON = dict(

@@ -26,8 +26,8 @@ from common.executor import Executor
 from nanoserve.v1 import executor_pb2, executor_pb2_grpc
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.api.grpc_service import SchedulerServer
 from scheduler_svc.config import ServiceConfig
-from scheduler_svc.service import SchedulerServer
 
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,7 +130,7 @@ class Stack:
 
 def executor_argv(kind: str, port: int, options: dict[str, object]) -> list[str]:
     """The command of a model-free executor: ``shadow`` (default), ``echo`` or ``null``."""
-    argv = [sys.executable, "-m", "executor_svc.shadow_server", "--host", HOST, "--port", str(port)]
+    argv = [sys.executable, "-m", "executor_svc.fakes.shadow_server", "--host", HOST, "--port", str(port)]
     if kind in ("echo", "null"):
         argv.append(f"--{kind}")
     for key, value in options.items():

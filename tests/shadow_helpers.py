@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from executor_svc.shadow import ShadowExecutor, reference_generate
+from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import executor_pb2 as pb
-from scheduler_svc.engine import Completion, Engine
-from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.engine.engine import Completion, Engine
 from tests.conftest import EOS
 
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import executor_svc.attention as attention
-from executor_svc import cpu_kernels
 from executor_svc.attention import available_backends, get_backend
 from executor_svc.attention.flash_backend import FlashAttention
 from executor_svc.attention.torch_backend import TorchAttention
 
 # Imported before any test sets TRITON_INTERPRET, so the kernels stay compiled ones for this process.
 from executor_svc.attention.triton_backend import TritonAttention
+from executor_svc.cpu import kernels as cpu_kernels
 from tests.attention_helpers import decode_meta, prefill_meta
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

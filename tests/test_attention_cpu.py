@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import executor_svc.attention as attention
-from executor_svc import cpu_kernels
 from executor_svc.attention import available_backends, get_backend
 from executor_svc.attention.cpu_backend import CpuAttention
 from executor_svc.attention.torch_backend import TorchAttention
+from executor_svc.cpu import kernels as cpu_kernels
 from tests.attention_helpers import cpu_kernel_builds
 from tests.test_attention_torch import BLOCK_SIZES, HEADS, PagedBatch, run_decode
 

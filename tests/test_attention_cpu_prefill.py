@@ -7,10 +7,10 @@ import ctypes
 import pytest
 import torch
 
-from executor_svc import cpu_kernels
 from executor_svc.attention.cpu_backend import CpuAttention
 from executor_svc.attention.torch_backend import TorchAttention
-from executor_svc.kernel_choice import KernelChoice
+from executor_svc.cpu import kernels as cpu_kernels
+from executor_svc.cpu.choice import KernelChoice
 from tests.attention_helpers import cpu_kernel_builds
 from tests.test_attention_torch import PagedBatch
 

@@ -7,10 +7,10 @@ import json
 import torch
 
 from bench import hf_cb, random_model, throughput
-from executor_svc.config import ExecutorOptions
-from executor_svc.model_executor import ModelExecutor
-from scheduler_svc.engine import Engine
-from scheduler_svc.sampling import SamplingParams
+from executor_svc.runtime.config import ExecutorOptions
+from executor_svc.runtime.model_executor import ModelExecutor
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.engine.engine import Engine
 
 # A chat turn of SmolLM2's template ("What is the capital of France?") and a plain id run.
 PROMPTS = [[1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198], list(range(100, 140))]

@@ -9,11 +9,11 @@ import pytest
 
 from bench import llamacpp, throughput
 from bench.gguf_convert import converted_gguf
-from executor_svc.config import ExecutorOptions
-from executor_svc.model_executor import ModelExecutor
-from executor_svc.model_registry import DEFAULT_MODEL
-from scheduler_svc.engine import Engine
-from scheduler_svc.sampling import SamplingParams
+from executor_svc.runtime.config import ExecutorOptions
+from executor_svc.runtime.model_executor import ModelExecutor
+from executor_svc.runtime.registry import DEFAULT_MODEL
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.engine.engine import Engine
 
 # A chat turn of SmolLM2's template ("What is the capital of France?") and two plain id runs.
 PROMPTS = [

@@ -11,8 +11,8 @@ import torch
 
 from bench import kernels, options, overhead, overlap, profile, random_model, serving, throughput
 from bench.common import w1, w2
-from executor_svc import cpu_kernels
-from executor_svc.kernel_choice import CLASSES, FAMILIES
+from executor_svc.cpu import kernels as cpu_kernels
+from executor_svc.cpu.choice import CLASSES, FAMILIES
 
 
 def test_workloads_draw_as_benchmarks_md_defines():

@@ -1,4 +1,4 @@
-"""The CPU decode stack (``executor_svc/models/cpu_decode_stack.py``): the tokens of the layer-by-layer path, on the
+"""The CPU decode stack (``executor_svc/cpu/decode_stack.py``): the tokens of the layer-by-layer path, on the
 models and steps it fits, and that path wherever it does not fit."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_svc import cpu_kernels
-from executor_svc.config import ExecutorOptions
-from executor_svc.model_executor import ModelExecutor
-from executor_svc.models.cpu_decode_stack import CpuDecodeStack
-from scheduler_svc.engine import Engine
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import SchedulerConfig
+from executor_svc.cpu import kernels as cpu_kernels
+from executor_svc.cpu.decode_stack import CpuDecodeStack
+from executor_svc.runtime.config import ExecutorOptions
+from executor_svc.runtime.model_executor import ModelExecutor
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.engine.engine import Engine
 from tests.conftest import assert_all_blocks_free
 from tests.model_fixtures import smollm2_folder, tiny_model_folders  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""The C elementwise kernels (``executor_svc/layers/cpu_fused.py``) against the torch code they replace.
+"""The C elementwise kernels (``executor_svc/cpu/fused.py``) against the torch code they replace.
 
 The kernels round where torch rounds, so they differ from it only where a float32 sum is taken in another
 order or glibc's expf differs from torch's in the last bit: float32 results by a few units in the last
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc import cpu_kernels
 from executor_svc.attention.cpu_backend import CpuAttention
 from executor_svc.attention.torch_backend import TorchAttention
-from executor_svc.layers import cpu_fused
+from executor_svc.cpu import fused as cpu_fused
+from executor_svc.cpu import kernels as cpu_kernels
 from executor_svc.layers.activation import SiluAndMul
 from executor_svc.layers.norm import RMSNorm
 from executor_svc.layers.rotary import RotaryEmbedding

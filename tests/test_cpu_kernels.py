@@ -1,4 +1,4 @@
-"""How the C kernel library (``executor_svc/cpu_kernels.py``) is built, cached and loaded."""
+"""How the C kernel library (``executor_svc/cpu/kernels.py``) is built, cached and loaded."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_svc import cpu_kernels
+from executor_svc.cpu import kernels as cpu_kernels
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.kernel_library() is None, reason="no C compiler here to build the CPU kernels"

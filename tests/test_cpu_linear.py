@@ -1,4 +1,4 @@
-"""The C linear kernel (``executor_svc/csrc/linear.c``) through ``PackedWeight``, and how layers get packed.
+"""The C linear kernel (``executor_svc/cpu/csrc/linear.c``) through ``PackedWeight``, and how layers get packed.
 
 float32 results may differ from torch's only by the order of the sums (no further from the float64 product
 than torch's own); bfloat16 ones are rounded once from float32 sums, as torch's are, so they match
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor_svc import cpu_kernels
+from executor_svc.cpu import kernels as cpu_kernels
 from executor_svc.layers import linear
 from executor_svc.layers.linear import ColumnParallelLinear, PackedWeight, RowParallelLinear, prepack_for_cpu
 from tests.attention_helpers import cpu_kernel_builds

@@ -14,10 +14,10 @@ import torch
 
 from executor_svc.attention import available_backends
 from executor_svc.attention.flash_backend import FLASH_PAGE_MULTIPLE
-from executor_svc.config import ExecutorOptions
-from executor_svc.model_executor import ModelExecutor
-from scheduler_svc.engine import Engine
-from scheduler_svc.sampling import SamplingParams
+from executor_svc.runtime.config import ExecutorOptions
+from executor_svc.runtime.model_executor import ModelExecutor
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.engine.engine import Engine
 from tests.model_fixtures import hf_greedy, tiny_model_folders  # noqa: F401
 from tests.test_model_parity import random_prompts
 

@@ -1,4 +1,4 @@
-"""One table of sampling and stopping defaults (``scheduler_svc.sampling.DEFAULTS``): what the proto comments,
+"""One table of sampling and stopping defaults (``scheduler_svc.core.sampling.DEFAULTS``): what the proto comments,
 the CLI help and docs/client.md say, what an unset GenerateRequest gets, and the docs' account of the loop."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 
 from client.cli import build_parser
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.sampling import DEFAULTS
-from scheduler_svc.supervision import IDLE_PROBE_S
-from scheduler_svc.validation import ModelLimits
-from scheduler_svc.wire import prepare
+from scheduler_svc.api.codec import prepare
+from scheduler_svc.core.sampling import DEFAULTS
+from scheduler_svc.core.validation import ModelLimits
+from scheduler_svc.engine.supervision import IDLE_PROBE_S
 
 ROOT = Path(__file__).resolve().parent.parent
 # DEFAULTS key -> (proto message, proto field, CLI flag)

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers
 
-from scheduler_svc.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, TextStream
-from scheduler_svc.tokenizer import ModelTokenizer
+from scheduler_svc.core.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, TextStream
+from scheduler_svc.core.tokenizer import ModelTokenizer
 from tests.service_fixtures import byte_level_tokenizer
 
 # Characters outside the training corpus fall back to byte tokens: é is split, 日本 and 🦀 are 3 and 4 bytes.

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from executor_svc.shadow import ShadowExecutor
-from scheduler_svc.block_manager import NO_HASH
-from scheduler_svc.engine import Engine
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import SchedulerConfig
+from executor_svc.fakes.shadow import ShadowExecutor
+from scheduler_svc.core.block_manager import NO_HASH
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.engine.engine import Engine
 from tests.conftest import EOS, assert_all_blocks_free
 from tests.shadow_helpers import expected
 

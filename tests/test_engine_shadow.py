@@ -7,15 +7,15 @@ import random
 import grpc
 import pytest
 
-from executor_svc.requests import PlanError
+from executor_svc.core.request_table import PlanError
+from executor_svc.fakes.shadow import ShadowExecutor
 from executor_svc.service import build_server
-from executor_svc.shadow import ShadowExecutor
 from nanoserve.v1 import executor_pb2 as pb
 from nanoserve.v1 import executor_pb2_grpc as pb_grpc
-from scheduler_svc.engine import Engine
-from scheduler_svc.remote import RemoteExecutor
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import SchedulerConfig
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.executor_client import RemoteExecutor
 from tests.conftest import EOS
 from tests.shadow_helpers import RecordingExecutor, assert_matches_reference, expected
 

@@ -9,13 +9,13 @@ from concurrent.futures import Future
 import grpc
 import pytest
 
+from executor_svc.fakes.shadow import ShadowExecutor
 from executor_svc.service import build_server
-from executor_svc.shadow import ShadowExecutor
 from nanoserve.v1 import executor_pb2 as pb
-from scheduler_svc.engine import Engine, StepMismatch
-from scheduler_svc.remote import RemoteExecutor
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import SchedulerConfig
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.engine.engine import Engine, StepMismatch
+from scheduler_svc.engine.executor_client import RemoteExecutor
 from tests.conftest import EOS, assert_all_blocks_free
 from tests.shadow_helpers import expected
 

@@ -17,9 +17,9 @@ import pytest
 from common.security import TLSConfig, channel_credentials
 from executor_svc.__main__ import build_parser, options_from_args
 from executor_svc.service import CallingThread
-from scheduler_svc.engine import Engine
-from scheduler_svc.remote import RemoteExecutor
-from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.executor_client import RemoteExecutor
 from tests.model_fixtures import hf_greedy, tiny_model_folders  # noqa: F401
 from tests.service_fixtures import HOST, executor_argv, free_port, spawn, wait_serving
 from tests.test_model_parity import random_prompts

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from executor_svc.config import ExecutorOptions
-from executor_svc.model_executor import ModelExecutor
-from executor_svc.requests import PlanError
+from executor_svc.core.request_table import PlanError
+from executor_svc.runtime.config import ExecutorOptions
+from executor_svc.runtime.model_executor import ModelExecutor
 from nanoserve.v1 import executor_pb2 as pb
-from scheduler_svc.engine import Engine
-from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.engine.engine import Engine
 from tests.model_fixtures import tiny_model_folders  # noqa: F401
 from tests.test_model_parity import random_prompts
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from executor_svc.attention import available_backends
-from executor_svc.config import ExecutorOptions, UnsupportedModel
-from executor_svc.model_executor import ModelExecutor
-from executor_svc.requests import PlanError
+from executor_svc.core.request_table import PlanError
+from executor_svc.runtime.config import ExecutorOptions, UnsupportedModel
+from executor_svc.runtime.model_executor import ModelExecutor
 from nanoserve.v1 import executor_pb2 as pb
-from scheduler_svc.engine import Engine
-from scheduler_svc.sampling import SamplingParams
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.engine.engine import Engine
 from tests.model_fixtures import smollm2_folder, tiny_model_folders  # noqa: F401
 from tests.test_model_parity import random_prompts
 
@@ -165,7 +165,7 @@ def test_a_long_cpu_prefill_runs_the_mlp_in_chunks_with_the_same_tokens(
 
 FAULTS_ON_REUSE = """
 import ctypes, resource, sys
-from executor_svc.malloc import keep_heap_memory
+from executor_svc.cpu.malloc import keep_heap_memory
 if sys.argv[1] == "keep":
     assert keep_heap_memory()
 libc = ctypes.CDLL(None)

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from executor_svc.fakes.shadow import ShadowExecutor
 from executor_svc.service import CallingThread, ExecutorServicer, build_server
-from executor_svc.shadow import ShadowExecutor
 from nanoserve.v1 import executor_pb2 as pb
 from nanoserve.v1 import executor_pb2_grpc as pb_grpc
 from tests.conftest import EOS

@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_svc import kernel_probe
-from executor_svc.config import ExecutorOptions
-from executor_svc.distributed import free_init_method, init_group
-from executor_svc.kernel_choice import KernelChoice
-from executor_svc.model_executor import ModelExecutor
-from executor_svc.model_runner import ModelRunner
-from scheduler_svc.engine import Engine
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import SchedulerConfig
+from executor_svc.cpu import probe as kernel_probe
+from executor_svc.cpu.choice import KernelChoice
+from executor_svc.runtime.config import ExecutorOptions
+from executor_svc.runtime.distributed import free_init_method, init_group
+from executor_svc.runtime.model_executor import ModelExecutor
+from executor_svc.runtime.model_runner import ModelRunner
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.engine.engine import Engine
 from tests.model_fixtures import tiny_model_folders  # noqa: F401
 from tests.test_model_parity import random_prompts
 

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from executor_svc.requests import INVALID, PlanError, RequestTable
-from executor_svc.values import SamplingSettings, StepOutput, TokenLogprobs
-from executor_svc.wire import sampling_settings, step_result
+from executor_svc.core.codec import sampling_settings, step_result
+from executor_svc.core.request_table import INVALID, PlanError, RequestTable
+from executor_svc.core.types import SamplingSettings, StepOutput, TokenLogprobs
 from nanoserve.v1 import executor_pb2 as pb
 from tests.test_package_arrows import ROOT, WIRE_MODULES, imported_top_levels
 
 # The executor's core: plain values in and out, no protobuf, no gRPC.
-CORE_MODULES = ("executor_svc/values.py", "executor_svc/sampler.py", "executor_svc/logits_processors.py")
+CORE_MODULES = ("executor_svc/core/types.py", "executor_svc/sample/sampler.py", "executor_svc/sample/logits_processors.py")
 
 
 def test_absent_sampling_fields_take_the_proto_defaults() -> None:
@@ -135,6 +135,6 @@ def test_executor_core_speaks_no_wire_types(module: str) -> None:
 
 def test_model_free_executors_load_no_torch() -> None:
     """The shadow, echo and null executors run the whole stack where torch is not installed."""
-    probe = "import sys, executor_svc.shadow_server; print('torch' in sys.modules)"
+    probe = "import sys, executor_svc.fakes.shadow_server; print('torch' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "False"

@@ -12,11 +12,11 @@ import httpx
 import openai
 import pytest
 
-from executor_svc.shadow import ShadowExecutor, reference_generate
+from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc import frontend
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.tokenizer import ChatMessage
+from scheduler_svc.api import frontend
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.tokenizer import ChatMessage
 from tests.http_fixtures import Hosted, hosted
 from tests.service_fixtures import TOKENIZER_VOCAB_SIZE, GatedExecutor
 from tests.test_service_loop import LogprobExecutor

@@ -15,15 +15,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from executor_svc.shadow import ShadowExecutor
+from executor_svc.fakes.shadow import ShadowExecutor
 from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc import service
+from scheduler_svc.api import grpc_service as service
+from scheduler_svc.api.http import errors
+from scheduler_svc.api.http.translate import openai_param
 from scheduler_svc.config import ServiceConfig
-from scheduler_svc.errors import RequestFailed
-from scheduler_svc.http import errors
-from scheduler_svc.http.translate import openai_param
-from scheduler_svc.tokenizer import ChatMessage
+from scheduler_svc.core.errors import RequestFailed
+from scheduler_svc.core.tokenizer import ChatMessage
 from tests.http_fixtures import Hosted, hosted
 from tests.service_fixtures import HOST, GatedExecutor, free_port
 from tests.test_service_options import TOKENIZER, echo

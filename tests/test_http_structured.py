@@ -9,9 +9,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from executor_svc.config import ExecutorOptions
-from executor_svc.model_executor import ModelExecutor
-from executor_svc.model_registry import DEFAULT_MODEL
+from executor_svc.runtime.config import ExecutorOptions
+from executor_svc.runtime.model_executor import ModelExecutor
+from executor_svc.runtime.registry import DEFAULT_MODEL
 from tests.http_fixtures import Hosted, hosted
 from tests.model_fixtures import smollm2_folder  # noqa: F401
 

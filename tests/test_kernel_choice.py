@@ -10,19 +10,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor_svc import cpu_kernels, kernel_probe
 from executor_svc.__main__ import build_parser
-from executor_svc.config import ExecutorOptions
-from executor_svc.kernel_choice import CLASSES, FAMILIES, KernelChoice, load_cached, parse_override, save, shape_class
-from executor_svc.kernel_probe import choice_cache, widest_norm
+from executor_svc.cpu import kernels as cpu_kernels
+from executor_svc.cpu import probe as kernel_probe
+from executor_svc.cpu.choice import CLASSES, FAMILIES, KernelChoice, load_cached, parse_override, save, shape_class
+from executor_svc.cpu.probe import choice_cache, widest_norm
 from executor_svc.layers import linear
 from executor_svc.layers.linear import cpu_linear_layers
 from executor_svc.layers.norm import RMSNorm
-from executor_svc.model_executor import ModelExecutor
-from executor_svc.model_runner import ModelRunner
 from executor_svc.models.llama import LlamaMLP
-from scheduler_svc.engine import Engine
-from scheduler_svc.sampling import SamplingParams
+from executor_svc.runtime.config import ExecutorOptions
+from executor_svc.runtime.model_executor import ModelExecutor
+from executor_svc.runtime.model_runner import ModelRunner
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.engine.engine import Engine
 from tests.model_fixtures import smollm2_folder, tiny_model_folders  # noqa: F401
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.kernel_library() is None, reason="no C compiler to build the kernels")

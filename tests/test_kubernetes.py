@@ -299,7 +299,7 @@ def test_the_pods_commands_and_environment_start_the_services(target: str) -> No
     command = pod["scheduler"]["command"]
     scheduler = stack.Service("scheduler", [str(BIN / command[0]), *command[1:], *pod["scheduler"].get("args", [])],
                               env, f"{stack.HOST}:{env['NANOSERVE_PORT']}")
-    shadow = [sys.executable, "-m", "executor_svc.shadow_server",
+    shadow = [sys.executable, "-m", "executor_svc.fakes.shadow_server",
               "--host", stack.HOST, "--port", str(ports[executor_port])]
     executor = stack.Service("executor", shadow, {}, f"{stack.HOST}:{ports[executor_port]}")
     processes = stack.Stack()

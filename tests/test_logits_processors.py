@@ -13,11 +13,11 @@ import random
 import pytest
 import torch
 
-from executor_svc import sampler as sampler_module
-from executor_svc.logits_processors import TokenCounts, apply_logits_processors
-from executor_svc.requests import RequestState
-from executor_svc.sampler import Sampler
-from executor_svc.values import SamplingSettings
+from executor_svc.core.request_table import RequestState
+from executor_svc.core.types import SamplingSettings
+from executor_svc.sample import sampler as sampler_module
+from executor_svc.sample.logits_processors import TokenCounts, apply_logits_processors
+from executor_svc.sample.sampler import Sampler
 
 VOCAB = 40
 EOS = 2

@@ -12,9 +12,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from executor_svc.shadow import ShadowExecutor, reference_generate
+from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.metrics import Buckets, build_1_2_5_buckets
+from scheduler_svc.engine.metrics import Buckets, build_1_2_5_buckets
 from tests.http_fixtures import Hosted, hosted
 from tests.service_fixtures import GatedExecutor, free_port, token_request
 from tests.test_reliability_recovery import VOCAB, FlakyExecutor, expected_tokens, scheduler, tokens_of

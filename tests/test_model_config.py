@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from executor_svc.attention import get_backend
-from executor_svc.config import ModelConfig, UnsupportedModel
-from executor_svc.loader import load_model
-from executor_svc.model_registry import resolve_model
+from executor_svc.runtime.config import ModelConfig, UnsupportedModel
+from executor_svc.runtime.loader import load_model
+from executor_svc.runtime.registry import resolve_model
 from tests.model_fixtures import tiny_model_folders  # noqa: F401
 
 LLAMA = {

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from executor_svc.model_input import prepare_input
-from executor_svc.requests import RequestState, ScheduledChunk
-from executor_svc.values import SamplingSettings
+from executor_svc.core.request_table import RequestState, ScheduledChunk
+from executor_svc.core.types import SamplingSettings
+from executor_svc.runtime.model_input import prepare_input
 
 BLOCK_SIZE = 4
 

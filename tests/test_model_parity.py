@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from executor_svc.config import ExecutorOptions
-from executor_svc.model_executor import ModelExecutor
-from scheduler_svc.engine import Engine
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import SchedulerConfig
+from executor_svc.runtime.config import ExecutorOptions
+from executor_svc.runtime.model_executor import ModelExecutor
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.engine.engine import Engine
 from tests.model_fixtures import TINY_VOCAB, hf_greedy, smollm2_folder, tiny_model_folders  # noqa: F401
 
 TEXT_PROMPTS = [

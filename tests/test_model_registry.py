@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from executor_svc.config import ModelConfig
-from executor_svc.model_registry import DEFAULT_MODEL, resolve_model
+from executor_svc.runtime.config import ModelConfig
+from executor_svc.runtime.registry import DEFAULT_MODEL, resolve_model
 
 
 @pytest.mark.slow

@@ -12,18 +12,18 @@ from contextlib import contextmanager
 import pytest
 
 from common.executor import Executor
+from executor_svc.core.step_pipeline import PreparedStep
+from executor_svc.core.types import StepOutput
+from executor_svc.fakes.shadow import ShadowExecutor
 from executor_svc.service import build_server
-from executor_svc.shadow import ShadowExecutor
-from executor_svc.steps import PreparedStep
-from executor_svc.values import StepOutput
 from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.engine import Engine
-from scheduler_svc.planner import Planner
-from scheduler_svc.remote import RemoteExecutor
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import SchedulerConfig
-from scheduler_svc.sequence import Sequence
+from scheduler_svc.core.planner import Planner
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.executor_client import RemoteExecutor
 from tests.conftest import EOS
 from tests.service_fixtures import assert_idle_async, collect, in_process_scheduler, token_request
 from tests.shadow_helpers import assert_matches_reference, expected

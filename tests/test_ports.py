@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_svc import service
+from scheduler_svc.api import grpc_service as service
 from scheduler_svc.config import ServiceConfig
 from tests.model_fixtures import tiny_model_folders  # noqa: F401
 from tests.service_fixtures import HOST, executor_argv, free_port, scheduler_argv, stop_process, wait_serving

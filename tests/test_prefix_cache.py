@@ -15,12 +15,12 @@ from typing import Any
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from executor_svc.shadow import ShadowExecutor
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.engine import Engine
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig, StepRecord, TokenOutput
-from scheduler_svc.sequence import PENDING, Sequence
+from executor_svc.fakes.shadow import ShadowExecutor
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig, StepRecord, TokenOutput
+from scheduler_svc.core.sequence import PENDING, Sequence
+from scheduler_svc.engine.engine import Engine
 from tests.conftest import EOS, assert_all_blocks_free
 from tests.shadow_helpers import expected
 from tests.test_engine_properties import check_invariants

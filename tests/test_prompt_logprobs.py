@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from executor_svc.config import ExecutorOptions
-from executor_svc.model_executor import ModelExecutor
+from executor_svc.runtime.config import ExecutorOptions
+from executor_svc.runtime.model_executor import ModelExecutor
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.engine import Engine
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import SchedulerConfig
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.engine.engine import Engine
 from tests.conftest import assert_all_blocks_free
 from tests.model_fixtures import smollm2_folder  # noqa: F401
 from tests.service_fixtures import assert_idle_async, in_process_scheduler

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from executor_svc.shadow import reference_generate
+from executor_svc.fakes.shadow import reference_generate
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.service_fixtures import (

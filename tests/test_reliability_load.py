@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from executor_svc.shadow import reference_generate
+from executor_svc.fakes.shadow import reference_generate
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.service_fixtures import assert_idle, collect, executor_argv, free_port, running_stack, token_request

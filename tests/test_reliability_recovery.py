@@ -16,8 +16,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from executor_svc.requests import PlanError
-from executor_svc.shadow import ShadowExecutor, reference_generate
+from executor_svc.core.request_table import PlanError
+from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
 from tests.service_fixtures import HOST, InProcess, assert_idle_async, in_process_scheduler, stream, token_request

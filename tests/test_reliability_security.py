@@ -21,8 +21,8 @@ from client.api import AsyncClient, Client
 from client.cli import EXIT_ERROR, EXIT_UNAVAILABLE, main
 from client.errors import NanoserveError
 from common.security import TLSConfig, channel_credentials
-from executor_svc.shadow import reference_generate
-from scheduler_svc.remote import RemoteExecutor
+from executor_svc.fakes.shadow import reference_generate
+from scheduler_svc.engine.executor_client import RemoteExecutor
 from tests.service_fixtures import HOST, START_TIMEOUT_S, executor_argv, free_port, spawn, stop_process
 from tests.test_security import make_ca, make_leaf
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from executor_svc.sampler import NUCLEUS_WINDOW, Sampler, filtered_probs
-from executor_svc.values import SamplingSettings
+from executor_svc.core.types import SamplingSettings
+from executor_svc.sample.sampler import NUCLEUS_WINDOW, Sampler, filtered_probs
 
 # Ids deliberately not in rank order: ranked, the ids are 3, 1, 5, 2, 4, 0.
 PROBS = [0.04, 0.25, 0.10, 0.40, 0.06, 0.15]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc import cpu_kernels
-from executor_svc.sampler import greedy_tokens
+from executor_svc.cpu import kernels as cpu_kernels
+from executor_svc.sample.sampler import greedy_tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

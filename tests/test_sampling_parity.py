@@ -16,13 +16,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
-from executor_svc.config import ExecutorOptions
-from executor_svc.model_executor import ModelExecutor
+from executor_svc.runtime.config import ExecutorOptions
+from executor_svc.runtime.model_executor import ModelExecutor
 from nanoserve.v1 import executor_pb2 as pb
 from nanoserve.v1 import generation_pb2 as gen_pb
-from scheduler_svc.engine import Engine
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import SchedulerConfig
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.engine.engine import Engine
 from tests.model_fixtures import TINY_VOCAB, smollm2_folder, tiny_model_folders  # noqa: F401
 from tests.service_fixtures import assert_idle_async, in_process_scheduler
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from executor_svc.shadow import reference_generate
+from executor_svc.fakes.shadow import reference_generate
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.detokenizer import TextStream
+from scheduler_svc.core.detokenizer import TextStream
 from tests.service_fixtures import EOS_ID, collect, token_request
 from tests.test_service_options import TOKENIZER, VOCAB, echo, echo_request, run, shadow
 

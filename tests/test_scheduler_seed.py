@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.sequence import FinishReason, Sequence, SequenceStatus
 from tests.conftest import EOS
 
 _ids = iter(range(10**9))

@@ -22,14 +22,14 @@ from common.security import (
     channel_credentials,
     is_loopback,
 )
+from executor_svc.fakes.shadow import ShadowExecutor
 from executor_svc.service import build_server
-from executor_svc.shadow import ShadowExecutor
 from nanoserve.v1 import generation_pb2 as gen_pb
 from nanoserve.v1 import generation_pb2_grpc as gen_grpc
-from scheduler_svc.engine import Engine
-from scheduler_svc.remote import RemoteExecutor
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import SchedulerConfig
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.executor_client import RemoteExecutor
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 

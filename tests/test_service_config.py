@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from common.flags import env_name
+from scheduler_svc.api.grpc_service import ACCELERATOR_GIL_SWITCH_INTERVAL_S, set_gil_switch_interval
 from scheduler_svc.config import ServiceConfig, parse_config
-from scheduler_svc.service import ACCELERATOR_GIL_SWITCH_INTERVAL_S, set_gil_switch_interval
 
 
 def test_defaults():

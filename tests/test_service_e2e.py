@@ -22,13 +22,13 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from executor_svc.shadow import ShadowExecutor
+from executor_svc.fakes.shadow import ShadowExecutor
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.engine import Completion, Engine
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import SchedulerConfig
-from scheduler_svc.sequence import FinishReason
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.core.sequence import FinishReason
+from scheduler_svc.engine.engine import Completion, Engine
 from tests.service_fixtures import (
     HOST,
     Stack,
@@ -85,8 +85,8 @@ SHADOW_BACKEND = Backend(
 @contextlib.contextmanager
 def real_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     """The torch executor on the tiny random-weight llama; the reference runs the same model in this process."""
-    from executor_svc.config import ExecutorOptions
-    from executor_svc.model_executor import ModelExecutor
+    from executor_svc.runtime.config import ExecutorOptions
+    from executor_svc.runtime.model_executor import ModelExecutor
     from tests.model_fixtures import TINY_VOCAB, save_tiny_model
 
     folder = save_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama") / "llama")

@@ -8,14 +8,14 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from executor_svc.shadow import ShadowExecutor, reference_generate
+from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.errors import EngineFailure, RequestFailed
-from scheduler_svc.frontend import Generation, Outbox
-from scheduler_svc.outputs import RequestOutput
-from scheduler_svc.sequence import FinishReason
+from scheduler_svc.api.frontend import Generation, Outbox
+from scheduler_svc.core.errors import EngineFailure, RequestFailed
+from scheduler_svc.core.outputs import RequestOutput
+from scheduler_svc.core.sequence import FinishReason
 from tests.service_fixtures import (
     CHATML_TEMPLATE,
     GatedExecutor,

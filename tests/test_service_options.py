@@ -10,12 +10,12 @@ import time
 import grpc
 import pytest
 
-from executor_svc.shadow import ShadowExecutor, reference_generate
-from executor_svc.shadow_server import EchoExecutor
+from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
+from executor_svc.fakes.shadow_server import EchoExecutor
 from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.tokenizer import ChatMessage, ModelTokenizer
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.tokenizer import ChatMessage, ModelTokenizer
 from tests.service_fixtures import (
     CHATML_TEMPLATE,
     EOS_ID,

@@ -8,11 +8,11 @@ import pytest
 
 from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.errors import InvalidRequest
-from scheduler_svc.sampling import DEFAULTS
-from scheduler_svc.tokenizer import ModelTokenizer
-from scheduler_svc.validation import ModelLimits
-from scheduler_svc.wire import prepare
+from scheduler_svc.api.codec import prepare
+from scheduler_svc.core.errors import InvalidRequest
+from scheduler_svc.core.sampling import DEFAULTS
+from scheduler_svc.core.tokenizer import ModelTokenizer
+from scheduler_svc.core.validation import ModelLimits
 from tests.service_fixtures import CHATML_TEMPLATE, EOS_ID, byte_level_tokenizer
 
 INFO = ModelLimits.of(executor_pb2.ExecutorInfo(vocab_size=300, max_model_len=64, eos_token_ids=[EOS_ID],

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_svc.detokenizer import REPLACEMENT_CHAR, TextStream
-from scheduler_svc.tokenizer import ChatMessage, ModelTokenizer
+from scheduler_svc.core.detokenizer import REPLACEMENT_CHAR, TextStream
+from scheduler_svc.core.tokenizer import ChatMessage, ModelTokenizer
 from tests.model_fixtures import smollm2_folder  # noqa: F401
 
 TEXTS = ["The café serves naïve crème brûlée.", "日本語のテキスト 🦀🎉 mixed", "Ünïcödé — “quotes” … ½"]

@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.detokenizer import REPLACEMENT_CHAR
-from scheduler_svc.tokenizer import ChatMessage, ModelTokenizer
+from scheduler_svc.core.detokenizer import REPLACEMENT_CHAR
+from scheduler_svc.core.tokenizer import ChatMessage, ModelTokenizer
 from tests.service_fixtures import (
     CHATML_TEMPLATE,
     EOS_ID,

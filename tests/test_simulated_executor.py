@@ -8,13 +8,13 @@ import time
 
 import pytest
 
-from executor_svc import cpu_kernels
-from executor_svc.requests import PlanError
-from executor_svc.simulated import SPIN_S, SimulatedExecutor, accelerator_wait, parse_args, simulated_executor
+from executor_svc.core.request_table import PlanError
+from executor_svc.cpu import kernels as cpu_kernels
+from executor_svc.fakes.simulated import SPIN_S, SimulatedExecutor, accelerator_wait, parse_args, simulated_executor
 from nanoserve.v1 import executor_pb2 as pb
-from scheduler_svc.engine import Engine
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import SchedulerConfig
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.engine.engine import Engine
 
 
 def executor(step_ms: float = 2.0) -> SimulatedExecutor:

@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from client import AsyncClient, NanoserveError
-from executor_svc.shadow import reference_generate
+from executor_svc.fakes.shadow import reference_generate
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.service_fixtures import (
     Stack,

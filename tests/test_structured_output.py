@@ -20,16 +20,16 @@ import jsonschema
 import lark
 import pytest
 
-from executor_svc.config import ExecutorOptions
-from executor_svc.model_executor import ModelExecutor
+from executor_svc.runtime.config import ExecutorOptions
+from executor_svc.runtime.model_executor import ModelExecutor
 from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.engine import Engine, ExecutorRestarted
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.scheduler import SchedulerConfig
-from scheduler_svc.sequence import FinishReason, Sequence
-from scheduler_svc.structured import compile_grammar
-from scheduler_svc.tokenizer import ChatMessage, ModelTokenizer
+from scheduler_svc.api.structured import compile_grammar
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.core.sequence import FinishReason, Sequence
+from scheduler_svc.core.tokenizer import ChatMessage, ModelTokenizer
+from scheduler_svc.engine.engine import Engine, ExecutorRestarted
 from tests.conftest import assert_all_blocks_free
 from tests.model_fixtures import smollm2_folder  # noqa: F401
 

@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_svc.constraints import GrammarConstraints
-from executor_svc.requests import RequestState, RequestTable
-from executor_svc.values import SamplingSettings
-from executor_svc.wire import sampling_settings
+from executor_svc.core.codec import sampling_settings
+from executor_svc.core.request_table import RequestState, RequestTable
+from executor_svc.core.types import SamplingSettings
+from executor_svc.sample.constraints import GrammarConstraints
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.errors import InvalidRequest
-from scheduler_svc.planner import Planner
-from scheduler_svc.sampling import SamplingParams
-from scheduler_svc.sequence import Sequence
-from scheduler_svc.tokenizer import ModelTokenizer
-from scheduler_svc.validation import ModelLimits
-from scheduler_svc.wire import plan_to_proto, prepare, sampling_to_proto
+from scheduler_svc.api.codec import plan_to_proto, prepare, sampling_to_proto
+from scheduler_svc.core.errors import InvalidRequest
+from scheduler_svc.core.planner import Planner
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.core.tokenizer import ModelTokenizer
+from scheduler_svc.core.validation import ModelLimits
 from tests.service_fixtures import EOS_ID, TOKENIZER_VOCAB_SIZE, byte_level_tokenizer
 
 LIMITS = ModelLimits(vocab_size=TOKENIZER_VOCAB_SIZE, max_model_len=256, num_blocks=64, block_size=16)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from scheduler_svc.backoff import Backoff
-from scheduler_svc.supervision import IDLE_PROBE_S, MAX_FAILED_STEPS, ExecutorState, Supervisor
+from scheduler_svc.engine.backoff import Backoff
+from scheduler_svc.engine.supervision import IDLE_PROBE_S, MAX_FAILED_STEPS, ExecutorState, Supervisor
 
 
 def test_a_serving_executor_is_probed_only_when_idle_and_quiet():

@@ -31,7 +31,7 @@ def available_backends(device: torch.device) -> list[str]:
         # Each kernel backend is named after the module it needs.
         kernel_backends = [name for name in ("flash_attn", "triton") if _importable(name)]
         return [*kernel_backends, "torch"]
-    from executor_svc.cpu_kernels import kernel_library
+    from executor_svc.cpu.kernels import kernel_library
 
     choices = ["cpu", "torch"] if kernel_library() is not None else ["torch"]
     if os.environ.get("TRITON_INTERPRET") == "1" and _importable("triton"):

@@ -1,10 +1,10 @@
-"""The CPU default: C kernels for decode (``executor_svc/csrc/paged_decode.c``) and prefill
+"""The CPU default: C kernels for decode (``executor_svc/cpu/csrc/paged_decode.c``) and prefill
 (``prefill_attention.c``), torch where they do not apply or the executor's kernel choice found torch faster.
 
 Decode is where a CPU step spends its attention time, and torch can only attend to a gathered copy of
 each request's context; the kernel reads keys and values in place through the block tables. torch's SDPA
 ran W1's prefill at 20-50 GFLOP/s; the prefill kernel runs 2-3x as fast there (``bench.kernels``). Keys and
-values go into the cache by a C copy too (``executor_svc/csrc/fused_ops.c``): torch's masked
+values go into the cache by a C copy too (``executor_svc/cpu/csrc/fused_ops.c``): torch's masked
 ``index_copy_`` took several ops a layer for a few kilobytes.
 """
 
@@ -16,8 +16,8 @@ import torch
 
 from executor_svc.attention.base import AttentionMetadata
 from executor_svc.attention.torch_backend import TorchAttention
-from executor_svc.cpu_kernels import contiguous_as, kernel_library
-from executor_svc.kernel_choice import ALL_C, KernelChoice
+from executor_svc.cpu.choice import ALL_C, KernelChoice
+from executor_svc.cpu.kernels import contiguous_as, kernel_library
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 

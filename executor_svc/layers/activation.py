@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor_svc.kernel_choice import ALL_C, KernelChoice
-from executor_svc.layers import cpu_fused
+from executor_svc.cpu import fused as cpu_fused
+from executor_svc.cpu.choice import ALL_C, KernelChoice
 
 
 class SiluAndMul(nn.Module):

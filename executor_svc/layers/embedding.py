@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor_svc.distributed import all_gather_last_dim, all_reduce, divide, tp_rank, tp_size
 from executor_svc.layers.linear import LinearBase
+from executor_svc.runtime.distributed import all_gather_last_dim, all_reduce, divide, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):

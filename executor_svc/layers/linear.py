@@ -6,7 +6,7 @@ partial outputs with an all-reduce. ``load`` takes a full checkpoint tensor and
 copies this rank's slice into the right place of the packed parameter.
 
 On the CPU, ``prepack_for_cpu`` packs each float32 or bfloat16 weight once after loading
-into the layout of our C kernel (``executor_svc/csrc/linear.c``), and that copy replaces the
+into the layout of our C kernel (``executor_svc/cpu/csrc/linear.c``), and that copy replaces the
 dense one unless the kernel choice asks for torch at some row count. Decode multiplies a few
 rows (one per sequence) by each weight, where torch's GEMMs run far below the machine's peak;
 the kernel streams each weight once per call with the arithmetic overlapping the stream:
@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor_svc import cpu_kernels
-from executor_svc.distributed import all_reduce, divide, tp_rank, tp_size
-from executor_svc.kernel_choice import ALL_C, KernelChoice
+from executor_svc.cpu import kernels as cpu_kernels
+from executor_svc.cpu.choice import ALL_C, KernelChoice
+from executor_svc.runtime.distributed import all_reduce, divide, tp_rank, tp_size
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # The row count oneDNN lays a reordered bfloat16 weight out for (``onednn_copy``): a full decode batch. Between 1
@@ -81,7 +81,7 @@ class PackedWeight:
 
 class LinearBase(nn.Module):
     """A layer computing ``x @ weight.T``: through the C kernel's packed copy of the weight where the executor's
-    kernel choice (``executor_svc/kernel_choice.py``) says it is the faster at this many rows, else through torch."""
+    kernel choice (``executor_svc/cpu/choice.py``) says it is the faster at this many rows, else through torch."""
 
     weight: nn.Parameter
     packed_weight: PackedWeight | None = None

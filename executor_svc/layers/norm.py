@@ -1,7 +1,7 @@
 """RMSNorm with the optional residual add fused in front, computed in float32 like transformers.
 
 On the CPU one C kernel does both (``cpu_fused.rms_norm``) where the executor's kernel choice says it is the
-faster (``executor_svc/kernel_choice.py``); the torch code here is the reference and the other choice.
+faster (``executor_svc/cpu/choice.py``); the torch code here is the reference and the other choice.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor_svc.kernel_choice import ALL_C, KernelChoice
-from executor_svc.layers import cpu_fused
+from executor_svc.cpu import fused as cpu_fused
+from executor_svc.cpu.choice import ALL_C, KernelChoice
 
 
 class RMSNorm(nn.Module):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor_svc.kernel_choice import ALL_C, KernelChoice
-from executor_svc.layers import cpu_fused
+from executor_svc.cpu import fused as cpu_fused
+from executor_svc.cpu.choice import ALL_C, KernelChoice
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

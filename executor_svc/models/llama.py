@@ -3,7 +3,7 @@
 Tokens of all requests in a step are packed into one flat batch ([tokens,
 hidden]); attention reads per-request structure from ``AttentionMetadata``.
 Parameter names follow the Hugging Face checkpoints except for the packed
-``qkv_proj`` and ``gate_up_proj`` (see ``executor_svc/loader.py``).
+``qkv_proj`` and ``gate_up_proj`` (see ``executor_svc/runtime/loader.py``).
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import torch
 from torch import nn
 
 from executor_svc.attention.base import AttentionBackend, AttentionMetadata
-from executor_svc.config import ModelConfig
-from executor_svc.distributed import divide, tp_size
+from executor_svc.cpu.decode_stack import CpuDecodeStack
 from executor_svc.layers.activation import SiluAndMul
 from executor_svc.layers.attention import PagedAttention
 from executor_svc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from executor_svc.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from executor_svc.layers.norm import RMSNorm
 from executor_svc.layers.rotary import RotaryEmbedding
-from executor_svc.models.cpu_decode_stack import CpuDecodeStack
+from executor_svc.runtime.config import ModelConfig
+from executor_svc.runtime.distributed import divide, tp_size
 
 
 class LlamaAttention(nn.Module):
@@ -54,7 +54,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """gate_up, SiLU-and-mul, down. On the CPU a long prefill runs in row chunks whose activations stay
     under ``CPU_CHUNK_BYTES``: below glibc's 32 MiB mmap threshold they reuse heap memory instead of
-    page-faulting in fresh pages every layer (``executor_svc/malloc.py``), and they stay in cache. The
+    page-faulting in fresh pages every layer (``executor_svc/cpu/malloc.py``), and they stay in cache. The
     kernels each chunk runs are the ones the kernel choice gives the whole prefill's rows (a big model's
     chunks are fewer rows than the prefill class starts at)."""
 

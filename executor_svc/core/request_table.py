@@ -1,0 +1,269 @@
+"""The executor's copy of each request, updated from plan deltas.
+
+Shared by every executor (model runner, shadow-KV, echo): a plan is checked
+whole before any of it is applied, so a rejected plan changes nothing. The
+table validates and applies plans and records the tokens sampled; the forward
+passes that sample them are the step code's (``executor_svc.core.step_pipeline``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Any
+
+from executor_svc.core import codec as wire
+from executor_svc.core.types import SamplingSettings
+from nanoserve.v1 import executor_pb2 as pb
+
+INVALID = "INVALID_ARGUMENT"
+PRECONDITION = "FAILED_PRECONDITION"
+
+
+class PlanError(ValueError):
+    """A plan refused without applying any of it.
+
+    ``code`` is the gRPC status name the servicer answers with: INVALID_ARGUMENT
+    for a malformed plan (one naming a request twice, whatever the held state),
+    FAILED_PRECONDITION for one that contradicts the held state (unknown
+    request, wrong computed-token count).
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class RequestState:
+    request_id: int
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed_tokens: int
+    sampling: SamplingSettings
+    # token_ids[num_prompt_tokens:] is the completion, which presence/frequency penalties and min_tokens count.
+    num_prompt_tokens: int
+    # A penalized request's token counts (logits_processors.TokenCounts), made at its first sample and grown as it
+    # samples; dropped with the state, so a preempted request rebuilds them from the tokens it comes back with.
+    token_counts: Any = None
+    # The grammar's llguidance matcher, built by the model runner at the first sampled token; it goes with the state.
+    matcher: object | None = None
+    # What num_computed_tokens and len(token_ids) will be once every step applied so far has run: a plan is
+    # checked against these, so the next plan can be applied while the step before it still runs.
+    planned_computed: int = 0
+    planned_len: int = 0
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """The tokens ``[start, start + num_tokens)`` of ``state`` computed this step; a decode chunk
+    with ``num_steps`` > 1 then decodes that many tokens back to back (multi-step decode)."""
+
+    state: RequestState
+    start: int
+    num_tokens: int
+    num_steps: int = 1
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the last token, so its logits are sampled. Applied while the step before
+        it runs, a decode chunk ends one past the last token known: the one that step is sampling."""
+        return self.start + self.num_tokens >= len(self.state.token_ids)  # read per row each step: no self.end
+
+
+class RequestTable:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, max_model_len: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        # Positions at or past it have no rotary embedding: a plan reaching there is refused, not half-run.
+        self.max_model_len = max_model_len
+        self.requests: dict[int, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def reset(self) -> int:
+        n = len(self.requests)
+        self.requests.clear()
+        return n
+
+    def apply(self, plan: pb.StepPlan) -> list[ScheduledChunk]:
+        """Validate ``plan`` against the state every step applied before leaves, then apply it; chunks in result
+        order. The steps applied before need not have run yet (``planned_*``); their tokens are recorded by
+        ``record_sampled`` when they have.
+
+        A new request's sampling params are translated here, once for its lifetime in the table.
+        """
+        self._validate(plan)
+        for request_id in plan.finished_request_ids:
+            del self.requests[request_id]
+        chunks = []
+        for new in plan.new_requests:
+            state = RequestState(
+                new.request_id,
+                list(new.token_ids),
+                list(new.block_table),
+                new.num_computed_tokens,
+                wire.sampling_settings(new.sampling),
+                new.num_prompt_tokens if new.HasField("num_prompt_tokens") else len(new.token_ids),
+            )
+            end = new.num_computed_tokens + new.num_scheduled_tokens
+            state.planned_computed, state.planned_len = end, len(state.token_ids) + (end == len(state.token_ids))
+            self.requests[new.request_id] = state
+            chunks.append(ScheduledChunk(state, new.num_computed_tokens, new.num_scheduled_tokens))
+        # Runs for every held request every decode step: plain lists and local names.
+        cached = plan.cached_requests
+        new_block_ids = list(cached.new_block_ids)
+        requests = self.requests
+        offset = 0
+        columns = (cached.request_ids, cached.num_computed_tokens, cached.num_scheduled_tokens, cached.num_new_blocks)
+        # Validated: with num_decode_steps there are no new requests and one entry per cached one.
+        steps = list(cached.num_decode_steps) or repeat(1)
+        for request_id, computed, scheduled, n_new, num_steps in zip(*map(list, columns), steps, strict=False):
+            state = requests[request_id]
+            if n_new:
+                state.block_table += new_block_ids[offset : offset + n_new]
+                offset += n_new
+            chunks.append(ScheduledChunk(state, computed, scheduled, num_steps))
+            end = computed + scheduled
+            if end == state.planned_len:  # it samples, num_steps tokens
+                state.planned_len += num_steps
+                end += num_steps - 1
+            state.planned_computed = end
+        return chunks
+
+    def record_sampled(self, chunks: list[ScheduledChunk], token_ids: list[int]) -> None:
+        """Advance each request past its chunk and append the token sampled for it."""
+        for chunk, token_id in zip(chunks, token_ids, strict=True):
+            state = chunk.state
+            end = chunk.start + chunk.num_tokens
+            if end == len(state.token_ids):
+                state.token_ids.append(token_id)
+            state.num_computed_tokens = end
+
+    def _check_blocks(self, request_id: int, block_ids, needed_tokens: int, table_len: int) -> None:
+        bad = next((b for b in block_ids if b >= self.num_blocks), None)
+        if bad is not None:
+            raise PlanError(INVALID, f"request {request_id}: block id {bad} is out of range [0, {self.num_blocks})")
+        if table_len * self.block_size < needed_tokens:
+            raise PlanError(
+                INVALID,
+                f"request {request_id}: {table_len} blocks hold {table_len * self.block_size} tokens, "
+                f"{needed_tokens} needed",
+            )
+
+    def _check_sampling(self, request_id: int, params: pb.SamplingParams) -> None:
+        """The ranges the proto documents for the logits processors; an id outside the vocab would fail the step.
+
+        Stop token ids outside the vocabulary are allowed: they can never be sampled, so nothing masks them.
+        """
+        if params.HasField("repetition_penalty") and not 0 < params.repetition_penalty < math.inf:
+            raise PlanError(INVALID, f"request {request_id}: repetition_penalty must be > 0, got "
+                                     f"{params.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(params, name) <= 2:
+                raise PlanError(INVALID, f"request {request_id}: {name} must be in [-2, 2], got "
+                                         f"{getattr(params, name)}")
+        for token_id, bias in params.logit_bias.items():
+            if token_id >= self.vocab_size or not -100 <= bias <= 100:
+                raise PlanError(INVALID, f"request {request_id}: logit_bias {token_id}: {bias} needs a token id in "
+                                         f"the vocabulary and a bias in [-100, 100]")
+
+    def _validate(self, plan: pb.StepPlan) -> None:
+        # Each id at most once among the finished, and once among the new and cached: applying drops each
+        # finished id once. A finished request may come back as new (preempted), not as cached.
+        dropped: set[int] = set()
+        for rid in plan.finished_request_ids:
+            if rid in dropped:
+                raise PlanError(INVALID, f"request {rid} is finished twice in the plan")
+            if rid not in self.requests:
+                raise PlanError(PRECONDITION, f"finished request {rid} is unknown to this executor")
+            dropped.add(rid)
+        seen: set[int] = set()
+        for new in plan.new_requests:
+            rid = new.request_id
+            if rid in seen:
+                raise PlanError(INVALID, f"request {rid} is named twice among the plan's new requests")
+            if rid in self.requests and rid not in dropped:
+                raise PlanError(PRECONDITION, f"new request {rid} is already held by this executor")
+            seen.add(rid)
+            n = len(new.token_ids)
+            if new.num_scheduled_tokens < 1 or new.num_computed_tokens + new.num_scheduled_tokens > n:
+                raise PlanError(
+                    INVALID,
+                    f"request {rid}: computed {new.num_computed_tokens} + scheduled "
+                    f"{new.num_scheduled_tokens} tokens must be within its {n} tokens, at least one scheduled",
+                )
+            bad = next((t for t in new.token_ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise PlanError(INVALID, f"request {rid}: token id {bad} is outside the vocabulary")
+            if n > self.max_model_len:
+                raise PlanError(INVALID, f"request {rid}: {n} tokens pass the maximum length {self.max_model_len}")
+            if new.HasField("num_prompt_tokens") and new.num_prompt_tokens > n:
+                raise PlanError(INVALID, f"request {rid}: {new.num_prompt_tokens} prompt tokens of its {n} tokens")
+            self._check_sampling(rid, new.sampling)
+            end = new.num_computed_tokens + new.num_scheduled_tokens
+            self._check_blocks(rid, new.block_table, end, len(new.block_table))
+        cached = plan.cached_requests
+        columns = (cached.num_computed_tokens, cached.num_scheduled_tokens, cached.num_new_blocks)
+        if any(len(c) != len(cached.request_ids) for c in columns) or sum(cached.num_new_blocks) != len(
+            cached.new_block_ids
+        ):
+            raise PlanError(INVALID, "cached_requests columns have different lengths")
+        steps = list(cached.num_decode_steps)
+        if steps:
+            self._validate_multi_step(plan, steps)
+        new_block_ids = list(cached.new_block_ids)
+        requests, block_size, max_model_len = self.requests, self.block_size, self.max_model_len
+        offset = 0
+        rows = zip(cached.request_ids, *map(list, columns), steps or repeat(1, len(cached.request_ids)), strict=True)
+        for rid, computed, scheduled, n_new, num_steps in rows:
+            if rid in seen:
+                raise PlanError(INVALID, f"request {rid} is named twice among the plan's new and cached requests")
+            if rid in dropped:
+                raise PlanError(INVALID, f"request {rid} is both finished and cached in the plan")
+            state = requests.get(rid)
+            if state is None:
+                raise PlanError(PRECONDITION, f"cached request {rid} is unknown to this executor")
+            seen.add(rid)
+            if computed != state.planned_computed:
+                raise PlanError(
+                    PRECONDITION,
+                    f"request {rid}: plan says {computed} tokens computed, executor has "
+                    f"{state.planned_computed}",
+                )
+            if scheduled < 1 or computed + scheduled > state.planned_len:
+                raise PlanError(
+                    INVALID, f"request {rid}: cannot schedule {scheduled} tokens after {computed} computed"
+                )
+            if num_steps > 1 and computed + scheduled != state.planned_len:
+                raise PlanError(INVALID, f"request {rid}: a multi-step decode must start at its last token, "
+                                         f"{state.planned_len - 1}; it starts at {computed}")
+            end = computed + scheduled + num_steps - 1
+            if end > max_model_len:
+                raise PlanError(INVALID, f"request {rid}: computing up to position {end - 1} passes the maximum "
+                                         f"length {max_model_len}")
+            # A request that gains no block and whose table already covers the chunk has nothing to check.
+            if n_new or len(state.block_table) * block_size < end:
+                self._check_blocks(rid, new_block_ids[offset : offset + n_new], end, len(state.block_table) + n_new)
+                offset += n_new
+
+    @staticmethod
+    def _validate_multi_step(plan: pb.StepPlan, steps: list[int]) -> None:
+        cached = plan.cached_requests
+        if plan.is_prefill or plan.new_requests:
+            raise PlanError(INVALID, "num_decode_steps is for decode plans only (no prefill, no new requests)")
+        if len(steps) != len(cached.request_ids):
+            raise PlanError(INVALID, "num_decode_steps needs one entry per cached request")
+        for rid, scheduled, num_steps in zip(cached.request_ids, cached.num_scheduled_tokens, steps, strict=True):
+            if num_steps < 1 or scheduled != 1:
+                raise PlanError(
+                    INVALID, f"request {rid}: a multi-step decode needs 1 scheduled token and >= 1 steps, got "
+                    f"{scheduled} and {num_steps}",
+                )

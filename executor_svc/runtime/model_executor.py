@@ -1,0 +1,114 @@
+"""The real executor: a Hugging Face llama-family model behind the step-plan contract.
+
+``RequestTable`` validates and applies each plan (a rejected plan changes
+nothing), the model runner launches each forward pass and finishes it (waits,
+samples), and the table records the sampled tokens (``steps.TableExecutor``:
+on a GPU, the next step is launched before they are). Under tensor
+parallelism this object lives on rank 0 and the other ranks are worker
+processes it starts and stops.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import torch
+
+from executor_svc.core.request_table import RequestTable, ScheduledChunk
+from executor_svc.core.step_pipeline import TableExecutor
+from executor_svc.core.types import StepOutput
+from executor_svc.runtime.config import ExecutorOptions
+from executor_svc.runtime.distributed import free_init_method, init_group, spawn_workers
+from executor_svc.runtime.model_runner import LaunchedForward, ModelRunner, PreparedInput, rank_device, worker_main
+from executor_svc.runtime.registry import resolve_model
+from nanoserve.v1 import executor_pb2 as pb
+
+
+def read_chat_template(folder: Path) -> str:
+    """chat_template.jinja (transformers 5) or the chat_template entry of tokenizer_config.json."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config = folder / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    return template if isinstance(template, str) else ""
+
+
+class ModelExecutor(TableExecutor):
+    def __init__(self, options: ExecutorOptions | None = None) -> None:
+        super().__init__()
+        self.options = options = options or ExecutorOptions()
+        self.folder = resolve_model(options.model)
+        self.workers = []
+        if options.tensor_parallel_size > 1:
+            init_method = free_init_method()
+            world = options.tensor_parallel_size
+            self.workers = spawn_workers(worker_main, world, (world, init_method, str(self.folder), options))
+            init_group(0, world, init_method, rank_device(options.resolved_device(), 0))
+        self.runner = runner = ModelRunner(self.folder, options)
+        self.prepares_ahead = runner.device.type != "cpu"
+        config = runner.config
+        self.table = RequestTable(runner.num_blocks, runner.block_size, config.vocab_size, runner.max_model_len)
+        tokenizer = self.folder / "tokenizer.json"
+        self.info = pb.ExecutorInfo(
+            instance_id=uuid.uuid4().hex,
+            model_id=options.model,
+            architecture=config.architecture,
+            dtype=options.resolved_dtype(),
+            device=str(runner.device),
+            vocab_size=config.vocab_size,
+            eos_token_ids=config.eos_token_ids,
+            bos_token_id=config.bos_token_id,
+            max_model_len=runner.max_model_len,
+            block_size=runner.block_size,
+            num_blocks=runner.num_blocks,
+            tensor_parallel_size=options.tensor_parallel_size,
+            tokenizer_json=tokenizer.read_text() if tokenizer.is_file() else "",
+            chat_template=read_chat_template(self.folder),
+            attention_backend=runner.backend.name,
+        )
+
+    def pack(self, chunks: list[ScheduledChunk], before: list[ScheduledChunk] | None = None) -> PreparedInput:
+        prepared = self.runner.prepare(chunks)
+        prepared.model_input.link(before)
+        return prepared
+
+    def launches_ahead(self, inputs: PreparedInput | None) -> bool:
+        return inputs is not None and self.runner.launches_async(inputs.model_input)
+
+    def fills_ahead(self, inputs: PreparedInput | None) -> bool:
+        return inputs is not None and inputs.model_input.linked is not None
+
+    def launch(self, chunks: list[ScheduledChunk], inputs: PreparedInput | None = None,
+               sampled_before: list[int] | None = None) -> LaunchedForward:
+        """The forward pass started: on a GPU its kernels are queued while the CPU carries on; on the CPU it has run."""
+        return self.runner.launch(chunks, inputs, sampled_before)
+
+    def finish(self, launched: LaunchedForward) -> StepOutput:
+        """The sampled tokens of a launched forward pass: 0, and no logprobs, for a chunk short of its end."""
+        sampled, prompt_logprobs, forward_ms, sample_ms = self.runner.finish(launched)
+        chunks = launched.chunks
+        if len(sampled.token_ids) == len(chunks):  # every chunk sampled (a decode step): no walk over the chunks
+            return StepOutput(list(sampled.token_ids), list(sampled.logprobs), forward_ms, sample_ms, prompt_logprobs)
+        token_ids = iter(sampled.token_ids)
+        output = StepOutput([next(token_ids) if chunk.samples else 0 for chunk in chunks], [], forward_ms, sample_ms,
+                            prompt_logprobs)
+        if sampled.logprobs:
+            logprobs = iter(sampled.logprobs)
+            output.logprobs = [next(logprobs) if chunk.samples else None for chunk in chunks]
+        return output
+
+    def forward(self, chunks: list[ScheduledChunk], inputs: PreparedInput | None = None) -> StepOutput:
+        """One forward pass and sampling over ``chunks``, waited for at once."""
+        return self.finish(self.launch(chunks, inputs))
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (rank 0 only has work to do)."""
+        if self.workers:
+            self.runner.stop_workers()
+            for worker in self.workers:
+                worker.join(timeout=30)
+            torch.distributed.destroy_process_group()
+            self.workers = []

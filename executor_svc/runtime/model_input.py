@@ -1,0 +1,193 @@
+"""A step's packed batch: the tokens, positions, cache slots and per-request lengths of its chunks.
+
+Built on the CPU with a few numpy and tensor ops (no Python loop over the context), often while the step
+before still runs: the tokens that step is sampling are filled in at launch (``ModelInput.fill_pending``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from executor_svc.attention.base import AttentionMetadata
+from executor_svc.core.request_table import RequestState, ScheduledChunk
+
+
+@dataclass
+class ModelInput:
+    """One step's packed batch; built on CPU by rank 0 and broadcast under tensor parallelism."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    # Rows of the packed batch whose logits are sampled (the last token of each sampling chunk).
+    logits_indices: torch.Tensor
+    # Rows scored for prompt logprobs (``prompt_logprobs.score_rows``); their logits follow the sampled ones'.
+    prompt_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    # (row, request, position) of input tokens still being sampled by the step before when this was packed.
+    pending: list[tuple[int, RequestState, int]] = field(default_factory=list)
+    # Rows of ``pending`` and, for each, the index of its token among the step before's sampled tokens (``link``).
+    linked: tuple[np.ndarray, np.ndarray] | None = None
+    # ``input_ids``' memory as numpy, taken when linked: just after a wait for the device the core runs cold, and
+    # ``Tensor.numpy()`` then took 40-80 us, 2 us warm (the W5 VM: launches 50-70 us sooner).
+    ids: np.ndarray | None = None
+    # Linked with every row pending and row i taking the step before's i-th token (a decode step after a decode step
+    # of the same requests): ``fill_pending`` then assigns the tokens whole, with no index arrays. With
+    # ``num_sampled``, W5's launch after a wait went from 50-65 us to 15-25 us (accelerator idle 55 -> 38 us a step).
+    linked_in_order: bool = False
+    # ``len(logits_indices)``, counted when packed: a tensor's ``len`` cold after a wait took 16 us (0.9 us warm).
+    num_sampled: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_sampled = len(self.logits_indices)
+
+    def link(self, before: list[ScheduledChunk] | None) -> None:
+        """Note where each pending token comes in the sampled tokens of ``before`` (the step before's chunks), so
+        that ``fill_pending`` can take them from there before that step's tokens are recorded; not linked when
+        some token is not found there (or ``before`` is None)."""
+        if not self.pending:
+            self.linked = (np.empty(0, np.int64), np.empty(0, np.int64))
+            return
+        if before is None:
+            return
+        index = {id(chunk.state): i for i, chunk in enumerate(before)}
+        sources = []
+        for _, state, pos in self.pending:  # the step before samples position ``end`` of each chunk that samples
+            i = index.get(id(state))
+            if i is None or before[i].end != pos:
+                return
+            sources.append(i)
+        self.linked = np.fromiter((row for row, _, _ in self.pending), np.int64), np.array(sources, np.int64)
+        self.ids = self.input_ids.numpy()
+        # Pending rows ascend, so as many as the rows are every row, in order.
+        self.linked_in_order = len(self.pending) == len(self.ids) == len(before) and sources == [*range(len(before))]
+
+    def fill_pending(self, sampled_before: list[int] | None = None) -> None:
+        """Put in the tokens the step before sampled: from ``sampled_before``, its tokens in order, where ``linked``;
+        else from the requests, once that step's tokens are recorded.
+
+        Written through numpy into the (CPU) tensor's memory: it is on the accelerator's path, and at 256 rows
+        this takes 8 us against 27 us through ``torch.tensor`` and a copy (W5, ``bench.overlap``)."""
+        if not self.pending:
+            return
+        ids = self.input_ids.numpy() if self.ids is None else self.ids
+        if sampled_before is not None and self.linked_in_order:
+            ids[:] = sampled_before
+        elif sampled_before is not None:
+            rows, sources = self.linked
+            ids[rows] = np.asarray(sampled_before, np.int64)[sources]
+        else:
+            tokens = [state.token_ids[pos] for _, state, pos in self.pending]
+            if len(self.pending) == len(ids):  # a decode step after a decode step: every row
+                ids[:] = tokens
+            else:
+                ids[[row for row, _, _ in self.pending]] = tokens
+        self.pending = []
+
+    def to(self, device: torch.device) -> ModelInput:
+        if device.type == "cpu":
+            return self
+        meta = AttentionMetadata(**{
+            name: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            for name, value in vars(self.meta).items()
+        })
+        return ModelInput(
+            self.input_ids.to(device, non_blocking=True),
+            self.positions.to(device, non_blocking=True),
+            meta,
+            self.logits_indices.to(device, non_blocking=True),
+            self.prompt_rows.to(device, non_blocking=True),
+        )
+
+
+def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
+    """[num_seqs, max_blocks] int32, padded with -1, from one flat array and a mask.
+
+    Built in numpy and shared with torch: 113 us for 256 tables of 33 blocks against 426 us with torch ops,
+    a third of a 256-sequence decode step's input (W5, bench.overlap).
+    """
+    lengths = np.fromiter(map(len, tables), np.int64, count=len(tables))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, count=int(lengths.sum()))
+    padded = np.full((len(tables), int(lengths.max())), -1, dtype=np.int32)
+    padded[np.arange(padded.shape[1]) < lengths[:, None]] = flat
+    return torch.from_numpy(padded)
+
+
+def prepare_input(chunks: list[ScheduledChunk], block_size: int, prompt_rows: list[int] = ()) -> ModelInput:
+    """Pack the chunks; a step where every chunk is one token runs as decode. ``prompt_rows`` are also scored.
+
+    Packed while the step before still runs, a decode chunk's token is the one that step is sampling: it goes in
+    ``pending`` for ``ModelInput.fill_pending``."""
+    if not prompt_rows and all(c.num_tokens == 1 for c in chunks):
+        return _decode_input(chunks, block_size)
+    num_tokens = torch.tensor([c.num_tokens for c in chunks])
+    starts = torch.tensor([c.start for c in chunks])
+    ends = starts + num_tokens
+    block_tables = pad_block_tables([c.state.block_table for c in chunks])
+    token_ids = list(itertools.chain.from_iterable(c.state.token_ids[c.start : c.end] for c in chunks))
+    pending = _pending_tokens(chunks, token_ids) if len(token_ids) < int(num_tokens.sum()) else []
+    input_ids = torch.tensor(token_ids, dtype=torch.int64)
+    is_decode = bool((num_tokens == 1).all())
+    cu_q = torch.zeros(len(chunks) + 1, dtype=torch.int64)
+    torch.cumsum(num_tokens, 0, out=cu_q[1:])
+    if is_decode:
+        seq_index, positions = torch.arange(len(chunks)), starts
+    else:
+        seq_index = torch.repeat_interleave(torch.arange(len(chunks)), num_tokens)
+        positions = torch.arange(int(cu_q[-1])) - (cu_q[:-1] - starts)[seq_index]
+    slot_mapping = block_tables[seq_index, positions // block_size].long() * block_size + positions % block_size
+    samples = torch.tensor([c.samples for c in chunks])
+    logits_indices = (cu_q[1:] - 1)[samples]
+    if is_decode:
+        meta = AttentionMetadata(False, slot_mapping, block_tables, context_lens=ends.int())
+    else:
+        cu_k = torch.zeros(len(chunks) + 1, dtype=torch.int32)
+        torch.cumsum(ends, 0, out=cu_k[1:])
+        meta = AttentionMetadata(
+            True,
+            slot_mapping,
+            block_tables,
+            cu_seqlens_q=cu_q.int(),
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=int(num_tokens.max()),
+            max_seqlen_k=int(ends.max()),
+            has_cached_context=bool((starts > 0).any()),
+        )
+    return ModelInput(input_ids, positions, meta, logits_indices, torch.tensor(prompt_rows, dtype=torch.int64), pending)
+
+
+def _decode_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInput:
+    """``prepare_input`` for one token per chunk, in numpy: at 256 chunks 125 us against 330 us with torch's small
+    ops, and what is left runs beside the step before (W5, ``bench.overlap``)."""
+    n = len(chunks)
+    starts = np.fromiter([c.start for c in chunks], np.int64, count=n)
+    block_tables = pad_block_tables([c.state.block_table for c in chunks])
+    slots = block_tables.numpy()[np.arange(n), starts // block_size].astype(np.int64) * block_size + starts % block_size
+    token_ids, pending = [0] * n, []
+    for i, c in enumerate(chunks):  # one read of each token list: the step before may append to it meanwhile
+        ids = c.state.token_ids
+        if c.start < len(ids):
+            token_ids[i] = ids[c.start]
+        else:
+            pending.append((i, c.state, c.start))
+    samples = np.flatnonzero(np.fromiter([c.samples for c in chunks], np.bool_, count=n))
+    meta = AttentionMetadata(False, torch.from_numpy(slots), block_tables,
+                             context_lens=torch.from_numpy((starts + 1).astype(np.int32)))
+    return ModelInput(torch.tensor(token_ids, dtype=torch.int64), torch.from_numpy(starts), meta,
+                      torch.from_numpy(samples), torch.empty(0, dtype=torch.int64), pending)
+
+
+def _pending_tokens(chunks: list[ScheduledChunk], token_ids: list[int]) -> list[tuple[int, RequestState, int]]:
+    """Rebuild ``token_ids`` with a 0 for each token not sampled yet; return where those go."""
+    token_ids.clear()
+    pending = []
+    for chunk in chunks:
+        known = chunk.state.token_ids[chunk.start : chunk.end]
+        missing = range(chunk.start + len(known), chunk.end)
+        token_ids += known
+        pending += [(len(token_ids) + i, chunk.state, pos) for i, pos in enumerate(missing)]
+        token_ids += [0] * len(missing)
+    return pending

@@ -1,0 +1,348 @@
+"""The public Generation service (grpc.aio): translates messages and statuses, the engine loop does the work."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import signal
+import sys
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.channels import DRAINED_KEY, server_options
+from common.cpu_yield import thread_ids, yield_cpu
+from common.executor import Executor
+from common.heap import freeze_startup_heap
+from common.security import ApiKeyInterceptor, TLSConfig, bind, channel_credentials, transport_name
+from nanoserve.v1 import generation_pb2 as pb
+from nanoserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.api.codec import to_response
+from scheduler_svc.api.frontend import Frontend, Generation
+from scheduler_svc.api.http.app import create_app, create_metrics_app
+from scheduler_svc.api.http.server import HttpServer
+from scheduler_svc.api.malformed import MalformedRequest, MalformedRequestInterceptor
+from scheduler_svc.config import ServiceConfig
+from scheduler_svc.core.errors import (
+    CacheTooSmall,
+    EngineFailure,
+    ExecutorUnavailable,
+    InvalidRequest,
+    QueueFull,
+    RequestFailed,
+    ServerStopping,
+)
+from scheduler_svc.core.outputs import RequestOutput
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.core.tokenizer import ModelTokenizer
+from scheduler_svc.engine.admission import QueueLimits
+from scheduler_svc.engine.backoff import Backoff
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.executor_client import RemoteExecutor
+from scheduler_svc.engine.loop import EngineLoop, RequestHandle
+from scheduler_svc.engine.metrics import Metrics, new_registry
+
+log = logging.getLogger("nanoserve.scheduler")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+# Trailing metadata of a stream the server ended with ABORT as it shut down (``common.channels.DRAINED_KEY``).
+DRAINED_METADATA = ((DRAINED_KEY, "true"),)
+# Every way a request can fail, and the status a caller sees for it.
+STATUS_OF: dict[type[RequestFailed], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    CacheTooSmall: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ServerStopping: grpc.StatusCode.UNAVAILABLE,
+    ExecutorUnavailable: grpc.StatusCode.UNAVAILABLE,
+    EngineFailure: grpc.StatusCode.INTERNAL,
+}
+# After the engine loop ended: time for the handlers to send their last responses.
+SERVER_STOP_GRACE_S = 5.0
+# How long a thread holds the GIL while another waits for it, in front of an accelerator (CPython's default: 5 ms).
+# See ``set_gil_switch_interval``.
+ACCELERATOR_GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+def connect_engine(executor: Executor, config: ServiceConfig) -> Engine:
+    """Handshake with a reset executor: a new scheduler never inherits another one's requests."""
+    executor.reset()
+    return Engine(executor, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                            config.num_scheduler_steps),
+                  overlap=config.overlap, step_timeout_s=config.step_timeout)
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    """gRPC in and out; the work around the engine loop is the ``Frontend``'s, shared with the HTTP API."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+
+    @staticmethod
+    async def _fail(context: grpc.aio.ServicerContext, error: RequestFailed) -> None:
+        """End the call with the status of ``error``."""
+        await context.abort(STATUS_OF[type(error)], str(error))
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> None:
+        try:
+            self.frontend.ready()
+        except RequestFailed as e:
+            await self._fail(context, e)
+
+    async def _submit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                      whole: bool = False) -> Generation:
+        await self._ready(context)
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a GenerateRequest: {request.reason}")
+        try:
+            return await self.frontend.submit(request, whole)
+        except RequestFailed as e:
+            await self._fail(context, e)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        with await self._submit(request, context) as generation:
+            request_id, one_choice = generation.request_id, generation.prepared.params.n == 1
+            try:
+                async for outputs in generation.batches():
+                    if outputs[-1].drained:  # read by clients that resume: ABORT here means "try elsewhere"
+                        context.set_trailing_metadata(DRAINED_METADATA)
+                    if one_choice:
+                        yield to_response(request_id, outputs)
+                        continue
+                    # One response per run of outputs of the same choice.
+                    for _, run in itertools.groupby(outputs, key=lambda output: output.index):
+                        yield to_response(request_id, list(run))
+            except RequestFailed as e:
+                await self._fail(context, e)
+
+    async def GenerateOnce(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        if not isinstance(request, MalformedRequest) and request.sampling.n > 1:
+            message = f"GenerateOnce returns one completion; stream {request.sampling.n} choices with Generate"
+            await self._fail(context, InvalidRequest("sampling.n", message))
+        with await self._submit(request, context, whole=True) as generation:
+            try:
+                outputs = [output async for batch in generation.batches() for output in batch]
+            except RequestFailed as e:
+                await self._fail(context, e)
+        return to_response(generation.request_id, outputs)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            return await self.frontend.tokenize(request)
+        except RequestFailed as e:
+            await self._fail(context, e)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        try:
+            return self.frontend.detokenize(request)
+        except RequestFailed as e:
+            await self._fail(context, e)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        """Each request found ends with ABORT; its blocks are free before the next step."""
+        await self._ready(context)
+        return pb.AbortResponse(aborted_request_ids=self.frontend.abort(request.request_ids))
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        await self._ready(context)
+        return self.frontend.model_info()
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.SchedulerStats:
+        await self._ready(context)
+        return self.frontend.stats()
+
+
+def deliver_to_event_loop(aio_loop: asyncio.AbstractEventLoop):
+    """The engine loop's ``deliver``: one thread hop per step, then each output into its caller's outbox."""
+
+    def dispatch(batch: list[tuple[RequestHandle, RequestOutput]]) -> None:
+        for handle, output in batch:
+            handle.sink.put_nowait(output)
+
+    def deliver(batch: list[tuple[RequestHandle, RequestOutput]]) -> None:
+        aio_loop.call_soon_threadsafe(dispatch, batch)
+
+    return deliver
+
+
+def executor_client(config: ServiceConfig) -> RemoteExecutor:
+    """The executor service at ``config.executor``, over TLS when an ``--executor-tls-*`` flag is set."""
+    tls = TLSConfig.from_flags(config.executor_tls_cert, config.executor_tls_key, config.executor_tls_ca)
+    credentials = channel_credentials(tls) if tls else None
+    return RemoteExecutor(config.executor, step_timeout_s=config.step_timeout, credentials=credentials)
+
+
+def metrics_tls(tls: TLSConfig | None) -> TLSConfig | None:
+    """--metrics-port's TLS: the public API's certificate, but no client certificate required (the scrapers it is
+    for, such as the endpoint picker, have none to present)."""
+    return TLSConfig(tls.cert_file, tls.key_file) if tls is not None and tls.cert_file else None
+
+
+class SchedulerServer:
+    """The gRPC server, the HTTP API and the metrics port beside it on the same event loop, their health, and the
+    engine loop once the executor answered."""
+
+    def __init__(self, config: ServiceConfig, executor: Executor | None = None) -> None:
+        """Serve ``executor`` (an in-process one in tests), or by default the executor service at config.executor."""
+        self.config = config
+        self.frontend = Frontend(config.executor, config.stream_interval)
+        self.servicer = GenerationServicer(self.frontend)
+        self.health = health.aio.HealthServicer()
+        self.tls = TLSConfig.from_flags(config.tls_cert, config.tls_key, config.tls_ca)
+        # The scheduler's metrics join the process' ones once the executor answered (they are labelled with its model).
+        self.registry = new_registry()
+        # The HTTP ports before gRPC's: a plain socket closes now, while a grpc.aio server left unstopped by a failed
+        # start is shut down by the interpreter's exit, which printed an empty "Error in sys.excepthook" (FastAPI's
+        # cache of route endpoints keeps this object, and so its server, alive until then).
+        self.http: HttpServer | None = None
+        self.metrics_http: HttpServer | None = None
+        try:
+            if config.http_port:
+                self.http = HttpServer(create_app(self.frontend, self.is_serving, self.registry, config.api_key),
+                                       config.host, config.http_port, self.tls)
+            if config.metrics_port:
+                self.metrics_http = HttpServer(create_metrics_app(self.registry), config.host, config.metrics_port,
+                                               metrics_tls(self.tls), "the metrics port")
+            self.server, self.port = self._grpc_server(config)
+        except BaseException:
+            for server in self.http_servers:
+                server.close()
+            raise
+        self.executor = executor if executor is not None else executor_client(config)
+        self.loop: EngineLoop | None = None
+        self.stopping = asyncio.Event()
+        self.stopped = False
+        # What health should say once the executor answered; the engine loop flips it on outages.
+        self.serving = False
+        self._health_lock = asyncio.Lock()
+
+    def _grpc_server(self, config: ServiceConfig) -> tuple[grpc.aio.Server, int]:
+        """The gRPC server, bound; its port (the one asked for, or the one picked for port 0)."""
+        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+        interceptors.append(MalformedRequestInterceptor(SERVICE_NAME))
+        server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        return server, bind(server, config.host, config.port, self.tls)
+
+    async def _sync_health(self) -> None:
+        """Publish the current status; serialized, and each update reads the latest state, so the last one wins."""
+        async with self._health_lock:
+            serving = self.is_serving()
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, status)
+
+    def is_serving(self) -> bool:
+        """What health says, over gRPC and HTTP: the executor answered and the server is not draining."""
+        return self.serving and not self.stopping.is_set()
+
+    def _on_serving(self, aio_loop: asyncio.AbstractEventLoop):
+        """The engine loop's ``on_serving``: called on its thread, applied on the event loop."""
+
+        def on_serving(serving: bool) -> None:
+            self.serving = serving
+            aio_loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._sync_health()))
+
+        return on_serving
+
+    async def start(self) -> None:
+        await self._sync_health()
+        await self.server.start()
+        for server in self.http_servers:
+            server.start()
+        http = f", HTTP on port {self.http.port}" if self.http is not None else ""
+        if self.metrics_http is not None:
+            http += f", metrics on port {self.metrics_http.port}"
+        log.info("scheduler listening on %s:%d%s (%s%s) executor=%s", self.config.host, self.port, http,
+                 transport_name(self.tls), ", API key" if self.config.api_key else "", self.config.executor)
+
+    @property
+    def http_servers(self) -> list[HttpServer]:
+        return [server for server in (self.http, self.metrics_http) if server is not None]
+
+    async def connect(self) -> bool:
+        """Retry the executor handshake with exponential backoff; False if asked to stop first."""
+        backoff = Backoff()
+        while not self.stopping.is_set():
+            try:
+                engine = await asyncio.to_thread(connect_engine, self.executor, self.config)
+                break
+            except grpc.RpcError as e:
+                delay = backoff.next()
+                log.warning("executor %s not ready (%s: %s); retrying in %.1fs",
+                            self.config.executor, e.code().name, e.details(), delay)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), delay)
+        else:
+            return False
+        info = engine.info
+        tokenizer = ModelTokenizer.from_info(info)
+        aio_loop = asyncio.get_running_loop()
+        limits = QueueLimits(self.config.max_queued_requests, self.config.max_queued_tokens)
+        metrics = Metrics(info.model_id, info.max_model_len, lambda: self.loop.stats)
+        self.loop = EngineLoop(engine, tokenizer, deliver_to_event_loop(aio_loop), limits, metrics,
+                               self._on_serving(aio_loop))
+        self.registry.register(metrics)
+        self.loop.start()
+        self.frontend.attach(self.loop, tokenizer)
+        self.serving = True
+        await self._sync_health()
+        log.info(
+            "executor ready model=%s blocks=%dx%d max_model_len=%d vocab=%d tokenizer=%s instance=%s",
+            info.model_id, info.num_blocks, info.block_size, info.max_model_len, info.vocab_size,
+            "yes" if tokenizer else "no", info.instance_id,
+        )
+        return True
+
+    async def stop(self) -> None:
+        """NOT_SERVING and refuse new work; requests in flight get ``--shutdown-grace`` seconds, the rest ABORT."""
+        if self.stopped:
+            return
+        self.stopped = True
+        self.stopping.set()
+        await self._sync_health()
+        if self.loop is not None:
+            grace = self.config.shutdown_grace
+            await asyncio.to_thread(self.loop.stop, grace, grace + self.config.step_timeout)
+        servers = [self.server.stop(SERVER_STOP_GRACE_S), *(s.stop(SERVER_STOP_GRACE_S) for s in self.http_servers)]
+        await asyncio.gather(*servers)
+        if isinstance(self.executor, RemoteExecutor):
+            self.executor.close()
+
+
+def set_gil_switch_interval(device: str) -> None:
+    """Let a thread that waits for the GIL have it sooner, unless the executor runs on the CPU.
+
+    The engine loop thread shares the GIL with the event loop that writes every stream, and needs it after each
+    step's result arrives, before it can send the plan the device computes next. W5 through the public API
+    (``python -m bench.overlap --peers api``, 256 streams, 5 ms steps) kept the simulated accelerator busy 0.67 of
+    the time at CPython's 5 ms, 0.86 at 0.5 ms. An executor on the CPU computes on the cores the scheduler runs
+    on, and more GIL hand-overs only take more of them from it.
+    """
+    if device != "cpu":
+        sys.setswitchinterval(ACCELERATOR_GIL_SWITCH_INTERVAL_S)
+
+
+async def serve(config: ServiceConfig) -> None:
+    """Serve until SIGTERM or SIGINT, then drain (see ``SchedulerServer.stop``)."""
+    scheduler = SchedulerServer(config)
+    await scheduler.start()
+    aio_loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        aio_loop.add_signal_handler(signum, scheduler.stopping.set)
+    if await scheduler.connect():
+        set_gil_switch_interval(scheduler.loop.info.device)
+        if config.yield_cpu and scheduler.loop.info.device == "cpu":
+            log.debug("%d threads yield the CPU to the executor's forward pass", yield_cpu(thread_ids()))
+        freeze_startup_heap()
+        await scheduler.stopping.wait()
+    log.info("scheduler stopping: %.0fs for the requests in flight", config.shutdown_grace)
+    await scheduler.stop()

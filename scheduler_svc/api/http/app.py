@@ -1,0 +1,207 @@
+"""The OpenAI-compatible routes: each translates its body to the GenerateRequests the gRPC API receives, sends
+them through the same ``Frontend``, and translates the outputs back; no engine logic lives here.
+
+A streamed response whose client goes away is cancelled by Starlette (``GenerationStream``), and a whole
+response's by ``unless_disconnected``; either way its generations close, which cancels their requests, so their KV
+blocks are free before the next step. ``/metrics`` is Prometheus' (``metrics_router``), behind the API key like every
+route but ``/health``; ``create_metrics_app`` serves it alone on --metrics-port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from common.security import bearer_token
+from scheduler_svc.api.frontend import Frontend, Generation
+from scheduler_svc.api.http import responses, schemas, translate
+from scheduler_svc.api.http.errors import ApiError, install_handlers
+from scheduler_svc.core.errors import RequestFailed
+from scheduler_svc.core.tokenizer import ModelTokenizer
+
+# Like gRPC health checks, open without the API key: probes carry none, and it reveals nothing else.
+OPEN_PATHS = frozenset({"/health"})
+# Sent instead of a response nobody is left to read.
+CLIENT_CLOSED = 499
+# ``responses``' two ways to answer: SSE chunks, or one whole object.
+Chunks = Callable[[translate.Translated, list[Generation], ModelTokenizer | None], AsyncIterator[str]]
+Whole = Callable[[translate.Translated, list[Generation], ModelTokenizer | None], Awaitable[BaseModel]]
+
+
+class ApiKeyMiddleware:
+    """Answer 401 before anything else (the body is not even read) unless ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            token = bearer_token(tuple((k.decode("latin-1"), v) for k, v in scope["headers"]))
+            if token is None or not hmac.compare_digest(token, self.api_key):
+                message = "this server needs an API key: send the header 'Authorization: Bearer <key>'"
+                await ApiError(401, message).response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def json_response(message: BaseModel) -> Response:
+    return Response(message.model_dump_json(), media_type="application/json")
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has gone away (the body is already read, so nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """``work``'s response, or, if the client goes away first, ``work`` cancelled."""
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if not task.cancelled() else Response(status_code=CLIENT_CLOSED)
+
+
+class GenerationStream(StreamingResponse):
+    """Server-sent events that close their generations however the response ends: finished, cancelled by a
+    client gone mid-stream, or before it even started."""
+
+    def __init__(self, chunks: AsyncIterator[str], generations: list[Generation]) -> None:
+        super().__init__(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.generations = generations
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for generation in self.generations:
+                generation.close()
+
+
+def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
+    router = APIRouter()
+    started = int(time.time())
+
+    def served_model() -> str:
+        return frontend.ready().info.model_id
+
+    async def submit(t: translate.Translated) -> list[Generation]:
+        """Every prompt's request, or none: one refused closes those already queued."""
+        generations: list[Generation] = []
+        try:
+            for request in t.requests:
+                generations.append(await frontend.submit(request, whole=not t.stream))
+        except BaseException as e:
+            for generation in generations:
+                generation.close()
+            if isinstance(e, RequestFailed):
+                raise translate.api_error(e, t.renames) from e
+            raise
+        return generations
+
+    async def generate(request: Request, t: translate.Translated, chunks: Chunks, whole: Whole) -> Response:
+        generations = await submit(t)
+        if t.stream:
+            return GenerationStream(chunks(t, generations, frontend.tokenizer), generations)
+
+        async def answer() -> Response:
+            return json_response(await whole(t, generations, frontend.tokenizer))
+
+        try:
+            return await unless_disconnected(request, answer())
+        finally:
+            for generation in generations:
+                generation.close()
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
+        t = translate.chat_request(body, served_model())
+        return await generate(request, t, responses.chat_chunks, responses.chat_completion)
+
+    @router.post("/v1/completions")
+    async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+        t = translate.completion_request(body, served_model(), frontend.tokenizer)
+        return await generate(request, t, responses.completion_chunks, responses.completion)
+
+    def model_card() -> schemas.ModelCard:
+        info = frontend.ready().info
+        return schemas.ModelCard(id=info.model_id, created=started, max_model_len=info.max_model_len)
+
+    @router.get("/v1/models")
+    async def models() -> Response:
+        return json_response(schemas.ModelList(data=[model_card()]))
+
+    @router.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        translate.check_model(model, served_model())
+        return json_response(model_card())
+
+    @router.get("/health")
+    async def health() -> Response:
+        """200 exactly when gRPC health says SERVING."""
+        return Response(status_code=200 if serving() else 503)
+
+    @router.post("/tokenize")
+    async def tokenize(body: schemas.TokenizeRequest) -> Response:
+        response = await frontend.tokenize(translate.tokenize_request(body, served_model()))
+        return json_response(schemas.TokenizeResponse(count=response.count, max_model_len=response.max_model_len,
+                                                      tokens=list(response.token_ids)))
+
+    @router.post("/detokenize")
+    async def detokenize(body: schemas.DetokenizeRequest) -> Response:
+        try:
+            response = frontend.detokenize(translate.detokenize_request(body, served_model()))
+        except RequestFailed as e:
+            raise translate.api_error(e, {"token_ids": "tokens"}) from e
+        return json_response(schemas.DetokenizeResponse(prompt=response.text))
+
+    return router
+
+
+def metrics_router(registry: CollectorRegistry) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/metrics")
+    def metrics() -> Response:
+        """Prometheus' text format; a plain function, so Starlette renders it on a worker thread, off the event loop."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def create_metrics_app(registry: CollectorRegistry) -> FastAPI:
+    """--metrics-port: ``/metrics`` and nothing else, open to any scraper that can reach it."""
+    app = FastAPI(title="nanoserve metrics", openapi_url=None, docs_url=None, redoc_url=None)
+    app.include_router(metrics_router(registry))
+    return app
+
+
+def create_app(frontend: Frontend, serving: Callable[[], bool], registry: CollectorRegistry,
+               api_key: str = "") -> FastAPI:
+    """``serving``: what gRPC health would say (True: SERVING); ``registry``: what ``/metrics`` serves."""
+    app = FastAPI(title="nanoserve", openapi_url=None, docs_url=None, redoc_url=None)
+    install_handlers(app)
+
+    @app.exception_handler(RequestFailed)
+    async def request_failed(request: Request, error: RequestFailed) -> Response:
+        """Not ready, draining, or a refused tokenize: fields named as OpenAI spells them."""
+        return translate.api_error(error, {}).response()
+
+    app.include_router(routes(frontend, serving))
+    app.include_router(metrics_router(registry))
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app

@@ -1,0 +1,237 @@
+"""The engine loop's outputs out, as OpenAI's objects: whole completions, or server-sent-event chunks.
+
+Choice ``i`` of prompt ``p`` is choice ``p * n + i`` of the response, as OpenAI numbers a list of
+prompts. Usage counts each prompt once (the loop puts it on choice 0) and every choice's completion.
+A failure after the stream has started is sent as an ``{"error": ...}`` event before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from scheduler_svc.api.frontend import Generation
+from scheduler_svc.api.http import schemas
+from scheduler_svc.api.http.translate import Translated, api_error
+from scheduler_svc.core.errors import RequestFailed
+from scheduler_svc.core.outputs import RequestOutput, TokenLogprobs, Usage
+from scheduler_svc.core.tokenizer import ModelTokenizer
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(message: BaseModel) -> str:
+    return f"data: {message.model_dump_json()}\n\n"
+
+
+@dataclass
+class Piece:
+    """A run of outputs of one choice, joined; the last one decides the finish."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        self.text += output.text
+        self.token_ids += output.token_ids
+        self.logprobs += output.logprobs
+        if output.finish_reason is not None:
+            self.finish_reason, self.usage = output.finish_reason.value, output.usage
+
+
+class UsageTotal:
+    def __init__(self) -> None:
+        self.prompt = self.completion = self.cached = 0
+
+    def add(self, usage: Usage | None) -> None:
+        if usage is not None:
+            self.prompt += usage.prompt_tokens
+            self.completion += usage.completion_tokens
+            self.cached += usage.cached_prompt_tokens
+
+    def usage(self) -> schemas.Usage:
+        return schemas.Usage(prompt_tokens=self.prompt, completion_tokens=self.completion,
+                             total_tokens=self.prompt + self.completion,
+                             prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=self.cached))
+
+
+async def merged(generations: list[Generation]) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
+    """Every generation's batches as they come, labelled with the generation's position. One prompt (every chat
+    request) reads its generation directly: waiting on a task per batch cost the event loop ~5 us a token."""
+    if len(generations) == 1:
+        async for batch in generations[0].batches():
+            yield 0, batch
+        return
+    iterators = [generation.batches() for generation in generations]
+
+    async def next_batch(i: int) -> list[RequestOutput] | None:
+        return await anext(iterators[i], None)
+
+    pending = {asyncio.ensure_future(next_batch(i)): i for i in range(len(iterators))}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = pending.pop(future)
+                batch = future.result()
+                if batch is not None:
+                    pending[asyncio.ensure_future(next_batch(i))] = i
+                    yield i, batch
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+async def pieces(t: Translated, generations: list[Generation]) -> AsyncIterator[Piece]:
+    """One piece per run of outputs of the same choice, numbered across prompts."""
+    async for position, outputs in merged(generations):
+        for index, run in itertools.groupby(outputs, key=lambda output: output.index):
+            piece = Piece(position * t.n + index)
+            for output in run:
+                piece.add(output)
+            yield piece
+
+
+def token_text(tokenizer: ModelTokenizer | None, token_id: int) -> str:
+    """A token as text; vLLM's ``token_id:N`` where the executor brought no tokenizer."""
+    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else f"token_id:{token_id}"
+
+
+def alternatives(lp: TokenLogprobs, top: int) -> Iterable[tuple[int, float]]:
+    return zip(lp.top_token_ids[:top], lp.top_logprobs[:top], strict=True)
+
+
+def chat_logprobs(piece: Piece, t: Translated, tokenizer: ModelTokenizer | None) -> schemas.ChatLogprobs | None:
+    if t.top_logprobs is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> schemas.TopLogprob:
+        text = token_text(tokenizer, token_id)
+        return schemas.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    content = []
+    for token_id, lp in zip(piece.token_ids, piece.logprobs, strict=False):
+        top = [entry(t_id, p) for t_id, p in alternatives(lp, t.top_logprobs)]
+        content.append(schemas.TokenLogprob(**entry(token_id, lp.logprob).model_dump(), top_logprobs=top))
+    return schemas.ChatLogprobs(content=content)
+
+
+def completion_logprobs(piece: Piece, t: Translated, tokenizer: ModelTokenizer | None,
+                        offset: int) -> schemas.CompletionLogprobs | None:
+    """``offset``: where the piece starts in the choice's text, for ``text_offset``."""
+    if t.top_logprobs is None:
+        return None
+    out = schemas.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for token_id, lp in zip(piece.token_ids, piece.logprobs, strict=False):
+        text = token_text(tokenizer, token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({token_text(tokenizer, t_id): p for t_id, p in alternatives(lp, t.top_logprobs)})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+async def whole(t: Translated, generations: list[Generation]) -> tuple[list[Piece], schemas.Usage]:
+    """Every choice joined, in order, and the usage; raises the request's failure as an answer."""
+    choices = [Piece(i) for i in range(len(generations) * t.n)]
+    usage = UsageTotal()
+    try:
+        async for piece in pieces(t, generations):
+            choice = choices[piece.index]
+            choice.text += piece.text
+            choice.token_ids += piece.token_ids
+            choice.logprobs += piece.logprobs
+            choice.finish_reason = piece.finish_reason
+            usage.add(piece.usage)
+    except RequestFailed as e:
+        raise api_error(e, t.renames) from e
+    return choices, usage.usage()
+
+
+def token_ids(piece: Piece, t: Translated) -> list[int] | None:
+    return piece.token_ids if t.return_token_ids else None
+
+
+async def chat_completion(t: Translated, generations: list[Generation],
+                          tokenizer: ModelTokenizer | None) -> schemas.ChatCompletion:
+    choices, usage = await whole(t, generations)
+    return schemas.ChatCompletion(id=t.id, created=t.created, model=t.model, usage=usage, choices=[
+        schemas.ChatChoice(index=c.index, message=schemas.AssistantMessage(content=c.text),
+                           logprobs=chat_logprobs(c, t, tokenizer), finish_reason=c.finish_reason,
+                           token_ids=token_ids(c, t))
+        for c in choices])
+
+
+async def completion(t: Translated, generations: list[Generation],
+                     tokenizer: ModelTokenizer | None) -> schemas.Completion:
+    choices, usage = await whole(t, generations)
+    out = []
+    for c in choices:
+        echo = t.echo[c.index // t.n] if t.echo else ""
+        out.append(schemas.CompletionChoice(index=c.index, text=echo + c.text, finish_reason=c.finish_reason,
+                                            logprobs=completion_logprobs(c, t, tokenizer, len(echo)),
+                                            token_ids=token_ids(c, t)))
+    return schemas.Completion(id=t.id, created=t.created, model=t.model, choices=out, usage=usage)
+
+
+async def streamed(t: Translated, generations: list[Generation], first: Iterable[BaseModel],
+                   chunk_of: Callable[[Piece], BaseModel],
+                   last: Callable[[schemas.Usage], BaseModel]) -> AsyncIterator[str]:
+    """The SSE framing both endpoints share: ``first`` chunks, one chunk per piece, the usage, ``[DONE]``."""
+    for message in first:
+        yield sse(message)
+    usage = UsageTotal()
+    try:
+        async for piece in pieces(t, generations):
+            usage.add(piece.usage)
+            yield sse(chunk_of(piece))
+        if t.include_usage:
+            yield sse(last(usage.usage()))
+    except RequestFailed as e:
+        yield sse(api_error(e, t.renames).body())
+    yield DONE
+
+
+def chat_chunks(t: Translated, generations: list[Generation], tokenizer: ModelTokenizer | None) -> AsyncIterator[str]:
+    """Each choice's role first, then its content as it is decoded."""
+
+    def chunk(choices: list[schemas.ChatChunkChoice], usage: schemas.Usage | None = None) -> BaseModel:
+        return schemas.ChatCompletionChunk(id=t.id, created=t.created, model=t.model, choices=choices, usage=usage)
+
+    def chunk_of(piece: Piece) -> BaseModel:
+        delta = schemas.Delta(content=piece.text) if piece.text or piece.finish_reason is None else schemas.Delta()
+        return chunk([schemas.ChatChunkChoice(index=piece.index, delta=delta, finish_reason=piece.finish_reason,
+                                              logprobs=chat_logprobs(piece, t, tokenizer),
+                                              token_ids=token_ids(piece, t))])
+
+    roles = (chunk([schemas.ChatChunkChoice(index=i, delta=schemas.Delta(role="assistant", content=""))])
+             for i in range(len(generations) * t.n))
+    return streamed(t, generations, roles, chunk_of, lambda usage: chunk([], usage))
+
+
+def completion_chunks(t: Translated, generations: list[Generation],
+                      tokenizer: ModelTokenizer | None) -> AsyncIterator[str]:
+    """``text_completion`` chunks; with ``echo`` each choice's prompt comes first."""
+    offsets = [len(t.echo[i // t.n]) if t.echo else 0 for i in range(len(generations) * t.n)]
+
+    def chunk(choices: list[schemas.CompletionChoice], usage: schemas.Usage | None = None) -> BaseModel:
+        return schemas.Completion(id=t.id, created=t.created, model=t.model, choices=choices, usage=usage)
+
+    def chunk_of(piece: Piece) -> BaseModel:
+        logprobs = completion_logprobs(piece, t, tokenizer, offsets[piece.index])
+        offsets[piece.index] += len(piece.text)
+        return chunk([schemas.CompletionChoice(index=piece.index, text=piece.text, logprobs=logprobs,
+                                               finish_reason=piece.finish_reason, token_ids=token_ids(piece, t))])
+
+    echoes = (chunk([schemas.CompletionChoice(index=i, text=t.echo[i // t.n])]) for i in range(len(offsets))
+              if t.echo)
+    return streamed(t, generations, echoes, chunk_of, lambda usage: chunk([], usage))

@@ -1,0 +1,233 @@
+"""OpenAI requests in, as the GenerateRequests the gRPC API receives; refused fields named back as OpenAI spells them.
+
+Nothing here checks a range: the scheduler does that once for both APIs (``wire.prepare``), and
+``openai_param`` renames the GenerateRequest field it names (``sampling.temperature`` -> ``temperature``).
+What is refused here is what OpenAI's parameters can say and GenerateRequest cannot, so that no
+parameter is silently dropped when dropping it would change the output.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc.api.http import schemas
+from scheduler_svc.api.http.errors import ApiError, failure
+from scheduler_svc.core.errors import InvalidRequest, RequestFailed
+from scheduler_svc.core.tokenizer import ModelTokenizer
+
+# OpenAI's newer name for the system role.
+ROLE_ALIASES = {"developer": "system"}
+
+
+@dataclass
+class Translated:
+    """An OpenAI request as the GenerateRequests it becomes (one per prompt), and how to answer it."""
+
+    id: str
+    model: str
+    requests: list[pb.GenerateRequest]
+    # GenerateRequest field (prefix-free, see ``openai_param``) -> the OpenAI parameter that set it.
+    renames: dict[str, str]
+    n: int
+    stream: bool
+    include_usage: bool
+    # Alternatives per token when logprobs were asked for, else None.
+    top_logprobs: int | None
+    return_token_ids: bool
+    # Per request: the text its choices start with (``echo``); empty when not asked.
+    echo: list[str]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def openai_param(field: str, renames: Mapping[str, str]) -> str:
+    """The OpenAI parameter (with its path, e.g. ``messages[1].role``) behind a GenerateRequest field."""
+    name = field.removeprefix("sampling.").removeprefix("stopping.")
+    if name.startswith("chat.messages"):
+        return "messages" + name.removeprefix("chat.messages")
+    if name == "chat":
+        return "messages"
+    if name in ("text", "tokens.token_ids"):
+        name = "prompt"
+    if name.startswith("structured_output"):
+        name = "structured_output"
+    return renames.get(name, name)
+
+
+def api_error(error: RequestFailed, renames: Mapping[str, str]) -> ApiError:
+    """A scheduler refusal as an answer, naming the OpenAI parameter behind a refused field."""
+    return failure(error, openai_param(error.field, renames) if isinstance(error, InvalidRequest) else None)
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise ApiError(404, f"The model `{requested}` does not exist; this server serves `{served}`", "model",
+                       "model_not_found")
+
+
+def unsupported(param: str, what: str) -> ApiError:
+    return ApiError(400, f"{param}: {what} is not supported by this server", param)
+
+
+def logit_bias(bias: Mapping[str, float] | None) -> dict[int, float]:
+    """OpenAI sends token ids as string keys."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            token_id = -1
+        if not 0 <= token_id < 2**32:
+            raise ApiError(400, f"logit_bias: the key {key!r} is not a token id", "logit_bias")
+        out[token_id] = value
+    return out
+
+
+def structured_output(body: schemas.GenerationParameters) -> tuple[pb.StructuredOutput | None, str]:
+    """The one constraint of ``response_format`` or vLLM's ``structured_outputs``, and which of the two set it."""
+    fmt, outputs = body.response_format, body.structured_outputs
+    from_format = fmt is not None and fmt.type != "text"
+    if from_format and outputs is not None:
+        raise ApiError(400, "structured_outputs: give either response_format or structured_outputs, not both",
+                       "structured_outputs")
+    if from_format:
+        if fmt.type == "json_object":
+            return pb.StructuredOutput(json_object=True), "response_format"
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ApiError(400, "response_format: type json_schema needs json_schema.schema", "response_format")
+        return pb.StructuredOutput(json_schema=json.dumps(fmt.json_schema.schema_)), "response_format"
+    if outputs is None:
+        return None, "response_format"
+    given = {name: value for name, value in (("json", outputs.json_), ("regex", outputs.regex),
+                                             ("choice", outputs.choice), ("grammar", outputs.grammar),
+                                             ("json_object", outputs.json_object)) if value is not None}
+    if len(given) != 1:
+        raise ApiError(400, f"structured_outputs: give exactly one of json, regex, choice, grammar, json_object "
+                            f"(got {', '.join(given) or 'none'})", "structured_outputs")
+    (name, value), = given.items()
+    if name == "json":
+        constraint = pb.StructuredOutput(json_schema=value if isinstance(value, str) else json.dumps(value))
+    elif name == "choice":
+        constraint = pb.StructuredOutput(choice=pb.ChoiceList(choices=value))
+    else:
+        constraint = pb.StructuredOutput(**{name: value})
+    return constraint, "structured_outputs"
+
+
+def base_request(body: schemas.GenerationParameters, max_tokens: int | None, logprobs: int | None,
+                 renames: dict[str, str]) -> pb.GenerateRequest:
+    """The settings every prompt of the request shares; records where the structured output came from."""
+    sampling = pb.SamplingOptions(
+        temperature=body.temperature, top_k=None if body.top_k == -1 else body.top_k, top_p=body.top_p,
+        min_p=body.min_p, seed=body.seed, logprobs=logprobs, repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        logit_bias=logit_bias(body.logit_bias), n=body.n)
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    stopping = pb.StoppingOptions(max_tokens=max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or [],
+                                  ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                                  include_stop_str_in_output=body.include_stop_str_in_output)
+    request = pb.GenerateRequest(sampling=sampling, stopping=stopping, skip_special_tokens=body.skip_special_tokens,
+                                 truncate_prompt_tokens=body.truncate_prompt_tokens)
+    constraint, renames["structured_output"] = structured_output(body)
+    if constraint is not None:
+        request.structured_output.CopyFrom(constraint)
+    return request
+
+
+def translated(body: schemas.GenerationParameters, prefix: str, model: str, requests: list[pb.GenerateRequest],
+               renames: dict[str, str], top_logprobs: int | None, echo: list[str]) -> Translated:
+    """Name the requests after the response (``<id>`` or ``<id>-<i>``), so the gRPC Abort can end them."""
+    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    for i, request in enumerate(requests):
+        request.request_id = response_id if len(requests) == 1 else f"{response_id}-{i}"
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return Translated(response_id, model, requests, renames, body.n or 1, body.stream, include_usage, top_logprobs,
+                      body.return_token_ids, echo)
+
+
+def message_text(message: schemas.Message, i: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    for j, part in enumerate(message.content):
+        if part.type != "text" or part.text is None:
+            raise ApiError(400, f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
+                           "messages")
+    return "".join(part.text for part in message.content)
+
+
+def chat_request(body: schemas.ChatCompletionRequest, model: str) -> Translated:
+    check_model(body.model, model)
+    if body.tools:
+        raise unsupported("tools", "tool calling")
+    if body.functions:
+        raise unsupported("functions", "function calling")
+    if body.tool_choice not in (None, "none"):
+        raise unsupported("tool_choice", "a tool_choice other than \"none\"")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    renames = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_param}
+    request = base_request(body, getattr(body, max_param), top_logprobs, renames)
+    messages = [pb.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=message_text(m, i))
+                for i, m in enumerate(body.messages)]
+    request.chat.CopyFrom(pb.ChatPrompt(messages=messages, add_generation_prompt=body.add_generation_prompt))
+    return translated(body, "chatcmpl", model, [request], renames, top_logprobs, [])
+
+
+def prompts_of(prompt: str | list) -> list[str | list[int]]:
+    """OpenAI's four prompt forms as a list of prompts: text or token ids each."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt: the list of prompts is empty", "prompt")
+    return [prompt] if isinstance(prompt[0], int) else list(prompt)
+
+
+def completion_request(body: schemas.CompletionRequest, model: str,
+                       tokenizer: ModelTokenizer | None) -> Translated:
+    check_model(body.model, model)
+    if body.suffix:
+        raise unsupported("suffix", "a suffix (insertion)")
+    if body.best_of not in (None, 1):
+        raise unsupported("best_of", "best_of other than 1")
+    if body.echo and body.logprobs is not None:
+        raise unsupported("echo", "echo with logprobs (logprobs of the prompt)")
+    renames: dict[str, str] = {}
+    requests, echo = [], []
+    for prompt in prompts_of(body.prompt):
+        request = base_request(body, body.max_tokens, body.logprobs, renames)
+        if isinstance(prompt, str):
+            request.text = prompt
+            if body.add_special_tokens is not None:
+                request.add_special_tokens = body.add_special_tokens
+        else:
+            request.tokens.token_ids.extend(prompt)
+        requests.append(request)
+        if body.echo:
+            as_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt, False) if tokenizer else ""
+            echo.append(as_text)
+    return translated(body, "cmpl", model, requests, renames, body.logprobs, echo)
+
+
+def tokenize_request(body: schemas.TokenizeRequest, model: str) -> pb.TokenizeRequest:
+    check_model(body.model, model)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "prompt: give exactly one of prompt or messages", "prompt")
+    request = pb.TokenizeRequest(add_special_tokens=body.add_special_tokens)
+    if body.prompt is not None:
+        request.text = body.prompt
+    else:
+        messages = [pb.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=message_text(m, i))
+                    for i, m in enumerate(body.messages)]
+        request.chat.CopyFrom(pb.ChatPrompt(messages=messages, add_generation_prompt=body.add_generation_prompt))
+    return request
+
+
+def detokenize_request(body: schemas.DetokenizeRequest, model: str) -> pb.DetokenizeRequest:
+    check_model(body.model, model)
+    return pb.DetokenizeRequest(token_ids=body.tokens)

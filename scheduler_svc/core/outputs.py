@@ -1,0 +1,122 @@
+"""Output processing, one request at a time: tokens to text, stop strings, finish reason and usage.
+
+It reads the sequence but never changes it: where a stop string ends a request before the
+last token the step sampled, it returns the position to stop at, and the loop applies it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.core.detokenizer import TextStream
+from scheduler_svc.core.errors import InvalidRequest, RequestFailed
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import TokenOutput
+from scheduler_svc.core.sequence import FinishReason, Sequence
+from scheduler_svc.core.tokenizer import ModelTokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The executor's raw logprob of a sampled token and its top alternatives (best first)."""
+
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+    @classmethod
+    def of(cls, seq: Sequence) -> Usage:
+        return cls(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_prefix_hit_tokens or 0)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request; the last one carries finish_reason and usage, or an error."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: RequestFailed | None = None
+    # Which of the request's n choices this continues.
+    index: int = 0
+    # On the first output of a request that asked: its prompt tokens from the second on, and their logprobs.
+    prompt_logprobs: tuple[list[int], list[TokenLogprobs]] | None = None
+    # An ABORT because the server shut down before the request finished: the caller may resume it elsewhere.
+    drained: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Processed:
+    """A step's output for the caller, and where the loop must end the sequence (None: nowhere)."""
+
+    output: RequestOutput
+    stop_at: int | None = None
+
+
+class OutputProcessor:
+    """Turns one choice's sampled tokens into text; without a tokenizer there is no text and no stop string.
+
+    ``index`` is the choice (of the request's n); ``counts_prompt`` is False for every choice but the
+    first, so that the usage of a request's choices adds up to its prompt once. ``resumed`` completion tokens
+    (a stream another scheduler started) are replayed through the text state, their text dropped: the
+    caller has it, and text held back at the boundary (a partial stop string, an unfinished character)
+    comes out with the next token, exactly as in an undisturbed run.
+    """
+
+    def __init__(self, tokenizer: ModelTokenizer | None, prompt_token_ids: list[int], params: SamplingParams,
+                 index: int = 0, resumed: list[int] | None = None) -> None:
+        self.text = None if tokenizer is None else TextStream(
+            tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
+        self.index = index
+        self.min_tokens = params.min_tokens
+        self.prompt_logprobs_due = params.prompt_logprobs is not None
+        if self.text is not None:
+            for k, token_id in enumerate(resumed or ()):
+                if self.text.push(token_id, k + 1 >= self.min_tokens)[1]:
+                    raise InvalidRequest("resume.completion_token_ids", f"a stop string ends the generation at "
+                                                                        f"resumed token {k}: nothing left to resume")
+
+    def process(self, out: TokenOutput) -> Processed:
+        seq, token_ids = out.seq, out.token_ids
+        text, stopped, stop_at = "", False, None
+        if self.text is not None:
+            last = len(token_ids) - 1
+            # Completion tokens before token k: stop strings are matched from min_tokens on.
+            done = out.position - seq.num_prompt_tokens
+            for k, token_id in enumerate(token_ids):
+                if k == last and out.final and seq.finish_reason is FinishReason.STOP:
+                    break  # an EOS or stop token ends the text without being part of it
+                piece, stopped = self.text.push(token_id, done + k + 1 >= self.min_tokens)
+                text += piece
+                if stopped:
+                    if k < last or not out.final:
+                        stop_at = out.position + k
+                    token_ids = token_ids[: k + 1]
+                    break
+            if not stopped and out.final:
+                tail, stopped = self.text.finish()
+                text += tail
+        reason = FinishReason.STOP if stopped else (seq.finish_reason if out.final else None)
+        logprobs = out.logprobs[: len(token_ids)] if out.logprobs and seq.params.logprobs is not None else []
+        usage = None
+        if reason is not None:
+            # Counted up to the last token kept, which is also where a stop string ends the sequence.
+            num_completion = out.position + len(token_ids) - seq.num_prompt_tokens
+            prompt = (seq.num_prompt_tokens, seq.num_prefix_hit_tokens or 0) if self.index == 0 else (0, 0)
+            usage = Usage(prompt[0], num_completion, prompt[1])
+        prompt_logprobs = None
+        if self.prompt_logprobs_due:
+            self.prompt_logprobs_due = False
+            prompt_logprobs = (seq.token_ids[1 : seq.num_prompt_tokens], seq.prompt_logprobs)
+        output = RequestOutput(text, token_ids, logprobs, reason, usage, index=self.index,
+                               prompt_logprobs=prompt_logprobs)
+        return Processed(output, stop_at)

@@ -1,0 +1,383 @@
+"""nano-vLLM's scheduler: prefill-first continuous batching with preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.sequence import PENDING, FinishReason, Sequence, SequenceStatus, max_kv_blocks
+
+
+@dataclass
+class SchedulerConfig:
+    """Per-step budgets (vLLM's names)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    # Decode tokens per sequence per plan (vLLM's multi-step scheduling): the executor feeds each
+    # sampled token into the next forward pass itself, so the scheduling, the RPC and the plan are
+    # paid once per this many decode steps. Stops (EOS, stop strings) are seen after the whole plan.
+    num_scheduler_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(slots=True)
+class TokenOutput:
+    """The completion tokens a step produced for ``seq`` (several under multi-step decode), the first at
+    ``position`` in its token ids, with the executor's logprobs of each when it sent them; ``final`` when
+    the last of them ended the sequence."""
+
+    seq: Sequence
+    token_ids: list[int]
+    logprobs: list[Any] | None
+    position: int
+    final: bool
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """A step booked by ``advance``, waiting for its tokens in ``settle``: per sequence, the first
+    token it computes, how many, and where its first sampled token goes (-1: dropped, an unfinished
+    chunk). A decode sequence samples one token per computed token (more than one in multi-step)."""
+
+    seqs: list[Sequence]
+    starts: list[int]
+    counts: list[int]
+    slots: list[int]
+    is_prefill: bool
+
+
+class Scheduler:
+    """Decides which sequences run each step and how many tokens each computes.
+
+    Prefill comes first, FIFO from the head of ``waiting``; only the first
+    sequence of a batch may be chunked, and a chunked sequence stays at the
+    head until its prompt is computed. Decode runs only when no prefill was
+    scheduled; when a block cannot be appended, the tail of ``running`` is
+    preempted (its blocks freed, recomputed later). A decode step computes
+    up to ``num_scheduler_steps`` tokens per sequence, never more than the
+    ``max_decode_steps`` of any sequence in it, nor past a sequence's
+    max_tokens or the model's length.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        eos_token_ids: set[int],
+        max_model_len: int,
+    ) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.num_scheduler_steps = config.num_scheduler_steps
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        # Ids of sequences whose blocks were freed since the last drain, so the
+        # executor can drop their state (finished, aborted or preempted).
+        self.released_seq_ids: list[int] = []
+        self.num_preemptions = 0
+        # Tokens looked up in the prefix cache at each allocation (vLLM's prefix-cache queries), and those found.
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``; refuse one that could never fit in the whole cache."""
+        blocks_needed = max(seq.num_blocks, max_kv_blocks(seq.num_prompt_tokens, seq.params.max_tokens,
+                                                          self.max_model_len, self.block_size))
+        if blocks_needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"sequence needs {blocks_needed} KV blocks at its longest but the cache has "
+                f"{self.block_manager.num_blocks}; shorten the prompt or max_tokens"
+            )
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Return this step's sequences and whether the step is a prefill."""
+        scheduled: list[Sequence] = []
+        num_batched_tokens = 0
+
+        while self.waiting and len(scheduled) < self.max_num_seqs:
+            seq = self.waiting[0]
+            remaining = self.max_num_batched_tokens - num_batched_tokens
+            if remaining == 0:
+                break
+            if not seq.block_table:
+                num_cached_blocks = self.block_manager.can_allocate(seq)
+                if num_cached_blocks == -1:
+                    break
+                num_tokens = seq.num_tokens - num_cached_blocks * self.block_size
+            else:
+                num_tokens = seq.num_tokens - seq.num_cached_tokens
+            if remaining < num_tokens and scheduled:
+                break
+            if not seq.block_table:
+                self.block_manager.allocate(seq, num_cached_blocks)
+                self.num_prefix_query_tokens += seq.num_tokens
+                self.num_prefix_hit_tokens += seq.num_cached_tokens
+                if seq.num_prefix_hit_tokens is None:  # of the prompt: a resumed completion may hit too
+                    seq.num_prefix_hit_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
+            seq.num_scheduled_tokens = min(num_tokens, remaining)
+            num_batched_tokens += seq.num_scheduled_tokens
+            if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens:
+                seq.status = SequenceStatus.RUNNING
+                self.waiting.popleft()
+                self.running.append(seq)
+            scheduled.append(seq)
+        if scheduled:
+            return scheduled, True
+
+        # The decode loop runs once per running sequence every step, so whether a sequence needs a
+        # block is checked inline: most steps its table already holds the KV it writes, and only one
+        # that needs more calls into the block manager (which counts, takes, or says none are free).
+        block_manager, block_size, running = self.block_manager, self.block_size, self.running
+        num_steps, max_model_len = self.num_scheduler_steps, self.max_model_len
+        if num_steps > 1:  # one step for all: a sequence that stopped earlier would wait for the rest
+            num_steps = min(num_steps, min(seq.max_decode_steps for seq in running))
+        held: list[Sequence] = []
+        steps = 1
+        while running and len(scheduled) < self.max_num_seqs:
+            seq = running.popleft()
+            if seq.final_token_pending:
+                held.append(seq)
+                continue
+            num_tokens = len(seq.token_ids)
+            if num_steps > 1:
+                left = seq.params.max_tokens - (num_tokens - seq.num_prompt_tokens)
+                steps = min(num_steps, left, max_model_len - num_tokens)
+                # KV is written for positions num_tokens - 1 .. num_tokens + steps - 2.
+                needs_blocks = len(seq.block_table) * block_size < num_tokens + steps - 1
+            else:
+                # The table holds the KV before position num_tokens - 1: it grows when that starts a block.
+                needs_blocks = (num_tokens - 1) % block_size == 0
+            while needs_blocks and not block_manager.append_blocks(seq, num_tokens + steps - 1):
+                if running:
+                    self.preempt(running.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                seq.num_scheduled_tokens = steps
+                scheduled.append(seq)
+        if not scheduled and not held:
+            raise RuntimeError("nothing can be scheduled: a sequence needs more KV blocks than exist")
+        running.extendleft(reversed(held))
+        running.extendleft(reversed(scheduled))
+        return scheduled, False
+
+    def preempt(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self._release(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
+        """Apply the sampled tokens; return the sequences that gained a token."""
+        return [out.seq for out in self.settle(self.advance(seqs, is_prefill), token_ids)]
+
+    def advance(self, seqs: list[Sequence], is_prefill: bool) -> StepRecord:
+        """Book a scheduled step as computed, before its tokens are known.
+
+        Its tokens count as cached, and each sequence that keeps this step's tokens (all but an
+        unfinished prefill chunk) gets a PENDING slot for each, so the next step can be scheduled
+        while this one runs. ``settle`` fills the slots.
+        """
+        starts, counts, slots = [], [], []
+        max_model_len = self.max_model_len
+        for seq in seqs:
+            start, count = seq.num_cached_tokens, seq.num_scheduled_tokens
+            seq.num_cached_tokens = start + count
+            seq.num_scheduled_tokens = 0
+            tokens = seq.token_ids
+            slot = -1
+            if not is_prefill or start + count == len(tokens):
+                slot = len(tokens)
+                if is_prefill or count == 1:
+                    tokens.append(PENDING)
+                    last = slot + 1
+                else:
+                    tokens.extend([PENDING] * count)
+                    last = slot + count
+                if last - seq.num_prompt_tokens >= seq.params.max_tokens or last >= max_model_len:
+                    seq.final_token_pending = True
+            starts.append(start)
+            counts.append(count)
+            slots.append(slot)
+        return StepRecord(seqs, starts, counts, slots, is_prefill)
+
+    def settle(self, record: StepRecord, token_ids: list[int], logprobs: Collection[Any] = (),
+               num_passes: int | None = None) -> list[TokenOutput]:
+        """Put a step's tokens in place; return what each sequence gained. ``logprobs``, when the
+        executor sent them, are parallel to ``token_ids`` and passed through; ``num_passes``, when the
+        executor cut a multi-step decode short, is how many decode steps of it ran.
+
+        This runs for every scheduled sequence every step, so the per-sequence work is inlined:
+        blocks are hashed only when the step filled one (their tokens are all known by now), and
+        a sequence finishes on EOS, a stop token or its length limit; tokens a multi-step decode
+        sampled past that are dropped.
+        """
+        if num_passes is not None:
+            record = self._shorten(record, num_passes)
+        settled = []
+        block_size, hash_blocks = self.block_size, self.block_manager.hash_blocks
+        eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
+        expected = len(record.seqs) if record.is_prefill else sum(record.counts)
+        one_each = expected == len(record.seqs)  # a prefill, or a decode of one step per sequence
+        if len(token_ids) != expected:
+            raise ValueError(f"the executor returned {len(token_ids)} tokens for a step that samples {expected}")
+        logprobs = logprobs if len(logprobs) else None
+        offset = 0  # of this sequence's first token in token_ids, in a multi-step decode
+        rows = zip(record.seqs, record.starts, record.counts, record.slots, strict=True)
+        for i, (seq, start, count, slot) in enumerate(rows):
+            if not one_each:
+                first, offset = offset, offset + count
+            if seq.is_finished:  # aborted or stopped while its step was in flight
+                continue
+            computed_end = start + count
+            reason = None
+            if slot >= 0:
+                if one_each:
+                    token_id = token_ids[i]
+                    seq.token_ids[slot] = token_id
+                    params = seq.params
+                    stops = (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids
+                    if stops and slot + 1 - seq.num_prompt_tokens >= params.min_tokens:
+                        reason = FinishReason.STOP
+                    elif slot + 1 - seq.num_prompt_tokens >= params.max_tokens or slot + 1 >= max_model_len:
+                        reason = FinishReason.LENGTH
+                    settled.append(TokenOutput(seq, [token_id], logprobs and [logprobs[i]], slot,
+                                               reason is not None))
+                else:
+                    kept, reason = self._multi_step_tokens(seq, slot, token_ids[first:offset])
+                    end = first + kept
+                    settled.append(TokenOutput(seq, token_ids[first:end], logprobs and logprobs[first:end],
+                                               slot, reason is not None))
+                    # KV past the last kept token belongs to dropped tokens.
+                    computed_end = min(computed_end, slot + kept)
+            if seq.block_table and start // block_size != computed_end // block_size:
+                hash_blocks(seq, start, computed_end)
+            if reason is not None:
+                self.finish(seq, reason)
+        return settled
+
+    @staticmethod
+    def _shorten(record: StepRecord, num_passes: int) -> StepRecord:
+        """A multi-step decode that ran only ``num_passes`` steps: each sequence books that many tokens at most, and
+        the slots and computed tokens of the steps that did not run are given back. Its blocks stay: the next steps
+        write there. A step booked after it was given back first (``unbook``); a sequence preempted meanwhile holds
+        no computed tokens, only its slots."""
+        if record.is_prefill or num_passes < 1:
+            raise ValueError(f"the executor cut a step to {num_passes} passes; only a decode of >= 1 passes is cut")
+        counts = []
+        for seq, count, slot in zip(record.seqs, record.counts, record.slots, strict=True):
+            if count > num_passes:
+                if not seq.is_finished:
+                    if seq.block_table:
+                        seq.num_cached_tokens -= count - num_passes
+                    del seq.token_ids[slot + num_passes :]
+                    seq.final_token_pending = False
+                count = num_passes
+            counts.append(count)
+        return StepRecord(record.seqs, record.starts, counts, record.slots, record.is_prefill)
+
+    @staticmethod
+    def unbook(record: StepRecord) -> None:
+        """Give back a decode booked by ``advance`` that will not run (the executor dropped it, as the multi-step
+        decode before it was cut): each sequence's computed tokens and slots are as before it. Its blocks stay, for
+        the steps that will write there; sequences it preempted stay preempted."""
+        for seq, start, slot in zip(record.seqs, record.starts, record.slots, strict=True):
+            if not seq.is_finished:
+                seq.num_cached_tokens = start
+                del seq.token_ids[slot:]
+                seq.final_token_pending = False
+
+    def _multi_step_tokens(self, seq: Sequence, slot: int, sampled: list[int]) -> tuple[int, FinishReason | None]:
+        """Place a multi-step decode's tokens from ``slot`` on, up to the first that stops ``seq``.
+        Returns how many it keeps and why it finishes (None: it goes on)."""
+        params = seq.params
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        kept, reason = len(sampled), None
+        if params.stop_token_ids or not eos.isdisjoint(sampled):
+            # Completion tokens before sampled[k] are slot - prompt + k; a stop counts from min_tokens on.
+            first = max(0, params.min_tokens - (slot - seq.num_prompt_tokens) - 1)
+            stop = next((k for k, t in enumerate(sampled) if k >= first and (t in eos or t in params.stop_token_ids)),
+                        None)
+            if stop is not None:
+                kept, reason = stop + 1, FinishReason.STOP
+        seq.token_ids[slot : slot + kept] = sampled[:kept]
+        last = slot + kept
+        if reason is None and (last - seq.num_prompt_tokens >= params.max_tokens or last >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        return kept, reason
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End ``seq`` wherever it is (finished, stop string, abort) and free its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.num_scheduled_tokens = 0
+        _drop_pending(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+            self.released_seq_ids.append(seq.seq_id)
+
+    def requeue_all(self, block_manager: BlockManager) -> list[Sequence]:
+        """Start over on a new KV cache (the executor lost its own): every live sequence waits
+        again, oldest first, to be recomputed like a preempted one. Returns the sequences that no
+        longer fit in the new cache; they are finished with ABORT."""
+        live = sorted([*self.running, *self.waiting], key=lambda seq: seq.seq_id)
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.running.clear()
+        self.waiting.clear()
+        self.released_seq_ids.clear()
+        dropped = []
+        for seq in live:
+            _drop_pending(seq)
+            seq.block_table.clear()
+            seq.num_cached_tokens = seq.num_scheduled_tokens = 0
+            seq.block_size = self.block_size
+            seq.status = SequenceStatus.WAITING
+            try:
+                self.add(seq)
+            except ValueError:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = FinishReason.ABORT
+                dropped.append(seq)
+        return dropped
+
+    def drain_released(self) -> list[int]:
+        released, self.released_seq_ids = self.released_seq_ids, []
+        return released
+
+
+def _drop_pending(seq: Sequence) -> None:
+    """Forget tokens of steps that will not be settled (the sequence ended, or the executor was lost)."""
+    tokens = seq.token_ids
+    while tokens[-1] == PENDING:
+        tokens.pop()
+    seq.final_token_pending = False

@@ -1,0 +1,95 @@
+"""A request as the scheduler sees it: tokens, KV progress and its block table."""
+
+from __future__ import annotations
+
+import math
+from enum import Enum, auto
+
+from scheduler_svc.core.sampling import SamplingParams
+
+# Stands in a sequence's token list for a token its in-flight step has not returned yet.
+PENDING = -1
+
+
+def max_kv_blocks(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int) -> int:
+    """KV blocks a sequence holds at its longest; the last sampled token is never fed back, so needs no slot."""
+    max_kv_len = min(num_prompt_tokens + max_tokens, max_model_len) - 1
+    return (max(num_prompt_tokens, max_kv_len) + block_size - 1) // block_size
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class FinishReason(Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class Sequence:
+    """Prompt plus completion tokens and how far their KV cache is computed.
+
+    ``num_cached_tokens`` counts tokens whose KV is in the cache (prefix hits
+    included); ``num_scheduled_tokens`` is this step's share, set by the
+    scheduler and cleared by postprocess.
+    """
+
+    def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams, block_size: int,
+                 num_prompt_tokens: int | None = None) -> None:
+        """``num_prompt_tokens`` below ``len(token_ids)``: the rest is completion a client resumes with, counted as
+        generated like a preempted sequence's."""
+        if not token_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.seq_id = seq_id
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.block_table: list[int] = []
+        self.block_size = block_size
+        self.params = params
+        self.finish_reason: FinishReason | None = None
+        # Prompt tokens served from the prefix cache at the first allocation.
+        self.num_prefix_hit_tokens: int | None = None
+        # When the engine first scheduled it (time.monotonic), for the queue-time metric; the scheduler keeps no clock.
+        self.scheduled_at: float | None = None
+        # True once the token in flight is its last (max_tokens or the model's length): it is not
+        # scheduled again while it waits for that token.
+        self.final_token_pending = False
+        # With params.prompt_logprobs: the logprobs of prompt tokens 1.. as the executor computed them.
+        self.prompt_logprobs: list = []
+        # The most decode steps one plan computes for it (with multi-step scheduling): the tokens its reader takes at
+        # a time, so that a plan never holds back a token the reader would have had sooner (1: a token-by-token
+        # stream; inf: a reader of whole completions).
+        self.max_decode_steps: float = math.inf
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_blocks(self) -> int:
+        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def block(self, i: int) -> list[int]:
+        """Token ids of logical block ``i``."""
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]

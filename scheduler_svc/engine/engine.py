@@ -1,0 +1,396 @@
+"""The in-process engine: scheduler + planner + any executor, one step at a time.
+
+The gRPC scheduler service runs this same object in its engine loop; tests and benchmarks drive it directly
+with a local executor.
+
+With ``overlap`` the engine keeps one step in flight: it schedules and sends step N+1 before it collects step
+N, so the executor never waits for the scheduler. The executor feeds its own sampled tokens into the next
+decode, and a sequence that turns out to have finished at step N just wastes its slot in step N+1.
+
+A multi-step decode (a window) is pipelined the same way: the next plan is booked on every step of the window
+running (StepPlan.after_whole_step_id). An arrival cuts the window short (``cut_for_loop``, the executor's
+CutStep); the executor then drops the plan booked on it, the engine gives that booking back
+(``Scheduler.unbook``, ``Planner.unbook``) and plans again from the steps that ran. No window is booked ahead
+while a request waits: the next step may be its prefill.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from common.executor import Executor
+from nanoserve.v1 import executor_pb2 as pb
+from scheduler_svc.api.codec import logprobs_from_result, plan_to_proto, prompt_logprobs_from_result
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.errors import InvalidRequest
+from scheduler_svc.core.planner import Plan, Planner
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig, StepRecord, TokenOutput
+from scheduler_svc.core.sequence import FinishReason, Sequence
+from scheduler_svc.core.validation import ModelLimits, check_request
+
+
+class ExecutorRestarted(RuntimeError):
+    """The executor answered with a new instance id: its KV cache is gone."""
+
+
+class IncompatibleExecutor(RuntimeError):
+    """The executor came back serving another model or vocabulary; requests cannot carry over."""
+
+
+class StepMismatch(RuntimeError):
+    """A result answered another plan than the one awaited: the stream lost its order."""
+
+
+@dataclass
+class StepTimings:
+    """Wall seconds of each phase of the last step: what the split costs per step."""
+
+    schedule_s: float = 0.0
+    plan_s: float = 0.0
+    execute_s: float = 0.0
+    postprocess_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step sent to the executor: its booking and its result (a future while it runs)."""
+
+    record: StepRecord
+    plan: Plan
+    # A decode of more than one step per sequence: the executor can cut it short.
+    window: bool
+    result: Future[pb.StepResult] | pb.StepResult
+    schedule_s: float
+    plan_s: float
+    # Time spent handing the plan over: the whole call for a synchronous executor.
+    send_s: float
+    # Booked on a window that was cut: the executor drops it, and its booking is given back.
+    dropped: bool = False
+
+
+Submit = Callable[[pb.StepPlan], Future[pb.StepResult]]
+# Told each collected step's computed tokens and the executor's forward seconds (the engine loop's metrics).
+OnStep = Callable[[int, float], None]
+
+
+def _unobserved(num_tokens: int, forward_s: float) -> None:
+    """Nobody is listening: benchmarks and tests driving the engine directly."""
+
+
+@dataclass
+class Completion:
+    """A finished request, as ``generate`` returns it."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: FinishReason
+    num_cached_prompt_tokens: int
+
+
+class Engine:
+    """Drives one executor: validates requests, schedules, plans, postprocesses."""
+
+    def __init__(
+        self, executor: Executor, config: SchedulerConfig | None = None, overlap: bool = False,
+        step_timeout_s: float | None = None,
+    ) -> None:
+        self.executor = executor
+        self.overlap = overlap
+        # Bounds the wait for a step in flight (a synchronous executor bounds its own calls).
+        self.step_timeout_s = step_timeout_s
+        self._submit: Submit | None = None
+        # Runs the steps of an executor without a stream of its own (an in-process one), in order.
+        self._worker: ThreadPoolExecutor | None = None
+        self._in_flight: Launched | None = None
+        self.config = config or SchedulerConfig()
+        self.info = executor.get_info()
+        self.scheduler = Scheduler(
+            self.config,
+            BlockManager(self.info.num_blocks, self.info.block_size),
+            set(self.info.eos_token_ids),
+            self.info.max_model_len,
+        )
+        self.planner = Planner()
+        self._seq_ids = itertools.count()
+        self.num_steps = 0
+        # Recoveries onto a new executor instance.
+        self.num_restarts = 0
+        self.last_timings = StepTimings()
+        self.on_step: OnStep = _unobserved
+        # Set by ``cut_for_loop`` (any thread) until the loop has taken its work in (``loop_work_taken``): a window
+        # in flight is cut, and no step is booked on it or after it before that work is in the scheduler.
+        self.loop_work_pending = False
+        self._window_step_id: int | None = None
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.scheduler.block_manager
+
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits.of(self.info)
+
+    def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Check and queue a request; raise InvalidRequest when it can never run."""
+        check_request(token_ids, params, self.limits)
+        return self.enqueue(token_ids, params)
+
+    def enqueue(self, token_ids: list[int], params: SamplingParams, resumed: list[int] | None = None) -> Sequence:
+        """Queue a request already checked (``validation``) against this executor's limits; ``resumed`` completion
+        tokens count as generated (a stream another scheduler started).
+
+        The cache may have shrunk since (a restarted executor): then InvalidRequest still.
+        """
+        tokens = [*token_ids, *(resumed or ())]
+        seq = Sequence(next(self._seq_ids), tokens, params, self.info.block_size, len(token_ids))
+        try:
+            self.scheduler.add(seq)
+        except ValueError as e:
+            raise InvalidRequest("max_tokens", str(e)) from e
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop ``seq`` now; its blocks are free at once, the executor drops it next step."""
+        self.scheduler.finish(seq, FinishReason.ABORT)
+
+    def stop_at(self, seq: Sequence, position: int) -> None:
+        """End ``seq`` with STOP at its token ``position`` (a stop string ends there); tokens that a
+        multi-step plan sampled after it are dropped."""
+        del seq.token_ids[position + 1 :]
+        self.scheduler.finish(seq, FinishReason.STOP)
+
+    def cut_for_loop(self) -> None:
+        """The loop has work to do before the next plan (any thread): a request is on its way in, or one was
+        cancelled. The multi-step decode in flight stops after its current step (where the executor can cut:
+        CutStep), so that the request's prefill, or the freeing of the cancelled one's blocks and its answer, need
+        not wait for the rest of it. Once per batch of such work: until the loop has taken it in, a window launched
+        is cut as it goes out (``_launch``), so a burst of arrivals sends one CutStep."""
+        if self.loop_work_pending:
+            return
+        self.loop_work_pending = True
+        self._cut_window()
+
+    def loop_work_taken(self) -> None:
+        """What ``cut_for_loop`` announced is in the scheduler: requests queued, cancels applied (the loop thread)."""
+        self.loop_work_pending = False
+
+    def cut_for_queued(self) -> None:
+        """Requests were queued by the loop thread itself (a request's other choices, once its prompt is computed):
+        the window in flight is cut as for an arrival."""
+        self._cut_window()
+
+    def _cut_window(self) -> None:
+        step_id, cut = self._window_step_id, getattr(self.executor, "cut", None)
+        if step_id is not None and cut is not None:
+            cut(step_id)
+
+    def has_unfinished(self) -> bool:
+        return self._in_flight is not None or not self.scheduler.is_finished()
+
+    def step(self) -> list[TokenOutput]:
+        """Run one step; return the tokens it produced (finished sequences included).
+
+        With overlap, the step collected is the one launched by the previous call, and the
+        next one is launched before waiting for it.
+        """
+        if not self.overlap:
+            launched = self._launch(self.executor.step)
+            if launched is None:
+                self._flush_released()
+                return []
+            return self._collect(launched)
+        if self._submit is None:
+            self._submit = self._submitter()
+        if self._in_flight is not None and self._in_flight.dropped:
+            self._collect_dropped(self._in_flight)
+            self._in_flight = None
+        if self._in_flight is None:
+            self._in_flight = self._launch(self._submit)
+            if self._in_flight is None:
+                self._flush_released()
+                return []
+        current = self._in_flight
+        if current.window:  # booked on its every step unless the next plan may be a prefill; a cut drops it
+            ahead = not self.loop_work_pending and not self.scheduler.waiting
+            self._in_flight = self._launch(self._submit, current.plan.step_id) if ahead else None
+            outputs = self._collect(current)
+            if self._in_flight is None and not self.loop_work_pending:  # else the loop's work comes first
+                self._in_flight = self._launch(self._submit)
+            return outputs
+        self._in_flight = self._launch(self._submit)
+        return self._collect(current)
+
+    def _submitter(self) -> Submit:
+        """The executor's own ordered stream when it has one, else one worker thread (which keeps order).
+
+        An executor that ``prepares_ahead`` (its step in two halves, ``prepare`` and ``execute``:
+        ``executor_svc.core.step_pipeline``) gets a second thread that prepares each plan as it comes, while the worker still
+        executes the one before.
+        """
+        submit = getattr(self.executor, "submit", None)
+        if submit is not None:
+            return submit
+        self._worker = worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor")
+        if not getattr(self.executor, "prepares_ahead", False):
+            return lambda plan: worker.submit(self.executor.step, plan)
+        prepare, execute = self.executor.prepare, self.executor.execute
+        packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-prepare")
+        return lambda plan: worker.submit(lambda prepared: execute(prepared.result()), packer.submit(prepare, plan))
+
+    def _launch(self, run: Callable[[pb.StepPlan], Future[pb.StepResult] | pb.StepResult],
+                after_whole: int | None = None) -> Launched | None:
+        """Schedule, plan and book a step, and hand its plan to ``run``; None when nothing can run. ``after_whole``:
+        the window in flight it is booked on, every step of it counted."""
+        if self.scheduler.is_finished():
+            return None
+        t0 = time.perf_counter()
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:  # every running sequence awaits its final token from the step in flight
+            return None
+        if is_prefill:
+            now = time.monotonic()
+            for seq in seqs:
+                if seq.scheduled_at is None:
+                    seq.scheduled_at = now
+        t1 = time.perf_counter()
+        plan, ordered = self.planner.build(seqs, is_prefill, self.scheduler.drain_released())
+        plan.after_whole_step_id = after_whole
+        message = plan_to_proto(plan)
+        record = self.scheduler.advance(ordered, is_prefill)
+        t2 = time.perf_counter()
+        window = not is_prefill and self.config.num_scheduler_steps > 1 and any(count > 1 for count in record.counts)
+        if window:
+            self._window_step_id = plan.step_id
+        result = run(message)
+        if window and self.loop_work_pending:  # it came while this was planned: cut_for_loop saw no window
+            self._cut_window()
+        return Launched(record, plan, window, result, t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+    def _result(self, launched: Launched) -> pb.StepResult:
+        """Wait for a launched step's result: from the executor instance and for the plan expected."""
+        result = launched.result
+        if isinstance(result, Future):
+            result = result.result(timeout=self.step_timeout_s)
+            # Hand the GIL over before postprocessing: the thread that starts the next step (an in-process
+            # executor's, or the gRPC one sending its plan) otherwise waits behind all of it. W5 in-process at
+            # 256 sequences: 300 us between two steps' executions without this, 25 us with it.
+            time.sleep(0)
+        if result.instance_id != self.info.instance_id:
+            raise ExecutorRestarted(
+                f"executor instance changed from {self.info.instance_id} to {result.instance_id}"
+            )
+        step_id = launched.plan.step_id
+        if result.step_id != step_id:
+            raise StepMismatch(f"the executor answered step {result.step_id} where step {step_id} was due")
+        if launched.window and self._window_step_id == step_id:
+            self._window_step_id = None
+        return result
+
+    def _collect_dropped(self, launched: Launched) -> None:
+        """Take the answer to a plan the executor was to drop (its window was cut); its booking is given back."""
+        result = self._result(launched)
+        if not result.HasField("num_passes") or result.num_passes != 0:
+            raise StepMismatch(f"the executor ran step {result.step_id}, booked on the whole of step "
+                               f"{launched.plan.after_whole_step_id}, which it cut")
+
+    def _collect(self, launched: Launched) -> list[TokenOutput]:
+        """Wait for a launched step and settle its tokens."""
+        t0 = time.perf_counter()
+        result = self._result(launched)
+        t1 = time.perf_counter()
+        self.num_steps += 1
+        logprobs = logprobs_from_result(result) if result.logprobs else ()
+        if result.prompt_logprobs:
+            self._keep_prompt_logprobs(launched.record.seqs, result)
+        num_passes = result.num_passes if result.HasField("num_passes") else None
+        ahead = self._in_flight
+        if num_passes is not None and ahead is not None and ahead.plan.after_whole_step_id == launched.plan.step_id:
+            self._unbook(ahead)
+        outputs = self.scheduler.settle(launched.record, list(result.token_ids), logprobs, num_passes)
+        counts = launched.record.counts  # a cut window computed at most num_passes tokens of each sequence
+        self.on_step(sum(counts) if num_passes is None else sum(min(c, num_passes) for c in counts),
+                     result.forward_ms / 1e3)
+        self.last_timings = StepTimings(
+            launched.schedule_s, launched.plan_s, launched.send_s + t1 - t0, time.perf_counter() - t1
+        )
+        return outputs
+
+    def _unbook(self, ahead: Launched) -> None:
+        """The window ``ahead`` was booked on was cut: the executor drops it, so its booking is given back."""
+        ahead.dropped = True
+        self.scheduler.unbook(ahead.record)
+        self.scheduler.released_seq_ids[:0] = self.planner.unbook(ahead.plan)
+
+    @staticmethod
+    def _keep_prompt_logprobs(seqs: list[Sequence], result: pb.StepResult) -> None:
+        """Append each run of prompt logprobs where the sequence's own end; a recomputed prompt (after a preemption or
+        a restart) sends runs it already has, which are dropped."""
+        runs = prompt_logprobs_from_result(result)
+        for seq in seqs:
+            run = runs.get(seq.seq_id)
+            if run is not None:
+                first, logprobs = run
+                have = len(seq.prompt_logprobs) + 1
+                seq.prompt_logprobs += logprobs[max(0, have - first):]
+
+    def probe(self) -> bool:
+        """Whether the executor still answers as the same instance (it raises when it does not answer)."""
+        return self.executor.get_info().instance_id == self.info.instance_id
+
+    def recover(self) -> list[Sequence]:
+        """Carry on with a (re)started executor: handshake and reset it, then recompute every request.
+
+        Requests keep the tokens they generated, so greedy and seeded outputs are unchanged.
+        Returns the sequences the new cache is too small for (finished with ABORT).
+        """
+        info = self.executor.get_info()
+        old = self.info
+        if (info.model_id, info.vocab_size, list(info.eos_token_ids)) != (
+            old.model_id, old.vocab_size, list(old.eos_token_ids)
+        ):
+            raise IncompatibleExecutor(
+                f"the executor now serves {info.model_id!r} (vocab {info.vocab_size}), "
+                f"not {old.model_id!r} (vocab {old.vocab_size}); restart the scheduler to switch models"
+            )
+        self._abandon_in_flight()
+        self.executor.reset()
+        if info.instance_id != old.instance_id:
+            self.num_restarts += 1
+        self.info = info
+        self.scheduler.max_model_len = info.max_model_len
+        self.planner.forget_all()
+        return self.scheduler.requeue_all(BlockManager(info.num_blocks, info.block_size))
+
+    def _abandon_in_flight(self) -> None:
+        """Forget the step in flight before a reset; its outcome no longer matters.
+
+        An in-process executor may still be running it, or a window being collected, on the worker thread and
+        is not safe to reset meanwhile, so the worker's queue is let end. An executor with its own stream is not
+        waited for: its reset cancels the stream, and a hung step would otherwise cost a second step timeout.
+        """
+        self._in_flight = None
+        if self._worker is not None:
+            wait([self._worker.submit(lambda: None)], timeout=self.step_timeout_s)
+
+    def _flush_released(self) -> None:
+        """Tell an idle executor to drop requests that finished in the last step."""
+        released = self.scheduler.drain_released()
+        plan, _ = self.planner.build([], False, released)
+        if plan.finished_request_ids:
+            self.executor.step(plan_to_proto(plan))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Run requests to completion; outputs in prompt order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        while self.has_unfinished():
+            self.step()
+        self._flush_released()
+        return [Completion(s.token_ids[: s.num_prompt_tokens], s.completion_token_ids, s.finish_reason,
+                           s.num_prefix_hit_tokens or 0) for s in seqs]

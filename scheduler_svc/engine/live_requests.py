@@ -1,0 +1,191 @@
+"""The requests the engine loop has admitted, their choices, the outputs waiting to be delivered, and what the
+metrics need to know of them: token counts, and each choice's times, told to the ``LoopObserver``."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from scheduler_svc.api.codec import PreparedRequest
+from scheduler_svc.core.errors import RequestFailed
+from scheduler_svc.core.outputs import OutputProcessor, RequestOutput, Usage
+from scheduler_svc.core.scheduler import TokenOutput
+from scheduler_svc.core.sequence import FinishReason, Sequence
+from scheduler_svc.core.tokenizer import ModelTokenizer
+from scheduler_svc.engine.admission import Admission
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.stats import LoopObserver
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """A submitted request; ``sink`` is whatever the caller's ``deliver`` needs to reach it."""
+
+    prepared: PreparedRequest
+    sink: object
+    # When the caller's request arrived (time.monotonic, before it was tokenized) and when it was queued.
+    arrived_at: float
+    # Tokens of a choice its reader takes at a time (inf: whole completions): each choice's ``max_decode_steps``.
+    tokens_per_read: float = 1
+    queued_at: float = field(default_factory=time.monotonic)
+    # Set by the loop thread once the request no longer counts against the queue limits.
+    dequeued: bool = False
+    # Choices (of n) not started yet: they start once choice 0's prompt is computed, to share its KV blocks.
+    pending_choices: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Active:
+    """Loop-thread state of one admitted choice of a request."""
+
+    handle: RequestHandle
+    seq: Sequence
+    processor: OutputProcessor
+    # When its last tokens came out (time.monotonic); None before the first.
+    last_token_at: float | None = None
+
+
+class InFlight:
+    """Loop-thread only: admitted choices by request and by sequence id, the outbox, finish and token counts."""
+
+    def __init__(self, admission: Admission, observer: LoopObserver) -> None:
+        self.admission = admission
+        self.observer = observer
+        self.by_handle: dict[RequestHandle, list[Active]] = {}
+        self.by_seq_id: dict[int, Active] = {}
+        self.outbox: list[tuple[RequestHandle, RequestOutput]] = []
+        self.finished: dict[FinishReason, int] = dict.fromkeys(FinishReason, 0)
+        # Prompts of the requests whose first token is out (once per request, as usage counts them), tokens sent.
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.by_handle)
+
+    def start(self, engine: Engine, handle: RequestHandle, index: int, tokenizer: ModelTokenizer | None) -> None:
+        """Queue choice ``index`` of the request in the engine (InvalidRequest if the cache shrank since)."""
+        prepared = handle.prepared
+        params = prepared.params.for_choice(index)
+        resumed = prepared.resumed_token_ids
+        processor = OutputProcessor(tokenizer, prepared.prompt_token_ids, params, index, resumed)
+        seq = engine.enqueue(prepared.prompt_token_ids, params, resumed)
+        seq.max_decode_steps = handle.tokens_per_read
+        active = Active(handle, seq, processor)
+        self.by_handle.setdefault(handle, []).append(active)
+        self.by_seq_id[seq.seq_id] = active
+        if index == 0:
+            handle.pending_choices = list(range(1, prepared.params.n))
+
+    def start_pending(self, engine: Engine, handle: RequestHandle, tokenizer: ModelTokenizer | None) -> None:
+        """Choice 0's prompt is computed: the other choices start, and hit its blocks in the prefix cache."""
+        pending, handle.pending_choices = handle.pending_choices, []
+        for index in pending:
+            self.start(engine, handle, index, tokenizer)
+        engine.cut_for_queued()
+
+    def process(self, engine: Engine, outputs: list[TokenOutput], tokenizer: ModelTokenizer | None) -> None:
+        """A step's tokens: each choice's output queued, the sequences a stop string ended stopped, finished choices
+        forgotten. Inter-token gaps are told grouped by when each choice's previous tokens came out: in a decode
+        step nearly every choice shares that time, so the observer is called once or twice a step, not per choice
+        (the per-choice cost is a few list and attribute operations, ~0.1 us)."""
+        now = time.monotonic()
+        previous: list[float] = []
+        generated = 0
+        for out in outputs:
+            active = self.by_seq_id[out.seq.seq_id]
+            if active.handle.pending_choices:
+                self.start_pending(engine, active.handle, tokenizer)
+            processed = active.processor.process(out)
+            if processed.stop_at is not None:
+                engine.stop_at(active.seq, processed.stop_at)
+            output = processed.output
+            self.emit(active.handle, output)
+            generated += len(output.token_ids)
+            last = active.last_token_at
+            active.last_token_at = now
+            if last is None:
+                self.observer.first_token(now - active.handle.arrived_at)
+                if active.processor.index == 0:
+                    self.num_prompt_tokens += active.seq.num_prompt_tokens
+            else:
+                previous.append(last)
+            if output.finish_reason is not None:
+                self.forget(active, output.finish_reason)
+        self.num_generation_tokens += generated
+        for last, count in Counter(previous).items():
+            self.observer.inter_tokens(now - last, count)
+
+    def emit(self, handle: RequestHandle, output: RequestOutput) -> None:
+        """Queue ``output`` for delivery; the request stops counting against the queue limits."""
+        self.dequeue(handle)
+        self.outbox.append((handle, output))
+
+    def dequeue(self, handle: RequestHandle) -> None:
+        if not handle.dequeued:
+            handle.dequeued = True
+            self.admission.release(len(handle.prepared.prompt_token_ids))
+
+    def forget(self, active: Active, reason: FinishReason) -> None:
+        """The choice is done (its last output emitted, or it was aborted)."""
+        handle = active.handle
+        choices = self.by_handle[handle]
+        choices.remove(active)
+        if not choices and not handle.pending_choices:
+            del self.by_handle[handle]
+        seq = active.seq
+        del self.by_seq_id[seq.seq_id]
+        self.finished[reason] += 1
+        self.dequeue(handle)
+        queued_s = None if seq.scheduled_at is None else seq.scheduled_at - handle.queued_at
+        self.observer.finished(time.monotonic() - handle.arrived_at, queued_s, seq.num_prompt_tokens,
+                               seq.num_completion_tokens)
+
+    def cancel(self, engine: Engine, handle: RequestHandle, answer: bool = False, drained: bool = False) -> None:
+        """Abort every choice of the request and free its blocks now; with ``answer`` each ends with ABORT
+        and its usage (an Abort call; ``drained``: the server shuts down), else silently (the caller went away).
+        A request done is left alone."""
+        for active in list(self.by_handle.get(handle, ())):
+            engine.abort(active.seq)
+            if answer:
+                usage = Usage.of(active.seq) if active.processor.index == 0 else Usage(0, 0, 0)
+                self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage,
+                                                index=active.processor.index, drained=drained))
+            self.forget(active, FinishReason.ABORT)
+        if handle.pending_choices:
+            ended_s = time.monotonic() - handle.arrived_at
+            for index in handle.pending_choices:
+                if answer:
+                    self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=Usage(0, 0, 0),
+                                                    index=index, drained=drained))
+                self.finished[FinishReason.ABORT] += 1
+                self.observer.finished(ended_s, None, len(handle.prepared.prompt_token_ids), 0)
+            handle.pending_choices = []
+            self.by_handle.pop(handle, None)
+
+    def refuse(self, handle: RequestHandle) -> None:
+        """A request never admitted (the server drains): each of its choices ends with ABORT, the prompt once."""
+        num_prompt_tokens = len(handle.prepared.prompt_token_ids)
+        for index in range(handle.prepared.params.n):
+            usage = Usage(num_prompt_tokens if index == 0 else 0, 0, 0)
+            self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage, index=index, drained=True))
+
+    def fail(self, engine: Engine, handle: RequestHandle, error: RequestFailed) -> None:
+        """End the request with ``error``: one error answers the caller, its other choices stop too."""
+        self.emit(handle, RequestOutput(error=error))
+        self.cancel(engine, handle)
+
+    def end_all(self, engine: Engine, error: RequestFailed | None = None) -> int:
+        """Abort every request and free its blocks: answered with ``error``, or (the server drains) each choice
+        with ABORT."""
+        handles = list(self.by_handle)
+        for handle in handles:
+            if error is None:
+                self.cancel(engine, handle, answer=True, drained=True)
+            else:
+                self.fail(engine, handle, error)
+        return len(handles)
+
+    def take_outbox(self) -> list[tuple[RequestHandle, RequestOutput]]:
+        outbox, self.outbox = self.outbox, []
+        return outbox

@@ -1,0 +1,249 @@
+"""The engine loop: one thread owns the Engine, any number of RPCs feed it through ``submit`` and ``cancel``.
+
+Each iteration admits new requests, applies cancellations (freeing blocks at once), runs one engine
+step, has each request's ``OutputProcessor`` turn its tokens into text, and hands the step's outputs
+to ``deliver`` in one call; idle, it sleeps until woken or the ``Supervisor`` wants a probe or a retry.
+A failed step loses no request: the executor is DOWN, ``Engine.recover`` is retried as the supervisor
+says, and every request carries on by recompute. ``stop`` drains within a grace period, then aborts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from scheduler_svc.api.codec import PreparedRequest
+from scheduler_svc.core.errors import CacheTooSmall, EngineFailure, ExecutorUnavailable, InvalidRequest
+from scheduler_svc.core.outputs import RequestOutput
+from scheduler_svc.core.tokenizer import ModelTokenizer
+from scheduler_svc.engine.admission import Admission, QueueLimits
+from scheduler_svc.engine.engine import Engine, IncompatibleExecutor, TokenOutput
+from scheduler_svc.engine.executor_client import describe_failure
+from scheduler_svc.engine.live_requests import InFlight, RequestHandle
+from scheduler_svc.engine.stats import LoopObserver, LoopStats
+from scheduler_svc.engine.supervision import Supervisor
+
+log = logging.getLogger("nanoserve.scheduler")
+
+Deliver = Callable[[list[tuple[RequestHandle, RequestOutput]]], None]
+OnServing = Callable[[bool], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, tokenizer: ModelTokenizer | None, deliver: Deliver, limits: QueueLimits,
+                 observer: LoopObserver, on_serving: OnServing = lambda serving: None) -> None:
+        """``on_serving(False)`` when the executor fails, ``on_serving(True)`` once it is back; ``observer`` hears
+        of each step and each choice's times (both on the loop thread)."""
+        self.engine = engine
+        self.info = engine.info
+        self.tokenizer = tokenizer
+        self.deliver = deliver
+        self.on_serving = on_serving
+        self.admission = Admission(limits)
+        self.supervisor = Supervisor(time.monotonic())
+        self._serving_reported = True
+        self._wakeup = threading.Condition()
+        self._inbox: list[RequestHandle] = []
+        self._cancelled: list[tuple[RequestHandle, bool]] = []
+        self._drain_deadline: float | None = None
+        self._requests = InFlight(self.admission, observer)
+        engine.on_step = observer.step
+        self.stats = LoopStats.of(engine, self._requests, self.supervisor.serving)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # Called from any thread.
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, prepared: PreparedRequest, sink: object, arrived_at: float,
+               tokens_per_read: float = 1) -> RequestHandle:
+        """Queue a validated request that arrived at ``arrived_at`` (time.monotonic); raise QueueFull, ServerStopping
+        or InvalidRequest when it cannot be taken. ``tokens_per_read``: how many of a choice's tokens its reader
+        takes at a time (inf: whole completions), the most decode steps a plan computes for it. A multi-step
+        decode in flight is cut short, so that the request starts after the current step of it."""
+        self.admission.admit(len(prepared.prompt_token_ids))
+        handle = RequestHandle(prepared, sink, arrived_at, tokens_per_read)
+        with self._wakeup:
+            self._inbox.append(handle)
+            self.engine.cut_for_loop()
+            self._wakeup.notify()
+        return handle
+
+    def cancel(self, handle: RequestHandle, answer: bool = False) -> None:
+        """Abort ``handle`` before the next step (``answer``: its choices end with ABORT); a finished request is
+        left alone. A multi-step decode in flight is cut short, as for an arrival."""
+        with self._wakeup:
+            self._cancelled.append((handle, answer))
+            self.engine.cut_for_loop()
+            self._wakeup.notify()
+
+    def stop(self, grace_s: float = 0.0, join_timeout_s: float | None = None) -> None:
+        """Refuse new requests, give those in flight ``grace_s`` seconds, abort the rest; wait for the thread."""
+        self.admission.close()
+        with self._wakeup:
+            if self._drain_deadline is None:
+                self._drain_deadline = time.monotonic() + grace_s
+            self._wakeup.notify()
+        if self._thread.is_alive():
+            self._thread.join(join_timeout_s)
+
+    # The loop thread.
+
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished() or bool(self.engine.scheduler.released_seq_ids)
+
+    def _run(self) -> None:
+        supervisor = self.supervisor
+        while True:
+            with self._wakeup:
+                self._wait()
+                inbox, self._inbox = self._inbox, []
+                cancelled, self._cancelled = self._cancelled, []
+                if inbox or cancelled:
+                    self.engine.loop_work_taken()
+            try:
+                self._admit(inbox)
+                for handle, answer in cancelled:
+                    self._requests.cancel(self.engine, handle, answer)
+                if cancelled:  # their answers go now, not after the next step (a window, with requests beside them)
+                    self._deliver()
+                now = time.monotonic()
+                if supervisor.retry_due(now):
+                    self._recover()
+                elif supervisor.serving and self._has_work():
+                    self._step()
+                elif supervisor.probe_due(now):
+                    self._probe()
+            except Exception as e:  # a bug in the loop: answer every caller, then start over on a reset executor
+                log.exception("engine loop failed: %s", e)
+                self._requests.end_all(self.engine, EngineFailure(f"internal scheduler error ({type(e).__name__}); "
+                                                                   "retry the request"))
+                supervisor.go_down(time.monotonic())
+            if supervisor.serving != self._serving_reported:
+                self._serving_reported = supervisor.serving
+                self.on_serving(supervisor.serving)
+            if self._drained():
+                self._shutdown()
+                return
+            self._publish()
+
+    def _wait(self) -> None:
+        """Sleep (lock held) until there is work: requests, cancels, a step, a retry, a probe, the drain's end."""
+        while not (self._inbox or self._cancelled):
+            wake_at = self.supervisor.wake_at(self._has_work())
+            if wake_at is None:
+                return
+            if self._drain_deadline is not None:
+                if not self._requests:
+                    return
+                wake_at = min(wake_at, self._drain_deadline)
+            timeout = wake_at - time.monotonic()
+            if timeout <= 0:
+                return
+            self._wakeup.wait(timeout)
+
+    def _drained(self) -> bool:
+        """Stopping, and either nothing is left in flight or the grace period is over."""
+        with self._wakeup:
+            if self._drain_deadline is None:
+                return False
+            return time.monotonic() >= self._drain_deadline or not (self._requests or self._inbox)
+
+    def _admit(self, handles: list[RequestHandle]) -> None:
+        for handle in handles:
+            try:
+                if self.supervisor.incompatible is not None:
+                    raise ExecutorUnavailable(self.supervisor.incompatible)
+                self._requests.start(self.engine, handle, 0, self.tokenizer)
+            except (ExecutorUnavailable, InvalidRequest) as e:  # InvalidRequest: the cache shrank since the check
+                self._requests.emit(handle, RequestOutput(error=e))
+
+    def _step(self) -> None:
+        """Engine steps: one, then, once every request has finished, what is left for the executor (a step
+        booked for sequences that ended since, a drop-only plan), so that idle stats mean an empty executor too."""
+        while (outputs := self._executor_step()) is not None:
+            self._requests.process(self.engine, outputs, self.tokenizer)
+            if not (self._has_work() and self.engine.scheduler.is_finished()):
+                return
+            self._deliver()  # what is left changes no output: at most the step in flight, then the drops
+
+    def _executor_step(self) -> list[TokenOutput] | None:
+        """``Engine.step``; None when the executor failed it (the loop then waits for the executor)."""
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # gone, restarted, past --step-timeout, or it refused the plan
+            reason = describe_failure(e)
+            log.warning("executor step failed (%s); %d requests wait for it to come back", reason, len(self._requests))
+            if self.supervisor.step_failed(time.monotonic()):
+                log.error("the executor failed the same work repeatedly; failing the requests in flight")
+                self._requests.end_all(self.engine, EngineFailure(f"the executor keeps failing this work ({reason}); "
+                                                                   "retry the request"))
+            return None
+        self.supervisor.step_succeeded()
+        return outputs
+
+    def _probe(self) -> None:
+        """Idle: is the executor still there, and still the same instance?"""
+        try:
+            same = self.engine.probe()
+        except Exception as e:  # gone or hung: as if a step had failed
+            log.warning("executor unreachable while idle (%s)", describe_failure(e))
+            same = None
+        if not same:
+            if same is False:
+                log.warning("executor restarted while idle")
+            self.supervisor.go_down(time.monotonic())
+
+    def _recover(self) -> None:
+        """One attempt to carry on with the executor: handshake, reset, requeue every request for recompute."""
+        try:
+            dropped = self.engine.recover()
+        except IncompatibleExecutor as e:
+            reason = f"{e}; requests cannot carry over"
+            if self.supervisor.recovered_incompatible(time.monotonic(), reason):
+                log.error("%s; requests fail with UNAVAILABLE until the right executor is back", e)
+            self._requests.end_all(self.engine, ExecutorUnavailable(reason))
+            return
+        except Exception as e:  # the executor is still down, or hung: retry later
+            delay = self.supervisor.recovery_failed(time.monotonic())
+            log.warning("executor not back (%s); retrying in %.1fs", describe_failure(e), delay)
+            return
+        self.supervisor.recovered(time.monotonic())
+        self.info = self.engine.info
+        too_small = CacheTooSmall(f"the restarted executor's KV cache ({self.info.num_blocks} blocks) is too small "
+                                  "for this request; retry with a shorter prompt or max_tokens")
+        for handle in {self._requests.by_seq_id[seq.seq_id].handle: None for seq in dropped}:
+            self._requests.fail(self.engine, handle, too_small)
+        log.info("executor instance %s is back: %d requests resume by recompute, %d too large for it",
+                 self.info.instance_id, len(self._requests), len(dropped))
+
+    def _shutdown(self) -> None:
+        """The grace period is over: abort what is left, tell the executor to drop it, answer each caller."""
+        with self._wakeup:
+            leftover, self._inbox = self._inbox, []
+        for handle in leftover:
+            self._requests.refuse(handle)
+        num_aborted = len(leftover) + self._requests.end_all(self.engine)
+        if num_aborted:
+            log.warning("shutdown grace period over: %d requests aborted", num_aborted)
+        try:
+            # Under overlap the first step collects the one in flight and the second drops what it finished.
+            while self.supervisor.serving and self._has_work():
+                self.engine.step()
+        except Exception as e:  # shutting down anyway; the executor is reset on the next start
+            log.warning("could not tell the executor to drop aborted requests: %s", describe_failure(e))
+        self._publish()
+
+    def _deliver(self) -> None:
+        """Hand the outputs gathered so far over in one call."""
+        if outbox := self._requests.take_outbox():
+            self.deliver(outbox)
+
+    def _publish(self) -> None:
+        """End of an iteration: deliver the outputs, refresh the stats, postpone the probe."""
+        self._deliver()
+        self.supervisor.postpone_probe(time.monotonic())
+        self.stats = LoopStats.of(self.engine, self._requests, self.supervisor.serving)

@@ -1,0 +1,73 @@
+"""What the engine loop tells the outside: the stats it publishes after each iteration, for GetStats and the
+metrics to read from any thread, and what it reports as it goes to a ``LoopObserver`` (``metrics.Metrics``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from scheduler_svc.core.sequence import FinishReason
+
+if TYPE_CHECKING:  # the engine imports the wire translation, which reads these stats
+    from scheduler_svc.engine.engine import Engine
+    from scheduler_svc.engine.live_requests import InFlight
+
+
+@dataclass(frozen=True)
+class LoopStats:
+    num_waiting: int = 0
+    num_running: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_blocks: int = 0
+    num_steps: int = 0
+    num_finished_stop: int = 0
+    num_finished_length: int = 0
+    num_aborted: int = 0
+    num_prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+    # The rest are not in GetStats' message, only in the metrics.
+    num_prefix_cache_query_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_executor_restarts: int = 0
+    executor_up: bool = True
+
+    @classmethod
+    def of(cls, engine: Engine, requests: InFlight, executor_up: bool) -> LoopStats:
+        scheduler, blocks, finished = engine.scheduler, engine.block_manager, requests.finished
+        return cls(
+            num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running),
+            num_blocks=blocks.num_blocks,
+            num_free_blocks=blocks.num_free_blocks,
+            num_cached_blocks=blocks.num_cached_blocks,
+            num_steps=engine.num_steps,
+            num_finished_stop=finished[FinishReason.STOP],
+            num_finished_length=finished[FinishReason.LENGTH],
+            num_aborted=finished[FinishReason.ABORT],
+            num_prefix_cache_hit_tokens=scheduler.num_prefix_hit_tokens,
+            num_preemptions=scheduler.num_preemptions,
+            num_prefix_cache_query_tokens=scheduler.num_prefix_query_tokens,
+            num_prompt_tokens=requests.num_prompt_tokens,
+            num_generation_tokens=requests.num_generation_tokens,
+            num_executor_restarts=engine.num_restarts,
+            executor_up=executor_up,
+        )
+
+
+class LoopObserver(Protocol):
+    """Told, on the loop thread, the times and sizes that the stats' counters cannot carry; each call must be cheap."""
+
+    def step(self, num_tokens: int, forward_s: float) -> None:
+        """An engine step computed ``num_tokens`` tokens; the executor's forward passes took ``forward_s``."""
+
+    def first_token(self, seconds: float) -> None:
+        """A choice's first token came out ``seconds`` after its request arrived."""
+
+    def inter_tokens(self, seconds: float, count: int) -> None:
+        """``count`` choices each got tokens ``seconds`` after their previous ones."""
+
+    def finished(self, seconds: float, queued_s: float | None, prompt_tokens: int, generation_tokens: int) -> None:
+        """A choice ended ``seconds`` after its request arrived, having waited ``queued_s`` from its submission to its
+        first step (None: never scheduled)."""
