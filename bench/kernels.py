@@ -35,13 +35,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import print_table, progress, write_json  # noqa: E402
-from executor_svc import cpu_kernels  # noqa: E402
 from executor_svc.attention.base import AttentionMetadata  # noqa: E402
 from executor_svc.attention.cpu_backend import CpuAttention  # noqa: E402
 from executor_svc.attention.torch_backend import TorchAttention  # noqa: E402
+from executor_svc.cpu import fused as cpu_fused  # noqa: E402
+from executor_svc.cpu import kernels as cpu_kernels  # noqa: E402
 from executor_svc.cpu.choice import CLASSES, FAMILIES, KernelChoice  # noqa: E402
 from executor_svc.cpu.probe import prefill_batch  # noqa: E402
-from executor_svc.layers import cpu_fused  # noqa: E402
 from executor_svc.layers.linear import PackedWeight, onednn_copy  # noqa: E402
 from executor_svc.layers.norm import RMSNorm  # noqa: E402
 from executor_svc.layers.rotary import RotaryEmbedding, rotate_half  # noqa: E402

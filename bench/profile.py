@@ -29,7 +29,6 @@ set_wait_policy()
 keep_heap_memory()
 
 from bench.common import print_table, progress, w1, write_json  # noqa: E402
-from executor_svc import model_runner  # noqa: E402
 from executor_svc.__main__ import cpu_kernels_flag  # noqa: E402
 from executor_svc.attention.cpu_backend import CpuAttention  # noqa: E402
 from executor_svc.attention.torch_backend import TorchAttention  # noqa: E402
@@ -39,6 +38,7 @@ from executor_svc.layers.embedding import VocabParallelEmbedding  # noqa: E402
 from executor_svc.layers.linear import LinearBase  # noqa: E402
 from executor_svc.layers.norm import RMSNorm  # noqa: E402
 from executor_svc.layers.rotary import RotaryEmbedding  # noqa: E402
+from executor_svc.runtime import model_runner  # noqa: E402
 from executor_svc.runtime.config import ExecutorOptions  # noqa: E402
 from executor_svc.runtime.model_executor import ModelExecutor  # noqa: E402
 from executor_svc.runtime.model_input import ModelInput  # noqa: E402

@@ -128,8 +128,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         """Steps run back to back, each as soon as the one before is computed and its plan has arrived.
 
         A reader thread takes plans off the stream as they come. An executor whose step comes in halves and
-        that ``prepares_ahead`` (``executor_svc.core.step_pipeline.TableExecutor`` off the CPU) has each plan applied and
-        its input packed there, while the step before still runs, and only the execution queued; any other
+        that ``prepares_ahead`` (``executor_svc.core.step_pipeline.TableExecutor`` off the CPU) has each plan
+        applied and its input packed there, while the step before still runs, and only the execution queued; any other
         executor has the whole step queued. This generator yields the results in order, so gRPC serialises
         and sends step N's while step N+1 runs (vLLM's async scheduling does the same). After a step fails
         no later plan of the stream runs: the scheduler sent them before it knew, so they change nothing it

@@ -14,7 +14,8 @@ from nanoserve.v1 import executor_pb2 as pb
 from tests.test_package_arrows import ROOT, WIRE_MODULES, imported_top_levels
 
 # The executor's core: plain values in and out, no protobuf, no gRPC.
-CORE_MODULES = ("executor_svc/core/types.py", "executor_svc/sample/sampler.py", "executor_svc/sample/logits_processors.py")
+CORE_MODULES = ("executor_svc/core/types.py", "executor_svc/sample/sampler.py",
+                "executor_svc/sample/logits_processors.py")
 
 
 def test_absent_sampling_fields_take_the_proto_defaults() -> None:

@@ -1,1 +1,3 @@
-"""Model-free executors for tests and benchmarks: the shadow-KV oracle, the null executor and the simulated accelerator."""
+"""Model-free executors for tests and benchmarks: the shadow-KV oracle, the null executor and the simulated
+accelerator.
+"""

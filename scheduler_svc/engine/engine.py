@@ -229,8 +229,8 @@ class Engine:
         """The executor's own ordered stream when it has one, else one worker thread (which keeps order).
 
         An executor that ``prepares_ahead`` (its step in two halves, ``prepare`` and ``execute``:
-        ``executor_svc.core.step_pipeline``) gets a second thread that prepares each plan as it comes, while the worker still
-        executes the one before.
+        ``executor_svc.core.step_pipeline``) gets a second thread that prepares each plan as it comes, while the
+        worker still executes the one before.
         """
         submit = getattr(self.executor, "submit", None)
         if submit is not None:
