@@ -34,10 +34,11 @@ import grpc
 from bench.common import HOST, Child, free_port, print_table, progress, write_json
 from common.channels import EXECUTOR_CHANNEL_OPTIONS
 from common.executor import Executor
+from common.step import ExecutorInfo, StepPlan, StepResult
+from common.step_codec import plan_to_proto, result_to_proto
 from executor_svc.fakes.shadow_server import NullExecutor, model_free_info
 from executor_svc.fakes.shadow_server import parse_args as null_server_args
 from executor_svc.service import build_server
-from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.engine.engine import Engine
@@ -114,30 +115,30 @@ def time_decode(executor: Executor, batch: int, context: int, warmup: int, steps
     return Phases(*(1e6 * s / (plans * num_steps) for s in sums))
 
 
-class OneAtATimeOverStream:
+class OneAtATimeOverStream(Executor):
     """The executor's StepStream RPC used synchronously: each plan waits for its result."""
 
     def __init__(self, remote: RemoteExecutor) -> None:
         self.remote = remote
 
-    def get_info(self) -> pb.ExecutorInfo:
+    def get_info(self) -> ExecutorInfo:
         return self.remote.get_info()
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         return self.remote.submit(plan).result()
 
 
 class SizingNull(NullExecutor):
     """The null executor noting the bytes of each decode plan and its result: the floor sends messages this size."""
 
-    def __init__(self, info: pb.ExecutorInfo) -> None:
+    def __init__(self, info: ExecutorInfo) -> None:
         super().__init__(info)
         self.sizes: list[tuple[int, int]] = []
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         result = super().step(plan)
         if not plan.is_prefill:
-            self.sizes.append((plan.ByteSize(), result.ByteSize()))
+            self.sizes.append((plan_to_proto(plan).ByteSize(), result_to_proto(result).ByteSize()))
         return result
 
 

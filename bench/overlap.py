@@ -42,12 +42,12 @@ from bench.overhead import geometry
 from bench.overlap_api import TAIL_FACTOR, ApiPeer, ApiRun
 from common.executor import Executor
 from common.heap import freeze_startup_heap
+from common.step import ExecutorInfo, StepPlan
 from executor_svc.core.request_table import ScheduledChunk
 from executor_svc.core.step_pipeline import PreparedStep
 from executor_svc.fakes.simulated import Launched, SimulatedExecutor, simulated_executor
 from executor_svc.fakes.simulated import parse_args as simulated_args
 from executor_svc.runtime.model_input import ModelInput
-from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.api.grpc_service import connect_engine, executor_client, set_gil_switch_interval
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.core.sampling import SamplingParams
@@ -94,13 +94,13 @@ class TimedSimulated(SimulatedExecutor):
     """The simulated executor noting how long its accelerator sat idle before each step (from the end of the step
     before to this one's launch) and how long each decode plan took to ``prepare``."""
 
-    def __init__(self, info: pb.ExecutorInfo, step_ms: float) -> None:
+    def __init__(self, info: ExecutorInfo, step_ms: float) -> None:
         super().__init__(info, step_ms)
         self.idle_s: list[float] = []
         self.prepare_s: list[float] = []
         self._free_at: float | None = None
 
-    def prepare(self, plan: pb.StepPlan) -> PreparedStep:
+    def prepare(self, plan: StepPlan) -> PreparedStep:
         t0 = time.perf_counter()
         prepared = super().prepare(plan)
         if not plan.is_prefill:

@@ -1,20 +1,32 @@
-"""What the scheduler needs from an executor, local object or gRPC client alike."""
+"""What the scheduler's engine needs from an executor, local object or gRPC client alike: every method it calls.
+
+Executors subclass this Protocol, so an executor without a capability inherits its plain form: no multi-step plan
+to cut, a step that is not split in halves, no step stream of its own.
+"""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Protocol
 
-from nanoserve.v1 import executor_pb2 as pb
+from common.step import ExecutorInfo, StepPlan, StepResult
 
 
 class Executor(Protocol):
-    """The executor contract of ``protos/nanoserve/v1/executor.proto`` as a Python protocol."""
+    """The executor contract of ``protos/nanoserve/v1/executor.proto`` on ``common.step``'s plain types."""
 
-    def get_info(self) -> pb.ExecutorInfo:
+    # ``prepare`` can run on another thread beside the ``execute`` of the step before (off the CPU: a forward on
+    # the CPU keeps every core busy, and work beside it stalls it).
+    prepares_ahead: bool = False
+    # ``submit`` sends plans down an ordered stream of the executor's own (the gRPC client's StepStream); without
+    # one the engine runs the steps on a worker thread of its own.
+    streams: bool = False
+
+    def get_info(self) -> ExecutorInfo:
         """The handshake: model, KV geometry, tokenizer and the instance id."""
         ...
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         """Run one plan; a rejected plan raises and changes nothing."""
         ...
 
@@ -22,3 +34,24 @@ class Executor(Protocol):
         """Drop every request's state; return how many were dropped."""
         ...
 
+    def cut(self, step_id: int) -> None:
+        """CutStep: stop multi-step plan ``step_id`` after the pass in progress. Advisory: an executor that runs no
+        multi-step plans has nothing to cut."""
+
+    def prepare(self, plan: StepPlan) -> object:
+        """The first half of ``step``: apply the plan and pack its input; the second half is ``execute``."""
+        return plan
+
+    def execute(self, prepared: object) -> StepResult:
+        """The second half of ``step``, after the step before it: run what ``prepare`` made."""
+        return self.step(prepared)
+
+    def submit(self, plan: StepPlan) -> Future[StepResult]:
+        """Send ``plan`` without waiting (where ``streams``); results resolve in the order sent. The plain form runs
+        the step here."""
+        future: Future[StepResult] = Future()
+        try:
+            future.set_result(self.step(plan))
+        except Exception as e:
+            future.set_exception(e)
+        return future

@@ -1,4 +1,4 @@
-"""gRPC shell around any executor object: translates messages and statuses, nothing else."""
+"""gRPC shell around any executor object: translates messages (``common.step_codec``) and statuses, nothing else."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from common.cpu_yield import thread_ids, yield_cpu
 from common.executor import Executor
 from common.heap import freeze_startup_heap
 from common.security import TLSConfig, bind, transport_name
+from common.step import StepResult
+from common.step_codec import info_to_proto, plan_from_proto, result_to_proto
 from executor_svc.core.request_table import PlanError
 from nanoserve.v1 import executor_pb2 as pb
 from nanoserve.v1 import executor_pb2_grpc as pb_grpc
@@ -105,7 +107,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         # every other call takes both (prepare_lock first).
         self.prepare_lock = threading.Lock()
         self.lock = threading.Lock()
-        self.halves = getattr(executor, "prepares_ahead", False)
+        self.halves = executor.prepares_ahead
 
     def _locked(self, fn: Callable[..., T], *args: object) -> T:
         with self.prepare_lock, self.lock:
@@ -119,10 +121,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         return self.submit(self._locked, fn, *args)
 
     def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.ExecutorInfo:
-        return self.executor.get_info()
+        return info_to_proto(self.executor.get_info())
 
     def Step(self, plan: pb.StepPlan, context: grpc.ServicerContext) -> pb.StepResult:
-        return self._answer(self._run(self.executor.step, plan), context)
+        return self._answer(self._run(self.executor.step, plan_from_proto(plan)), context)
 
     def StepStream(self, plans: Iterator[pb.StepPlan], context: grpc.ServicerContext) -> Iterator[pb.StepResult]:
         """Steps run back to back, each as soon as the one before is computed and its plan has arrived.
@@ -136,10 +138,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         relies on (it resets the executor to recover), and the stream ends with the failed step's status (or
         the stream's own error, as when the scheduler cancels it).
         """
-        started: queue.SimpleQueue[futures.Future[pb.StepResult] | None] = queue.SimpleQueue()
+        started: queue.SimpleQueue[futures.Future[StepResult | None] | None] = queue.SimpleQueue()
         failed = threading.Event()
 
-        def guarded(fn: Callable[[T], pb.StepResult], arg: T) -> pb.StepResult | None:
+        def guarded(fn: Callable[[T], StepResult], arg: T) -> StepResult | None:
             if failed.is_set():
                 return None
             try:
@@ -150,7 +152,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
         refused = threading.Event()  # a plan failed to prepare: none after it is prepared
 
-        def submit(plan: pb.StepPlan) -> futures.Future[pb.StepResult]:
+        def submit(plan: pb.StepPlan) -> futures.Future[StepResult | None]:
+            plan = plan_from_proto(plan)
             if not self.halves:
                 return self._run(guarded, self.executor.step, plan)
             if failed.is_set() or refused.is_set():
@@ -176,18 +179,17 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             yield self._answer(future, context)
 
     @staticmethod
-    def _answer(future: futures.Future[pb.StepResult], context: grpc.ServicerContext) -> pb.StepResult:
-        """The step's result, or the call ended with a refused plan's status."""
+    def _answer(future: futures.Future[StepResult | None], context: grpc.ServicerContext) -> pb.StepResult | None:
+        """The step's result, or the call ended with a refused plan's status (None: a step after a failed one)."""
         try:
-            return future.result()
+            result = future.result()
+            return None if result is None else result_to_proto(result)
         except PlanError as e:
             context.abort(getattr(grpc.StatusCode, e.code), str(e))
 
     def CutStep(self, request: pb.CutStepRequest, context: grpc.ServicerContext) -> pb.CutStepResponse:
         """Not queued behind the step it cuts: it only marks it (an executor without multi-step cuts ignores it)."""
-        cut = getattr(self.executor, "cut", None)
-        if cut is not None:
-            cut(request.step_id)
+        self.executor.cut(request.step_id)
         return pb.CutStepResponse()
 
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> pb.ResetResponse:

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from common.executor import Executor
+from common.step import ExecutorInfo, StepPlan, StepResult
 from nanoserve.v1 import executor_pb2, executor_pb2_grpc
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
@@ -219,7 +220,7 @@ async def stream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> C
     return collect([r async for r in stub.Generate(request)])
 
 
-class GatedExecutor:
+class GatedExecutor(Executor):
     """Wraps an executor so a test can hold every step until it opens the gate.
 
     With ``steps_before_closing`` the gate closes by itself after that many steps, so a test can
@@ -233,13 +234,13 @@ class GatedExecutor:
         self.open.set()
         self.steps_before_closing = steps_before_closing
 
-    def get_info(self) -> executor_pb2.ExecutorInfo:
+    def get_info(self) -> ExecutorInfo:
         return self.inner.get_info()
 
     def reset(self) -> int:
         return self.inner.reset()
 
-    def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         self.entered.set()
         if self.steps_before_closing is not None:
             if self.steps_before_closing == 0:

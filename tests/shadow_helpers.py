@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
+import copy
+
+from common.executor import Executor
+from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
-from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.engine.engine import Completion, Engine
 from tests.conftest import EOS
 
 
-class RecordingExecutor:
+class RecordingExecutor(Executor):
     """Wraps an executor and keeps a copy of every plan it runs."""
 
     def __init__(self, inner: ShadowExecutor) -> None:
         self.inner = inner
-        self.plans: list[pb.StepPlan] = []
+        self.plans: list[StepPlan] = []
 
-    def get_info(self) -> pb.ExecutorInfo:
+    def get_info(self) -> ExecutorInfo:
         return self.inner.get_info()
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
-        copy = pb.StepPlan()
-        copy.CopyFrom(plan)
-        self.plans.append(copy)
+    def step(self, plan: StepPlan) -> StepResult:
+        self.plans.append(copy.deepcopy(plan))
         return self.inner.step(plan)
 
     def reset(self) -> int:

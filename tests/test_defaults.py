@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from client.cli import build_parser
+from common.sampling import DEFAULTS
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.api.codec import prepare
-from scheduler_svc.core.sampling import DEFAULTS
+from scheduler_svc.api.prepare import prepare
 from scheduler_svc.core.validation import ModelLimits
 from scheduler_svc.engine.supervision import IDLE_PROBE_S
 

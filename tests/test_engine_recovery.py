@@ -6,8 +6,9 @@ import random
 
 import pytest
 
+from common.executor import Executor
+from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.fakes.shadow import ShadowExecutor
-from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.engine.engine import Engine, ExecutorRestarted, IncompatibleExecutor
@@ -19,7 +20,7 @@ class ConnectionLost(RuntimeError):
     """What a killed executor process looks like to the engine."""
 
 
-class RestartingExecutor:
+class RestartingExecutor(Executor):
     """Dies at the given steps and comes back as a fresh executor (new instance id, maybe new size)."""
 
     def __init__(self, die_at: set[int], sizes: list[int], block_size: int = 4, vocab_size: int = 50) -> None:
@@ -32,13 +33,13 @@ class RestartingExecutor:
     def _fresh(self) -> ShadowExecutor:
         return ShadowExecutor(self.sizes.pop(0), self.block_size, self.vocab_size, (EOS,))
 
-    def get_info(self) -> pb.ExecutorInfo:
+    def get_info(self) -> ExecutorInfo:
         return self.inner.get_info()
 
     def reset(self) -> int:
         return self.inner.reset()
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         self.steps += 1
         if self.steps in self.die_at:
             self.inner = self._fresh()

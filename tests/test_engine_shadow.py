@@ -7,6 +7,7 @@ import random
 import grpc
 import pytest
 
+from common.step import CachedRequests, NewRequest, StepPlan, StepResult
 from executor_svc.core.request_table import PlanError
 from executor_svc.fakes.shadow import ShadowExecutor
 from executor_svc.service import build_server
@@ -103,7 +104,7 @@ class FaultyPlanner(RecordingExecutor):
         super().__init__(inner)
         self.fault = fault
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         for r in plan.new_requests:
             if self.fault == "block_table" and len(r.block_table) > 1:
                 r.block_table[:] = list(reversed(r.block_table))
@@ -135,11 +136,11 @@ def test_rejected_plan_leaves_executor_state_unchanged():
     before = ({k: (list(v.token_ids), list(v.block_table), v.num_computed_tokens)
                for k, v in executor.table.requests.items()}, executor.kv.copy())
     bad_plans = {
-        "FAILED_PRECONDITION": pb.StepPlan(cached_requests=pb.CachedRequests(
+        "FAILED_PRECONDITION": StepPlan(cached_requests=CachedRequests(
             request_ids=[99], num_computed_tokens=[5], num_scheduled_tokens=[1], num_new_blocks=[0])),
-        "INVALID_ARGUMENT": pb.StepPlan(
+        "INVALID_ARGUMENT": StepPlan(
             finished_request_ids=[seq.seq_id],
-            new_requests=[pb.NewRequest(request_id=7, token_ids=[1, 2], block_table=[8], num_scheduled_tokens=2)]),
+            new_requests=[NewRequest(request_id=7, token_ids=[1, 2], block_table=[8], num_scheduled_tokens=2)]),
     }
     for code, plan in bad_plans.items():
         with pytest.raises(PlanError) as err:
@@ -157,8 +158,8 @@ def test_rejected_plan_leaves_executor_state_unchanged():
 def two_held_requests() -> ShadowExecutor:
     """A shadow executor holding requests 1 and 2, each with a prefilled 5-token prompt (6 tokens, 5 computed)."""
     executor = ShadowExecutor(8, 4, 50, (EOS,))
-    executor.step(pb.StepPlan(is_prefill=True, new_requests=[
-        pb.NewRequest(request_id=rid, token_ids=[rid, 2, 3, 4, 5], block_table=[2 * rid - 2, 2 * rid - 1],
+    executor.step(StepPlan(is_prefill=True, new_requests=[
+        NewRequest(request_id=rid, token_ids=[rid, 2, 3, 4, 5], block_table=[2 * rid - 2, 2 * rid - 1],
                       num_scheduled_tokens=5)
         for rid in (1, 2)
     ]))
@@ -172,21 +173,21 @@ def held_state(executor: ShadowExecutor) -> tuple[dict[int, tuple[list[int], lis
     return requests, executor.kv.tolist()
 
 
-def decode(request_ids: list[int], computed: list[int]) -> pb.CachedRequests:
+def decode(request_ids: list[int], computed: list[int]) -> CachedRequests:
     n = len(request_ids)
-    return pb.CachedRequests(request_ids=request_ids, num_computed_tokens=computed, num_scheduled_tokens=[1] * n,
+    return CachedRequests(request_ids=request_ids, num_computed_tokens=computed, num_scheduled_tokens=[1] * n,
                              num_new_blocks=[0] * n)
 
 
-NEW_3 = pb.NewRequest(request_id=3, token_ids=[1, 2], block_table=[4], num_scheduled_tokens=2)
+NEW_3 = NewRequest(request_id=3, token_ids=[1, 2], block_table=[4], num_scheduled_tokens=2)
 # Each plan and the request it names twice.
 NAMED_TWICE = {
-    "finished twice": (pb.StepPlan(finished_request_ids=[1, 1]), 1),
-    "finished twice among others": (pb.StepPlan(finished_request_ids=[2, 1, 2]), 2),
-    "finished and cached": (pb.StepPlan(finished_request_ids=[1], cached_requests=decode([1, 2], [5, 5])), 1),
-    "cached twice": (pb.StepPlan(cached_requests=decode([1, 2, 1], [5, 5, 5])), 1),
-    "new twice": (pb.StepPlan(is_prefill=True, new_requests=[NEW_3, NEW_3]), 3),
-    "new and cached": (pb.StepPlan(new_requests=[NEW_3], cached_requests=decode([3], [2])), 3),
+    "finished twice": (StepPlan(finished_request_ids=[1, 1]), 1),
+    "finished twice among others": (StepPlan(finished_request_ids=[2, 1, 2]), 2),
+    "finished and cached": (StepPlan(finished_request_ids=[1], cached_requests=decode([1, 2], [5, 5])), 1),
+    "cached twice": (StepPlan(cached_requests=decode([1, 2, 1], [5, 5, 5])), 1),
+    "new twice": (StepPlan(is_prefill=True, new_requests=[NEW_3, NEW_3]), 3),
+    "new and cached": (StepPlan(new_requests=[NEW_3], cached_requests=decode([3], [2])), 3),
 }
 
 
@@ -202,14 +203,14 @@ def test_a_plan_naming_a_request_twice_is_refused_whole(why: str):
     assert held_state(executor) == before, why
     # Still serving: the decode the refused plan did not run gives the tokens of a never-refused executor.
     untouched = two_held_requests()
-    assert executor.step(pb.StepPlan(cached_requests=decode([1, 2], [5, 5]))).token_ids == untouched.step(
-        pb.StepPlan(cached_requests=decode([1, 2], [5, 5]))).token_ids
+    assert executor.step(StepPlan(cached_requests=decode([1, 2], [5, 5]))).token_ids == untouched.step(
+        StepPlan(cached_requests=decode([1, 2], [5, 5]))).token_ids
 
 
 def test_a_finished_request_may_come_back_as_new_in_the_same_plan():
     executor = two_held_requests()
-    recompute = pb.NewRequest(request_id=1, token_ids=[1, 2, 3, 4, 5], block_table=[4, 5], num_scheduled_tokens=5)
-    result = executor.step(pb.StepPlan(is_prefill=True, finished_request_ids=[1], new_requests=[recompute]))
+    recompute = NewRequest(request_id=1, token_ids=[1, 2, 3, 4, 5], block_table=[4, 5], num_scheduled_tokens=5)
+    result = executor.step(StepPlan(is_prefill=True, finished_request_ids=[1], new_requests=[recompute]))
     assert list(result.token_ids) == [two_held_requests().table.requests[1].token_ids[-1]]
     assert executor.table.requests[1].block_table == [4, 5] and len(executor.table) == 2
 
@@ -217,14 +218,14 @@ def test_a_finished_request_may_come_back_as_new_in_the_same_plan():
 def test_a_plan_past_the_maximum_length_is_refused_whole():
     """It used to pass validation and fail in the model's rotary lookup, half-applied (UNKNOWN over gRPC)."""
     executor = ShadowExecutor(8, 4, 50, (EOS,), max_model_len=6)
-    executor.step(pb.StepPlan(is_prefill=True, new_requests=[
-        pb.NewRequest(request_id=1, token_ids=[1, 2, 3, 4, 5], block_table=[0, 1], num_scheduled_tokens=5)]))
-    too_long = pb.NewRequest(request_id=2, token_ids=list(range(1, 8)), block_table=[2, 3], num_scheduled_tokens=7)
-    executor.step(pb.StepPlan(cached_requests=decode([1], [5])))
+    executor.step(StepPlan(is_prefill=True, new_requests=[
+        NewRequest(request_id=1, token_ids=[1, 2, 3, 4, 5], block_table=[0, 1], num_scheduled_tokens=5)]))
+    too_long = NewRequest(request_id=2, token_ids=list(range(1, 8)), block_table=[2, 3], num_scheduled_tokens=7)
+    executor.step(StepPlan(cached_requests=decode([1], [5])))
     before = held_state(executor)
     plans = {
-        "new": pb.StepPlan(is_prefill=True, new_requests=[too_long]),
-        "cached": pb.StepPlan(cached_requests=decode([1], [6])),
+        "new": StepPlan(is_prefill=True, new_requests=[too_long]),
+        "cached": StepPlan(cached_requests=decode([1], [6])),
     }
     for why, plan in plans.items():
         with pytest.raises(PlanError, match="maximum length 6") as err:
@@ -261,7 +262,7 @@ def test_tiny_blocks_decode_across_block_boundaries(block_size):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def computed_ends(plan: pb.StepPlan) -> dict[int, int]:
+def computed_ends(plan: StepPlan) -> dict[int, int]:
     """The context length each request reaches in ``plan``."""
     ends = {r.request_id: r.num_computed_tokens + r.num_scheduled_tokens for r in plan.new_requests}
     cached = plan.cached_requests
@@ -348,14 +349,14 @@ def test_multi_step_plans_the_executor_cannot_run_are_refused_whole():
 
     def decode(**fields):
         cached = dict(request_ids=[seq.seq_id], num_computed_tokens=[5], num_scheduled_tokens=[1], num_new_blocks=[0])
-        return pb.StepPlan(cached_requests=pb.CachedRequests(**(cached | fields)))
+        return StepPlan(cached_requests=CachedRequests(**(cached | fields)))
 
     bad_plans = {
         "more steps than its blocks hold": decode(num_decode_steps=[4]),
         "zero steps": decode(num_decode_steps=[0]),
         "two scheduled tokens": decode(num_decode_steps=[2], num_scheduled_tokens=[2]),
         "one entry too many": decode(num_decode_steps=[2, 2]),
-        "a prefill plan": pb.StepPlan(is_prefill=True, cached_requests=decode(num_decode_steps=[2]).cached_requests),
+        "a prefill plan": StepPlan(is_prefill=True, cached_requests=decode(num_decode_steps=[2]).cached_requests),
     }
     for why, plan in bad_plans.items():
         with pytest.raises(PlanError) as err:

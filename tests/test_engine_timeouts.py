@@ -9,9 +9,9 @@ from concurrent.futures import Future
 import grpc
 import pytest
 
+from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.fakes.shadow import ShadowExecutor
 from executor_svc.service import build_server
-from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.engine.engine import Engine, StepMismatch
@@ -28,13 +28,13 @@ class Wrapped:
     def __init__(self) -> None:
         self.inner = ShadowExecutor(32, 4, 50, (EOS,))
 
-    def get_info(self) -> pb.ExecutorInfo:
+    def get_info(self) -> ExecutorInfo:
         return self.inner.get_info()
 
     def reset(self) -> int:
         return self.inner.reset()
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         return self.inner.step(plan)
 
 
@@ -45,7 +45,7 @@ class StaleResults(Wrapped):
         super().__init__()
         self.stale_at, self.steps = stale_at, 0
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         self.steps += 1
         result = self.inner.step(plan)
         if self.steps == self.stale_at:
@@ -78,9 +78,9 @@ class HangingStream(Wrapped):
         super().__init__()
         self.hang_at, self.steps = hang_at, 0
 
-    def submit(self, plan: pb.StepPlan) -> Future[pb.StepResult]:
+    def submit(self, plan: StepPlan) -> Future[StepResult]:
         self.steps += 1
-        future: Future[pb.StepResult] = Future()
+        future: Future[StepResult] = Future()
         if self.steps < self.hang_at:
             future.set_result(self.inner.step(plan))
         return future
@@ -109,7 +109,7 @@ class SlowWindow(Wrapped):
         super().__init__()
         self.slowed = self.running = self.reset_while_running = False
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         slow = not self.slowed and max(plan.cached_requests.num_decode_steps, default=1) > 1
         self.slowed |= slow
         self.running = True
@@ -151,7 +151,7 @@ class HangingInfo(Wrapped):
         self.release = threading.Event()
         self.calls = 0
 
-    def get_info(self) -> pb.ExecutorInfo:
+    def get_info(self) -> ExecutorInfo:
         self.calls += 1
         if self.calls > 1:
             self.release.wait(30)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from common.step import CachedRequests, NewRequest, SamplingSettings, StepPlan, StepResult
 from executor_svc.core.request_table import PlanError
 from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.model_executor import ModelExecutor
-from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.engine.engine import Engine
 from tests.model_fixtures import tiny_model_folders  # noqa: F401
@@ -25,28 +25,28 @@ def tiny(folder: Path) -> ModelExecutor:
     return ModelExecutor(ExecutorOptions(model=str(folder), block_size=8, kv_cache_memory=KV_BYTES, threads=1))
 
 
-def prefill(step_id: int) -> pb.StepPlan:
-    seeded = pb.SamplingParams(temperature=1.0, seed=7)  # a seeded sample depends on the token's position too
-    new = [pb.NewRequest(request_id=rid, token_ids=tokens, sampling=seeded, block_table=[rid * 4 + i for i in range(4)],
+def prefill(step_id: int) -> StepPlan:
+    seeded = SamplingSettings(temperature=1.0, seed=7)  # a seeded sample depends on the token's position too
+    new = [NewRequest(request_id=rid, token_ids=tokens, sampling=seeded, block_table=[rid * 4 + i for i in range(4)],
                          num_scheduled_tokens=len(tokens)) for rid, tokens in PROMPTS.items()]
-    return pb.StepPlan(step_id=step_id, is_prefill=True, new_requests=new)
+    return StepPlan(step_id=step_id, is_prefill=True, new_requests=new)
 
 
-def decode(step_id: int, after: int, steps: int = 1) -> pb.StepPlan:
+def decode(step_id: int, after: int, steps: int = 1) -> StepPlan:
     """Every request's decode step once ``after`` tokens have been sampled for it."""
     rids = list(PROMPTS)
-    cached = pb.CachedRequests(request_ids=rids, num_computed_tokens=[len(PROMPTS[r]) + after - 1 for r in rids],
+    cached = CachedRequests(request_ids=rids, num_computed_tokens=[len(PROMPTS[r]) + after - 1 for r in rids],
                                num_scheduled_tokens=[1] * len(rids), num_new_blocks=[0] * len(rids),
                                num_decode_steps=[steps] * len(rids) if steps > 1 else [])
-    return pb.StepPlan(step_id=step_id, cached_requests=cached)
+    return StepPlan(step_id=step_id, cached_requests=cached)
 
 
-def plans() -> list[pb.StepPlan]:
+def plans() -> list[StepPlan]:
     """Prefill, a 3-step decode, then single decodes: each plan can be applied before the one before runs."""
     return [prefill(1), decode(2, 1, steps=3), decode(3, 4), decode(4, 5), decode(5, 6)]
 
 
-def tokens(results: list[pb.StepResult]) -> list[list[int]]:
+def tokens(results: list[StepResult]) -> list[list[int]]:
     return [list(r.token_ids) for r in results]
 
 
@@ -139,16 +139,16 @@ def test_a_multi_step_decode_that_does_not_start_at_the_last_token_is_refused(
     tiny_model_folders: dict[str, Path],  # noqa: F811
 ) -> None:
     executor = tiny(tiny_model_folders["llama"])
-    chunked = pb.NewRequest(request_id=1, token_ids=PROMPTS[1], sampling=pb.SamplingParams(temperature=0),
+    chunked = NewRequest(request_id=1, token_ids=PROMPTS[1], sampling=SamplingSettings(temperature=0),
                             block_table=[0, 1, 2, 3], num_scheduled_tokens=2)
-    executor.step(pb.StepPlan(step_id=1, is_prefill=True, new_requests=[chunked]))
-    mid_prompt = pb.CachedRequests(request_ids=[1], num_computed_tokens=[2], num_scheduled_tokens=[1],
+    executor.step(StepPlan(step_id=1, is_prefill=True, new_requests=[chunked]))
+    mid_prompt = CachedRequests(request_ids=[1], num_computed_tokens=[2], num_scheduled_tokens=[1],
                                    num_new_blocks=[0], num_decode_steps=[3])
     with pytest.raises(PlanError, match="must start at its last token"):
-        executor.step(pb.StepPlan(step_id=2, cached_requests=mid_prompt))
+        executor.step(StepPlan(step_id=2, cached_requests=mid_prompt))
 
 
-def booked_on(plan: pb.StepPlan, window: int) -> pb.StepPlan:
+def booked_on(plan: StepPlan, window: int) -> StepPlan:
     """``plan`` sent before the result of ``window``, counting on every pass of it (windows pipelined)."""
     plan.after_whole_step_id = window
     return plan
@@ -166,7 +166,7 @@ def test_a_plan_booked_on_a_window_waits_for_it_and_so_does_every_plan_behind_it
     assert [step.deferred is not None for step in prepared] == [False, False, True, True]
     results = [ahead.execute(step) for step in prepared]
     assert tokens(results) == tokens(expected)
-    assert not any(r.HasField("num_passes") for r in results)
+    assert not any(r.num_passes is not None for r in results)
 
 
 def test_a_plan_booked_on_a_window_that_was_cut_is_dropped_unapplied(
@@ -180,6 +180,6 @@ def test_a_plan_booked_on_a_window_that_was_cut_is_dropped_unapplied(
     executor.cut(3)  # the later window named: the one before it, still to run, is cut too
     first, cut, dropped = (executor.execute(step) for step in prepared)
     assert cut.num_passes == 1 and len(cut.token_ids) == 2
-    assert dropped.HasField("num_passes") and dropped.num_passes == 0 and not dropped.token_ids
+    assert dropped.num_passes is not None and dropped.num_passes == 0 and not dropped.token_ids
     after_cut = executor.step(decode(4, 2))  # planned again from the one pass that ran
     assert list(after_cut.token_ids) == [window.token_ids[1], window.token_ids[4]], "seeded: the same positions"

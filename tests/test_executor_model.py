@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.step import CachedRequests, NewRequest, SamplingSettings, StepPlan, StepResult
 from executor_svc.attention import available_backends
 from executor_svc.core.request_table import PlanError
 from executor_svc.runtime.config import ExecutorOptions, UnsupportedModel
 from executor_svc.runtime.model_executor import ModelExecutor
-from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.engine.engine import Engine
 from tests.model_fixtures import smollm2_folder, tiny_model_folders  # noqa: F401
@@ -20,7 +20,7 @@ from tests.test_model_parity import random_prompts
 
 CPU = torch.device("cpu")
 
-GREEDY = pb.SamplingParams(temperature=0.0)
+GREEDY = SamplingSettings(temperature=0.0)
 KV_BYTES = 4 << 20
 
 
@@ -31,9 +31,9 @@ def tiny_executor(tiny_model_folders: dict[str, Path]) -> ModelExecutor:  # noqa
     )
 
 
-def new_request(request_id: int, tokens: list[int], scheduled: int, sampling: pb.SamplingParams = GREEDY):
+def new_request(request_id: int, tokens: list[int], scheduled: int, sampling: SamplingSettings = GREEDY):
     blocks = list(range(request_id * 4, request_id * 4 + 4))
-    return pb.NewRequest(
+    return NewRequest(
         request_id=request_id, token_ids=tokens, sampling=sampling, block_table=blocks, num_scheduled_tokens=scheduled
     )
 
@@ -59,20 +59,20 @@ def test_max_model_len_override_and_limit(tiny_model_folders: dict[str, Path]) -
 
 def test_chunked_prefill_samples_only_at_the_end(tiny_executor: ModelExecutor) -> None:
     tokens = [5, 9, 77, 300, 41, 8, 19, 23, 100, 7]
-    whole = tiny_executor.step(pb.StepPlan(step_id=1, is_prefill=True, new_requests=[new_request(1, tokens, 10)]))
-    first = tiny_executor.step(pb.StepPlan(step_id=2, is_prefill=True, new_requests=[new_request(2, tokens, 4)]))
+    whole = tiny_executor.step(StepPlan(step_id=1, is_prefill=True, new_requests=[new_request(1, tokens, 10)]))
+    first = tiny_executor.step(StepPlan(step_id=2, is_prefill=True, new_requests=[new_request(2, tokens, 4)]))
     assert list(first.token_ids) == [0]
-    rest = pb.CachedRequests(request_ids=[2], num_computed_tokens=[4], num_scheduled_tokens=[6], num_new_blocks=[0])
-    second = tiny_executor.step(pb.StepPlan(step_id=3, is_prefill=True, cached_requests=rest))
+    rest = CachedRequests(request_ids=[2], num_computed_tokens=[4], num_scheduled_tokens=[6], num_new_blocks=[0])
+    second = tiny_executor.step(StepPlan(step_id=3, is_prefill=True, cached_requests=rest))
     assert list(second.token_ids) == list(whole.token_ids)
     assert second.instance_id == tiny_executor.get_info().instance_id and second.forward_ms > 0
-    tiny_executor.step(pb.StepPlan(step_id=4, finished_request_ids=[1, 2]))
+    tiny_executor.step(StepPlan(step_id=4, finished_request_ids=[1, 2]))
     assert len(tiny_executor.table) == 0
 
 
 def test_logprobs_only_for_rows_that_ask(tiny_executor: ModelExecutor) -> None:
-    asks = pb.SamplingParams(temperature=0.0, num_logprobs=3)
-    plan = pb.StepPlan(
+    asks = SamplingSettings(temperature=0.0, num_logprobs=3)
+    plan = StepPlan(
         step_id=5, is_prefill=True, new_requests=[new_request(3, [4, 5, 6], 3, asks), new_request(4, [4, 5, 6], 3)]
     )
     result = tiny_executor.step(plan)
@@ -80,14 +80,14 @@ def test_logprobs_only_for_rows_that_ask(tiny_executor: ModelExecutor) -> None:
     assert list(asked.top_token_ids)[0] == result.token_ids[0] == result.token_ids[1]
     assert len(asked.top_token_ids) == 3 and asked.logprob <= 0
     assert not plain.top_token_ids
-    tiny_executor.step(pb.StepPlan(step_id=6, finished_request_ids=[3, 4]))
+    tiny_executor.step(StepPlan(step_id=6, finished_request_ids=[3, 4]))
 
 
 def test_rejected_plan_changes_nothing(tiny_executor: ModelExecutor) -> None:
-    tiny_executor.step(pb.StepPlan(step_id=7, is_prefill=True, new_requests=[new_request(5, [1, 2, 3], 3)]))
-    bad = pb.CachedRequests(request_ids=[99], num_computed_tokens=[3], num_scheduled_tokens=[1], num_new_blocks=[0])
+    tiny_executor.step(StepPlan(step_id=7, is_prefill=True, new_requests=[new_request(5, [1, 2, 3], 3)]))
+    bad = CachedRequests(request_ids=[99], num_computed_tokens=[3], num_scheduled_tokens=[1], num_new_blocks=[0])
     with pytest.raises(PlanError):
-        tiny_executor.step(pb.StepPlan(step_id=8, cached_requests=bad))
+        tiny_executor.step(StepPlan(step_id=8, cached_requests=bad))
     assert tiny_executor.table.requests[5].token_ids[:3] == [1, 2, 3] and len(tiny_executor.table) == 1
     assert tiny_executor.reset() == 1
 
@@ -118,18 +118,18 @@ def test_half_precision_mostly_agrees_with_float32_on_the_first_token(
 
 
 def test_multi_step_decode_equals_single_steps_with_logprobs(tiny_executor: ModelExecutor) -> None:
-    asks = pb.SamplingParams(temperature=0.0, num_logprobs=2)
+    asks = SamplingSettings(temperature=0.0, num_logprobs=2)
     prompt = [7, 8, 9, 10, 11]
-    first = tiny_executor.step(pb.StepPlan(step_id=20, is_prefill=True,
+    first = tiny_executor.step(StepPlan(step_id=20, is_prefill=True,
                                            new_requests=[new_request(6, prompt, 5, asks), new_request(7, prompt, 5)]))
     assert first.token_ids[0] == first.token_ids[1]
 
-    def decode(request_ids: list[int], computed: int, steps: list[int] | None = None) -> pb.StepResult:
+    def decode(request_ids: list[int], computed: int, steps: list[int] | None = None) -> StepResult:
         n = len(request_ids)
-        cached = pb.CachedRequests(request_ids=request_ids, num_computed_tokens=[computed] * n,
+        cached = CachedRequests(request_ids=request_ids, num_computed_tokens=[computed] * n,
                                    num_scheduled_tokens=[1] * n, num_new_blocks=[0] * n,
                                    num_decode_steps=steps or [])
-        return tiny_executor.step(pb.StepPlan(cached_requests=cached))
+        return tiny_executor.step(StepPlan(cached_requests=cached))
 
     single = [decode([6], 5 + k) for k in range(3)]
     multi = decode([7], 5, [3])
@@ -140,7 +140,7 @@ def test_multi_step_decode_equals_single_steps_with_logprobs(tiny_executor: Mode
     assert list(both.logprobs[0].top_token_ids)[0] == both.token_ids[0] and not both.logprobs[2].top_token_ids
     assert both.token_ids[2] == both.token_ids[0], "the same history gives the same token, whatever the steps"
     assert tiny_executor.table.requests[6].num_computed_tokens == 10
-    tiny_executor.step(pb.StepPlan(finished_request_ids=[6, 7]))
+    tiny_executor.step(StepPlan(finished_request_ids=[6, 7]))
 
 
 def test_a_long_cpu_prefill_runs_the_mlp_in_chunks_with_the_same_tokens(

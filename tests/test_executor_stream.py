@@ -10,6 +10,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from common.executor import Executor
+from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.fakes.shadow import ShadowExecutor
 from executor_svc.service import CallingThread, ExecutorServicer, build_server
 from nanoserve.v1 import executor_pb2 as pb
@@ -17,7 +19,7 @@ from nanoserve.v1 import executor_pb2_grpc as pb_grpc
 from tests.conftest import EOS
 
 
-class Recording:
+class Recording(Executor):
     """A shadow executor noting each plan it starts and the thread it runs on; step ``slow_at`` takes a while."""
 
     def __init__(self, slow_at: int = -1) -> None:
@@ -26,13 +28,13 @@ class Recording:
         self.ran: list[tuple[int, int]] = []
         self.changed = threading.Condition()
 
-    def get_info(self) -> pb.ExecutorInfo:
+    def get_info(self) -> ExecutorInfo:
         return self.inner.get_info()
 
     def reset(self) -> int:
         return self.inner.reset()
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         with self.changed:
             self.ran.append((plan.step_id, threading.get_ident()))
             self.changed.notify_all()

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.step import StepPlan, StepResult
 from executor_svc.fakes.shadow import ShadowExecutor
-from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api import grpc_service as service
 from scheduler_svc.api.http import errors
@@ -34,7 +34,7 @@ STEP_S = 0.01
 
 
 class SlowExecutor(GatedExecutor):
-    def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         time.sleep(STEP_S)
         return super().step(plan)
 

@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
+from common.step import SamplingSettings
 from executor_svc.core.request_table import RequestState
-from executor_svc.core.types import SamplingSettings
 from executor_svc.sample import sampler as sampler_module
 from executor_svc.sample.logits_processors import TokenCounts, apply_logits_processors
 from executor_svc.sample.sampler import Sampler

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from common.step import SamplingSettings
 from executor_svc.core.request_table import RequestState, ScheduledChunk
-from executor_svc.core.types import SamplingSettings
 from executor_svc.runtime.model_input import prepare_input
 
 BLOCK_SIZE = 4

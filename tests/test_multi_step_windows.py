@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 
 from common.executor import Executor
-from executor_svc.core.step_pipeline import PreparedStep
-from executor_svc.core.types import StepOutput
+from common.step import StepPlan, StepResult
+from executor_svc.core.step_pipeline import PreparedStep, StepOutput
 from executor_svc.fakes.shadow import ShadowExecutor
 from executor_svc.service import build_server
-from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.core.planner import Planner
 from scheduler_svc.core.sampling import SamplingParams
@@ -38,20 +39,18 @@ class WindowShadow(ShadowExecutor):
         super().__init__(*args, **kwargs)
         self.pass_s = pass_s
         self.cut_rng = cut_rng
-        self.plans: list[executor_pb2.StepPlan] = []
-        self.results: list[executor_pb2.StepResult] = []
+        self.plans: list[StepPlan] = []
+        self.results: list[StepResult] = []
         self.window_started = threading.Event()
         self.cuts: list[int] = []
         self.num_passes = 0
         self._running: int | None = None
 
-    def prepare(self, plan: executor_pb2.StepPlan) -> PreparedStep:
-        copy = executor_pb2.StepPlan()
-        copy.CopyFrom(plan)
-        self.plans.append(copy)
+    def prepare(self, plan: StepPlan) -> PreparedStep:
+        self.plans.append(copy.deepcopy(plan))
         return super().prepare(plan)
 
-    def execute(self, prepared: PreparedStep) -> executor_pb2.StepResult:
+    def execute(self, prepared: PreparedStep) -> StepResult:
         self._running = prepared.step_id
         if not prepared.single:
             self.window_started.set()
@@ -71,13 +70,13 @@ class WindowShadow(ShadowExecutor):
         self.cuts.append(step_id)
         super().cut(step_id)
 
-    def cut_short(self) -> list[executor_pb2.StepResult]:
+    def cut_short(self) -> list[StepResult]:
         """The results of windows a cut stopped after one pass or more."""
-        return [r for r in self.results if r.HasField("num_passes") and r.num_passes > 0]
+        return [r for r in self.results if r.num_passes is not None and r.num_passes > 0]
 
     def dropped(self) -> list[int]:
         """The step ids of plans dropped unapplied (booked on a window that was cut), in order."""
-        return [r.step_id for r in self.results if r.HasField("num_passes") and r.num_passes == 0]
+        return [r.step_id for r in self.results if r.num_passes is not None and r.num_passes == 0]
 
     def decode_steps(self) -> list[int]:
         """Each decode plan's most steps per request (1 without num_decode_steps)."""
@@ -124,7 +123,7 @@ def test_windows_cut_after_any_pass_give_the_same_tokens_and_free_every_block(ov
     assert_matches_reference(engine, prompts, params, outputs)
     # The iteration-tokens metric counts the tokens each collected step computed, a cut window's included.
     plans = {p.step_id: p for p in executor.plans}
-    collected = [r for r in executor.results if not (r.HasField("num_passes") and r.num_passes == 0)
+    collected = [r for r in executor.results if not (r.num_passes is not None and r.num_passes == 0)
                  and (plans[r.step_id].new_requests or plans[r.step_id].cached_requests.request_ids)]
     assert len(collected) == len(told)
     assert all(n == len(r.token_ids) for n, r in zip(told, collected, strict=True)
@@ -133,7 +132,7 @@ def test_windows_cut_after_any_pass_give_the_same_tokens_and_free_every_block(ov
     assert cut, "no window was cut"
     assert all(r.num_passes < 8 for r in cut)
     dropped = set(executor.dropped())
-    booked_on = {p.step_id: p.after_whole_step_id for p in executor.plans if p.HasField("after_whole_step_id")}
+    booked_on = {p.step_id: p.after_whole_step_id for p in executor.plans if p.after_whole_step_id is not None}
     if overlap:
         assert dropped, "a window booked on a cut one is dropped"
         assert {booked_on[step_id] for step_id in dropped} <= {r.step_id for r in cut}
@@ -217,7 +216,7 @@ def test_an_abort_cuts_the_window_in_flight_and_is_answered_after_the_pass_in_pr
             answer = asyncio.ensure_future(s.stub.GenerateOnce(whole))
             rest = asyncio.ensure_future(s.stub.GenerateOnce(other)) if beside else None
             await asyncio.to_thread(executor.window_started.wait, 10)
-            while beside and not any(len(p.cached_requests.request_ids) == 2 and p.HasField("after_whole_step_id")
+            while beside and not any(len(p.cached_requests.request_ids) == 2 and p.after_whole_step_id is not None
                                      for p in executor.plans):
                 await asyncio.sleep(0.01)  # until a window of both is booked on one of both
             passes_before = executor.num_passes
@@ -268,7 +267,7 @@ def test_the_other_choices_of_a_request_cut_the_window_of_the_first():
                          ids=["cpu-default", "accelerator-default", "flag"])
 def test_whole_completions_decode_in_windows_of_8_by_default_on_any_device(device, flags, window):
     executor = WindowShadow(64, 4, 50, (EOS,))
-    executor.info.device = device
+    executor.info = replace(executor.info, device=device)
 
     async def main():
         async with in_process_scheduler(executor, **flags) as s:
@@ -309,7 +308,7 @@ def test_cut_step_over_grpc_stops_the_window_after_its_pass_in_progress():
         # One CutStep for the burst; a window booked ahead as it came is cut once more as it goes out.
         assert executor.cuts and len(executor.cuts) == len(set(executor.cuts)), executor.cuts
         dropped = executor.dropped()
-        booked_on = {p.step_id: p.after_whole_step_id for p in executor.plans if p.HasField("after_whole_step_id")}
+        booked_on = {p.step_id: p.after_whole_step_id for p in executor.plans if p.after_whole_step_id is not None}
         assert [booked_on[step_id] for step_id in dropped] == [cut[0].step_id], "the window booked on it is dropped"
         assert [outputs[i] for i in (0, 1)] == [expected(engine, p, params) for p in prompts]
         assert len(executor.table) == 0
@@ -331,4 +330,4 @@ def test_a_plan_given_back_sends_its_new_blocks_and_drops_again():
     assert planner.unbook(dropped) == [gone.seq_id]
     again, _ = planner.build([kept], False, [gone.seq_id])
     assert again.finished_request_ids == [gone.seq_id]
-    assert (again.cached.num_new_blocks, again.cached.new_block_ids) == ([1], [2])
+    assert (again.cached_requests.num_new_blocks, again.cached_requests.new_block_ids) == ([1], [2])

@@ -16,9 +16,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.executor import Executor
+from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.core.request_table import PlanError
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
-from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
 from tests.service_fixtures import HOST, InProcess, assert_idle_async, in_process_scheduler, stream, token_request
 
@@ -27,7 +28,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class FlakyExecutor:
+class FlakyExecutor(Executor):
     """A shadow executor that can go down (every call fails), restart (a fresh instance) or refuse plans."""
 
     def __init__(self, **shadow: object) -> None:
@@ -48,7 +49,7 @@ class FlakyExecutor:
         if self.down:
             raise ConnectionError("injected: executor down")
 
-    def get_info(self) -> executor_pb2.ExecutorInfo:
+    def get_info(self) -> ExecutorInfo:
         self._check()
         return self.inner.get_info()
 
@@ -56,7 +57,7 @@ class FlakyExecutor:
         self._check()
         return self.inner.reset()
 
-    def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         self._check()
         if self.refuse_plans and (plan.new_requests or plan.cached_requests.request_ids):
             raise PlanError("FAILED_PRECONDITION", "injected: plan refused")

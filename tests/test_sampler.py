@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from executor_svc.core.types import SamplingSettings
+from common.step import SamplingSettings
 from executor_svc.sample.sampler import NUCLEUS_WINDOW, Sampler, filtered_probs
 
 # Ids deliberately not in rank order: ranked, the ids are 3, 1, 5, 2, 4, 0.

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 from types import SimpleNamespace
 
 import grpc
 import pytest
 
+from common.executor import Executor
+from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
-from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.api.frontend import Generation, Outbox
@@ -33,30 +35,28 @@ def shadow(**kwargs) -> ShadowExecutor:
     return ShadowExecutor(**{"num_blocks": 64, "block_size": 4, "vocab_size": VOCAB, **kwargs})
 
 
-class RecordingExecutor:
+class RecordingExecutor(Executor):
     """Keeps every plan."""
 
     def __init__(self, inner: ShadowExecutor) -> None:
         self.inner = inner
-        self.plans: list[executor_pb2.StepPlan] = []
+        self.plans: list[StepPlan] = []
 
-    def get_info(self) -> executor_pb2.ExecutorInfo:
+    def get_info(self) -> ExecutorInfo:
         return self.inner.get_info()
 
     def reset(self) -> int:
         return self.inner.reset()
 
-    def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
-        copy = executor_pb2.StepPlan()
-        copy.CopyFrom(plan)
-        self.plans.append(copy)
+    def step(self, plan: StepPlan) -> StepResult:
+        self.plans.append(copy.deepcopy(plan))
         return self.inner.step(plan)
 
 
 class LogprobExecutor(RecordingExecutor):
     """Adds made-up logprobs for requests that ask, as a real sampler would."""
 
-    def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         result = super().step(plan)
         for token_id in result.token_ids:
             result.logprobs.add(logprob=-0.25, top_token_ids=[token_id, 1], top_logprobs=[-0.25, -2.0])
@@ -141,7 +141,7 @@ def test_idle_stats_wait_for_the_executor_to_drop_a_request_that_stopped_inside_
     assert len(completion.token_ids) == 6
     assert table_while_held == 1 and held.num_running == 1, "stats said idle while the executor held the request"
     booked = executor.inner.plans[2]
-    assert booked.HasField("after_whole_step_id") and booked.cached_requests.request_ids, "no window was booked"
+    assert booked.after_whole_step_id is not None and booked.cached_requests.request_ids, "no window was booked"
     assert stats.num_finished_stop == 1
     assert len(executor.inner.inner.table) == 0
 

@@ -10,9 +10,9 @@ import time
 import grpc
 import pytest
 
+from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from executor_svc.fakes.shadow_server import EchoExecutor
-from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.tokenizer import ChatMessage, ModelTokenizer
@@ -40,7 +40,7 @@ def shadow(**kwargs) -> ShadowExecutor:
 
 def echo() -> EchoExecutor:
     """Each completion repeats its prompt, so a test can place stop strings, EOS and special tokens exactly."""
-    return EchoExecutor(executor_pb2.ExecutorInfo(
+    return EchoExecutor(ExecutorInfo(
         instance_id="echo", model_id="echo", vocab_size=TOKENIZER_VOCAB_SIZE, eos_token_ids=[EOS_ID],
         max_model_len=256, block_size=4, num_blocks=256, tokenizer_json=TOKENIZER_JSON, chat_template=CHATML_TEMPLATE,
     ))
@@ -258,7 +258,7 @@ def test_a_stream_interval_sends_runs_of_that_many_tokens_after_the_first_and_th
 class PacedExecutor(RecordingExecutor):
     """Steps that take 10 ms, as a device's would, so that a reader keeps up and gets every message on its own."""
 
-    def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         time.sleep(0.01)
         return super().step(plan)
 

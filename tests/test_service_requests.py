@@ -6,16 +6,16 @@ import math
 
 import pytest
 
-from nanoserve.v1 import executor_pb2
+from common.sampling import DEFAULTS
+from common.step import ExecutorInfo
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.api.codec import prepare
+from scheduler_svc.api.prepare import prepare
 from scheduler_svc.core.errors import InvalidRequest
-from scheduler_svc.core.sampling import DEFAULTS
 from scheduler_svc.core.tokenizer import ModelTokenizer
 from scheduler_svc.core.validation import ModelLimits
 from tests.service_fixtures import CHATML_TEMPLATE, EOS_ID, byte_level_tokenizer
 
-INFO = ModelLimits.of(executor_pb2.ExecutorInfo(vocab_size=300, max_model_len=64, eos_token_ids=[EOS_ID],
+INFO = ModelLimits.of(ExecutorInfo(vocab_size=300, max_model_len=64, eos_token_ids=[EOS_ID],
                                                 num_blocks=64, block_size=16))
 
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from common.step import NewRequest, StepPlan
 from executor_svc.core.request_table import PlanError
 from executor_svc.cpu import kernels as cpu_kernels
 from executor_svc.fakes.simulated import SPIN_S, SimulatedExecutor, accelerator_wait, parse_args, simulated_executor
-from nanoserve.v1 import executor_pb2 as pb
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.engine.engine import Engine
@@ -35,9 +35,9 @@ def test_every_step_waits_and_samples_a_token_that_is_no_eos():
 
 def test_a_refused_plan_changes_nothing():
     simulated = executor(step_ms=0.0)
-    new = pb.NewRequest(request_id=3, token_ids=[5, 6], block_table=[64], num_scheduled_tokens=2)
+    new = NewRequest(request_id=3, token_ids=[5, 6], block_table=[64], num_scheduled_tokens=2)
     with pytest.raises(PlanError) as refused:
-        simulated.step(pb.StepPlan(is_prefill=True, new_requests=[new]))
+        simulated.step(StepPlan(is_prefill=True, new_requests=[new]))
     assert refused.value.code == "INVALID_ARGUMENT" and len(simulated.table) == 0
 
 

@@ -20,9 +20,10 @@ import jsonschema
 import lark
 import pytest
 
+from common.executor import Executor
+from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.model_executor import ModelExecutor
-from nanoserve.v1 import executor_pb2
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.structured import compile_grammar
 from scheduler_svc.core.sampling import SamplingParams
@@ -210,7 +211,7 @@ class ConnectionLost(RuntimeError):
     """What a killed executor process looks like to the engine."""
 
 
-class RestartingExecutor:
+class RestartingExecutor(Executor):
     """Dies once, at step ``die_at``, and comes back as a fresh ModelExecutor (new instance, no matchers)."""
 
     def __init__(self, die_at: int) -> None:
@@ -219,13 +220,13 @@ class RestartingExecutor:
         self.steps = 0
         self.restarts = 0
 
-    def get_info(self) -> executor_pb2.ExecutorInfo:
+    def get_info(self) -> ExecutorInfo:
         return self.inner.get_info()
 
     def reset(self) -> int:
         return self.inner.reset()
 
-    def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         self.steps += 1
         if self.steps == self.die_at:
             self.inner = make_executor(TINY_KV_BYTES)

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor_svc.core.codec import sampling_settings
+from common.step import SamplingSettings
+from common.step_codec import plan_from_proto, plan_to_proto, sampling_from_proto, sampling_to_proto
 from executor_svc.core.request_table import RequestState, RequestTable
-from executor_svc.core.types import SamplingSettings
 from executor_svc.sample.constraints import GrammarConstraints
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.api.codec import plan_to_proto, prepare, sampling_to_proto
+from scheduler_svc.api.prepare import prepare
 from scheduler_svc.core.errors import InvalidRequest
 from scheduler_svc.core.planner import Planner
 from scheduler_svc.core.sampling import SamplingParams
@@ -86,7 +86,7 @@ def test_structured_output_needs_a_tokenizer():
 def test_a_good_constraint_reaches_the_executor_as_its_grammar(tokenizer, structured):
     params = prepare(request(**structured), LIMITS, tokenizer).params
     assert params.grammar and json.loads(params.grammar)["grammars"]
-    assert sampling_settings(sampling_to_proto(params)).grammar == params.grammar
+    assert sampling_from_proto(sampling_to_proto(params.settings)).grammar == params.grammar
 
 
 @pytest.mark.parametrize("structured", [None, {}, {"json_object": False}], ids=["absent", "empty", "json_object_off"])
@@ -94,7 +94,7 @@ def test_no_constraint_sends_no_grammar(tokenizer, structured):
     message = pb.GenerateRequest(text="Hello") if structured is None else request(**structured)
     params = prepare(message, LIMITS, tokenizer).params
     assert params.grammar is None
-    assert not sampling_to_proto(params).HasField("grammar")
+    assert not sampling_to_proto(params.settings).HasField("grammar")
 
 
 def test_a_request_that_comes_back_names_its_prompt_length():
@@ -105,10 +105,11 @@ def test_a_request_that_comes_back_names_its_prompt_length():
     message = plan_to_proto(plan)
     assert message.new_requests[0].num_prompt_tokens == 3
     table = RequestTable(num_blocks=8, block_size=4, vocab_size=50, max_model_len=64)
-    state = table.apply(message)[0].state
+    state = table.apply(plan_from_proto(message))[0].state
     assert (state.num_prompt_tokens, state.sampling.grammar) == (3, "g")
     message.new_requests[0].ClearField("num_prompt_tokens")
-    assert RequestTable(8, 4, 50, 64).apply(message)[0].state.num_prompt_tokens == 5, "absent means all"
+    assert RequestTable(8, 4, 50, 64).apply(plan_from_proto(message))[0].state.num_prompt_tokens == 5, \
+        "absent means all"
 
 
 def allowed(logits: torch.Tensor) -> set[int]:

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
-from executor_svc.core import codec as wire
-from executor_svc.core.types import SamplingSettings
-from nanoserve.v1 import executor_pb2 as pb
+from common.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
+from common.step import SamplingSettings, StepPlan
 
 INVALID = "INVALID_ARGUMENT"
 PRECONDITION = "FAILED_PRECONDITION"
@@ -93,12 +92,11 @@ class RequestTable:
         self.requests.clear()
         return n
 
-    def apply(self, plan: pb.StepPlan) -> list[ScheduledChunk]:
+    def apply(self, plan: StepPlan) -> list[ScheduledChunk]:
         """Validate ``plan`` against the state every step applied before leaves, then apply it; chunks in result
         order. The steps applied before need not have run yet (``planned_*``); their tokens are recorded by
         ``record_sampled`` when they have.
 
-        A new request's sampling params are translated here, once for its lifetime in the table.
         """
         self._validate(plan)
         for request_id in plan.finished_request_ids:
@@ -110,8 +108,8 @@ class RequestTable:
                 list(new.token_ids),
                 list(new.block_table),
                 new.num_computed_tokens,
-                wire.sampling_settings(new.sampling),
-                new.num_prompt_tokens if new.HasField("num_prompt_tokens") else len(new.token_ids),
+                new.sampling,
+                len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens,
             )
             end = new.num_computed_tokens + new.num_scheduled_tokens
             state.planned_computed, state.planned_len = end, len(state.token_ids) + (end == len(state.token_ids))
@@ -119,13 +117,13 @@ class RequestTable:
             chunks.append(ScheduledChunk(state, new.num_computed_tokens, new.num_scheduled_tokens))
         # Runs for every held request every decode step: plain lists and local names.
         cached = plan.cached_requests
-        new_block_ids = list(cached.new_block_ids)
+        new_block_ids = cached.new_block_ids
         requests = self.requests
         offset = 0
         columns = (cached.request_ids, cached.num_computed_tokens, cached.num_scheduled_tokens, cached.num_new_blocks)
         # Validated: with num_decode_steps there are no new requests and one entry per cached one.
-        steps = list(cached.num_decode_steps) or repeat(1)
-        for request_id, computed, scheduled, n_new, num_steps in zip(*map(list, columns), steps, strict=False):
+        steps = cached.num_decode_steps or repeat(1)
+        for request_id, computed, scheduled, n_new, num_steps in zip(*columns, steps, strict=False):
             state = requests[request_id]
             if n_new:
                 state.block_table += new_block_ids[offset : offset + n_new]
@@ -158,24 +156,23 @@ class RequestTable:
                 f"{needed_tokens} needed",
             )
 
-    def _check_sampling(self, request_id: int, params: pb.SamplingParams) -> None:
-        """The ranges the proto documents for the logits processors; an id outside the vocab would fail the step.
-
-        Stop token ids outside the vocabulary are allowed: they can never be sampled, so nothing masks them.
+    def _check_sampling(self, request_id: int, params: SamplingSettings) -> None:
+        """The ranges of ``common.sampling`` the logits processors rely on; an id outside the vocab would fail the
+        step. Stop token ids outside the vocabulary are allowed: they can never be sampled, so nothing masks them.
         """
-        if params.HasField("repetition_penalty") and not 0 < params.repetition_penalty < math.inf:
+        if not 0 < params.repetition_penalty < math.inf:
             raise PlanError(INVALID, f"request {request_id}: repetition_penalty must be > 0, got "
                                      f"{params.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(params, name) <= 2:
-                raise PlanError(INVALID, f"request {request_id}: {name} must be in [-2, 2], got "
-                                         f"{getattr(params, name)}")
-        for token_id, bias in params.logit_bias.items():
-            if token_id >= self.vocab_size or not -100 <= bias <= 100:
+            if not -MAX_PENALTY <= getattr(params, name) <= MAX_PENALTY:
+                raise PlanError(INVALID, f"request {request_id}: {name} must be in [-{MAX_PENALTY:g}, "
+                                         f"{MAX_PENALTY:g}], got {getattr(params, name)}")
+        for token_id, bias in params.logit_bias:
+            if token_id >= self.vocab_size or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise PlanError(INVALID, f"request {request_id}: logit_bias {token_id}: {bias} needs a token id in "
-                                         f"the vocabulary and a bias in [-100, 100]")
+                                         f"the vocabulary and a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 
-    def _validate(self, plan: pb.StepPlan) -> None:
+    def _validate(self, plan: StepPlan) -> None:
         # Each id at most once among the finished, and once among the new and cached: applying drops each
         # finished id once. A finished request may come back as new (preempted), not as cached.
         dropped: set[int] = set()
@@ -205,7 +202,7 @@ class RequestTable:
                 raise PlanError(INVALID, f"request {rid}: token id {bad} is outside the vocabulary")
             if n > self.max_model_len:
                 raise PlanError(INVALID, f"request {rid}: {n} tokens pass the maximum length {self.max_model_len}")
-            if new.HasField("num_prompt_tokens") and new.num_prompt_tokens > n:
+            if new.num_prompt_tokens is not None and new.num_prompt_tokens > n:
                 raise PlanError(INVALID, f"request {rid}: {new.num_prompt_tokens} prompt tokens of its {n} tokens")
             self._check_sampling(rid, new.sampling)
             end = new.num_computed_tokens + new.num_scheduled_tokens
@@ -216,13 +213,13 @@ class RequestTable:
             cached.new_block_ids
         ):
             raise PlanError(INVALID, "cached_requests columns have different lengths")
-        steps = list(cached.num_decode_steps)
+        steps = cached.num_decode_steps
         if steps:
             self._validate_multi_step(plan, steps)
-        new_block_ids = list(cached.new_block_ids)
+        new_block_ids = cached.new_block_ids
         requests, block_size, max_model_len = self.requests, self.block_size, self.max_model_len
         offset = 0
-        rows = zip(cached.request_ids, *map(list, columns), steps or repeat(1, len(cached.request_ids)), strict=True)
+        rows = zip(cached.request_ids, *columns, steps or repeat(1, len(cached.request_ids)), strict=True)
         for rid, computed, scheduled, n_new, num_steps in rows:
             if rid in seen:
                 raise PlanError(INVALID, f"request {rid} is named twice among the plan's new and cached requests")
@@ -255,7 +252,7 @@ class RequestTable:
                 offset += n_new
 
     @staticmethod
-    def _validate_multi_step(plan: pb.StepPlan, steps: list[int]) -> None:
+    def _validate_multi_step(plan: StepPlan, steps: list[int]) -> None:
         cached = plan.cached_requests
         if plan.is_prefill or plan.new_requests:
             raise PlanError(INVALID, "num_decode_steps is for decode plans only (no prefill, no new requests)")

@@ -11,13 +11,32 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from executor_svc.core.codec import step_result
+from common.executor import Executor
+from common.step import ExecutorInfo, PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from executor_svc.core.request_table import RequestTable, ScheduledChunk
-from executor_svc.core.types import StepOutput, TokenLogprobs
-from nanoserve.v1 import executor_pb2 as pb
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One plan's tokens in result order and the time spent computing and sampling them."""
+
+    token_ids: list[int] = field(default_factory=list)
+    # Parallel to token_ids when any request asked for logprobs (None for those that did not); else empty.
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0
+    # Requests with num_prompt_logprobs whose prompt this step computed (part of).
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # The decode passes a multi-step plan ran when it was cut short (``TableExecutor.cut``); None: all of them.
+    num_passes: int | None = None
+
+    def result(self, instance_id: str, step_id: int) -> StepResult:
+        return StepResult(instance_id, step_id, self.token_ids, self.logprobs, self.forward_ms, self.sample_ms,
+                          self.prompt_logprobs, self.num_passes)
+
 
 # Computes and samples one token per chunk, in order (0 for a chunk that does not sample), from the input
 # the executor packed for them ahead (None, as ``run_forward_passes`` passes: packed now).
@@ -40,7 +59,7 @@ class PreparedStep:
     launched: object | None = None
     # Its plan while not applied yet: one booked on a multi-step plan's every pass (``after_whole_step_id``), or queued
     # behind one, is applied once the plans before it ran (or during that plan's last pass), or dropped if it was cut.
-    deferred: pb.StepPlan | None = None
+    deferred: StepPlan | None = None
 
 
 class Passes(Protocol):
@@ -163,7 +182,7 @@ def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], passes: Pa
     return total
 
 
-class TableExecutor(ABC):
+class TableExecutor(Executor, ABC):
     """The executor contract for an executor whose requests live in a ``RequestTable``: the model's, the
     shadow-KV test's and the simulated accelerator's differ only in ``forward`` (or ``launch`` and ``finish``) and
     ``pack``.
@@ -188,7 +207,7 @@ class TableExecutor(ABC):
     unapplied in its turn if a cut stopped that plan early.
     """
 
-    info: pb.ExecutorInfo
+    info: ExecutorInfo
     table: RequestTable
     # Whether callers should prepare a plan beside the step before. Not where that step is a forward on the CPU:
     # it keeps every core busy, and work beside it stalls the OpenMP team (W1 split: 0.87x -> 0.70x in-process).
@@ -207,7 +226,7 @@ class TableExecutor(ABC):
         # The last multi-step plan that a cut stopped early: the plans booked on its every pass are dropped.
         self._cut_short_step_id: int | None = None
 
-    def get_info(self) -> pb.ExecutorInfo:
+    def get_info(self) -> ExecutorInfo:
         return self.info
 
     def reset(self) -> int:
@@ -226,13 +245,13 @@ class TableExecutor(ABC):
         cut = self._cut_step_id
         return cut is not None and prepared.step_id <= cut and self._last_prepared is prepared
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         return self.execute(self.prepare(plan))
 
-    def prepare(self, plan: pb.StepPlan) -> PreparedStep:
+    def prepare(self, plan: StepPlan) -> PreparedStep:
         behind = self._last_queued
         prepared = PreparedStep(plan.step_id, [])
-        if plan.HasField("after_whole_step_id") or (behind is not None and behind.deferred is not None):
+        if plan.after_whole_step_id is not None or (behind is not None and behind.deferred is not None):
             prepared.deferred = plan  # applied once the plans before it ran, by ``execute``
         else:
             self._apply(prepared, plan)
@@ -240,7 +259,7 @@ class TableExecutor(ABC):
         self._last_queued = prepared
         return prepared
 
-    def _apply(self, prepared: PreparedStep, plan: pb.StepPlan, last_pass: list[ScheduledChunk] | None = None) -> None:
+    def _apply(self, prepared: PreparedStep, plan: StepPlan, last_pass: list[ScheduledChunk] | None = None) -> None:
         """Apply ``plan`` and pack the step's input where it is one pass, or its first pass when ``last_pass`` (the
         chunks of the pass before it, whose sampled tokens its input is linked to)."""
         chunks = self.table.apply(plan)
@@ -255,16 +274,16 @@ class TableExecutor(ABC):
         self._last_prepared = prepared
         prepared.deferred = None  # last: from here on ``prepare`` (maybe on another thread) applies the next plan
 
-    def execute(self, prepared: PreparedStep) -> pb.StepResult:
+    def execute(self, prepared: PreparedStep) -> StepResult:
         while self._queued:  # steps prepared before it and never run are dropped
             if self._queued.popleft() is prepared:
                 break
         prepared.follows = None  # no chain of every step run so far
         if prepared.deferred is not None:  # the plans before it have run by now
             plan = prepared.deferred
-            if plan.HasField("after_whole_step_id") and plan.after_whole_step_id == self._cut_short_step_id:
+            if plan.after_whole_step_id is not None and plan.after_whole_step_id == self._cut_short_step_id:
                 prepared.deferred = None
-                return step_result(self.info.instance_id, prepared.step_id, StepOutput(num_passes=0))
+                return StepOutput(num_passes=0).result(self.info.instance_id, prepared.step_id)
             self._apply(prepared, plan)
         if prepared.single:
             launched, prepared.launched = prepared.launched, None  # its device buffers go once finished
@@ -283,7 +302,7 @@ class TableExecutor(ABC):
             following = self._following(prepared)
         if following is not None:
             following.launched = self.launch(following.chunks, following.inputs)
-        return step_result(self.info.instance_id, prepared.step_id, output)
+        return output.result(self.info.instance_id, prepared.step_id)
 
     def _start_booked(self, window: PreparedStep, last: list[ScheduledChunk]) -> Callable[[list[int]], None] | None:
         """``window``'s last pass is on the device: the plan booked on its every pass, next in the queue, is applied
@@ -294,7 +313,7 @@ class TableExecutor(ABC):
         except IndexError:
             return None
         plan = following.deferred
-        if plan is None or not plan.HasField("after_whole_step_id") or plan.after_whole_step_id != window.step_id:
+        if plan is None or plan.after_whole_step_id != window.step_id:
             return None
         self._apply(following, plan, last)
         if not (self.launches_ahead(following.inputs) and self.fills_ahead(following.inputs)):

@@ -15,10 +15,9 @@ import uuid
 import numpy as np
 import xxhash
 
+from common.step import ExecutorInfo
 from executor_svc.core.request_table import RequestTable, ScheduledChunk
-from executor_svc.core.step_pipeline import TableExecutor
-from executor_svc.core.types import StepOutput
-from nanoserve.v1 import executor_pb2 as pb
+from executor_svc.core.step_pipeline import StepOutput, TableExecutor
 
 EMPTY_SLOT = -1
 
@@ -67,14 +66,14 @@ class ShadowExecutor(TableExecutor):
         super().__init__()
         self.table = RequestTable(num_blocks, block_size, vocab_size, max_model_len)
         self.kv = np.full(num_blocks * block_size, EMPTY_SLOT, dtype=np.int64)
-        self.info = pb.ExecutorInfo(
+        self.info = ExecutorInfo(
             instance_id=uuid.uuid4().hex,
             model_id="shadow-kv",
             architecture="ShadowKV",
             dtype="int64",
             device="cpu",
             vocab_size=vocab_size,
-            eos_token_ids=eos_token_ids,
+            eos_token_ids=tuple(eos_token_ids),
             max_model_len=max_model_len,
             block_size=block_size,
             num_blocks=num_blocks,

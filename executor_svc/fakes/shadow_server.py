@@ -14,30 +14,29 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+from common.executor import Executor
 from common.flags import boolean
 from common.security import TLSConfig
-from executor_svc.core.codec import step_result
+from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.core.request_table import RequestTable, ScheduledChunk
-from executor_svc.core.step_pipeline import run_forward_passes
-from executor_svc.core.types import StepOutput
+from executor_svc.core.step_pipeline import StepOutput, run_forward_passes
 from executor_svc.fakes.shadow import ShadowExecutor
 from executor_svc.service import serve
-from nanoserve.v1 import executor_pb2 as pb
 
 NULL_TOKEN_ID = 1
 
 
 def model_free_info(
     args: argparse.Namespace, model_id: str, tokenizer_json: str, chat_template: str, device: str = "cpu"
-) -> pb.ExecutorInfo:
-    return pb.ExecutorInfo(
+) -> ExecutorInfo:
+    return ExecutorInfo(
         instance_id=uuid.uuid4().hex,
         model_id=model_id,
         architecture=model_id,
         dtype="int64",
         device=device,
         vocab_size=args.vocab_size,
-        eos_token_ids=args.eos_token_ids,
+        eos_token_ids=tuple(args.eos_token_ids),
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
@@ -48,45 +47,45 @@ def model_free_info(
     )
 
 
-class NullExecutor:
+class NullExecutor(Executor):
     """Answers every plan at once with NULL_TOKEN_ID per scheduled request; keeps no state."""
 
-    def __init__(self, info: pb.ExecutorInfo) -> None:
+    def __init__(self, info: ExecutorInfo) -> None:
         self.info = info
 
-    def get_info(self) -> pb.ExecutorInfo:
+    def get_info(self) -> ExecutorInfo:
         return self.info
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         cached = plan.cached_requests
         n = len(plan.new_requests) + (sum(cached.num_decode_steps) or len(cached.request_ids))
-        return step_result(self.info.instance_id, plan.step_id, StepOutput([NULL_TOKEN_ID] * n))
+        return StepOutput([NULL_TOKEN_ID] * n).result(self.info.instance_id, plan.step_id)
 
     def reset(self) -> int:
         return 0
 
 
-class EchoExecutor:
+class EchoExecutor(Executor):
     """Completion token ``i`` is prompt token ``i mod len(prompt)``: a predictable text for stop-string tests.
 
     It remembers each request's prompt length for its lifetime (request ids are
     never reused), so a preempted request continues its echo when it returns.
     """
 
-    def __init__(self, info: pb.ExecutorInfo) -> None:
+    def __init__(self, info: ExecutorInfo) -> None:
         self.info = info
         self.table = RequestTable(info.num_blocks, info.block_size, info.vocab_size, info.max_model_len)
         self.prompt_lens: dict[int, int] = {}
 
-    def get_info(self) -> pb.ExecutorInfo:
+    def get_info(self) -> ExecutorInfo:
         return self.info
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
+    def step(self, plan: StepPlan) -> StepResult:
         chunks = self.table.apply(plan)
         for new in plan.new_requests:
             self.prompt_lens.setdefault(
-                new.request_id, new.num_prompt_tokens if new.HasField("num_prompt_tokens") else len(new.token_ids))
-        return step_result(self.info.instance_id, plan.step_id, run_forward_passes(self.table, chunks, self._echo))
+                new.request_id, len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens)
+        return run_forward_passes(self.table, chunks, self._echo).result(self.info.instance_id, plan.step_id)
 
     def _echo(self, chunks: list[ScheduledChunk], inputs: object | None = None) -> StepOutput:
         token_ids = []

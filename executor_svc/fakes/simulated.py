@@ -29,14 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from common.security import TLSConfig
+from common.step import ExecutorInfo
 from executor_svc.core.request_table import RequestTable, ScheduledChunk
-from executor_svc.core.step_pipeline import TableExecutor
-from executor_svc.core.types import StepOutput
+from executor_svc.core.step_pipeline import StepOutput, TableExecutor
 from executor_svc.cpu.kernels import kernel_library
 from executor_svc.fakes.shadow_server import model_free_info
 from executor_svc.runtime.model_input import ModelInput, prepare_input
 from executor_svc.service import serve
-from nanoserve.v1 import executor_pb2 as pb
 
 PR_SET_TIMERSLACK = 29
 LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
@@ -82,7 +81,7 @@ class Launched:
 class SimulatedExecutor(TableExecutor):
     """The executor contract with every per-step CPU cost of ``ModelExecutor`` and a wait for the rest."""
 
-    def __init__(self, info: pb.ExecutorInfo, step_ms: float) -> None:
+    def __init__(self, info: ExecutorInfo, step_ms: float) -> None:
         super().__init__()
         self.info = info
         self.step_s = step_ms / 1e3

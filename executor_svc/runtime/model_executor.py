@@ -16,14 +16,13 @@ from pathlib import Path
 
 import torch
 
+from common.step import ExecutorInfo
 from executor_svc.core.request_table import RequestTable, ScheduledChunk
-from executor_svc.core.step_pipeline import TableExecutor
-from executor_svc.core.types import StepOutput
+from executor_svc.core.step_pipeline import StepOutput, TableExecutor
 from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.distributed import free_init_method, init_group, spawn_workers
 from executor_svc.runtime.model_runner import LaunchedForward, ModelRunner, PreparedInput, rank_device, worker_main
 from executor_svc.runtime.registry import resolve_model
-from nanoserve.v1 import executor_pb2 as pb
 
 
 def read_chat_template(folder: Path) -> str:
@@ -52,14 +51,14 @@ class ModelExecutor(TableExecutor):
         config = runner.config
         self.table = RequestTable(runner.num_blocks, runner.block_size, config.vocab_size, runner.max_model_len)
         tokenizer = self.folder / "tokenizer.json"
-        self.info = pb.ExecutorInfo(
+        self.info = ExecutorInfo(
             instance_id=uuid.uuid4().hex,
             model_id=options.model,
             architecture=config.architecture,
             dtype=options.resolved_dtype(),
             device=str(runner.device),
             vocab_size=config.vocab_size,
-            eos_token_ids=config.eos_token_ids,
+            eos_token_ids=tuple(config.eos_token_ids),
             bos_token_id=config.bos_token_id,
             max_model_len=runner.max_model_len,
             block_size=runner.block_size,

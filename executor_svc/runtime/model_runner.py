@@ -17,10 +17,10 @@ from typing import NamedTuple
 
 import torch
 
+from common.step import PromptLogprobs, SamplingSettings
 from executor_svc.attention import get_backend
 from executor_svc.attention.base import AttentionMetadata
 from executor_svc.core.request_table import RequestState, ScheduledChunk
-from executor_svc.core.types import PromptLogprobs, SamplingSettings
 from executor_svc.cpu import decode_stack as cpu_decode_stack
 from executor_svc.cpu import probe as kernel_probe
 from executor_svc.cpu.choice import ALL_C

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from executor_svc.core.types import SamplingSettings
+from common.step import SamplingSettings
 
 # Room for this many distinct tokens at least when a request's counts grow (they double), so a decode rarely
 # reallocates.

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.step import PromptLogprobs, TokenLogprobs
 from executor_svc.core.request_table import ScheduledChunk
-from executor_svc.core.types import PromptLogprobs, TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from executor_svc.core.types import SamplingSettings, TokenLogprobs
+from common.step import SamplingSettings, TokenLogprobs
 from executor_svc.cpu import kernels as cpu_kernels
 from executor_svc.sample.logits_processors import RequestTokens, apply_logits_processors
 

@@ -15,17 +15,11 @@ import time
 from collections.abc import AsyncIterator, Iterable
 
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.api.codec import (
-    PreparedRequest,
-    detokenize,
-    model_info,
-    prepare,
-    public_error,
-    scheduler_stats,
-    tokenize,
-)
+from scheduler_svc.api.codec import model_info, scheduler_stats
+from scheduler_svc.api.prepare import detokenize, prepare, public_error, tokenize
 from scheduler_svc.core.errors import ExecutorUnavailable, InvalidRequest, RequestFailed
 from scheduler_svc.core.outputs import RequestOutput
+from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.tokenizer import ModelTokenizer
 from scheduler_svc.core.validation import ModelLimits
 from scheduler_svc.engine.loop import EngineLoop, RequestHandle

@@ -8,21 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.step import TokenLogprobs
 from scheduler_svc.core.detokenizer import TextStream
 from scheduler_svc.core.errors import InvalidRequest, RequestFailed
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import TokenOutput
 from scheduler_svc.core.sequence import FinishReason, Sequence
 from scheduler_svc.core.tokenizer import ModelTokenizer
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """The executor's raw logprob of a sampled token and its top alternatives (best first)."""
-
-    logprob: float
-    top_token_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,4 @@
-"""Per-request sampling and stopping parameters, and the one table of their defaults.
-
-``DEFAULTS`` is what an unset field of a GenerateRequest means; the proto comments, the
-CLI help and docs/client.md are tested against it (tests/test_defaults.py).
-"""
+"""Per-request sampling and stopping parameters, with the defaults and limits of ``common.sampling``."""
 
 from __future__ import annotations
 
@@ -11,40 +7,17 @@ from dataclasses import dataclass, field, replace
 
 import xxhash
 
+from common.sampling import (
+    DEFAULTS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_PENALTY,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
+from common.step import SamplingSettings
 from scheduler_svc.core.errors import InvalidRequest
-
-MAX_LOGPROBS = 20
-# Every generated token is checked against every stop string: bound that work per request, as TGI does.
-MAX_STOP_STRINGS = 16
-# Stop token ids are a set looked up once per token; the bound keeps a request's plan-side state small.
-MAX_STOP_TOKEN_IDS = 64
-MAX_N = 16
-MAX_PENALTY = 2.0
-MAX_LOGIT_BIAS = 100.0
-
-# Field -> default. max_tokens is further capped by the room the prompt leaves in the model's length.
-DEFAULTS: dict[str, object] = {
-    "temperature": 1.0,
-    "top_k": 0,
-    "top_p": 1.0,
-    "min_p": 0.0,
-    "seed": None,
-    "logprobs": None,
-    "max_tokens": 256,
-    "ignore_eos": False,
-    "stop": (),
-    "stop_token_ids": (),
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "logit_bias": None,
-    "n": 1,
-    "min_tokens": 0,
-    "include_stop_str_in_output": False,
-    "skip_special_tokens": True,
-    "truncate_prompt_tokens": None,
-    "prompt_logprobs": None,
-}
 
 
 @dataclass
@@ -74,10 +47,22 @@ class SamplingParams:
     prompt_logprobs: int | None = DEFAULTS["prompt_logprobs"]
     # An llguidance grammar (its JSON form) the completion follows, compiled and checked by ``structured``.
     grammar: str | None = None
+    # What the executor's sampler needs of these, made once: every plan that sends the request whole carries it.
+    settings: SamplingSettings = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = frozenset(self.stop_token_ids)
         self.validate()
+        self.settings = SamplingSettings(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
+            num_logprobs=self.logprobs, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logit_bias=tuple(sorted(self.logit_bias.items())), min_tokens=self.min_tokens,
+            # The min_tokens mask is all the executor does with these.
+            stop_token_ids=tuple(sorted(self.stop_token_ids)) if self.min_tokens else (),
+            ignore_eos=self.ignore_eos if self.min_tokens else False,
+            grammar=self.grammar, num_prompt_logprobs=self.prompt_logprobs,
+        )
 
     def for_choice(self, index: int) -> SamplingParams:
         """Choice ``index`` of n: the same settings and its own seed, derived from the request's seed and

@@ -374,6 +374,10 @@ class Scheduler:
         released, self.released_seq_ids = self.released_seq_ids, []
         return released
 
+    def release_again(self, seq_ids: list[int]) -> None:
+        """A plan that told the executor to drop ``seq_ids`` was itself dropped: the next plan tells it again."""
+        self.released_seq_ids[:0] = seq_ids
+
 
 def _drop_pending(seq: Sequence) -> None:
     """Forget tokens of steps that will not be settled (the sequence ended, or the executor was lost)."""

@@ -10,7 +10,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from nanoserve.v1 import executor_pb2 as pb
+from common.step import ExecutorInfo
 from scheduler_svc.core.errors import InvalidRequest
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -42,12 +42,11 @@ class ModelTokenizer:
         self.eos_token = self._token_text(eos_token_ids[0] if eos_token_ids else None)
 
     @classmethod
-    def from_info(cls, info: pb.ExecutorInfo) -> ModelTokenizer | None:
+    def from_info(cls, info: ExecutorInfo) -> ModelTokenizer | None:
         """The handshake's tokenizer, or None when the executor has none (then only token prompts work)."""
         if not info.tokenizer_json:
             return None
-        bos = info.bos_token_id if info.HasField("bos_token_id") else None
-        return cls(info.tokenizer_json, info.chat_template, bos, tuple(info.eos_token_ids))
+        return cls(info.tokenizer_json, info.chat_template, info.bos_token_id, tuple(info.eos_token_ids))
 
     @property
     def has_chat_template(self) -> bool:

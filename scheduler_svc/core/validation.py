@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.sampling import DEFAULTS
 from scheduler_svc.core.errors import InvalidRequest
-from scheduler_svc.core.sampling import DEFAULTS, SamplingParams
+from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.sequence import max_kv_blocks
 
 

@@ -23,11 +23,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from common.executor import Executor
-from nanoserve.v1 import executor_pb2 as pb
-from scheduler_svc.api.codec import logprobs_from_result, plan_to_proto, prompt_logprobs_from_result
+from common.step import StepPlan, StepResult
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.errors import InvalidRequest
-from scheduler_svc.core.planner import Plan, Planner
+from scheduler_svc.core.planner import Planner
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig, StepRecord, TokenOutput
 from scheduler_svc.core.sequence import FinishReason, Sequence
@@ -61,10 +60,10 @@ class Launched:
     """A step sent to the executor: its booking and its result (a future while it runs)."""
 
     record: StepRecord
-    plan: Plan
+    plan: StepPlan
     # A decode of more than one step per sequence: the executor can cut it short.
     window: bool
-    result: Future[pb.StepResult] | pb.StepResult
+    result: Future[StepResult] | StepResult
     schedule_s: float
     plan_s: float
     # Time spent handing the plan over: the whole call for a synchronous executor.
@@ -73,7 +72,7 @@ class Launched:
     dropped: bool = False
 
 
-Submit = Callable[[pb.StepPlan], Future[pb.StepResult]]
+Submit = Callable[[StepPlan], Future[StepResult]]
 # Told each collected step's computed tokens and the executor's forward seconds (the engine loop's metrics).
 OnStep = Callable[[int, float], None]
 
@@ -185,9 +184,8 @@ class Engine:
         self._cut_window()
 
     def _cut_window(self) -> None:
-        step_id, cut = self._window_step_id, getattr(self.executor, "cut", None)
-        if step_id is not None and cut is not None:
-            cut(step_id)
+        if self._window_step_id is not None:
+            self.executor.cut(self._window_step_id)
 
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or not self.scheduler.is_finished()
@@ -232,17 +230,16 @@ class Engine:
         ``executor_svc.core.step_pipeline``) gets a second thread that prepares each plan as it comes, while the
         worker still executes the one before.
         """
-        submit = getattr(self.executor, "submit", None)
-        if submit is not None:
-            return submit
+        if self.executor.streams:
+            return self.executor.submit
         self._worker = worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor")
-        if not getattr(self.executor, "prepares_ahead", False):
+        if not self.executor.prepares_ahead:
             return lambda plan: worker.submit(self.executor.step, plan)
         prepare, execute = self.executor.prepare, self.executor.execute
         packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-prepare")
         return lambda plan: worker.submit(lambda prepared: execute(prepared.result()), packer.submit(prepare, plan))
 
-    def _launch(self, run: Callable[[pb.StepPlan], Future[pb.StepResult] | pb.StepResult],
+    def _launch(self, run: Callable[[StepPlan], Future[StepResult] | StepResult],
                 after_whole: int | None = None) -> Launched | None:
         """Schedule, plan and book a step, and hand its plan to ``run``; None when nothing can run. ``after_whole``:
         the window in flight it is booked on, every step of it counted."""
@@ -260,18 +257,17 @@ class Engine:
         t1 = time.perf_counter()
         plan, ordered = self.planner.build(seqs, is_prefill, self.scheduler.drain_released())
         plan.after_whole_step_id = after_whole
-        message = plan_to_proto(plan)
         record = self.scheduler.advance(ordered, is_prefill)
         t2 = time.perf_counter()
         window = not is_prefill and self.config.num_scheduler_steps > 1 and any(count > 1 for count in record.counts)
         if window:
             self._window_step_id = plan.step_id
-        result = run(message)
+        result = run(plan)
         if window and self.loop_work_pending:  # it came while this was planned: cut_for_loop saw no window
             self._cut_window()
         return Launched(record, plan, window, result, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
-    def _result(self, launched: Launched) -> pb.StepResult:
+    def _result(self, launched: Launched) -> StepResult:
         """Wait for a launched step's result: from the executor instance and for the plan expected."""
         result = launched.result
         if isinstance(result, Future):
@@ -294,7 +290,7 @@ class Engine:
     def _collect_dropped(self, launched: Launched) -> None:
         """Take the answer to a plan the executor was to drop (its window was cut); its booking is given back."""
         result = self._result(launched)
-        if not result.HasField("num_passes") or result.num_passes != 0:
+        if result.num_passes != 0:
             raise StepMismatch(f"the executor ran step {result.step_id}, booked on the whole of step "
                                f"{launched.plan.after_whole_step_id}, which it cut")
 
@@ -304,14 +300,13 @@ class Engine:
         result = self._result(launched)
         t1 = time.perf_counter()
         self.num_steps += 1
-        logprobs = logprobs_from_result(result) if result.logprobs else ()
         if result.prompt_logprobs:
             self._keep_prompt_logprobs(launched.record.seqs, result)
-        num_passes = result.num_passes if result.HasField("num_passes") else None
+        num_passes = result.num_passes
         ahead = self._in_flight
         if num_passes is not None and ahead is not None and ahead.plan.after_whole_step_id == launched.plan.step_id:
             self._unbook(ahead)
-        outputs = self.scheduler.settle(launched.record, list(result.token_ids), logprobs, num_passes)
+        outputs = self.scheduler.settle(launched.record, result.token_ids, result.logprobs, num_passes)
         counts = launched.record.counts  # a cut window computed at most num_passes tokens of each sequence
         self.on_step(sum(counts) if num_passes is None else sum(min(c, num_passes) for c in counts),
                      result.forward_ms / 1e3)
@@ -324,19 +319,18 @@ class Engine:
         """The window ``ahead`` was booked on was cut: the executor drops it, so its booking is given back."""
         ahead.dropped = True
         self.scheduler.unbook(ahead.record)
-        self.scheduler.released_seq_ids[:0] = self.planner.unbook(ahead.plan)
+        self.scheduler.release_again(self.planner.unbook(ahead.plan))
 
     @staticmethod
-    def _keep_prompt_logprobs(seqs: list[Sequence], result: pb.StepResult) -> None:
+    def _keep_prompt_logprobs(seqs: list[Sequence], result: StepResult) -> None:
         """Append each run of prompt logprobs where the sequence's own end; a recomputed prompt (after a preemption or
         a restart) sends runs it already has, which are dropped."""
-        runs = prompt_logprobs_from_result(result)
+        runs = {run.request_id: run for run in result.prompt_logprobs}
         for seq in seqs:
             run = runs.get(seq.seq_id)
             if run is not None:
-                first, logprobs = run
                 have = len(seq.prompt_logprobs) + 1
-                seq.prompt_logprobs += logprobs[max(0, have - first):]
+                seq.prompt_logprobs += run.logprobs[max(0, have - run.first_position):]
 
     def probe(self) -> bool:
         """Whether the executor still answers as the same instance (it raises when it does not answer)."""
@@ -350,9 +344,7 @@ class Engine:
         """
         info = self.executor.get_info()
         old = self.info
-        if (info.model_id, info.vocab_size, list(info.eos_token_ids)) != (
-            old.model_id, old.vocab_size, list(old.eos_token_ids)
-        ):
+        if (info.model_id, info.vocab_size, info.eos_token_ids) != (old.model_id, old.vocab_size, old.eos_token_ids):
             raise IncompatibleExecutor(
                 f"the executor now serves {info.model_id!r} (vocab {info.vocab_size}), "
                 f"not {old.model_id!r} (vocab {old.vocab_size}); restart the scheduler to switch models"
@@ -382,7 +374,7 @@ class Engine:
         released = self.scheduler.drain_released()
         plan, _ = self.planner.build([], False, released)
         if plan.finished_request_ids:
-            self.executor.step(plan_to_proto(plan))
+            self.executor.step(plan)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         """Run requests to completion; outputs in prompt order."""

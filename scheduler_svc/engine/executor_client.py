@@ -1,4 +1,5 @@
-"""The executor contract over gRPC: what the scheduler service talks to."""
+"""The executor contract over gRPC: what the scheduler service talks to; plans and results cross
+``common.step_codec`` here, so the engine sees only plain types."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from concurrent.futures import Future
 import grpc
 
 from common.channels import EXECUTOR_CHANNEL_OPTIONS
+from common.executor import Executor
 from common.security import secure_or_insecure_channel
+from common.step import ExecutorInfo, StepPlan, StepResult
+from common.step_codec import info_from_proto, plan_to_proto, result_from_proto
 from nanoserve.v1 import executor_pb2 as pb
 from nanoserve.v1 import executor_pb2_grpc as pb_grpc
 
@@ -28,7 +32,7 @@ def describe_failure(error: Exception) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-class RemoteExecutor:
+class RemoteExecutor(Executor):
     """An ``Executor`` whose calls go over one reused channel to an executor service.
 
     ``credentials`` (``security.channel_credentials``) make the channel TLS, with a
@@ -36,6 +40,8 @@ class RemoteExecutor:
     ``step_timeout_s`` bounds every step and reset, ``info_timeout_s`` every GetInfo (the handshake and the
     idle probe), so a hung executor fails like a dead one.
     """
+
+    streams = True
 
     def __init__(self, target: str, step_timeout_s: float | None = None,
                  credentials: grpc.ChannelCredentials | None = None, info_timeout_s: float = INFO_TIMEOUT_S) -> None:
@@ -47,19 +53,19 @@ class RemoteExecutor:
         self._stream: StepStream | None = None
         self._cuts: set[grpc.Future] = set()
 
-    def get_info(self, timeout_s: float | None = None, wait_for_ready: bool = False) -> pb.ExecutorInfo:
+    def get_info(self, timeout_s: float | None = None, wait_for_ready: bool = False) -> ExecutorInfo:
         timeout = self.info_timeout_s if timeout_s is None else timeout_s
-        return self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout, wait_for_ready=wait_for_ready)
+        return info_from_proto(self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout, wait_for_ready=wait_for_ready))
 
-    def step(self, plan: pb.StepPlan) -> pb.StepResult:
-        return self.stub.Step(plan, timeout=self.step_timeout_s)
+    def step(self, plan: StepPlan) -> StepResult:
+        return result_from_proto(self.stub.Step(plan_to_proto(plan), timeout=self.step_timeout_s))
 
-    def submit(self, plan: pb.StepPlan) -> Future[pb.StepResult]:
+    def submit(self, plan: StepPlan) -> Future[StepResult]:
         """Send ``plan`` down the step stream without waiting; results resolve in the order sent."""
         stream = self._stream
         if stream is None or stream.closed:
             stream = self._stream = StepStream(self.stub)
-        return stream.submit(plan)
+        return stream.submit(plan_to_proto(plan))
 
     def cut(self, step_id: int) -> None:
         """Ask the executor to stop multi-step plan ``step_id`` early, without waiting: the call is advisory, and a
@@ -88,14 +94,14 @@ class StepStream:
 
     def __init__(self, stub: pb_grpc.ExecutorStub) -> None:
         self._plans: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
-        self._waiting: deque[Future[pb.StepResult]] = deque()
+        self._waiting: deque[Future[StepResult]] = deque()
         self._lock = threading.Lock()
         self.closed = False
         self._call = stub.StepStream(iter(self._plans.get, None))
         threading.Thread(target=self._read, name="step-stream", daemon=True).start()
 
-    def submit(self, plan: pb.StepPlan) -> Future[pb.StepResult]:
-        future: Future[pb.StepResult] = Future()
+    def submit(self, plan: pb.StepPlan) -> Future[StepResult]:
+        future: Future[StepResult] = Future()
         with self._lock:
             if self.closed:
                 future.set_exception(ConnectionError("the step stream is closed"))
@@ -114,7 +120,7 @@ class StepStream:
             for result in self._call:
                 with self._lock:
                     future = self._waiting.popleft()
-                future.set_result(result)
+                future.set_result(result_from_proto(result))
         except grpc.RpcError as e:
             error = e
         with self._lock:

@@ -7,9 +7,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from scheduler_svc.api.codec import PreparedRequest
 from scheduler_svc.core.errors import RequestFailed
 from scheduler_svc.core.outputs import OutputProcessor, RequestOutput, Usage
+from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.scheduler import TokenOutput
 from scheduler_svc.core.sequence import FinishReason, Sequence
 from scheduler_svc.core.tokenizer import ModelTokenizer

@@ -14,9 +14,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from scheduler_svc.api.codec import PreparedRequest
 from scheduler_svc.core.errors import CacheTooSmall, EngineFailure, ExecutorUnavailable, InvalidRequest
 from scheduler_svc.core.outputs import RequestOutput
+from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.tokenizer import ModelTokenizer
 from scheduler_svc.engine.admission import Admission, QueueLimits
 from scheduler_svc.engine.engine import Engine, IncompatibleExecutor, TokenOutput

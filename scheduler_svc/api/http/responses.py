@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from common.step import TokenLogprobs
 from scheduler_svc.api.frontend import Generation
 from scheduler_svc.api.http import schemas
 from scheduler_svc.api.http.translate import Translated, api_error
 from scheduler_svc.core.errors import RequestFailed
-from scheduler_svc.core.outputs import RequestOutput, TokenLogprobs, Usage
+from scheduler_svc.core.outputs import RequestOutput, Usage
 from scheduler_svc.core.tokenizer import ModelTokenizer
 
 DONE = "data: [DONE]\n\n"

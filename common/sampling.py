@@ -1,0 +1,44 @@
+"""The one table of sampling defaults and limits: what an unset field means and what range a set one may take.
+
+Both services read it: the scheduler to fill and check a request's parameters as they enter, the executor for the
+defaults of a plan's absent fields and the ranges its logits processors rely on. The proto comments, the CLI help
+and docs/client.md are tested against it (tests/test_defaults.py).
+"""
+
+from __future__ import annotations
+
+MAX_LOGPROBS = 20
+# Every generated token is checked against every stop string: bound that work per request, as TGI does.
+MAX_STOP_STRINGS = 16
+# Stop token ids are a set looked up once per token; the bound keeps a request's plan-side state small.
+MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16
+# Presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY]; a logit bias in [-MAX_LOGIT_BIAS, ...].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+# Temperatures below this are greedy: dividing by them would overflow the logits.
+GREEDY_BELOW = 1e-5
+
+# Field -> default. max_tokens is further capped by the room the prompt leaves in the model's length.
+DEFAULTS: dict[str, object] = {
+    "temperature": 1.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "seed": None,
+    "logprobs": None,
+    "max_tokens": 256,
+    "ignore_eos": False,
+    "stop": (),
+    "stop_token_ids": (),
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": None,
+    "n": 1,
+    "min_tokens": 0,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
+}

@@ -1,0 +1,150 @@
+"""The step-plan contract as plain dataclasses: what the scheduler's engine and the executor's core exchange.
+
+They mirror ``protos/nanoserve/v1/executor.proto`` field for field, with ``None`` where the proto's field is
+``optional`` and unset. ``common.step_codec`` is the one translation to and from the messages, used at the gRPC
+edge of each service; an executor in the scheduler's process gets these objects with no protobuf in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.sampling import DEFAULTS, GREEDY_BELOW
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSettings:
+    """What the executor's sampler needs of one request; the defaults are ``common.sampling.DEFAULTS``.
+
+    ``greedy``, ``plain_greedy`` (greedy without logprobs or logits processors, the sampler's fast path),
+    ``has_logits_processors`` and ``penalized`` are checked for every row every step, so they are worked out
+    once, when the request arrives.
+    """
+
+    temperature: float = DEFAULTS["temperature"]
+    top_k: int = DEFAULTS["top_k"]
+    top_p: float = DEFAULTS["top_p"]
+    min_p: float = DEFAULTS["min_p"]
+    seed: int | None = DEFAULTS["seed"]
+    num_logprobs: int | None = DEFAULTS["logprobs"]
+    repetition_penalty: float = DEFAULTS["repetition_penalty"]
+    presence_penalty: float = DEFAULTS["presence_penalty"]
+    frequency_penalty: float = DEFAULTS["frequency_penalty"]
+    # (token id, bias) pairs, ids ascending: a tuple keeps the settings immutable and hashable.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = DEFAULTS["min_tokens"]
+    # Only with min_tokens: the tokens masked until it is reached.
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = DEFAULTS["ignore_eos"]
+    # An llguidance grammar (JSON form) the sampled tokens follow; the model runner masks the logits with it.
+    grammar: str | None = None
+    # Score the prompt's tokens with this many alternatives each (``prompt_logprobs``).
+    num_prompt_logprobs: int | None = DEFAULTS["prompt_logprobs"]
+    greedy: bool = field(init=False, repr=False, compare=False)
+    plain_greedy: bool = field(init=False, repr=False, compare=False)
+    penalized: bool = field(init=False, repr=False, compare=False)
+    has_logits_processors: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        penalized = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        processors = penalized or bool(self.logit_bias) or self.min_tokens > 0
+        object.__setattr__(self, "greedy", self.temperature < GREEDY_BELOW)
+        object.__setattr__(self, "plain_greedy", self.greedy and self.num_logprobs is None and not processors)
+        object.__setattr__(self, "penalized", penalized)
+        object.__setattr__(self, "has_logits_processors", processors)
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request the executor does not hold: sent whole."""
+
+    request_id: int
+    token_ids: list[int]
+    sampling: SamplingSettings = SamplingSettings()
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_scheduled_tokens: int = 0
+    # token_ids[num_prompt_tokens:] is completion (a preempted or recovered request); None: all prompt.
+    num_prompt_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class CachedRequests:
+    """Requests the executor holds, as columns: only what changed."""
+
+    request_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_new_blocks: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+    # Multi-step decode: tokens to decode per request; empty for one step each.
+    num_decode_steps: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Defaults as the proto's: a plan that names nothing."""
+
+    step_id: int = 0
+    is_prefill: bool = False
+    finished_request_ids: list[int] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)
+    cached_requests: CachedRequests = field(default_factory=CachedRequests)
+    # The multi-step plan this one counts on running whole (booked before its result came).
+    after_whole_step_id: int | None = None
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """A token's log-probability and the most likely tokens' at its position, most likely first."""
+
+    logprob: float
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """A run of one request's prompt tokens scored: the first at ``first_position``, one entry per token."""
+
+    request_id: int
+    first_position: int
+    logprobs: list[TokenLogprobs]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One plan's tokens in result order (new requests first, then cached), and what computing them cost."""
+
+    instance_id: str
+    step_id: int
+    token_ids: list[int] = field(default_factory=list)
+    # Parallel to token_ids when any request asked (None, or an empty entry, for those that did not); else empty.
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # The decode passes a multi-step plan ran when it was cut short (0: a plan dropped unrun); None: all of them.
+    num_passes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorInfo:
+    """The handshake: what the scheduler must know of the executor before its first plan."""
+
+    instance_id: str
+    model_id: str
+    architecture: str
+    dtype: str
+    device: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    bos_token_id: int | None = None
+    tensor_parallel_size: int = 1
+    # The tokenizer (tokenizer.json) and chat template, so the scheduler needs no model files; "" when absent.
+    tokenizer_json: str = ""
+    chat_template: str = ""
+    attention_backend: str = ""

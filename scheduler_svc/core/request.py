@@ -1,0 +1,19 @@
+"""A request as it enters the engine: its prompt as token ids, its parameters filled and checked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.core.sampling import SamplingParams
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # Completion tokens a client resumes with (GenerateRequest.resume); they follow the prompt.
+    resumed_token_ids: list[int] = field(default_factory=list)
+    # Tokens each choice gathers before its stream carries them (GenerateRequest.stream_interval); None: the
+    # server's --stream-interval.
+    stream_interval: int | None = None
