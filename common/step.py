@@ -130,18 +130,18 @@ class StepResult:
 
 @dataclass(frozen=True, slots=True)
 class ExecutorInfo:
-    """The handshake: what the scheduler must know of the executor before its first plan."""
+    """The handshake: what the scheduler must know of the executor before its first plan (defaults: the proto's)."""
 
-    instance_id: str
-    model_id: str
-    architecture: str
-    dtype: str
-    device: str
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    max_model_len: int
-    block_size: int
-    num_blocks: int
+    instance_id: str = ""
+    model_id: str = ""
+    architecture: str = ""
+    dtype: str = ""
+    device: str = ""
+    vocab_size: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 0
+    block_size: int = 0
+    num_blocks: int = 0
     bos_token_id: int | None = None
     tensor_parallel_size: int = 1
     # The tokenizer (tokenizer.json) and chat template, so the scheduler needs no model files; "" when absent.

@@ -8,7 +8,7 @@ from common.executor import Executor
 from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from scheduler_svc.core.sampling import SamplingParams
-from scheduler_svc.engine.engine import Completion, Engine
+from scheduler_svc.engine.engine import Engine, FinishedRequest
 from tests.conftest import EOS
 
 
@@ -42,6 +42,6 @@ def expected(engine: Engine, prompt: list[int], params: SamplingParams) -> list[
 
 
 def assert_matches_reference(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
-                             outputs: list[Completion]) -> None:
+                             outputs: list[FinishedRequest]) -> None:
     for i, (prompt, p, out) in enumerate(zip(prompts, params, outputs, strict=True)):
         assert out.token_ids == expected(engine, prompt, p), f"request {i} diverged from the sequential reference"

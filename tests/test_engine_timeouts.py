@@ -9,6 +9,7 @@ from concurrent.futures import Future
 import grpc
 import pytest
 
+from common.executor import Executor
 from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.fakes.shadow import ShadowExecutor
 from executor_svc.service import build_server
@@ -22,7 +23,7 @@ from tests.shadow_helpers import expected
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-class Wrapped:
+class Wrapped(Executor):
     """A shadow executor, to override one call of."""
 
     def __init__(self) -> None:
@@ -77,6 +78,8 @@ class HangingStream(Wrapped):
     def __init__(self, hang_at: int) -> None:
         super().__init__()
         self.hang_at, self.steps = hang_at, 0
+
+    streams = True
 
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         self.steps += 1

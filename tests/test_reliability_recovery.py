@@ -139,7 +139,7 @@ def test_streams_pause_through_an_outage_and_finish_with_the_undisturbed_tokens(
     assert late.token_ids == expected_tokens([7, 7, 7], 10)
 
 
-def test_requests_too_large_for_the_restarted_executor_fail_with_resource_exhausted():
+def test_requests_too_large_for_the_restarted_executor_fail_with_failed_precondition():
     executor = FlakyExecutor(num_blocks=64)
     executor.step_delay_s = 0.05
 
@@ -155,7 +155,7 @@ def test_requests_too_large_for_the_restarted_executor_fail_with_resource_exhaus
 
     small_rest, refused = asyncio.run(run())
     assert len(small_rest) == 7
-    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "too small for this request" in refused.details()
+    assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and "too small for this request" in refused.details()
 
 
 def test_an_executor_with_another_vocabulary_fails_requests_until_the_right_one_is_back():

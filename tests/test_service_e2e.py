@@ -28,7 +28,7 @@ from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.core.sequence import FinishReason
-from scheduler_svc.engine.engine import Completion, Engine
+from scheduler_svc.engine.engine import Engine, FinishedRequest
 from tests.service_fixtures import (
     HOST,
     Stack,
@@ -60,7 +60,7 @@ class Backend:
 
     name: str
     argv: Callable[[int], list[str]]
-    reference: Callable[[list[list[int]], list[SamplingParams]], list[Completion]]
+    reference: Callable[[list[list[int]], list[SamplingParams]], list[FinishedRequest]]
     num_blocks: int
     block_size: int
     vocab_size: int
@@ -68,7 +68,7 @@ class Backend:
     eos_token_id: int
 
 
-def shadow_reference(prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+def shadow_reference(prompts: list[list[int]], params: list[SamplingParams]) -> list[FinishedRequest]:
     executor = ShadowExecutor(
         SHADOW["num_blocks"], SHADOW["block_size"], SHADOW["vocab_size"], (SHADOW["eos_token_ids"],),
         SHADOW["max_model_len"],
@@ -97,7 +97,7 @@ def real_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
         command = [sys.executable, "-m", "executor_svc", "--host", HOST, "--port", str(port), "--device", "cpu"]
         return command + [arg for key, value in flags.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
 
-    def reference(prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+    def reference(prompts: list[list[int]], params: list[SamplingParams]) -> list[FinishedRequest]:
         return Engine(executor, SchedulerConfig(**SCHEDULER)).generate(prompts, params)
 
     info = executor.get_info()

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from common.executor import Executor
-from common.step import ExecutorInfo, StepPlan, StepResult
+from common.step import ExecutorInfo, StepPlan, StepResult, TokenLogprobs
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
@@ -59,7 +59,7 @@ class LogprobExecutor(RecordingExecutor):
     def step(self, plan: StepPlan) -> StepResult:
         result = super().step(plan)
         for token_id in result.token_ids:
-            result.logprobs.add(logprob=-0.25, top_token_ids=[token_id, 1], top_logprobs=[-0.25, -2.0])
+            result.logprobs.append(TokenLogprobs(-0.25, [token_id, 1], [-0.25, -2.0]))
         return result
 
 

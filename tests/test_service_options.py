@@ -41,7 +41,7 @@ def shadow(**kwargs) -> ShadowExecutor:
 def echo() -> EchoExecutor:
     """Each completion repeats its prompt, so a test can place stop strings, EOS and special tokens exactly."""
     return EchoExecutor(ExecutorInfo(
-        instance_id="echo", model_id="echo", vocab_size=TOKENIZER_VOCAB_SIZE, eos_token_ids=[EOS_ID],
+        instance_id="echo", model_id="echo", vocab_size=TOKENIZER_VOCAB_SIZE, eos_token_ids=(EOS_ID,),
         max_model_len=256, block_size=4, num_blocks=256, tokenizer_json=TOKENIZER_JSON, chat_template=CHATML_TEMPLATE,
     ))
 

@@ -15,8 +15,8 @@ from scheduler_svc.core.tokenizer import ModelTokenizer
 from scheduler_svc.core.validation import ModelLimits
 from tests.service_fixtures import CHATML_TEMPLATE, EOS_ID, byte_level_tokenizer
 
-INFO = ModelLimits.of(ExecutorInfo(vocab_size=300, max_model_len=64, eos_token_ids=[EOS_ID],
-                                                num_blocks=64, block_size=16))
+INFO = ModelLimits.of(ExecutorInfo(vocab_size=300, max_model_len=64, eos_token_ids=(EOS_ID,),
+                                   num_blocks=64, block_size=16))
 
 
 @pytest.fixture(scope="module")

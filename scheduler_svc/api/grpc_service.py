@@ -55,7 +55,8 @@ DRAINED_METADATA = ((DRAINED_KEY, "true"),)
 STATUS_OF: dict[type[RequestFailed], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    CacheTooSmall: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    # A restarted executor's cache cannot hold the request: not busy, so retrying here as it is will not help.
+    CacheTooSmall: grpc.StatusCode.FAILED_PRECONDITION,
     ServerStopping: grpc.StatusCode.UNAVAILABLE,
     ExecutorUnavailable: grpc.StatusCode.UNAVAILABLE,
     EngineFailure: grpc.StatusCode.INTERNAL,

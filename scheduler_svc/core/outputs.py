@@ -18,13 +18,13 @@ from scheduler_svc.core.tokenizer import ModelTokenizer
 
 
 @dataclass(frozen=True)
-class Usage:
+class RequestUsage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
 
     @classmethod
-    def of(cls, seq: Sequence) -> Usage:
+    def of(cls, seq: Sequence) -> RequestUsage:
         return cls(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_prefix_hit_tokens or 0)
 
 
@@ -36,7 +36,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    usage: Usage | None = None
+    usage: RequestUsage | None = None
     error: RequestFailed | None = None
     # Which of the request's n choices this continues.
     index: int = 0
@@ -104,7 +104,7 @@ class OutputProcessor:
             # Counted up to the last token kept, which is also where a stop string ends the sequence.
             num_completion = out.position + len(token_ids) - seq.num_prompt_tokens
             prompt = (seq.num_prompt_tokens, seq.num_prefix_hit_tokens or 0) if self.index == 0 else (0, 0)
-            usage = Usage(prompt[0], num_completion, prompt[1])
+            usage = RequestUsage(prompt[0], num_completion, prompt[1])
         prompt_logprobs = None
         if self.prompt_logprobs_due:
             self.prompt_logprobs_due = False

@@ -82,7 +82,7 @@ def _unobserved(num_tokens: int, forward_s: float) -> None:
 
 
 @dataclass
-class Completion:
+class FinishedRequest:
     """A finished request, as ``generate`` returns it."""
 
     prompt_token_ids: list[int]
@@ -376,7 +376,9 @@ class Engine:
         if plan.finished_request_ids:
             self.executor.step(plan)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[FinishedRequest]:
         """Run requests to completion; outputs in prompt order."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -384,5 +386,5 @@ class Engine:
         while self.has_unfinished():
             self.step()
         self._flush_released()
-        return [Completion(s.token_ids[: s.num_prompt_tokens], s.completion_token_ids, s.finish_reason,
+        return [FinishedRequest(s.token_ids[: s.num_prompt_tokens], s.completion_token_ids, s.finish_reason,
                            s.num_prefix_hit_tokens or 0) for s in seqs]

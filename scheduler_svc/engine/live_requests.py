@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from scheduler_svc.core.errors import RequestFailed
-from scheduler_svc.core.outputs import OutputProcessor, RequestOutput, Usage
+from scheduler_svc.core.outputs import OutputProcessor, RequestOutput, RequestUsage
 from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.scheduler import TokenOutput
 from scheduler_svc.core.sequence import FinishReason, Sequence
@@ -148,7 +148,7 @@ class InFlight:
         for active in list(self.by_handle.get(handle, ())):
             engine.abort(active.seq)
             if answer:
-                usage = Usage.of(active.seq) if active.processor.index == 0 else Usage(0, 0, 0)
+                usage = RequestUsage.of(active.seq) if active.processor.index == 0 else RequestUsage(0, 0, 0)
                 self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage,
                                                 index=active.processor.index, drained=drained))
             self.forget(active, FinishReason.ABORT)
@@ -156,7 +156,7 @@ class InFlight:
             ended_s = time.monotonic() - handle.arrived_at
             for index in handle.pending_choices:
                 if answer:
-                    self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=Usage(0, 0, 0),
+                    self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=RequestUsage(0, 0, 0),
                                                     index=index, drained=drained))
                 self.finished[FinishReason.ABORT] += 1
                 self.observer.finished(ended_s, None, len(handle.prepared.prompt_token_ids), 0)
@@ -167,7 +167,7 @@ class InFlight:
         """A request never admitted (the server drains): each of its choices ends with ABORT, the prompt once."""
         num_prompt_tokens = len(handle.prepared.prompt_token_ids)
         for index in range(handle.prepared.params.n):
-            usage = Usage(num_prompt_tokens if index == 0 else 0, 0, 0)
+            usage = RequestUsage(num_prompt_tokens if index == 0 else 0, 0, 0)
             self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage, index=index, drained=True))
 
     def fail(self, engine: Engine, handle: RequestHandle, error: RequestFailed) -> None:

@@ -19,7 +19,7 @@ from scheduler_svc.api.frontend import Generation
 from scheduler_svc.api.http import schemas
 from scheduler_svc.api.http.translate import Translated, api_error
 from scheduler_svc.core.errors import RequestFailed
-from scheduler_svc.core.outputs import RequestOutput, Usage
+from scheduler_svc.core.outputs import RequestOutput, RequestUsage
 from scheduler_svc.core.tokenizer import ModelTokenizer
 
 DONE = "data: [DONE]\n\n"
@@ -38,7 +38,7 @@ class Piece:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
-    usage: Usage | None = None
+    usage: RequestUsage | None = None
 
     def add(self, output: RequestOutput) -> None:
         self.text += output.text
@@ -52,14 +52,14 @@ class UsageTotal:
     def __init__(self) -> None:
         self.prompt = self.completion = self.cached = 0
 
-    def add(self, usage: Usage | None) -> None:
+    def add(self, usage: RequestUsage | None) -> None:
         if usage is not None:
             self.prompt += usage.prompt_tokens
             self.completion += usage.completion_tokens
             self.cached += usage.cached_prompt_tokens
 
-    def usage(self) -> schemas.Usage:
-        return schemas.Usage(prompt_tokens=self.prompt, completion_tokens=self.completion,
+    def usage(self) -> schemas.CompletionUsage:
+        return schemas.CompletionUsage(prompt_tokens=self.prompt, completion_tokens=self.completion,
                              total_tokens=self.prompt + self.completion,
                              prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=self.cached))
 
@@ -141,7 +141,7 @@ def completion_logprobs(piece: Piece, t: Translated, tokenizer: ModelTokenizer |
     return out
 
 
-async def whole(t: Translated, generations: list[Generation]) -> tuple[list[Piece], schemas.Usage]:
+async def whole(t: Translated, generations: list[Generation]) -> tuple[list[Piece], schemas.CompletionUsage]:
     """Every choice joined, in order, and the usage; raises the request's failure as an answer."""
     choices = [Piece(i) for i in range(len(generations) * t.n)]
     usage = UsageTotal()
@@ -173,7 +173,7 @@ async def chat_completion(t: Translated, generations: list[Generation],
 
 
 async def completion(t: Translated, generations: list[Generation],
-                     tokenizer: ModelTokenizer | None) -> schemas.Completion:
+                     tokenizer: ModelTokenizer | None) -> schemas.TextCompletion:
     choices, usage = await whole(t, generations)
     out = []
     for c in choices:
@@ -181,12 +181,12 @@ async def completion(t: Translated, generations: list[Generation],
         out.append(schemas.CompletionChoice(index=c.index, text=echo + c.text, finish_reason=c.finish_reason,
                                             logprobs=completion_logprobs(c, t, tokenizer, len(echo)),
                                             token_ids=token_ids(c, t)))
-    return schemas.Completion(id=t.id, created=t.created, model=t.model, choices=out, usage=usage)
+    return schemas.TextCompletion(id=t.id, created=t.created, model=t.model, choices=out, usage=usage)
 
 
 async def streamed(t: Translated, generations: list[Generation], first: Iterable[BaseModel],
                    chunk_of: Callable[[Piece], BaseModel],
-                   last: Callable[[schemas.Usage], BaseModel]) -> AsyncIterator[str]:
+                   last: Callable[[schemas.CompletionUsage], BaseModel]) -> AsyncIterator[str]:
     """The SSE framing both endpoints share: ``first`` chunks, one chunk per piece, the usage, ``[DONE]``."""
     for message in first:
         yield sse(message)
@@ -205,7 +205,7 @@ async def streamed(t: Translated, generations: list[Generation], first: Iterable
 def chat_chunks(t: Translated, generations: list[Generation], tokenizer: ModelTokenizer | None) -> AsyncIterator[str]:
     """Each choice's role first, then its content as it is decoded."""
 
-    def chunk(choices: list[schemas.ChatChunkChoice], usage: schemas.Usage | None = None) -> BaseModel:
+    def chunk(choices: list[schemas.ChatChunkChoice], usage: schemas.CompletionUsage | None = None) -> BaseModel:
         return schemas.ChatCompletionChunk(id=t.id, created=t.created, model=t.model, choices=choices, usage=usage)
 
     def chunk_of(piece: Piece) -> BaseModel:
@@ -224,8 +224,8 @@ def completion_chunks(t: Translated, generations: list[Generation],
     """``text_completion`` chunks; with ``echo`` each choice's prompt comes first."""
     offsets = [len(t.echo[i // t.n]) if t.echo else 0 for i in range(len(generations) * t.n)]
 
-    def chunk(choices: list[schemas.CompletionChoice], usage: schemas.Usage | None = None) -> BaseModel:
-        return schemas.Completion(id=t.id, created=t.created, model=t.model, choices=choices, usage=usage)
+    def chunk(choices: list[schemas.CompletionChoice], usage: schemas.CompletionUsage | None = None) -> BaseModel:
+        return schemas.TextCompletion(id=t.id, created=t.created, model=t.model, choices=choices, usage=usage)
 
     def chunk_of(piece: Piece) -> BaseModel:
         logprobs = completion_logprobs(piece, t, tokenizer, offsets[piece.index])

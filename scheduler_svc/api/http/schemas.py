@@ -129,7 +129,7 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
-class Usage(BaseModel):
+class CompletionUsage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
@@ -170,7 +170,7 @@ class ChatCompletion(BaseModel):
     created: int
     model: str
     choices: list[ChatChoice]
-    usage: Usage
+    usage: CompletionUsage
 
 
 class Delta(BaseModel):
@@ -192,7 +192,7 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = Omitted
+    usage: CompletionUsage | None = Omitted
 
 
 class CompletionLogprobs(BaseModel):
@@ -210,7 +210,7 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] | None = Omitted
 
 
-class Completion(BaseModel):
+class TextCompletion(BaseModel):
     """A whole completion, or (``usage`` left out) one streamed chunk of it: both are ``text_completion``."""
 
     id: str
@@ -218,7 +218,7 @@ class Completion(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = Omitted
+    usage: CompletionUsage | None = Omitted
 
 
 class ModelCard(BaseModel):
