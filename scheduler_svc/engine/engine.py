@@ -190,6 +190,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or not self.scheduler.is_finished()
 
+    def nothing_to_schedule(self) -> bool:
+        """No request waits or runs (a step may still be in flight, or drops wait to be sent)."""
+        return self.scheduler.is_finished()
+
+    def has_drops_to_send(self) -> bool:
+        """Requests ended since the last plan, which the executor still holds: the next plan drops them."""
+        return bool(self.scheduler.released_seq_ids)
+
     def step(self) -> list[TokenOutput]:
         """Run one step; return the tokens it produced (finished sequences included).
 

@@ -46,7 +46,7 @@ class Active:
     last_token_at: float | None = None
 
 
-class InFlight:
+class LiveRequests:
     """Loop-thread only: admitted choices by request and by sequence id, the outbox, finish and token counts."""
 
     def __init__(self, admission: Admission, observer: LoopObserver) -> None:
@@ -59,6 +59,10 @@ class InFlight:
         # Prompts of the requests whose first token is out (once per request, as usage counts them), tokens sent.
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+
+    def handle_of(self, seq: Sequence) -> RequestHandle:
+        """The request an admitted choice belongs to."""
+        return self.by_seq_id[seq.seq_id].handle
 
     def __len__(self) -> int:
         return len(self.by_handle)

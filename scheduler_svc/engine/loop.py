@@ -21,7 +21,7 @@ from scheduler_svc.core.tokenizer import ModelTokenizer
 from scheduler_svc.engine.admission import Admission, QueueLimits
 from scheduler_svc.engine.engine import Engine, IncompatibleExecutor, TokenOutput
 from scheduler_svc.engine.executor_client import describe_failure
-from scheduler_svc.engine.live_requests import InFlight, RequestHandle
+from scheduler_svc.engine.live_requests import LiveRequests, RequestHandle
 from scheduler_svc.engine.stats import LoopObserver, LoopStats
 from scheduler_svc.engine.supervision import Supervisor
 
@@ -48,7 +48,7 @@ class EngineLoop:
         self._inbox: list[RequestHandle] = []
         self._cancelled: list[tuple[RequestHandle, bool]] = []
         self._drain_deadline: float | None = None
-        self._requests = InFlight(self.admission, observer)
+        self._requests = LiveRequests(self.admission, observer)
         engine.on_step = observer.step
         self.stats = LoopStats.of(engine, self._requests, self.supervisor.serving)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -93,7 +93,7 @@ class EngineLoop:
     # The loop thread.
 
     def _has_work(self) -> bool:
-        return self.engine.has_unfinished() or bool(self.engine.scheduler.released_seq_ids)
+        return self.engine.has_unfinished() or self.engine.has_drops_to_send()
 
     def _run(self) -> None:
         supervisor = self.supervisor
@@ -166,7 +166,7 @@ class EngineLoop:
         booked for sequences that ended since, a drop-only plan), so that idle stats mean an empty executor too."""
         while (outputs := self._executor_step()) is not None:
             self._requests.process(self.engine, outputs, self.tokenizer)
-            if not (self._has_work() and self.engine.scheduler.is_finished()):
+            if not (self._has_work() and self.engine.nothing_to_schedule()):
                 return
             self._deliver()  # what is left changes no output: at most the step in flight, then the drops
 
@@ -215,7 +215,7 @@ class EngineLoop:
         self.info = self.engine.info
         too_small = CacheTooSmall(f"the restarted executor's KV cache ({self.info.num_blocks} blocks) is too small "
                                   "for this request; retry with a shorter prompt or max_tokens")
-        for handle in {self._requests.by_seq_id[seq.seq_id].handle: None for seq in dropped}:
+        for handle in {self._requests.handle_of(seq): None for seq in dropped}:
             self._requests.fail(self.engine, handle, too_small)
         log.info("executor instance %s is back: %d requests resume by recompute, %d too large for it",
                  self.info.instance_id, len(self._requests), len(dropped))

@@ -10,7 +10,7 @@ from scheduler_svc.core.sequence import FinishReason
 
 if TYPE_CHECKING:  # the engine imports the wire translation, which reads these stats
     from scheduler_svc.engine.engine import Engine
-    from scheduler_svc.engine.live_requests import InFlight
+    from scheduler_svc.engine.live_requests import LiveRequests
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class LoopStats:
     executor_up: bool = True
 
     @classmethod
-    def of(cls, engine: Engine, requests: InFlight, executor_up: bool) -> LoopStats:
+    def of(cls, engine: Engine, requests: LiveRequests, executor_up: bool) -> LoopStats:
         scheduler, blocks, finished = engine.scheduler, engine.block_manager, requests.finished
         return cls(
             num_waiting=len(scheduler.waiting),
