@@ -75,7 +75,7 @@ def progress(iterable: Iterable | None = None, **kwargs) -> tqdm:
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    """A Markdown table on stdout, ready to paste into docs/benchmarks.md."""
+    """A Markdown table on stdout, ready to paste into docs/benchmarks-history.md."""
     cells = [[_cell(v) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |")

@@ -10,7 +10,7 @@
 # Needs a CUDA build of torch (and flash-attn for that backend) in the Python it runs: $PYTHON or python3. The
 # random-weight model (1.2 GB) is written once to $MODEL_DIR (default /tmp/nanoserve-qwen3-0.6b-random), outside
 # OUT_DIR, so that a folder the device tool sends back holds only the figures. On the lent machine, which has no
-# network, the services' packages come as wheels: bench/gpu_wheels.sh, and docs/benchmarks.md (W2) for the call.
+# network, the services' packages come as wheels: bench/gpu_wheels.sh, and docs/benchmarks-history.md (W2) for the call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check}

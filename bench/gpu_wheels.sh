@@ -4,7 +4,7 @@
 # nor gguf (which bench.throughput's llama.cpp peer imports). Downloads them (no dependencies: the image has the
 # rest) for that machine's CPython 3.12 into DIR (default .whl, ignored by git), each at the version installed in
 # this checkout's .venv, so that the generated protos meet the protobuf runtime they were made for.
-# docs/benchmarks.md (W2) gives the device call that installs them there and runs bench/gpu_check.sh.
+# docs/benchmarks-history.md (W2) gives the device call that installs them there and runs bench/gpu_check.sh.
 # Usage: bench/gpu_wheels.sh [DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -9,7 +9,8 @@
 # (GOMP_SPINCOUNT), which the second lease there left open: that host's speed swings by 2x within minutes, so
 # only alternating rounds tell the two apart; and the linear kernels at W1's decode sizes.
 # Usage: bench/host_cpu_check.sh [OUT_DIR]  (default ./host-cpu-check; a log and seven JSON files land there).
-# Needs the services' wheels as bench/gpu_check.sh does (docs/benchmarks.md, W2) and a C compiler for the kernels.
+# Needs the services' wheels as bench/gpu_check.sh does (docs/benchmarks-history.md, W2) and a C compiler for
+# the kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-host-cpu-check}
