@@ -9,6 +9,7 @@ from typing import Any
 
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.sequence import PENDING, FinishReason, Sequence, SequenceStatus, max_kv_blocks
+from scheduler_svc.core.stop_rules import StopRule
 
 
 @dataclass
@@ -106,6 +107,7 @@ class Scheduler:
                 f"sequence needs {blocks_needed} KV blocks at its longest but the cache has "
                 f"{self.block_manager.num_blocks}; shorten the prompt or max_tokens"
             )
+        seq.stop_rule = StopRule.of(seq.params, seq.num_prompt_tokens, self.eos_token_ids, self.max_model_len)
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
@@ -199,7 +201,6 @@ class Scheduler:
         while this one runs. ``settle`` fills the slots.
         """
         starts, counts, slots = [], [], []
-        max_model_len = self.max_model_len
         for seq in seqs:
             start, count = seq.num_cached_tokens, seq.num_scheduled_tokens
             seq.num_cached_tokens = start + count
@@ -214,7 +215,7 @@ class Scheduler:
                 else:
                     tokens.extend([PENDING] * count)
                     last = slot + count
-                if last - seq.num_prompt_tokens >= seq.params.max_tokens or last >= max_model_len:
+                if seq.stop_rule.ends_by_length(last - seq.num_prompt_tokens):
                     seq.final_token_pending = True
             starts.append(start)
             counts.append(count)
@@ -236,7 +237,6 @@ class Scheduler:
             record = self._shorten(record, num_passes)
         settled = []
         block_size, hash_blocks = self.block_size, self.block_manager.hash_blocks
-        eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
         expected = len(record.seqs) if record.is_prefill else sum(record.counts)
         one_each = expected == len(record.seqs)  # a prefill, or a decode of one step per sequence
         if len(token_ids) != expected:
@@ -255,16 +255,13 @@ class Scheduler:
                 if one_each:
                     token_id = token_ids[i]
                     seq.token_ids[slot] = token_id
-                    params = seq.params
-                    stops = (not params.ignore_eos and token_id in eos_token_ids) or token_id in params.stop_token_ids
-                    if stops and slot + 1 - seq.num_prompt_tokens >= params.min_tokens:
-                        reason = FinishReason.STOP
-                    elif slot + 1 - seq.num_prompt_tokens >= params.max_tokens or slot + 1 >= max_model_len:
-                        reason = FinishReason.LENGTH
+                    reason = seq.stop_rule.check((token_id,), slot - seq.num_prompt_tokens)[1]
                     settled.append(TokenOutput(seq, [token_id], logprobs and [logprobs[i]], slot,
                                                reason is not None))
                 else:
-                    kept, reason = self._multi_step_tokens(seq, slot, token_ids[first:offset])
+                    sampled = token_ids[first:offset]
+                    kept, reason = seq.stop_rule.check(sampled, slot - seq.num_prompt_tokens)
+                    seq.token_ids[slot : slot + kept] = sampled[:kept]
                     end = first + kept
                     settled.append(TokenOutput(seq, token_ids[first:end], logprobs and logprobs[first:end],
                                                slot, reason is not None))
@@ -306,25 +303,6 @@ class Scheduler:
                 seq.num_cached_tokens = start
                 del seq.token_ids[slot:]
                 seq.final_token_pending = False
-
-    def _multi_step_tokens(self, seq: Sequence, slot: int, sampled: list[int]) -> tuple[int, FinishReason | None]:
-        """Place a multi-step decode's tokens from ``slot`` on, up to the first that stops ``seq``.
-        Returns how many it keeps and why it finishes (None: it goes on)."""
-        params = seq.params
-        eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        kept, reason = len(sampled), None
-        if params.stop_token_ids or not eos.isdisjoint(sampled):
-            # Completion tokens before sampled[k] are slot - prompt + k; a stop counts from min_tokens on.
-            first = max(0, params.min_tokens - (slot - seq.num_prompt_tokens) - 1)
-            stop = next((k for k, t in enumerate(sampled) if k >= first and (t in eos or t in params.stop_token_ids)),
-                        None)
-            if stop is not None:
-                kept, reason = stop + 1, FinishReason.STOP
-        seq.token_ids[slot : slot + kept] = sampled[:kept]
-        last = slot + kept
-        if reason is None and (last - seq.num_prompt_tokens >= params.max_tokens or last >= self.max_model_len):
-            reason = FinishReason.LENGTH
-        return kept, reason
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End ``seq`` wherever it is (finished, stop string, abort) and free its blocks."""

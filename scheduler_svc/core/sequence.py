@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from scheduler_svc.core.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler_svc.core.stop_rules import StopRule
 
 # Stands in a sequence's token list for a token its in-flight step has not returned yet.
 PENDING = -1
@@ -66,6 +70,8 @@ class Sequence:
         # a time, so that a plan never holds back a token the reader would have had sooner (1: a token-by-token
         # stream; inf: a reader of whole completions).
         self.max_decode_steps: float = math.inf
+        # When its completion ends on its tokens (``stop_rules``): set by the scheduler that queues it.
+        self.stop_rule: StopRule | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from common.sampling import DEFAULTS
 from scheduler_svc.core.errors import InvalidRequest
 from scheduler_svc.core.sampling import SamplingParams
-from scheduler_svc.core.sequence import max_kv_blocks
+from scheduler_svc.core.sequence import FinishReason, max_kv_blocks
+from scheduler_svc.core.stop_rules import StopRule
 
 
 @dataclass(frozen=True)
@@ -85,13 +86,15 @@ def check_resume(completion: list[int], params: SamplingParams, limits: ModelLim
         raise InvalidRequest(field, f"{len(completion)} tokens resumed but max_tokens is {params.max_tokens}: "
                                     "the generation was already complete")
     vocab = limits.vocab_size
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else limits.eos_token_ids)
-    for i, t in enumerate(completion):
-        if not 0 <= t < vocab:
-            raise InvalidRequest(field, f"token id {t} at position {i} is outside the vocabulary [0, {vocab})")
-        if t in stops and i + 1 >= params.min_tokens:  # before min_tokens a stop token does not stop
-            raise InvalidRequest(field, f"token id {t} at position {i} is an EOS or stop token, which would have "
-                                        "ended the generation there")
+    bad = next((i for i, t in enumerate(completion) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest(field, f"token id {completion[bad]} at position {bad} is outside the vocabulary "
+                                    f"[0, {vocab})")
+    # The prompt's length does not matter here: the model's length is the prompt's check.
+    kept, reason = StopRule.of(params, 0, limits.eos_token_ids, limits.max_model_len).check(completion, 0)
+    if reason is FinishReason.STOP:
+        raise InvalidRequest(field, f"token id {completion[kept - 1]} at position {kept - 1} is an EOS or stop "
+                                    "token, which would have ended the generation there")
 
 
 def check_fits_cache(num_prompt_tokens: int, params: SamplingParams, limits: ModelLimits) -> None:
