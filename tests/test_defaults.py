@@ -1,4 +1,4 @@
-"""One table of sampling and stopping defaults (``scheduler_svc.core.sampling.DEFAULTS``): what the proto comments,
+"""One table of sampling and stopping defaults (``common.sampling.DEFAULTS``): what the proto comments,
 the CLI help and docs/client.md say, what an unset GenerateRequest gets, and the docs' account of the loop."""
 
 from __future__ import annotations

@@ -16,9 +16,11 @@ from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.tokenizer import ChatMessage, ModelTokenizer
 from scheduler_svc.core.validation import (
     ModelLimits,
+    check_at_least_one,
     check_fits_cache,
     check_prompt,
     check_resume,
+    check_sampling,
     check_token_ids,
     completion_budget,
 )
@@ -54,18 +56,15 @@ def truncated(token_ids: list[int], request: pb.GenerateRequest) -> list[int]:
     """The last ``truncate_prompt_tokens`` of the prompt, when asked (vLLM's option of that name)."""
     if not request.HasField("truncate_prompt_tokens"):
         return token_ids
-    keep = request.truncate_prompt_tokens
-    if keep < 1:
-        raise InvalidRequest("truncate_prompt_tokens", f"must be >= 1, got {keep}")
-    return token_ids[-keep:]
+    check_at_least_one("truncate_prompt_tokens", request.truncate_prompt_tokens)
+    return token_ids[-request.truncate_prompt_tokens:]
 
 
 def stream_interval(request: pb.GenerateRequest) -> int | None:
     """The request's own stream interval, when it sets one."""
     if not request.HasField("stream_interval"):
         return None
-    if request.stream_interval < 1:
-        raise InvalidRequest("stream_interval", f"must be >= 1, got {request.stream_interval}")
+    check_at_least_one("stream_interval", request.stream_interval)
     return request.stream_interval
 
 
@@ -146,6 +145,7 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
         requested = request.stopping.max_tokens if request.stopping.HasField("max_tokens") else None
         grammar = compile_grammar(request.structured_output, tokenizer, limits.vocab_size)
         params = sampling_params(request, completion_budget(requested, len(token_ids), limits), grammar)
+        check_sampling(params)
         check_token_ids(params, limits)
         resumed = list(request.resume.completion_token_ids)
         check_resume(resumed, params, limits)

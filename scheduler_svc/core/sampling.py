@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 import xxhash
 
-from common.sampling import (
-    DEFAULTS,
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_N,
-    MAX_PENALTY,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-)
+from common.sampling import DEFAULTS
 from common.step import SamplingSettings
-from scheduler_svc.core.errors import InvalidRequest
 
 
 @dataclass
 class SamplingParams:
-    """What to sample and when to stop; checked on construction (``validate``)."""
+    """What to sample and when to stop; ``validation.check_sampling`` checks the ranges where a request enters."""
 
     temperature: float = DEFAULTS["temperature"]
     top_k: int = DEFAULTS["top_k"]
@@ -52,7 +42,6 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop_token_ids = frozenset(self.stop_token_ids)
-        self.validate()
         self.settings = SamplingSettings(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
             num_logprobs=self.logprobs, repetition_penalty=self.repetition_penalty,
@@ -72,45 +61,3 @@ class SamplingParams:
             return self
         seed = None if self.seed is None else xxhash.xxh64_intdigest(index.to_bytes(8, "little"), self.seed)
         return replace(self, seed=seed, n=1, prompt_logprobs=None)
-
-    def validate(self) -> None:
-        """Raise InvalidRequest naming the first field out of range."""
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequest("temperature", f"must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidRequest("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
-        if not (0 < self.top_p <= 1):
-            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not (0 <= self.min_p <= 1):
-            raise InvalidRequest("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not (0 <= self.seed < 2**64):
-            raise InvalidRequest("seed", f"must be in [0, 2**64), got {self.seed}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not (0 <= value <= MAX_LOGPROBS):
-                raise InvalidRequest(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
-        if self.max_tokens < 1:
-            raise InvalidRequest("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        if any(not s for s in self.stop):
-            raise InvalidRequest("stop", "stop strings must not be empty")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} distinct stop token ids, "
-                                                   f"got {len(self.stop_token_ids)}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidRequest("stop_token_ids", "token ids must be >= 0")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise InvalidRequest("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise InvalidRequest(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
-        bad = next(((t, b) for t, b in self.logit_bias.items() if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS), None)
-        if bad is not None:
-            raise InvalidRequest("logit_bias", f"the bias of token {bad[0]} must be in [-{MAX_LOGIT_BIAS:g}, "
-                                               f"{MAX_LOGIT_BIAS:g}], got {bad[1]}")
-        if not 1 <= self.n <= MAX_N:
-            raise InvalidRequest("n", f"must be in [1, {MAX_N}], got {self.n}")
-        if self.min_tokens > self.max_tokens:
-            raise InvalidRequest("min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")

@@ -1,14 +1,25 @@
-"""Every check a caller can trigger, in one place: what can never run is refused before it is queued.
+"""Every check of a request's values, in one place: what can never run is refused before it is queued.
 
-Both entries use it: the public API (``wire.prepare``, field names as in GenerateRequest) and
-the in-process ``Engine.add_request``. Past this point the engine assumes a request is valid.
+Both entries use it: the public APIs (``api.prepare`` for a GenerateRequest, whose field names its refusals then
+carry; the OpenAI routes reach it through the same GenerateRequests) and the in-process ``Engine.add_request``.
+The API layers check only their message's form (which fields go together); each maps ``InvalidRequest`` to its
+status in one table. Past this point the engine assumes a request is valid.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from common.sampling import DEFAULTS
+from common.sampling import (
+    DEFAULTS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_PENALTY,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from scheduler_svc.core.errors import InvalidRequest
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.sequence import FinishReason, max_kv_blocks
@@ -97,6 +108,12 @@ def check_resume(completion: list[int], params: SamplingParams, limits: ModelLim
                                     "token, which would have ended the generation there")
 
 
+def check_at_least_one(field: str, value: int | None) -> None:
+    """An optional count that, when set, must be >= 1 (truncate_prompt_tokens, stream_interval)."""
+    if value is not None and value < 1:
+        raise InvalidRequest(field, f"must be >= 1, got {value}")
+
+
 def check_fits_cache(num_prompt_tokens: int, params: SamplingParams, limits: ModelLimits) -> None:
     """Refuse a request that could not fit in the whole KV cache even alone."""
     needed = max_kv_blocks(num_prompt_tokens, params.max_tokens, limits.max_model_len, limits.block_size)
@@ -108,6 +125,50 @@ def check_fits_cache(num_prompt_tokens: int, params: SamplingParams, limits: Mod
 def check_request(token_ids: list[int], params: SamplingParams, limits: ModelLimits) -> None:
     """For a caller that built ``params`` itself (the in-process API), whose max_tokens may pass the model's
     length: such a request ends there with LENGTH, as vLLM's offline engine does."""
+    check_sampling(params)
     check_prompt(token_ids, limits)
     check_token_ids(params, limits)
     check_fits_cache(len(token_ids), params, limits)
+
+
+def check_sampling(params: SamplingParams) -> None:
+    """The ranges of ``common.sampling``; raise InvalidRequest naming the first field out of range."""
+    if not math.isfinite(params.temperature) or params.temperature < 0:
+        raise InvalidRequest("temperature", f"must be a finite number >= 0, got {params.temperature}")
+    if params.top_k < 0:
+        raise InvalidRequest("top_k", f"must be >= 0 (0 disables it), got {params.top_k}")
+    if not (0 < params.top_p <= 1):
+        raise InvalidRequest("top_p", f"must be in (0, 1], got {params.top_p}")
+    if not (0 <= params.min_p <= 1):
+        raise InvalidRequest("min_p", f"must be in [0, 1], got {params.min_p}")
+    if params.seed is not None and not (0 <= params.seed < 2**64):
+        raise InvalidRequest("seed", f"must be in [0, 2**64), got {params.seed}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and not (0 <= value <= MAX_LOGPROBS):
+            raise InvalidRequest(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+    if params.max_tokens < 1:
+        raise InvalidRequest("max_tokens", f"must be >= 1, got {params.max_tokens}")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
+    if any(not s for s in params.stop):
+        raise InvalidRequest("stop", "stop strings must not be empty")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} distinct stop token ids, "
+                                               f"got {len(params.stop_token_ids)}")
+    if any(t < 0 for t in params.stop_token_ids):
+        raise InvalidRequest("stop_token_ids", "token ids must be >= 0")
+    if not math.isfinite(params.repetition_penalty) or params.repetition_penalty <= 0:
+        raise InvalidRequest("repetition_penalty", f"must be a finite number > 0, got {params.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise InvalidRequest(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+    bad = next(((t, b) for t, b in params.logit_bias.items() if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS), None)
+    if bad is not None:
+        raise InvalidRequest("logit_bias", f"the bias of token {bad[0]} must be in [-{MAX_LOGIT_BIAS:g}, "
+                                           f"{MAX_LOGIT_BIAS:g}], got {bad[1]}")
+    if not 1 <= params.n <= MAX_N:
+        raise InvalidRequest("n", f"must be in [1, {MAX_N}], got {params.n}")
+    if params.min_tokens > params.max_tokens:
+        raise InvalidRequest("min_tokens", f"must be at most max_tokens ({params.max_tokens}), got {params.min_tokens}")
