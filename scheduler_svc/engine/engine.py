@@ -7,11 +7,8 @@ With ``overlap`` the engine keeps one step in flight: it schedules and sends ste
 N, so the executor never waits for the scheduler. The executor feeds its own sampled tokens into the next
 decode, and a sequence that turns out to have finished at step N just wastes its slot in step N+1.
 
-A multi-step decode (a window) is pipelined the same way: the next plan is booked on every step of the window
-running (StepPlan.after_whole_step_id). An arrival cuts the window short (``cut_for_loop``, the executor's
-CutStep); the executor then drops the plan booked on it, the engine gives that booking back
-(``Scheduler.unbook``, ``Planner.unbook``) and plans again from the steps that ran. No window is booked ahead
-while a request waits: the next step may be its prefill.
+A multi-step decode (a window) is pipelined the same way, with the next plan booked on its every step; when
+an arrival cuts it short, that booking is given back (``engine.window``).
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig, StepRecord, TokenOutput
 from scheduler_svc.core.sequence import FinishReason, Sequence
 from scheduler_svc.core.validation import ModelLimits, check_request
+from scheduler_svc.engine.window import Window
 
 
 class ExecutorRestarted(RuntimeError):
@@ -121,10 +119,7 @@ class Engine:
         self.num_restarts = 0
         self.last_timings = StepTimings()
         self.on_step: OnStep = _unobserved
-        # Set by ``cut_for_loop`` (any thread) until the loop has taken its work in (``loop_work_taken``): a window
-        # in flight is cut, and no step is booked on it or after it before that work is in the scheduler.
-        self.loop_work_pending = False
-        self._window_step_id: int | None = None
+        self.window = Window(executor)
 
     @property
     def block_manager(self) -> BlockManager:
@@ -165,27 +160,17 @@ class Engine:
 
     def cut_for_loop(self) -> None:
         """The loop has work to do before the next plan (any thread): a request is on its way in, or one was
-        cancelled. The multi-step decode in flight stops after its current step (where the executor can cut:
-        CutStep), so that the request's prefill, or the freeing of the cancelled one's blocks and its answer, need
-        not wait for the rest of it. Once per batch of such work: until the loop has taken it in, a window launched
-        is cut as it goes out (``_launch``), so a burst of arrivals sends one CutStep."""
-        if self.loop_work_pending:
-            return
-        self.loop_work_pending = True
-        self._cut_window()
+        cancelled; the window in flight stops after its current step, so that work need not wait for the rest."""
+        self.window.cut_for_loop()
 
     def loop_work_taken(self) -> None:
-        """What ``cut_for_loop`` announced is in the scheduler: requests queued, cancels applied (the loop thread)."""
-        self.loop_work_pending = False
+        """What ``cut_for_loop`` announced is in the scheduler (the loop thread)."""
+        self.window.loop_work_taken()
 
     def cut_for_queued(self) -> None:
         """Requests were queued by the loop thread itself (a request's other choices, once its prompt is computed):
         the window in flight is cut as for an arrival."""
-        self._cut_window()
-
-    def _cut_window(self) -> None:
-        if self._window_step_id is not None:
-            self.executor.cut(self._window_step_id)
+        self.window.cut()
 
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or not self.scheduler.is_finished()
@@ -222,10 +207,10 @@ class Engine:
                 return []
         current = self._in_flight
         if current.window:  # booked on its every step unless the next plan may be a prefill; a cut drops it
-            ahead = not self.loop_work_pending and not self.scheduler.waiting
+            ahead = self.window.may_book_ahead(self.scheduler)
             self._in_flight = self._launch(self._submit, current.plan.step_id) if ahead else None
             outputs = self._collect(current)
-            if self._in_flight is None and not self.loop_work_pending:  # else the loop's work comes first
+            if self._in_flight is None and not self.window.loop_work_pending:  # else the loop's work comes first
                 self._in_flight = self._launch(self._submit)
             return outputs
         self._in_flight = self._launch(self._submit)
@@ -267,12 +252,12 @@ class Engine:
         plan.after_whole_step_id = after_whole
         record = self.scheduler.advance(ordered, is_prefill)
         t2 = time.perf_counter()
-        window = not is_prefill and self.config.num_scheduler_steps > 1 and any(count > 1 for count in record.counts)
+        window = Window.is_window(is_prefill, record)
         if window:
-            self._window_step_id = plan.step_id
+            self.window.sending(plan.step_id)
         result = run(plan)
-        if window and self.loop_work_pending:  # it came while this was planned: cut_for_loop saw no window
-            self._cut_window()
+        if window:
+            self.window.sent()
         return Launched(record, plan, window, result, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     def _result(self, launched: Launched) -> StepResult:
@@ -291,8 +276,8 @@ class Engine:
         step_id = launched.plan.step_id
         if result.step_id != step_id:
             raise StepMismatch(f"the executor answered step {result.step_id} where step {step_id} was due")
-        if launched.window and self._window_step_id == step_id:
-            self._window_step_id = None
+        if launched.window:
+            self.window.collected(step_id)
         return result
 
     def _collect_dropped(self, launched: Launched) -> None:
@@ -326,8 +311,7 @@ class Engine:
     def _unbook(self, ahead: Launched) -> None:
         """The window ``ahead`` was booked on was cut: the executor drops it, so its booking is given back."""
         ahead.dropped = True
-        self.scheduler.unbook(ahead.record)
-        self.scheduler.release_again(self.planner.unbook(ahead.plan))
+        Window.give_back(self.scheduler, self.planner, ahead.record, ahead.plan)
 
     @staticmethod
     def _keep_prompt_logprobs(seqs: list[Sequence], result: StepResult) -> None:
