@@ -234,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                 **{peer: partial(time_api_decode, api, args) for peer, api in apis.items()},
             }
             freeze_startup_heap()  # as both services do once built
-            set_gil_switch_interval(in_process.info.device)  # as the scheduler service does beside this device
+            set_gil_switch_interval(in_process.info)  # as the scheduler service does beside this device
             # Peers alternate within each repeat, so load drift on a shared machine hits them alike.
             with progress(total=len(runs) * args.repeats, desc="W5 decode runs") as bar:
                 for _ in range(args.repeats):

@@ -122,7 +122,7 @@ def run_inprocess(args: argparse.Namespace, workload: Workload, stack: bool = Tr
     engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     freeze_startup_heap()  # as both services do once built
     interval = sys.getswitchinterval()
-    set_gil_switch_interval(engine.info.device)  # as the scheduler service does beside an accelerator
+    set_gil_switch_interval(engine.info)  # as the scheduler service does beside an accelerator
     try:
         start = time.perf_counter()
         for prompt, max_tokens in zip(workload.prompts, workload.max_tokens, strict=True):

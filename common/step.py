@@ -148,3 +148,8 @@ class ExecutorInfo:
     tokenizer_json: str = ""
     chat_template: str = ""
     attention_backend: str = ""
+
+    @property
+    def on_cpu(self) -> bool:
+        """The forward pass runs on the cores the scheduler shares (``device`` "cpu"), not on an accelerator."""
+        return self.device.partition(":")[0] == "cpu"

@@ -241,7 +241,7 @@ def serve(executor: Executor, host: str, port: int, grace_s: float = 5.0, tls: T
         raise SystemExit(1) from None
     server.start()
     info = executor.get_info()
-    if yield_helpers and info.device == "cpu":
+    if yield_helpers and info.on_cpu:
         # Threads gRPC starts later come from these, and are idle too.
         log.debug("%d helper threads yield the CPU to the forward pass", yield_cpu(thread_ids() - forward_threads))
     log.info(

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from common.flags import env_name
+from common.step import ExecutorInfo
 from scheduler_svc.api.grpc_service import ACCELERATOR_GIL_SWITCH_INTERVAL_S, set_gil_switch_interval
 from scheduler_svc.config import ServiceConfig, parse_config
 
@@ -89,7 +90,7 @@ def test_overlap_is_on_by_default_and_off_turns_it_off():
 def test_the_gil_changes_hands_sooner_unless_the_executor_computes_on_the_scheduler_cpu(device, shorter):
     default = sys.getswitchinterval()
     try:
-        set_gil_switch_interval(device)
+        set_gil_switch_interval(ExecutorInfo(device=device))
         expected = ACCELERATOR_GIL_SWITCH_INTERVAL_S if shorter else default
         assert sys.getswitchinterval() == pytest.approx(expected)
     finally:

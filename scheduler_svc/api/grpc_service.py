@@ -19,6 +19,7 @@ from common.cpu_yield import thread_ids, yield_cpu
 from common.executor import Executor
 from common.heap import freeze_startup_heap
 from common.security import ApiKeyInterceptor, TLSConfig, bind, channel_credentials, transport_name
+from common.step import ExecutorInfo
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.api.codec import to_response
@@ -319,7 +320,7 @@ class SchedulerServer:
             self.executor.close()
 
 
-def set_gil_switch_interval(device: str) -> None:
+def set_gil_switch_interval(info: ExecutorInfo) -> None:
     """Let a thread that waits for the GIL have it sooner, unless the executor runs on the CPU.
 
     The engine loop thread shares the GIL with the event loop that writes every stream, and needs it after each
@@ -328,7 +329,7 @@ def set_gil_switch_interval(device: str) -> None:
     the time at CPython's 5 ms, 0.86 at 0.5 ms. An executor on the CPU computes on the cores the scheduler runs
     on, and more GIL hand-overs only take more of them from it.
     """
-    if device != "cpu":
+    if not info.on_cpu:
         sys.setswitchinterval(ACCELERATOR_GIL_SWITCH_INTERVAL_S)
 
 
@@ -340,8 +341,8 @@ async def serve(config: ServiceConfig) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         aio_loop.add_signal_handler(signum, scheduler.stopping.set)
     if await scheduler.connect():
-        set_gil_switch_interval(scheduler.loop.info.device)
-        if config.yield_cpu and scheduler.loop.info.device == "cpu":
+        set_gil_switch_interval(scheduler.loop.info)
+        if config.yield_cpu and scheduler.loop.info.on_cpu:
             log.debug("%d threads yield the CPU to the executor's forward pass", yield_cpu(thread_ids()))
         freeze_startup_heap()
         await scheduler.stopping.wait()
