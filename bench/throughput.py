@@ -177,7 +177,7 @@ def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, how: 
 
 async def _drive(target: str, workload: Workload, name: str, how: str) -> float:
     from client.api import AsyncClient, Completion
-    from client.requests import build_request
+    from client.request_builder import build_request
 
     async with AsyncClient(target) as client:
 

@@ -3,7 +3,7 @@
 Each holds one channel for its whole life, as the server expects of long-lived callers; given several
 servers (``servers=``, a comma list or a ``dns:///`` target) the channel balances them with round_robin.
 Every generation method takes a text ``prompt`` or ``messages=`` or ``token_ids=`` plus the
-options of ``client.requests.build_request``; failures raise ``NanoserveError``. A stream whose
+options of ``client.request_builder.build_request``; failures raise ``NanoserveError``. A stream whose
 scheduler dies is resumed on another (``client.failover``), so the caller sees one uninterrupted stream.
 """
 
@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.errors import NanoserveError
 from client.failover import DEFAULT_MAX_RESUMES, ROUND_ROBIN, Resumption, channel_target, read_whole, resumable
-from client.requests import Message, build_request, tokenize_request
+from client.request_builder import Message, build_request, tokenize_request
 from client.results import Chunk, Completion
 from common.channels import PUBLIC_MAX_MESSAGE_BYTES, public_channel_options
 from common.security import TLSConfig, channel_credentials

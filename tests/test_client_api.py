@@ -11,7 +11,7 @@ import pytest
 
 from client import AsyncClient, Client, NanoserveError
 from client.failover import JOINED_STREAM_INTERVAL, read_whole
-from client.requests import build_request
+from client.request_builder import build_request
 from tests.service_fixtures import TOKENIZER_VOCAB_SIZE, assert_idle, executor_argv, free_port, running_stack
 
 if TYPE_CHECKING:
