@@ -1,4 +1,4 @@
-"""Chooses the CPU kernels at start-up: the C kernel or torch, per family and shape class (``kernel_choice.py``).
+"""Chooses the CPU kernels at start-up: the C kernel or torch, per family and shape class (``choice.py``).
 
 Each family runs on the loaded model's own shapes at each class's probe rows. Linear passes over the
 model's own weights (the first gigabyte of them for the decode classes, since a decode step streams every

@@ -4,7 +4,7 @@ Rows with logits processors (min_tokens, logit bias, penalties: ``executor_svc.s
 them applied first, in float32. Pipeline for a sampled row (all in float32): logits / temperature, then top-k,
 top-p, min-p (the Hugging Face order; vLLM applies min-p first, which differs
 only when top-p and min-p are combined), then one draw. Greedy rows
-(temperature below ``values.GREEDY_BELOW``) take the argmax, ties to the lowest id.
+(temperature below ``common.sampling.GREEDY_BELOW``) take the argmax, ties to the lowest id.
 Rows come as plain ``SamplingSettings``; logprobs leave as plain ``TokenLogprobs``.
 
 A draw is an exponential race, ``argmax(probs / q)`` with ``q ~ Exp(1)`` per

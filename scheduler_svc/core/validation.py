@@ -1,6 +1,6 @@
 """Every check a caller can trigger, in one place: what can never run is refused before it is queued.
 
-Both entries use it: the public API (``wire.prepare``, field names as in GenerateRequest) and
+Both entries use it: the public API (``api.prepare.prepare``, field names as in GenerateRequest) and
 the in-process ``Engine.add_request``. Past this point the engine assumes a request is valid.
 """
 

@@ -331,8 +331,8 @@ class Engine:
 
     @staticmethod
     def _keep_prompt_logprobs(seqs: list[Sequence], result: StepResult) -> None:
-        """Append each run of prompt logprobs where the sequence's own end; a recomputed prompt (after a preemption or
-        a restart) sends runs it already has, which are dropped."""
+        """Append each run of prompt logprobs from where the sequence's own end; a recomputed prompt (after a
+        preemption or a restart) sends runs it already has, which are dropped."""
         runs = {run.request_id: run for run in result.prompt_logprobs}
         for seq in seqs:
             run = runs.get(seq.seq_id)

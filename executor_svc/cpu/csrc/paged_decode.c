@@ -5,7 +5,7 @@
  * k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; block_tables
  * [num_seqs, max_blocks] int32; context_lens [num_seqs] int32. Tensors are float32, or bfloat16
  * when `bf16` is set. Query head i reads KV head i / (num_heads / num_kv_heads) (GQA). Requests are
- * shared out among OpenMP threads; cpu_kernels.py builds this file and links it to the OpenMP
+ * shared out among OpenMP threads; executor_svc/cpu/kernels.py builds this file and links it to the OpenMP
  * runtime torch has loaded.
  *
  * With AVX-512 or AVX2 (and head_dim 64, 128 or 256) the tiled, flash-decoding kernel of
