@@ -55,7 +55,7 @@ static inline void prefetch_slot(const void *cache, int64_t slot, int64_t slot_b
 /* Attention of one request's queries `q` [num_heads, head_dim] over its `len` context tokens, whose
  * cache slots come from `table`; writes `acc` [num_heads, head_dim]. A slot holds all KV heads of a
  * token ([num_kv_heads, head_dim]), read whole so that a block is one contiguous run of memory (reading
- * one head's rows apart from the others' measured 3-5x slower). `scores` holds [num_heads, stride]
+ * one head's rows apart from the others' measured several times slower). `scores` holds [num_heads, stride]
  * floats and `buf` one slot. */
 static void attend(const float *q, const void *k_cache, const void *v_cache, const int32_t *table, int len,
                    int num_heads, int num_kv_heads, int head_dim, int block_size, int bf16, float scale,
