@@ -2,13 +2,12 @@
 
 A CPU model executor's OpenMP team holds every core it was given. Each time a helper thread wakes on one of them
 (gRPC's pollers, a step stream's reader and writer, the scheduler's engine loop and event loop), it preempts a team
-thread, and the rest of the team waits for that one at its next barrier: over W1 on two cores the executor's two
-forward threads were preempted ~4,100 times, 16 times a decode step. A thread in SCHED_IDLE runs only on a core that no
-normal thread wants, so the helpers run on what the team leaves (its barriers, the Python between kernels, the wait
-for the next plan) and never preempt it: W1's split, bfloat16, went from 0.902x to 0.976x of in-process
-(docs/benchmarks.md). Both services must yield: either one alone gave nothing. The price is paid at a request's
-arrival, which now waits for such a moment too: W3's TTFT p50 went from ~185 to ~214 ms on the same two cores (HTTP's
-from ~193 to ~228 ms). So it is asked for (``--yield-cpu on``), not the default.
+thread, and the rest of the team waits for that one at its next barrier, many times a decode step (W1). A thread in
+SCHED_IDLE runs only on a core that no normal thread wants, so the helpers run on what the team leaves (its barriers,
+the Python between kernels, the wait for the next plan) and never preempt it, and W1's split gains throughput. Both
+services must yield: either one alone gave nothing. The price is paid at a request's arrival, which now waits for such
+a moment too: a later first token (W3). So it is asked for (``--yield-cpu on``), not the default. The figures are in
+docs/benchmarks-history.md.
 
 Only processes of one CPU group (cgroup) compete this way: a scheduler in another container than its executor's
 yields only to its own threads. A thread put in SCHED_IDLE cannot go back without CAP_SYS_NICE, and threads it

@@ -61,7 +61,7 @@ class CallingThread:
     torch work in the executor process stays on one thread: libgomp gives every thread that starts
     parallel work its own team of OpenMP threads, and once a process has more of them than CPUs it cuts
     their spin before sleeping (``executor_svc/cpu/openmp.py``) to 100. Steps run on changing gRPC worker
-    threads measured 25 % slower on two cores.
+    threads measured slower.
     """
 
     def __init__(self) -> None:

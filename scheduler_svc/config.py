@@ -43,8 +43,9 @@ class ServiceConfig:
     # The most decode steps per plan (multi-step scheduling): the executor feeds its own tokens in between. A plan
     # takes no more than any of its requests' readers take at a time (1 for a token-by-token stream), and an arrival
     # cuts one short. Plans are pipelined across windows (``Engine``), so 8 serves the CPU and an accelerator alike:
-    # W1 split 1.00x in-process at 8, 0.95x at 1 on the CPU; W5 split within 0.01 of one step at 5 ms, and better
-    # where the executor's CPU per plan nears the device's step (2 ms, b256: 0.972 against 0.948; docs/benchmarks.md).
+    # on the CPU it brings the split level with in-process, beside an accelerator it costs next to nothing against
+    # one step per plan, and it helps where the executor's CPU per plan nears the device's step (W1, W5: the
+    # figures are in docs/benchmarks-history.md).
     num_scheduler_steps: int = 8
     # Tokens a stream gathers before a message goes out (the first and the last go at once): vLLM's and SGLang's
     # --stream-interval.

@@ -3,7 +3,7 @@
 
 Decode is where a CPU step spends its attention time, and torch can only attend to a gathered copy of
 each request's context; the kernel reads keys and values in place through the block tables. torch's SDPA
-ran W1's prefill at 20-50 GFLOP/s; the prefill kernel runs 2-3x as fast there (``bench.kernels``). Keys and
+runs W1's prefill far below the machine's peak; the prefill kernel is faster there (``bench.kernels``). Keys and
 values go into the cache by a C copy too (``executor_svc/cpu/csrc/fused_ops.c``): torch's masked
 ``index_copy_`` took several ops a layer for a few kilobytes.
 """

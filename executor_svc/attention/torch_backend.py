@@ -25,7 +25,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     q_len, ctx_len = q.shape[0], k.shape[0]
     mask = None if q_len == ctx_len else causal_lower_right(q_len, ctx_len)
     # A batch of one: on the CPU, SDPA runs its fused (flash) kernel only for 4-D inputs; 3-D ones took its
-    # unfused math path at 1.8x the time.
+    # slower unfused math path.
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],

@@ -1,6 +1,6 @@
 """The executor's copy of each request, updated from plan deltas.
 
-Shared by every executor (model runner, shadow-KV, echo): a plan is checked
+Shared by every executor (model, shadow-KV, echo, simulated): a plan is checked
 whole before any of it is applied, so a rejected plan changes nothing. The
 table validates and applies plans and records the tokens sampled; the forward
 passes that sample them are the step code's (``executor_svc.core.step_pipeline``).
@@ -96,7 +96,6 @@ class RequestTable:
         """Validate ``plan`` against the state every step applied before leaves, then apply it; chunks in result
         order. The steps applied before need not have run yet (``planned_*``); their tokens are recorded by
         ``record_sampled`` when they have.
-
         """
         self._validate(plan)
         for request_id in plan.finished_request_ids:

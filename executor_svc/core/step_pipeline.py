@@ -210,7 +210,7 @@ class TableExecutor(Executor, ABC):
     info: ExecutorInfo
     table: RequestTable
     # Whether callers should prepare a plan beside the step before. Not where that step is a forward on the CPU:
-    # it keeps every core busy, and work beside it stalls the OpenMP team (W1 split: 0.87x -> 0.70x in-process).
+    # it keeps every core busy, and work beside it stalls the OpenMP team (W1's split loses throughput).
     prepares_ahead: bool = True
 
     def __init__(self) -> None:
@@ -306,8 +306,8 @@ class TableExecutor(Executor, ABC):
 
     def _start_booked(self, window: PreparedStep, last: list[ScheduledChunk]) -> Callable[[list[int]], None] | None:
         """``window``'s last pass is on the device: the plan booked on its every pass, next in the queue, is applied
-        and packed now, and its first pass launched from that pass's tokens where that only queues work (W5 at 8
-        steps per plan, 256 sequences, 2 ms: the device sat idle 1.5-2.5 ms between two plans before)."""
+        and packed now, and its first pass launched from that pass's tokens where that only queues work, so that the
+        device does not sit idle between two plans (W5, ``bench.overlap``)."""
         try:
             following = self._queued[0]
         except IndexError:

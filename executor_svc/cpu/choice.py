@@ -2,7 +2,7 @@
 
 The C kernels (``csrc/``) beat torch on the machine they were tuned on and lose on another: on a Xeon with
 AMX, oneDNN's bfloat16 GEMMs outrun the C linear kernel from 16 rows up. So the executor measures both at
-start-up (``kernel_probe.py``) for each family and class of row counts, caches the table per machine
+start-up (``probe.py``) for each family and class of row counts, caches the table per machine
 beside the kernel build, logs it once, and the layers ask it per call. ``--cpu-kernels`` forces a table
 (tests, or a user who measured otherwise). This module is plain data: no torch, no layers.
 """

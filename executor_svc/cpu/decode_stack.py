@@ -1,20 +1,20 @@
 """A CPU decode step's whole stack of decoder layers in C (``executor_svc/cpu/csrc/decode_stack.c``): one call, or four
 a layer between projections that run in torch.
 
-Called layer by layer, a decode step makes ~10 kernel calls a layer from Python, each 10-20 us of wrapper on
-the 2-core development VM: ~180 us a layer, a third of a 1-sequence step of SmolLM2-135M. The C stack runs
+Called layer by layer, a decode step makes ~10 kernel calls a layer from Python, each with its wrapper's cost
+(checks, views, output tensors, ctypes): a large share of a 1-sequence step of a small model. The C stack runs
 the same kernels in the same order with the same roundings, so its tokens are the layers' own when their
 kernel choice is C throughout (``tests/test_cpu_decode_stack.py``).
 
 It serves a decode step where the kernel choice has C for decode attention and RMSNorm at its row count.
 Where it has C for linear too, the whole stack is one call. Where it has torch (oneDNN's AMX GEMMs on a Xeon
 that has them), the four projections of each layer run in torch and the stack's C code between them in four
-calls (RMSNorm, then rotary with the KV store and attention, RMSNorm, SiLU-and-mul): on the 2-core EPYC with
-linear forced to torch from 9 rows, as a Xeon with AMX chose, W1 in-process took 19.1 s against the layers'
-20.5 s (medians of 4 rounds; ``docs/benchmarks.md``). SiLU-and-mul and rotary run C inside the stack
-whatever the choice says for them: torch wins those only at few rows, by the cost of the C call's wrapper,
-which the stack does not pay. It fits Llama and Qwen2 (q/k/v biases) on one rank with the ``cpu`` attention
-backend; Qwen3's q/k norms and biases after a row-parallel projection take the layers' path.
+calls (RMSNorm, then rotary with the KV store and attention, RMSNorm, SiLU-and-mul), still faster than the
+layers' path (W1 in-process with linear forced to torch from 9 rows, as a Xeon with AMX chose). SiLU-and-mul
+and rotary run C inside the stack whatever the choice says for them: torch wins those only at few rows, by
+the cost of the C call's wrapper, which the stack does not pay. It fits Llama and Qwen2 (q/k/v biases) on one
+rank with the ``cpu`` attention backend; Qwen3's q/k norms and biases after a row-parallel projection take the
+layers' path.
 ``--cpu-decode-stack off`` turns it off.
 """
 

@@ -41,7 +41,7 @@ FLAGS = [
 
 def contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as a contiguous tensor of ``dtype`` for a kernel to read: itself where it is one already (a no-op
-    ``.to`` still costs 1-2 us, and each of a step's layers asks)."""
+    ``.to`` still costs a dispatch, and each of a step's layers asks)."""
     return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
 
 

@@ -2,10 +2,10 @@
 
 glibc serves an allocation above its mmap threshold (dynamic, at most 32 MiB) with a fresh mmap
 and unmaps it on free, and hands the heap's free top back to the kernel past its trim threshold:
-either way the next tensor that size page-faults in anew. A W1 prefill of 8,192 tokens took
-1.8 million minor faults, 6.6 s of system time, on the 2-core development VM. Fixing the threshold
-at its 32 MiB ceiling and never trimming keeps that memory in the process, as jemalloc and tcmalloc
-(which CPU inference guides preload for this reason) do; the cost is an RSS that stays at its peak.
+either way the next tensor that size page-faults in anew, and a long W1 prefill spends much of its
+time in the kernel's page-fault handler. Fixing the threshold at its 32 MiB ceiling and never trimming
+keeps that memory in the process, as jemalloc and tcmalloc (which CPU inference guides preload for this
+reason) do; the cost is an RSS that stays at its peak.
 """
 
 from __future__ import annotations

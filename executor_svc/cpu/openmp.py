@@ -1,10 +1,10 @@
 """How torch's OpenMP threads wait between parallel ops; only takes effect before torch is imported.
 
 libgomp's default spins a finished thread ~300,000 times before it sleeps: on a CPU shared with other
-processes a spinning thread starves its descheduled peer (a SmolLM2 decode step of one sequence took
-0.73 s instead of 0.07 s on the 2-core development VM). Never spinning (``OMP_WAIT_POLICY=PASSIVE``)
-pays a futex wake-up on every small op instead: a third of a 62-request decode step. A short spin
-keeps threads awake through the microseconds between one layer's ops and asleep between steps.
+processes a spinning thread starves its descheduled peer, and a decode step takes many times as long.
+Never spinning (``OMP_WAIT_POLICY=PASSIVE``) pays a futex wake-up on every small op instead, a large
+share of a decode step. A short spin keeps threads awake through the microseconds between one layer's
+ops and asleep between steps.
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
-"""Chooses the CPU kernels at start-up: the C kernel or torch, per family and shape class (``kernel_choice.py``).
+"""Chooses the CPU kernels at start-up: the C kernel or torch, per family and shape class (``choice.py``).
 
 Each family runs on the loaded model's own shapes at each class's probe rows. Linear passes over the
 model's own weights (the first gigabyte of them for the decode classes, since a decode step streams every
 weight from memory; one decoder layer's for prefill, which is compute-bound); decode attention reads layer 0
 of the real cache through random block tables, contexts of up to 512 tokens; prefill attention runs
 prompts of up to 128 tokens with nothing cached. C and torch take turns for
-``ROUNDS`` rounds and each keeps its fastest: a shared machine's noise only adds time, and on the 2-core VM
-a slow spell once took the medians of 3 rounds to 79 ms for C against 70 for torch at 64 rows, where both
-measure 45-50 against 52-60 ms, and the cache kept that table. Torch is chosen only when at least
-``MARGIN`` faster, so two kernels within noise keep the C one and its numerics. The table is cached per
-machine (the key names the kernel build, which names the CPU's flags) and measured again only when something
-in the key changes.
+``ROUNDS`` rounds and each keeps its fastest: a shared machine's noise only adds time, and a slow spell once
+made the medians of rounds pick the slower side at 64 rows, and the cache kept that table. Torch is chosen
+only when at least ``MARGIN`` faster, so two kernels within noise keep the C one and its numerics. The
+table is cached per machine (the key names the kernel build, which names the CPU's flags) and measured
+again only when something in the key changes.
 """
 
 from __future__ import annotations

@@ -40,9 +40,8 @@ from executor_svc.service import serve
 PR_SET_TIMERSLACK = 29
 LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
 # The last stretch of a wait is spun (``spin_until``, without the GIL), not slept, as a CUDA synchronize spins: on
-# the development VMs a 4.85 ms sleep woke late even at 1 ns timer slack, by 45-57 us (median, mean) on one and by
-# 104 / 134 / 193 us (median, p90, max) on another, where a 150 us spin left W5's efficiency 0.005-0.008 lower
-# at b1 and b64 (two alternating pairs each) than this one. Sleeps ending later than this still wake late.
+# the development VMs a sleep of a few ms woke late even at 1 ns timer slack, and a spin half this long left W5's
+# efficiency lower than this one. Sleeps ending later than this still wake late.
 SPIN_S = 300e-6
 
 
@@ -52,7 +51,7 @@ _slack = threading.local()
 def accelerator_wait(deadline: float) -> None:
     """Wait until ``deadline`` (``time.perf_counter``) without the GIL, as a CUDA synchronize does: ``time.sleep``
     until ``SPIN_S`` before it, then a spin in C (``csrc/spin_wait.c``; a plain sleep where the kernels cannot be
-    built). This thread's timer slack is set to 1 ns where Linux allows (its default 50 us made a 2 ms sleep 4 %
+    built). This thread's timer slack is set to 1 ns where Linux allows (its default of 50 us made sleeps measurably
     longer), once per thread: each foreign call releases the GIL, and another thread then held it at the wait's
     end."""
     if LIBC is not None and not getattr(_slack, "set", False):

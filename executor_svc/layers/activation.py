@@ -1,5 +1,5 @@
-"""SiLU-and-mul over the packed gate-up projection (on the CPU one C kernel, ``cpu_fused.silu_and_mul``, where the
-executor's kernel choice says it is the faster)."""
+"""SiLU-and-mul over the packed gate-up projection (on the CPU one C kernel, ``executor_svc.cpu.fused.silu_and_mul``,
+where the executor's kernel choice says it is the faster)."""
 
 from __future__ import annotations
 

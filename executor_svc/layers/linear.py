@@ -9,11 +9,11 @@ On the CPU, ``prepack_for_cpu`` packs each float32 or bfloat16 weight once after
 into the layout of our C kernel (``executor_svc/cpu/csrc/linear.c``), and that copy replaces the
 dense one unless the kernel choice asks for torch at some row count. Decode multiplies a few
 rows (one per sequence) by each weight, where torch's GEMMs run far below the machine's peak;
-the kernel streams each weight once per call with the arithmetic overlapping the stream:
-1.3-2.4x torch's speed at 1-64 rows on an AVX-512 BF16 EPYC, 2-6x torch's bfloat16 on an AVX2-only
-Zen 3, but slower than oneDNN's AMX GEMMs on a Xeon that has them, hence the choice measured per
-machine. Without a C compiler or AVX2, and where torch is chosen, weights go to oneDNN in its own layout
-(float32: 25-35 % faster than ``F.linear`` at decode's sizes; bfloat16 where the CPU has it natively: 15-40 %).
+the kernel streams each weight once per call with the arithmetic overlapping the stream: faster than
+torch at decode's row counts on an AVX-512 BF16 EPYC, and than torch's bfloat16 on an AVX2-only Zen 3,
+but slower than oneDNN's AMX GEMMs on a Xeon that has them, hence the choice measured per machine.
+Without a C compiler or AVX2, and where torch is chosen, weights go to oneDNN in its own layout, faster
+than ``F.linear`` at decode's sizes (float32, and bfloat16 where the CPU has it natively).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class PackedWeight:
         return cls(data, n, k, weight.dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # Each reshape, cast or view costs 1-2 us even when it changes nothing, and a decode step makes ~120
+        # Each reshape, cast or view costs a dispatch even when it changes nothing, and a decode step makes ~120
         # of these calls: a 2-D input of the weight's dtype takes none.
         rows = x if x.dim() == 2 and x.shape[1] == self.k else x.reshape(-1, self.k)
         if rows.dtype != self.dtype:
@@ -103,8 +103,8 @@ class LinearBase(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, bias, "none", [], "")
         if self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" and not native_bfloat16():
             # Products of bfloat16 are exact in float32, summed there and rounded once, as torch's bfloat16 GEMM
-            # does. On a 2-core Zen 3 the weight's widening costs <1 % of a prefill GEMM, which then runs at MKL's
-            # float32 speed: 15-25 % faster than the C kernel from 512 rows, 5x torch's own bfloat16 GEMM.
+            # does. The weight's widening costs little beside a prefill GEMM, which then runs at MKL's float32
+            # speed: faster than the C kernel at prefill sizes, and far faster than torch's own bfloat16 GEMM.
             bias = None if bias is None else bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(torch.bfloat16)
         return F.linear(x, self.weight, bias)
@@ -113,8 +113,7 @@ class LinearBase(nn.Module):
 @functools.cache
 def native_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512_BF16, AMX; assumed where /proc/cpuinfo names no x86
-    flags). Without, torch's bfloat16 GEMM runs at a fifth of its float32 speed (15 against 75 GFLOP/s on the
-    2-core Zen 3 VM)."""
+    flags). Without, torch's bfloat16 GEMM runs far below its float32 speed."""
     flags = cpu_kernels.cpuinfo("flags").split()
     return not flags or "avx512_bf16" in flags or "amx_bf16" in flags
 
@@ -165,9 +164,9 @@ def prepack_for_cpu(
 def onednn_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight in oneDNN's own layout for ``torch.ops.mkldnn._linear_pointwise``, or None where torch reads the
     dense one. Given a dense bfloat16 weight, oneDNN reorders it into its blocked layout on every call (a second
-    pass over every weight per decode step); reordered once, the step's GEMMs at 1 / 16 / 64 rows took 14 / 19 /
-    57 ms against ``F.linear``'s 24 / 33 / 66 on the 2-core AVX-512 BF16 EPYC (SmolLM2-135M's weights). Without
-    native bfloat16 (``native_bfloat16``) the dense weight stays, for ``torch_matmul``'s float32 path."""
+    pass over every weight per decode step); reordered once, the step's GEMMs beat ``F.linear``'s at decode's row
+    counts. Without native bfloat16 (``native_bfloat16``) the dense weight stays, for ``torch_matmul``'s float32
+    path."""
     if not torch.backends.mkldnn.is_available() or weight.device.type != "cpu":
         return None
     if weight.dtype == torch.float32:

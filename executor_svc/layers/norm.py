@@ -1,7 +1,7 @@
 """RMSNorm with the optional residual add fused in front, computed in float32 like transformers.
 
-On the CPU one C kernel does both (``cpu_fused.rms_norm``) where the executor's kernel choice says it is the
-faster (``executor_svc/cpu/choice.py``); the torch code here is the reference and the other choice.
+On the CPU one C kernel does both (``executor_svc.cpu.fused.rms_norm``) where the executor's kernel choice says
+it is the faster (``executor_svc/cpu/choice.py``); the torch code here is the reference and the other choice.
 """
 
 from __future__ import annotations

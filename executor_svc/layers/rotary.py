@@ -2,8 +2,8 @@
 
 cos and sin are computed in float32 from the positions, then cast to the
 model dtype, in the same order as transformers so float32 results match. On
-the CPU one C kernel rotates q and k in place (``cpu_fused.rotary``) where the
-executor's kernel choice says it is the faster.
+the CPU one C kernel rotates q and k in place (``executor_svc.cpu.fused.rotary``)
+where the executor's kernel choice says it is the faster.
 """
 
 from __future__ import annotations

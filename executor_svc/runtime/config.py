@@ -142,7 +142,7 @@ class ExecutorOptions:
     enforce_eager: bool = False
     # CPU kernels per family and rows: auto (measured at start-up, cached per machine), c, torch, or items.
     cpu_kernels: str = "auto"
-    # CPU: a decode step's decoder layers in one C call where they fit (models/cpu_decode_stack.py).
+    # CPU: a decode step's decoder layers in one C call where they fit (cpu/decode_stack.py).
     cpu_decode_stack: bool = True
 
     def resolved_device(self) -> str:

@@ -32,13 +32,13 @@ class ModelInput:
     # Rows of ``pending`` and, for each, the index of its token among the step before's sampled tokens (``link``).
     linked: tuple[np.ndarray, np.ndarray] | None = None
     # ``input_ids``' memory as numpy, taken when linked: just after a wait for the device the core runs cold, and
-    # ``Tensor.numpy()`` then took 40-80 us, 2 us warm (the W5 VM: launches 50-70 us sooner).
+    # ``Tensor.numpy()`` is then slow enough to delay the launch (W5).
     ids: np.ndarray | None = None
     # Linked with every row pending and row i taking the step before's i-th token (a decode step after a decode step
     # of the same requests): ``fill_pending`` then assigns the tokens whole, with no index arrays. With
-    # ``num_sampled``, W5's launch after a wait went from 50-65 us to 15-25 us (accelerator idle 55 -> 38 us a step).
+    # ``num_sampled``, the launch after a wait comes sooner and the accelerator idles less between steps (W5).
     linked_in_order: bool = False
-    # ``len(logits_indices)``, counted when packed: a tensor's ``len`` cold after a wait took 16 us (0.9 us warm).
+    # ``len(logits_indices)``, counted when packed: a cold tensor's ``len`` is slow after a wait.
     num_sampled: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -69,8 +69,8 @@ class ModelInput:
         """Put in the tokens the step before sampled: from ``sampled_before``, its tokens in order, where ``linked``;
         else from the requests, once that step's tokens are recorded.
 
-        Written through numpy into the (CPU) tensor's memory: it is on the accelerator's path, and at 256 rows
-        this takes 8 us against 27 us through ``torch.tensor`` and a copy (W5, ``bench.overlap``)."""
+        Written through numpy into the (CPU) tensor's memory: it is on the accelerator's path, and this is faster
+        than ``torch.tensor`` and a copy (W5, ``bench.overlap``)."""
         if not self.pending:
             return
         ids = self.input_ids.numpy() if self.ids is None else self.ids
@@ -106,8 +106,8 @@ class ModelInput:
 def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
     """[num_seqs, max_blocks] int32, padded with -1, from one flat array and a mask.
 
-    Built in numpy and shared with torch: 113 us for 256 tables of 33 blocks against 426 us with torch ops,
-    a third of a 256-sequence decode step's input (W5, bench.overlap).
+    Built in numpy and shared with torch: with torch ops this was a large share of a 256-sequence decode step's
+    input (W5, bench.overlap).
     """
     lengths = np.fromiter(map(len, tables), np.int64, count=len(tables))
     flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, count=int(lengths.sum()))
@@ -160,8 +160,8 @@ def prepare_input(chunks: list[ScheduledChunk], block_size: int, prompt_rows: li
 
 
 def _decode_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInput:
-    """``prepare_input`` for one token per chunk, in numpy: at 256 chunks 125 us against 330 us with torch's small
-    ops, and what is left runs beside the step before (W5, ``bench.overlap``)."""
+    """``prepare_input`` for one token per chunk, in numpy, cheaper than torch's small ops; what is left runs beside
+    the step before (W5, ``bench.overlap``)."""
     n = len(chunks)
     starts = np.fromiter([c.start for c in chunks], np.int64, count=n)
     block_tables = pad_block_tables([c.state.block_table for c in chunks])

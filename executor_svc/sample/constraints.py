@@ -33,7 +33,7 @@ class GrammarConstraints:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        # Built at the first grammar (about 0.2 s for a 49k vocabulary): most executors never need one.
+        # Built at the first grammar (slow for a large vocabulary): most executors never need one.
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._bitmask = np.empty((0, (vocab_size + 31) // 32), dtype=np.int32)

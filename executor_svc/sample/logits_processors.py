@@ -139,8 +139,8 @@ def penalize(
     The rows' distinct tokens and completion counts (``TokenCounts``) are concatenated into flat columns, so
     one gather, a few element-wise ops and one scatter cover the batch, and no logit is written twice.
     Measured on [64, 49152] logits and 600-token contexts, this beat a scatter_add of counts into a
-    [rows, vocab] buffer, whose zeroing alone took about 1 ms in a step, and sorting and searching the
-    contexts (1.8 ms).
+    [rows, vocab] buffer, whose zeroing alone is a pass over every row's vocabulary each step, and sorting
+    and searching the contexts.
     """
     ids, counts = [], []
     for request in requests:

@@ -1,6 +1,6 @@
 """What every public API does around the engine loop, once: the gRPC servicer and the HTTP routes both call it.
 
-A ``GenerateRequest`` goes through ``wire.prepare`` and ``EngineLoop.submit``; its id is registered for
+A ``GenerateRequest`` goes through ``prepare.prepare`` and ``EngineLoop.submit``; its id is registered for
 Abort; its outputs are read batch by batch until each of its n choices finished; a caller that goes
 away cancels it (``Generation.close``), so its KV blocks are free before the next step. Failures are
 raised as ``RequestFailed``, naming a refused field as GenerateRequest spells it; each API maps them
@@ -33,10 +33,9 @@ def public(error: RequestFailed) -> RequestFailed:
 class Outbox:
     """A request's outputs on their way to its reader, handed over all at once (event-loop thread only).
 
-    Lighter than an ``asyncio.Queue``: with it and ``wire.to_response``'s one-call message, the event loop's CPU per
-    step of 64 streamed tokens went from 1,391 to 1,172-1,238 us (W5 ``api``, 5 ms steps; gRPC's own sending takes
-    ~16 us a message of this thread, ~21 us of the process). A reader that falls behind takes everything that
-    arrived since its last read.
+    Lighter than an ``asyncio.Queue``: with it and ``codec.to_response``'s one-call message, the event loop spends
+    less CPU per step of streamed tokens, most of the rest being gRPC's own sending (W5 ``api``). A reader that falls
+    behind takes everything that arrived since its last read.
     """
 
     __slots__ = ("_outputs", "_waiter", "_interval", "_tokens", "_started", "_due")

@@ -23,7 +23,7 @@ FIELD = "structured_output"
 JSON_DEFAULTS = {"whitespace_flexible": False}
 ANY_OBJECT = '{"type": "object"}'
 
-# Built once per handshake's tokenizer (about 0.2 s for a 49k vocabulary), then shared by every request.
+# Built once per handshake's tokenizer (slow for a large vocabulary), then shared by every request.
 _guidance_tokenizers: WeakKeyDictionary[ModelTokenizer, dict[int, llguidance.LLTokenizer]] = WeakKeyDictionary()
 
 

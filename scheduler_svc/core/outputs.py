@@ -57,8 +57,8 @@ class Processed:
 class OutputProcessor:
     """Turns one choice's sampled tokens into text; without a tokenizer there is no text and no stop string.
 
-    ``index`` is the choice (of the request's n); ``counts_prompt`` is False for every choice but the
-    first, so that the usage of a request's choices adds up to its prompt once. ``resumed`` completion tokens
+    ``index`` is the choice (of the request's n); only choice 0's usage counts the prompt (and its prefix-cache
+    hits), so that the usage of a request's choices adds up to its prompt once. ``resumed`` completion tokens
     (a stream another scheduler started) are replayed through the text state, their text dropped: the
     caller has it, and text held back at the boundary (a partial stop string, an unfinished character)
     comes out with the next token, exactly as in an undisturbed run.

@@ -37,8 +37,10 @@ class Sequence:
     """Prompt plus completion tokens and how far their KV cache is computed.
 
     ``num_cached_tokens`` counts tokens whose KV is in the cache (prefix hits
-    included); ``num_scheduled_tokens`` is this step's share, set by the
-    scheduler and cleared by postprocess.
+    included); ``num_scheduled_tokens`` is this step's share, set by
+    ``Scheduler.schedule`` and moved into ``num_cached_tokens`` by
+    ``Scheduler.advance`` when the step is booked as computed (``finish`` and
+    ``requeue_all`` zero it too).
     """
 
     def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams, block_size: int,

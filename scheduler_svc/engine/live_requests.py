@@ -92,7 +92,7 @@ class LiveRequests:
         """A step's tokens: each choice's output queued, the sequences a stop string ended stopped, finished choices
         forgotten. Inter-token gaps are told grouped by when each choice's previous tokens came out: in a decode
         step nearly every choice shares that time, so the observer is called once or twice a step, not per choice
-        (the per-choice cost is a few list and attribute operations, ~0.1 us)."""
+        (the per-choice cost is a few list and attribute operations)."""
         now = time.monotonic()
         previous: list[float] = []
         generated = 0

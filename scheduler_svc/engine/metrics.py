@@ -67,8 +67,8 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
 
 class Buckets:
     """A histogram the loop thread fills and a scrape reads. It takes ``count`` equal observations in one call, which
-    prometheus_client's Histogram cannot (one at a time, each under a lock: ~0.6 us, or 150 us a step for the gaps of
-    256 sequences). Only one thread writes; a scrape reads one snapshot of the counts, so its buckets always agree."""
+    prometheus_client's Histogram cannot (one at a time, each under a lock: a cost per sequence every step). Only one
+    thread writes; a scrape reads one snapshot of the counts, so its buckets always agree."""
 
     def __init__(self, bounds: Sequence[float]) -> None:
         self.bounds = tuple(bounds)

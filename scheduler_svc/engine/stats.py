@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from scheduler_svc.core.sequence import FinishReason
 
-if TYPE_CHECKING:  # the engine imports the wire translation, which reads these stats
+if TYPE_CHECKING:  # live_requests imports LoopObserver from here: importing it back would be a circle
     from scheduler_svc.engine.engine import Engine
     from scheduler_svc.engine.live_requests import LiveRequests
 

@@ -3,8 +3,8 @@
  * gate-up, SiLU-and-mul and down, through the same kernels, in the same order and with the same roundings as
  * the layers' Python code (executor_svc/models/llama.py) calls them one by one.
  *
- * Those calls cost 10-20 us of Python each on the 2-core VM, ~180 us a layer: a third of a 1-sequence
- * decode step of SmolLM2-135M (docs/benchmarks.md, decode step). Here they cost a C function call.
+ * Those calls each cost a Python wrapper, a large share of a 1-sequence decode step of a small model
+ * (docs/benchmarks-history.md). Here they cost a C function call.
  *
  * Shapes and layouts are executor_svc/cpu/decode_stack.py's, which checks that a model and a step
  * fit them: for decode_stack, weights packed for linear_forward; biases of the qkv and gate-up projections

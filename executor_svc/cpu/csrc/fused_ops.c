@@ -79,11 +79,10 @@ static inline void put_exact(void *row, int64_t i, float v, int bf16) {
 }
 
 /* One row of rms_norm below, in three vectorised passes (x + residual, the squares, the scaling) instead of ten
- * over the row: 38 rows of 576 took 6.6 us in float32 and 12.0 in bfloat16 against 11.7 and 14.5 on one Zen 4
- * core. The squares are summed in a pass of their own over float32 values, in 16 lanes as before: folded into
- * the first pass, bfloat16 loads made it 32 lanes in two sums, another rounding of the same sum, and a greedy
- * token of SmolLM2 in bfloat16 no longer matched torch's kernels' (tests/test_kernel_choice.py). `bf16` is a
- * constant in each copy. */
+ * over the row, faster in both dtypes. The squares are summed in a pass of their own over float32 values, in 16
+ * lanes as before: folded into the first pass, bfloat16 loads made it 32 lanes in two sums, another rounding of
+ * the same sum, and a greedy token of SmolLM2 in bfloat16 no longer matched torch's kernels'
+ * (tests/test_kernel_choice.py). `bf16` is a constant in each copy. */
 static inline __attribute__((always_inline)) void rms_norm_row(const void *x, void *residual, const void *weight,
                                                                void *out, float *h, int dim, float eps, int bf16) {
     if (residual != NULL) {
@@ -132,8 +131,8 @@ void rms_norm(const void *x, int64_t x_stride, void *residual, const void *weigh
 }
 
 /* out [rows, d] = silu(x[:, :d]) * x[:, d:], x [rows, 2d] contiguous; silu(g) = g / (1 + exp(-g)), rounded to the
- * dtype before the product. One vectorised pass a row (it was six): 38 rows of 1536 took 25.0 us in float32 and
- * 34.7 in bfloat16 against 33.6 and 40.0 on one Zen 4 core; expf and the division are most of what is left. */
+ * dtype before the product. One vectorised pass a row (it was six), faster in both dtypes; expf and the division
+ * are most of what is left. */
 static inline __attribute__((always_inline)) void silu_and_mul_row(const void *x, void *out, int d, int bf16) {
     const char *up = (const char *)x + (size_t)d * element_size(bf16);
 #pragma omp simd
@@ -218,8 +217,8 @@ int64_t store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_strid
 
 /* out[r] = the index of row r's largest element (x [rows, n], rows `stride` elements apart), ties to the lowest
  * index and a NaN above everything, as torch.argmax: the greedy token. One vectorised pass finds the maximum,
- * a second the first chunk of ARGMAX_CHUNK that holds it, a scalar scan its index in the chunk: 64 rows of
- * SmolLM2's 49,152 bfloat16 logits in about 1.0 ms on the 2-core VM, against torch's CPU argmax's 3.3. */
+ * a second the first chunk of ARGMAX_CHUNK that holds it, a scalar scan its index in the chunk: faster than
+ * torch's CPU argmax. */
 #define ARGMAX_CHUNK 256
 static inline __attribute__((always_inline)) int64_t argmax_row(const void *row, int64_t n, int bf16) {
     float top = -INFINITY;

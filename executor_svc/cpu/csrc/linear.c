@@ -231,9 +231,9 @@ static inline void lin_store_lanes(const lin_args *a, int64_t row, int64_t col, 
 /* AVX2 (e.g. AMD Zen 2/3): a panel's k step is two 256-bit vectors. A tile is up to 6 float32 rows or 4
  * bfloat16 rows of one panel: 12 or 8 accumulators of the 16 registers, the bfloat16 tile also holding its
  * weights widened to float32 (each pair as two halves with zero-filled low bits, for two FMAs: the sums the
- * AVX-512 kernel makes without AVX512_BF16). Measured on a 2-core Zen 3 (docs/executor.md): 6 float32 rows
- * ran 20-25 % faster than 4 from 64 rows up; neither x widened to float32 once per call (instead of each
- * broadcast pair in registers) nor 6-row bfloat16 tiles over half panels ran faster. */
+ * AVX-512 kernel makes without AVX512_BF16). Measured on a 2-core Zen 3 (docs/benchmarks-history.md): 6 float32
+ * rows ran faster than 4 from 64 rows up; neither x widened to float32 once per call (instead of each broadcast
+ * pair in registers) nor 6-row bfloat16 tiles over half panels ran faster. */
 
 #define LIN_INLINE static inline __attribute__((always_inline))
 

@@ -5,7 +5,7 @@
  * k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; block_tables
  * [num_seqs, max_blocks] int32; context_lens [num_seqs] int32. Tensors are float32, or bfloat16
  * when `bf16` is set. Query head i reads KV head i / (num_heads / num_kv_heads) (GQA). Requests are
- * shared out among OpenMP threads; cpu_kernels.py builds this file and links it to the OpenMP
+ * shared out among OpenMP threads; executor_svc/cpu/kernels.py builds this file and links it to the OpenMP
  * runtime torch has loaded.
  *
  * With AVX-512 or AVX2 (and head_dim 64, 128 or 256) the tiled, flash-decoding kernel of
@@ -55,7 +55,7 @@ static inline void prefetch_slot(const void *cache, int64_t slot, int64_t slot_b
 /* Attention of one request's queries `q` [num_heads, head_dim] over its `len` context tokens, whose
  * cache slots come from `table`; writes `acc` [num_heads, head_dim]. A slot holds all KV heads of a
  * token ([num_kv_heads, head_dim]), read whole so that a block is one contiguous run of memory (reading
- * one head's rows apart from the others' measured 3-5x slower). `scores` holds [num_heads, stride]
+ * one head's rows apart from the others' measured several times slower). `scores` holds [num_heads, stride]
  * floats and `buf` one slot. */
 static void attend(const float *q, const void *k_cache, const void *v_cache, const int32_t *table, int len,
                    int num_heads, int num_kv_heads, int head_dim, int block_size, int bf16, float scale,

@@ -2,14 +2,14 @@
  * context, the cached prefix read through the block table and this step's keys and values read where the
  * projection left them.
  *
- * torch's CPU SDPA ran W1's prefill (prompts of 32-256 tokens, head_dim 64) at 20-50 GFLOP/s; this kernel
- * runs GEMM-shaped loops on float32 copies instead, 2.5-3x as fast there (bench.kernels). First each request's
+ * torch's CPU SDPA runs W1's prefill (prompts of 32-256 tokens, head_dim 64) far below the machine's peak; this
+ * kernel runs GEMM-shaped loops on float32 copies instead, faster there (bench.kernels). First each request's
  * context is copied once per KV head, keys transposed in tiles of TILE ([head_dim, TILE] each, so that a
  * vector holds TILE keys' scores with no horizontal sums) and values as they are. Then a work item is one
  * request's KV head and a block of Q_BLOCK query tokens: the query rows of the KV head's group (GQA: the group
  * shares the copies) go through the copy ROWS at a time: all their scores, an exact softmax over them, then
  * the values. Sums are float32 for float32 and bfloat16 alike. Copying once per KV head instead of once per
- * block of queries took the copy from about a quarter of the kernel's time to an eighth. The inner loops, and
+ * block of queries cut the copy's share of the kernel's time. The inner loops, and
  * TILE, ROWS, VALUE_ROWS and KEYS, are the instruction set's: prefill_avx512.h, prefill_avx2.h.
  *
  * Layout (executor_svc/attention/base.py): q rows [tokens, num_heads, head_dim] at q_stride elements apart,

@@ -1,6 +1,6 @@
 /* The tail of the simulated accelerator's wait (executor_svc/fakes/simulated.py): spin until a CLOCK_MONOTONIC deadline
  * (the clock of Python's time.perf_counter on Linux). ctypes calls it without the GIL, as a CUDA synchronize spins
- * without it; a kernel timer alone woke 45-57 us late on the development VM, time no GPU adds to a step. */
+ * without it; a kernel timer alone wakes late on the development VM, time no GPU adds to a step. */
 #include <time.h>
 
 void spin_until(double deadline_s) {

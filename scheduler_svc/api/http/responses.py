@@ -66,7 +66,7 @@ class UsageTotal:
 
 async def merged(generations: list[Generation]) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
     """Every generation's batches as they come, labelled with the generation's position. One prompt (every chat
-    request) reads its generation directly: waiting on a task per batch cost the event loop ~5 us a token."""
+    request) reads its generation directly: waiting on a task per batch costs the event loop time on every token."""
     if len(generations) == 1:
         async for batch in generations[0].batches():
             yield 0, batch

@@ -30,7 +30,7 @@ def listen(host: str, port: int, name: str = "the HTTP API") -> socket.socket:
     the error names the flag's port by ``name``.
 
     It names IPPROTO_TCP, so asyncio turns Nagle off on each connection: without it every streamed
-    chunk after a connection's first response waited for the client's delayed ACK (~40 ms).
+    chunk after a connection's first response waited for the client's delayed ACK.
     """
     address = host.strip("[]")
     family = socket.AF_INET6 if ":" in address else socket.AF_INET

@@ -1,6 +1,6 @@
 """OpenAI requests in, as the GenerateRequests the gRPC API receives; refused fields named back as OpenAI spells them.
 
-Nothing here checks a range: the scheduler does that once for both APIs (``wire.prepare``), and
+Nothing here checks a range: the scheduler does that once for both APIs (``api.prepare.prepare``), and
 ``openai_param`` renames the GenerateRequest field it names (``sampling.temperature`` -> ``temperature``).
 What is refused here is what OpenAI's parameters can say and GenerateRequest cannot, so that no
 parameter is silently dropped when dropping it would change the output.
