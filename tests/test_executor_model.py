@@ -79,7 +79,7 @@ def test_logprobs_only_for_rows_that_ask(tiny_executor: ModelExecutor) -> None:
     asked, plain = result.logprobs
     assert list(asked.top_token_ids)[0] == result.token_ids[0] == result.token_ids[1]
     assert len(asked.top_token_ids) == 3 and asked.logprob <= 0
-    assert not plain.top_token_ids
+    assert plain is None, "request 2 asked for no logprobs"
     tiny_executor.step(StepPlan(step_id=6, finished_request_ids=[3, 4]))
 
 
@@ -137,7 +137,7 @@ def test_multi_step_decode_equals_single_steps_with_logprobs(tiny_executor: Mode
     assert not multi.logprobs, "request 7 asked for no logprobs"
     both = decode([6, 7], 8, [2, 1])
     assert len(both.token_ids) == 3 and len(both.logprobs) == 3
-    assert list(both.logprobs[0].top_token_ids)[0] == both.token_ids[0] and not both.logprobs[2].top_token_ids
+    assert list(both.logprobs[0].top_token_ids)[0] == both.token_ids[0] and both.logprobs[2] is None
     assert both.token_ids[2] == both.token_ids[0], "the same history gives the same token, whatever the steps"
     assert tiny_executor.table.requests[6].num_computed_tokens == 10
     tiny_executor.step(StepPlan(finished_request_ids=[6, 7]))
