@@ -214,9 +214,9 @@ def test_float32_greedy_tokens_are_the_same_whichever_kernels_run(smollm2_folder
 @needs_kernels
 def test_bfloat16_logits_part_only_by_rounding_whichever_kernels_run(smollm2_folder: Path) -> None:  # noqa: F811
     """Not the same tokens: bfloat16 keeps 8 significant bits, kernels that add in another order round a value a
-    step apart now and then, and a near-tie flips (on a Xeon with AMX, 476 or 282 at the first prompt's 7th token).
-    So every kernel set, and float32, is fed float32's greedy tokens and their logits compared position by position
-    (``BFLOAT16_TOLERANCE``)."""
+    step apart now and then, and a near-tie flips (476 or 282 at the first prompt's 7th token, on the EPYC as on an
+    AMX Xeon). So every kernel set, and float32, is fed float32's greedy tokens and their logits compared position
+    by position (``BFLOAT16_TOLERANCE``)."""
     reference = smollm2_executor(smollm2_folder, "float32", "torch")
     sequences = [p + t for p, t in zip(PROMPTS, greedy(reference, PROMPTS, 16), strict=True)]
     lengths = [len(p) for p in PROMPTS]
