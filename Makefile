@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROTOS := $(wildcard protos/nanoserve/v1/*.proto)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv run run-shadow test test-slow soak lint protos bench gpu-check host-cpu-check
+.PHONY: venv run run-shadow test test-kernels test-slow soak lint protos bench gpu-check host-cpu-check
 
 # The venv is rebuilt when pyproject.toml changes. torch comes first so that pip
 # takes the local CPU wheel instead of pulling a multi-GB CUDA build.
@@ -29,6 +29,17 @@ run-shadow: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest
+
+# The tests that run a model on the CPU, again under each kernel choice forced (NANOSERVE_CPU_KERNELS, see
+# docs/executor.md), so that the choice this machine measures cannot hide a failure of the kernels it did not choose.
+KERNEL_TESTS := tests/test_model_parity.py tests/test_prompt_logprobs.py tests/test_sampling_parity.py \
+	tests/test_executor_model.py tests/test_executor_halves.py tests/test_executor_tp.py tests/test_bench_hf_cb.py
+
+test-kernels: $(VENV)/.installed
+	status=0; for kernels in c torch auto; do \
+		echo "== NANOSERVE_CPU_KERNELS=$$kernels"; \
+		NANOSERVE_CPU_KERNELS=$$kernels $(PY) -m pytest -q $(KERNEL_TESTS) || status=1; \
+	done; exit $$status
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -m slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 
@@ -16,6 +17,33 @@ from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.engine.engine import Engine
 
 EOS = 0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``NANOSERVE_CPU_KERNELS`` (``make test-kernels``) forces the CPU kernel choice of every executor a test builds
+    without naming one, as it does an executor started from the command line: the choice this machine measures
+    cannot hide a failure of the kernels it did not choose."""
+    forced = os.environ.get("NANOSERVE_CPU_KERNELS")
+    if forced:
+        force_cpu_kernels(forced)
+
+
+def force_cpu_kernels(flag: str) -> None:
+    """``ExecutorOptions`` built without ``cpu_kernels`` get ``flag``; those that name one keep it."""
+    from executor_svc.cpu.choice import parse_override
+    from executor_svc.runtime.config import ExecutorOptions
+
+    try:
+        parse_override(flag)
+    except ValueError as e:  # stop the run here, not in every model test
+        raise pytest.UsageError(f"NANOSERVE_CPU_KERNELS={flag}: {e}") from None
+    init = ExecutorOptions.__init__
+
+    @functools.wraps(init)
+    def init_forced(self: ExecutorOptions, *args: object, cpu_kernels: str = flag, **kwargs: object) -> None:
+        init(self, *args, cpu_kernels=cpu_kernels, **kwargs)
+
+    ExecutorOptions.__init__ = init_forced
 
 
 def run_to_completion(scheduler: Scheduler, token: int = 7) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -16,7 +17,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
+from common.step import SamplingSettings  # noqa: E402
+from executor_svc.core.request_table import RequestState, ScheduledChunk  # noqa: E402
+from executor_svc.runtime.model_input import prepare_input  # noqa: E402
 from executor_svc.runtime.registry import DEFAULT_MODEL, resolve_model  # noqa: E402
+
+if TYPE_CHECKING:
+    from executor_svc.runtime.model_runner import ModelRunner
 
 TINY_VOCAB = 512
 _TINY_COMMON = dict(
@@ -83,3 +90,26 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, stop_
             )
             outputs.append(out[0, len(prompt) :].tolist())
     return outputs
+
+
+def teacher_forced_logits(runner: ModelRunner, sequences: list[list[int]], prompt_lengths: list[int]
+                          ) -> list[torch.Tensor]:
+    """Each sequence's float32 logits at every position but its last ([len - 1, vocab]), fed its own tokens whatever
+    the model predicts, so that two runners are compared on the same inputs even where their greedy tokens part.
+
+    Steps as the engine runs a batch: every prompt prefilled in one step, then decode steps of one token for every
+    sequence not yet at its end."""
+    width = -(-max(map(len, sequences)) // runner.block_size)
+    assert len(sequences) * width <= runner.num_blocks, "the KV cache holds too few blocks for these sequences"
+    states = [RequestState(i, list(tokens), list(range(i * width, (i + 1) * width)), 0, SamplingSettings(), length)
+              for i, (tokens, length) in enumerate(zip(sequences, prompt_lengths, strict=True))]
+    chunks = [ScheduledChunk(state, 0, length) for state, length in zip(states, prompt_lengths, strict=True)]
+    logits = runner.execute(prepare_input(chunks, runner.block_size, list(range(sum(prompt_lengths))))).float()
+    rows: list[list[torch.Tensor]] = [[part] for part in logits.split(prompt_lengths)]
+    for step in range(max(len(s) - n for s, n in zip(sequences, prompt_lengths, strict=True)) - 1):
+        live = [i for i, state in enumerate(states) if state.num_prompt_tokens + step < len(state.token_ids) - 1]
+        chunks = [ScheduledChunk(states[i], states[i].num_prompt_tokens + step, 1) for i in live]
+        logits = runner.execute(prepare_input(chunks, runner.block_size, list(range(len(chunks))))).float()
+        for row, i in enumerate(live):
+            rows[i].append(logits[row : row + 1])
+    return [torch.cat(parts) for parts in rows]

@@ -5,6 +5,10 @@ ModelExecutor: all at once as one continuous batch; then on an engine whose
 token budget forces chunked prefill (chunk boundaries inside KV blocks), with
 two prompts repeated at the end so they hit the prefix cache their first
 copies filled. The reference is HF ``generate``, one prompt at a time.
+
+The tiny models run under each CPU kernel choice (``c``, ``torch``, and ``auto``, what this machine measured), so
+that the choice of the machine running the suite cannot hide a kernel that breaks parity; SmolLM2 runs under the
+session's (``NANOSERVE_CPU_KERNELS``, else ``auto``: ``make test-kernels`` forces each).
 """
 
 from __future__ import annotations
@@ -57,16 +61,18 @@ class ParityRun:
 def run_parity(
     folder: Path,
     prompts: list[list[int]],
+    reference: list[list[int]],
     *,
     max_new_tokens: int,
     stop_at_eos: bool,
     block_size: int,
     chunk_budget: int,
     kv_bytes: int,
+    cpu_kernels: str | None = None,
 ) -> ParityRun:
-    reference = hf_greedy(folder, prompts, max_new_tokens, stop_at_eos)
+    kernels = {} if cpu_kernels is None else {"cpu_kernels": cpu_kernels}
     executor = ModelExecutor(
-        ExecutorOptions(model=str(folder), block_size=block_size, kv_cache_memory=kv_bytes, threads=2)
+        ExecutorOptions(model=str(folder), block_size=block_size, kv_cache_memory=kv_bytes, threads=2, **kernels)
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=not stop_at_eos)
     batched = [c.token_ids for c in Engine(executor).generate(prompts, params)]
@@ -101,28 +107,38 @@ def random_prompts(seed: int) -> list[list[int]]:
     return [[rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100, 130, 7)]
 
 
+KERNEL_SETS = ("c", "torch", "auto")
+MAX_NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def hf_references() -> dict[str, list[list[int]]]:
+    """Each model's reference tokens, made once for all the kernel choices it runs under."""
+    return {}
+
+
 @pytest.fixture(
     scope="module",
     params=[
-        pytest.param(("smollm2-135m-instruct", 64), id="smollm2"),
-        pytest.param(("llama", 64), id="llama"),
-        pytest.param(("qwen2", 64), id="qwen2"),
-        pytest.param(("qwen3", 64), id="qwen3"),
+        pytest.param(("smollm2-135m-instruct", None), id="smollm2"),
+        *(pytest.param((family, kernels), id=f"{family}-{kernels}")
+          for family in ("llama", "qwen2", "qwen3") for kernels in KERNEL_SETS),
     ],
 )
-def parity(request: pytest.FixtureRequest) -> ParityRun:
-    family, max_new_tokens = request.param
+def parity(request: pytest.FixtureRequest, hf_references: dict[str, list[list[int]]]) -> ParityRun:
+    family, cpu_kernels = request.param
     if family == "smollm2-135m-instruct":
         folder = request.getfixturevalue("smollm2_folder")
-        return run_parity(
-            folder, smollm2_prompts(folder), max_new_tokens=max_new_tokens, stop_at_eos=True, block_size=16,
-            chunk_budget=40, kv_bytes=256 << 20,
-        )
-    folder = request.getfixturevalue("tiny_model_folders")[family]
-    return run_parity(
-        folder, random_prompts(len(family)), max_new_tokens=max_new_tokens, stop_at_eos=False, block_size=8,
-        chunk_budget=24, kv_bytes=16 << 20,
-    )
+        prompts, stop_at_eos = smollm2_prompts(folder), True
+        sizes = dict(block_size=16, chunk_budget=40, kv_bytes=256 << 20)
+    else:
+        folder = request.getfixturevalue("tiny_model_folders")[family]
+        prompts, stop_at_eos = random_prompts(len(family)), False
+        sizes = dict(block_size=8, chunk_budget=24, kv_bytes=16 << 20)
+    if family not in hf_references:
+        hf_references[family] = hf_greedy(folder, prompts, MAX_NEW_TOKENS, stop_at_eos)
+    return run_parity(folder, prompts, hf_references[family], max_new_tokens=MAX_NEW_TOKENS, stop_at_eos=stop_at_eos,
+                      cpu_kernels=cpu_kernels, **sizes)
 
 
 def test_continuous_batch_matches_hf(parity: ParityRun) -> None:
