@@ -114,10 +114,9 @@ class PromptLogprobs:
 
 @dataclass(slots=True)
 class StepResult:
-    """One plan's tokens in result order (new requests first, then cached), and what computing them cost."""
+    """One plan's tokens in result order (new requests first, then cached), and what computing them cost; the
+    executor's step code fills it pass by pass, and names the instance and the plan last."""
 
-    instance_id: str
-    step_id: int
     token_ids: list[int] = field(default_factory=list)
     # Parallel to token_ids when any request asked (None, or an empty entry, for those that did not); else empty.
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
@@ -126,6 +125,8 @@ class StepResult:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     # The decode passes a multi-step plan ran when it was cut short (0: a plan dropped unrun); None: all of them.
     num_passes: int | None = None
+    instance_id: str = ""
+    step_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)

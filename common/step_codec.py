@@ -107,12 +107,13 @@ def result_to_proto(result: StepResult) -> pb.StepResult:
 
 def result_from_proto(msg: pb.StepResult) -> StepResult:
     return StepResult(
-        msg.instance_id, msg.step_id, list(msg.token_ids),
+        list(msg.token_ids),
         [_logprobs_from_proto(lp) for lp in msg.logprobs] if msg.logprobs else [],
         msg.forward_ms, msg.sample_ms,
         [PromptLogprobs(run.request_id, run.first_position, [_logprobs_from_proto(lp) for lp in run.logprobs])
          for run in msg.prompt_logprobs],
         msg.num_passes if msg.HasField("num_passes") else None,
+        msg.instance_id, msg.step_id,
     )
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from common.executor import Executor
 from common.step import StepPlan, StepResult
-from executor_svc.core.step_pipeline import PreparedStep, StepOutput
+from executor_svc.core.step_pipeline import PreparedStep
 from executor_svc.fakes.shadow import ShadowExecutor
 from executor_svc.service import build_server
 from nanoserve.v1 import generation_pb2 as pb
@@ -58,7 +58,7 @@ class WindowShadow(ShadowExecutor):
         self.results.append(result)
         return result
 
-    def forward(self, chunks, inputs=None) -> StepOutput:
+    def forward(self, chunks, inputs=None) -> StepResult:
         self.num_passes += 1
         time.sleep(self.pass_s)
         output = super().forward(chunks, inputs)

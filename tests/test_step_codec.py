@@ -29,7 +29,6 @@ from common.step_codec import (
     sampling_to_proto,
 )
 from executor_svc.core.request_table import INVALID, PlanError, RequestTable
-from executor_svc.core.step_pipeline import StepOutput
 from nanoserve.v1 import executor_pb2 as pb
 
 
@@ -129,8 +128,9 @@ def test_sampling_the_executor_cannot_apply_is_refused_whole(sampling: pb.Sampli
 
 def test_a_step_result_carries_tokens_timings_and_logprobs_in_order() -> None:
     asked = TokenLogprobs(-0.5, [4, 9], [-0.5, -1.25])
-    output = StepOutput([4, 0, 7], [asked, None, TokenLogprobs(-2.0, [], [])], forward_ms=3.5, sample_ms=0.25)
-    result = result_to_proto(output.result("abc", 12))
+    output = StepResult([4, 0, 7], [asked, None, TokenLogprobs(-2.0, [], [])], forward_ms=3.5, sample_ms=0.25)
+    output.instance_id, output.step_id = "abc", 12
+    result = result_to_proto(output)
     assert (result.instance_id, result.step_id, list(result.token_ids)) == ("abc", 12, [4, 0, 7])
     assert (result.forward_ms, result.sample_ms) == (3.5, 0.25)
     assert list(result.logprobs) == [
@@ -141,7 +141,7 @@ def test_a_step_result_carries_tokens_timings_and_logprobs_in_order() -> None:
 
 
 def test_a_step_result_without_logprobs_has_none() -> None:
-    result = result_to_proto(StepOutput([5, 6]).result("abc", 1))
+    result = result_to_proto(StepResult([5, 6], instance_id="abc", step_id=1))
     assert list(result.token_ids) == [5, 6] and not result.logprobs
 
 
@@ -164,10 +164,11 @@ def test_a_plan_comes_back_the_same() -> None:
 
 
 def test_a_result_and_the_handshake_come_back_the_same() -> None:
-    result = StepResult("i", 3, [4, 5], [TokenLogprobs(-0.5, [4], [-0.5]), TokenLogprobs(0.0)], 1.5, 0.5,
-                        [PromptLogprobs(2, 1, [TokenLogprobs(-3.0, [8], [-1.0])])], num_passes=0)
+    result = StepResult([4, 5], [TokenLogprobs(-0.5, [4], [-0.5]), TokenLogprobs(0.0)], 1.5, 0.5,
+                        [PromptLogprobs(2, 1, [TokenLogprobs(-3.0, [8], [-1.0])])],
+                        num_passes=0, instance_id="i", step_id=3)
     assert result_from_proto(result_to_proto(result)) == result
-    assert result_from_proto(result_to_proto(StepResult("i", 4))).num_passes is None
+    assert result_from_proto(result_to_proto(StepResult(instance_id="i", step_id=4))).num_passes is None
     info = ExecutorInfo("id", "m", "LlamaForCausalLM", "bfloat16", "cpu", 100, (2, 3), 64, 16, 8, bos_token_id=0,
                         tokenizer_json="{}", chat_template="t", attention_backend="cpu")
     assert info_from_proto(info_to_proto(info)) == info

@@ -11,36 +11,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from common.executor import Executor
-from common.step import ExecutorInfo, PromptLogprobs, StepPlan, StepResult, TokenLogprobs
+from common.step import ExecutorInfo, StepPlan, StepResult, TokenLogprobs
 from executor_svc.core.request_table import RequestTable, ScheduledChunk
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """One plan's tokens in result order and the time spent computing and sampling them."""
-
-    token_ids: list[int] = field(default_factory=list)
-    # Parallel to token_ids when any request asked for logprobs (None for those that did not); else empty.
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    forward_ms: float = 0.0
-    sample_ms: float = 0.0
-    # Requests with num_prompt_logprobs whose prompt this step computed (part of).
-    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
-    # The decode passes a multi-step plan ran when it was cut short (``TableExecutor.cut``); None: all of them.
-    num_passes: int | None = None
-
-    def result(self, instance_id: str, step_id: int) -> StepResult:
-        return StepResult(instance_id, step_id, self.token_ids, self.logprobs, self.forward_ms, self.sample_ms,
-                          self.prompt_logprobs, self.num_passes)
-
 
 # Computes and samples one token per chunk, in order (0 for a chunk that does not sample), from the input
 # the executor packed for them ahead (None, as ``run_forward_passes`` passes: packed now).
-ForwardPass = Callable[[list[ScheduledChunk], object | None], StepOutput]
+ForwardPass = Callable[[list[ScheduledChunk], object | None], StepResult]
 
 
 @dataclass
@@ -70,7 +50,7 @@ class Passes(Protocol):
     def launch(self, chunks: list[ScheduledChunk], inputs: object | None = None,
                sampled_before: list[int] | None = None) -> object: ...
 
-    def finish(self, launched: object) -> StepOutput: ...
+    def finish(self, launched: object) -> StepResult: ...
 
     def launches_ahead(self, inputs: object | None) -> bool: ...
 
@@ -87,10 +67,10 @@ class Synchronous:
         return None
 
     def launch(self, chunks: list[ScheduledChunk], inputs: object | None = None,
-               sampled_before: list[int] | None = None) -> StepOutput:
+               sampled_before: list[int] | None = None) -> StepResult:
         return self.forward(chunks, inputs)
 
-    def finish(self, launched: StepOutput) -> StepOutput:
+    def finish(self, launched: StepResult) -> StepResult:
         return launched
 
     def launches_ahead(self, inputs: object | None) -> bool:
@@ -100,13 +80,13 @@ class Synchronous:
         return False
 
 
-def run_forward_passes(table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass) -> StepOutput:
+def run_forward_passes(table: RequestTable, chunks: list[ScheduledChunk], forward: ForwardPass) -> StepResult:
     """Run ``forward`` over the chunks once per decode step they ask for, recording its tokens in ``table``.
 
     Tokens come back chunk after chunk in plan order, each chunk's in the order sampled; the passes' times add up.
     """
     if not chunks:
-        return StepOutput()
+        return StepResult()
     if all(chunk.num_steps == 1 for chunk in chunks):
         output = forward(chunks, None)
         table.record_sampled(chunks, output.token_ids)
@@ -121,7 +101,7 @@ LastPass = Callable[[list[ScheduledChunk]], Callable[[list[int]], None] | None]
 
 def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], passes: Passes, cut: Callable[[], bool],
                    inputs: object | None = None, launched: object | None = None,
-                   last_pass: LastPass | None = None) -> StepOutput:
+                   last_pass: LastPass | None = None) -> StepResult:
     """The passes of a plan in which some chunk decodes more than one token; a chunk drops out after its last.
 
     Each pass after the first is packed while the device computes the one before, and launched from that one's
@@ -133,10 +113,10 @@ def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], passes: Pa
     plans the next step on them.
     """
     if not chunks:  # a plan that only drops requests
-        return StepOutput()
+        return StepResult()
     token_ids: list[list[int]] = [[] for _ in chunks]
     logprobs: list[list[TokenLogprobs | None]] = [[] for _ in chunks]
-    total = StepOutput()
+    total = StepResult()
     asked = False
     active = list(range(len(chunks)))
     current = chunks
@@ -283,7 +263,7 @@ class TableExecutor(Executor, ABC):
             plan = prepared.deferred
             if plan.after_whole_step_id is not None and plan.after_whole_step_id == self._cut_short_step_id:
                 prepared.deferred = None
-                return StepOutput(num_passes=0).result(self.info.instance_id, prepared.step_id)
+                return StepResult(num_passes=0, instance_id=self.info.instance_id, step_id=prepared.step_id)
             self._apply(prepared, plan)
         if prepared.single:
             launched, prepared.launched = prepared.launched, None  # its device buffers go once finished
@@ -302,7 +282,8 @@ class TableExecutor(Executor, ABC):
             following = self._following(prepared)
         if following is not None:
             following.launched = self.launch(following.chunks, following.inputs)
-        return output.result(self.info.instance_id, prepared.step_id)
+        output.instance_id, output.step_id = self.info.instance_id, prepared.step_id
+        return output
 
     def _start_booked(self, window: PreparedStep, last: list[ScheduledChunk]) -> Callable[[list[int]], None] | None:
         """``window``'s last pass is on the device: the plan booked on its every pass, next in the queue, is applied
@@ -351,7 +332,7 @@ class TableExecutor(Executor, ABC):
         return False
 
     @abstractmethod
-    def forward(self, chunks: list[ScheduledChunk], inputs: object | None = None) -> StepOutput:
+    def forward(self, chunks: list[ScheduledChunk], inputs: object | None = None) -> StepResult:
         """Compute and sample one token per chunk, in order (0 for a chunk short of its end): a ``ForwardPass``."""
 
     def launch(self, chunks: list[ScheduledChunk], inputs: object | None = None,
@@ -361,6 +342,6 @@ class TableExecutor(Executor, ABC):
         with a device to wait for overrides both."""
         return chunks, inputs
 
-    def finish(self, launched: object) -> StepOutput:
+    def finish(self, launched: object) -> StepResult:
         """Wait for a launched forward pass and sample: what ``forward`` returns."""
         return self.forward(*launched)

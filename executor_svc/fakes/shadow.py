@@ -15,9 +15,9 @@ import uuid
 import numpy as np
 import xxhash
 
-from common.step import ExecutorInfo
+from common.step import ExecutorInfo, StepResult
 from executor_svc.core.request_table import RequestTable, ScheduledChunk
-from executor_svc.core.step_pipeline import StepOutput, TableExecutor
+from executor_svc.core.step_pipeline import TableExecutor
 
 EMPTY_SLOT = -1
 
@@ -88,7 +88,7 @@ class ShadowExecutor(TableExecutor):
         bs = self.info.block_size
         return np.asarray(block_table, dtype=np.int64)[positions // bs] * bs + positions % bs
 
-    def forward(self, chunks: list[ScheduledChunk], inputs: object | None = None) -> StepOutput:
+    def forward(self, chunks: list[ScheduledChunk], inputs: object | None = None) -> StepResult:
         """Write each chunk's tokens into its KV slots, then derive each sampled token from the KV read back."""
         for chunk in chunks:
             state = chunk.state
@@ -102,4 +102,4 @@ class ShadowExecutor(TableExecutor):
                 continue
             context = self.kv[self._slots(chunk.state.block_table, 0, chunk.end)]
             token_ids.append(next_token(context, self.info.vocab_size, chunk.state.sampling.seed))
-        return StepOutput(token_ids)
+        return StepResult(token_ids)

@@ -19,7 +19,7 @@ from common.flags import boolean
 from common.security import TLSConfig
 from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.core.request_table import RequestTable, ScheduledChunk
-from executor_svc.core.step_pipeline import StepOutput, run_forward_passes
+from executor_svc.core.step_pipeline import run_forward_passes
 from executor_svc.fakes.shadow import ShadowExecutor
 from executor_svc.service import serve
 
@@ -59,7 +59,7 @@ class NullExecutor(Executor):
     def step(self, plan: StepPlan) -> StepResult:
         cached = plan.cached_requests
         n = len(plan.new_requests) + (sum(cached.num_decode_steps) or len(cached.request_ids))
-        return StepOutput([NULL_TOKEN_ID] * n).result(self.info.instance_id, plan.step_id)
+        return StepResult([NULL_TOKEN_ID] * n, instance_id=self.info.instance_id, step_id=plan.step_id)
 
     def reset(self) -> int:
         return 0
@@ -85,15 +85,17 @@ class EchoExecutor(Executor):
         for new in plan.new_requests:
             self.prompt_lens.setdefault(
                 new.request_id, len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens)
-        return run_forward_passes(self.table, chunks, self._echo).result(self.info.instance_id, plan.step_id)
+        result = run_forward_passes(self.table, chunks, self._echo)
+        result.instance_id, result.step_id = self.info.instance_id, plan.step_id
+        return result
 
-    def _echo(self, chunks: list[ScheduledChunk], inputs: object | None = None) -> StepOutput:
+    def _echo(self, chunks: list[ScheduledChunk], inputs: object | None = None) -> StepResult:
         token_ids = []
         for chunk in chunks:
             tokens = chunk.state.token_ids
             n_prompt = self.prompt_lens[chunk.state.request_id]
             token_ids.append(tokens[(len(tokens) - n_prompt) % n_prompt] if chunk.samples else 0)
-        return StepOutput(token_ids)
+        return StepResult(token_ids)
 
     def reset(self) -> int:
         self.prompt_lens.clear()

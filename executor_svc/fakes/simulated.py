@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from common.security import TLSConfig
-from common.step import ExecutorInfo
+from common.step import ExecutorInfo, StepResult
 from executor_svc.core.request_table import RequestTable, ScheduledChunk
-from executor_svc.core.step_pipeline import StepOutput, TableExecutor
+from executor_svc.core.step_pipeline import TableExecutor
 from executor_svc.cpu.kernels import kernel_library
 from executor_svc.fakes.shadow_server import model_free_info
 from executor_svc.runtime.model_input import ModelInput, prepare_input
@@ -108,15 +108,15 @@ class SimulatedExecutor(TableExecutor):
         every = inputs.num_sampled == len(chunks)
         return Launched(chunks, started, time.perf_counter() + self.step_s, every)
 
-    def finish(self, launched: Launched) -> StepOutput:
+    def finish(self, launched: Launched) -> StepResult:
         """``ModelRunner.finish`` and ``ModelExecutor.finish``: the wait for the device, then its tokens."""
         accelerator_wait(launched.done_at)
         forward_ms = (time.perf_counter() - launched.started) * 1e3
         if launched.every_chunk_samples:
-            return StepOutput([self.token_id] * len(launched.chunks), [], forward_ms, 0.0)
-        return StepOutput([self.token_id if chunk.samples else 0 for chunk in launched.chunks], [], forward_ms, 0.0)
+            return StepResult([self.token_id] * len(launched.chunks), [], forward_ms, 0.0)
+        return StepResult([self.token_id if chunk.samples else 0 for chunk in launched.chunks], [], forward_ms, 0.0)
 
-    def forward(self, chunks: list[ScheduledChunk], inputs: ModelInput | None = None) -> StepOutput:
+    def forward(self, chunks: list[ScheduledChunk], inputs: ModelInput | None = None) -> StepResult:
         """One pass of a multi-step plan: launched and waited for at once."""
         return self.finish(self.launch(chunks, inputs))
 

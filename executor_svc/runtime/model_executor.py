@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from common.step import ExecutorInfo
+from common.step import ExecutorInfo, StepResult
 from executor_svc.core.request_table import RequestTable, ScheduledChunk
-from executor_svc.core.step_pipeline import StepOutput, TableExecutor
+from executor_svc.core.step_pipeline import TableExecutor
 from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.distributed import free_init_method, init_group, spawn_workers
 from executor_svc.runtime.model_runner import LaunchedForward, ModelRunner, PreparedInput, rank_device, worker_main
@@ -85,21 +85,21 @@ class ModelExecutor(TableExecutor):
         """The forward pass started: on a GPU its kernels are queued while the CPU carries on; on the CPU it has run."""
         return self.runner.launch(chunks, inputs, sampled_before)
 
-    def finish(self, launched: LaunchedForward) -> StepOutput:
+    def finish(self, launched: LaunchedForward) -> StepResult:
         """The sampled tokens of a launched forward pass: 0, and no logprobs, for a chunk short of its end."""
         sampled, prompt_logprobs, forward_ms, sample_ms = self.runner.finish(launched)
         chunks = launched.chunks
         if len(sampled.token_ids) == len(chunks):  # every chunk sampled (a decode step): no walk over the chunks
-            return StepOutput(list(sampled.token_ids), list(sampled.logprobs), forward_ms, sample_ms, prompt_logprobs)
+            return StepResult(list(sampled.token_ids), list(sampled.logprobs), forward_ms, sample_ms, prompt_logprobs)
         token_ids = iter(sampled.token_ids)
-        output = StepOutput([next(token_ids) if chunk.samples else 0 for chunk in chunks], [], forward_ms, sample_ms,
+        output = StepResult([next(token_ids) if chunk.samples else 0 for chunk in chunks], [], forward_ms, sample_ms,
                             prompt_logprobs)
         if sampled.logprobs:
             logprobs = iter(sampled.logprobs)
             output.logprobs = [next(logprobs) if chunk.samples else None for chunk in chunks]
         return output
 
-    def forward(self, chunks: list[ScheduledChunk], inputs: PreparedInput | None = None) -> StepOutput:
+    def forward(self, chunks: list[ScheduledChunk], inputs: PreparedInput | None = None) -> StepResult:
         """One forward pass and sampling over ``chunks``, waited for at once."""
         return self.finish(self.launch(chunks, inputs))
 
