@@ -9,6 +9,7 @@ from typing import Any
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.sequence import PENDING, FinishReason, Sequence, SequenceStatus, max_kv_blocks
+from scheduler_svc.step_record import StepRecord, TokenOutput, shorten
 
 
 @dataclass
@@ -29,32 +30,6 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-
-
-@dataclass(slots=True)
-class TokenOutput:
-    """The completion tokens a step produced for ``seq`` (several under multi-step decode), the first at
-    ``position`` in its token ids, with the executor's logprobs of each when it sent them; ``final`` when
-    the last of them ended the sequence."""
-
-    seq: Sequence
-    token_ids: list[int]
-    logprobs: list[Any] | None
-    position: int
-    final: bool
-
-
-@dataclass(slots=True)
-class StepRecord:
-    """A step booked by ``advance``, waiting for its tokens in ``settle``: per sequence, the first
-    token it computes, how many, and where its first sampled token goes (-1: dropped, an unfinished
-    chunk). A decode sequence samples one token per computed token (more than one in multi-step)."""
-
-    seqs: list[Sequence]
-    starts: list[int]
-    counts: list[int]
-    slots: list[int]
-    is_prefill: bool
 
 
 class Scheduler:
@@ -233,7 +208,7 @@ class Scheduler:
         sampled past that are dropped.
         """
         if num_passes is not None:
-            record = self._shorten(record, num_passes)
+            record = shorten(record, num_passes)
         settled = []
         block_size, hash_blocks = self.block_size, self.block_manager.hash_blocks
         eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
@@ -275,26 +250,6 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq, reason)
         return settled
-
-    @staticmethod
-    def _shorten(record: StepRecord, num_passes: int) -> StepRecord:
-        """A multi-step decode that ran only ``num_passes`` steps: each sequence books that many tokens at most, and
-        the slots and computed tokens of the steps that did not run are given back. Its blocks stay: the next steps
-        write there. A step booked after it was given back first (``unbook``); a sequence preempted meanwhile holds
-        no computed tokens, only its slots."""
-        if record.is_prefill or num_passes < 1:
-            raise ValueError(f"the executor cut a step to {num_passes} passes; only a decode of >= 1 passes is cut")
-        counts = []
-        for seq, count, slot in zip(record.seqs, record.counts, record.slots, strict=True):
-            if count > num_passes:
-                if not seq.is_finished:
-                    if seq.block_table:
-                        seq.num_cached_tokens -= count - num_passes
-                    del seq.token_ids[slot + num_passes :]
-                    seq.final_token_pending = False
-                count = num_passes
-            counts.append(count)
-        return StepRecord(record.seqs, record.starts, counts, record.slots, record.is_prefill)
 
     @staticmethod
     def unbook(record: StepRecord) -> None:
