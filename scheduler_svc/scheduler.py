@@ -9,7 +9,7 @@ from typing import Any
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.sequence import PENDING, FinishReason, Sequence, SequenceStatus, max_kv_blocks
-from scheduler_svc.step_record import StepRecord, TokenOutput, shorten
+from scheduler_svc.step_record import StepRecord, TokenOutput, in_schedule_order, shorten
 
 
 @dataclass
@@ -68,6 +68,8 @@ class Scheduler:
         # Tokens looked up in the prefix cache at each allocation (vLLM's prefix-cache queries), and those found.
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
+        # The sequence the last prefill scheduled first: ``advance`` finds it in the plan's order.
+        self._prefill_head: Sequence | None = None
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -116,6 +118,7 @@ class Scheduler:
                 self.running.append(seq)
             scheduled.append(seq)
         if scheduled:
+            self._prefill_head = scheduled[0]
             return scheduled, True
 
         # The decode loop runs once per running sequence every step, so whether a sequence needs a
@@ -194,7 +197,9 @@ class Scheduler:
             starts.append(start)
             counts.append(count)
             slots.append(slot)
-        return StepRecord(seqs, starts, counts, slots, is_prefill)
+        # The plan lists a prefill's continued chunk, scheduled first, after its new requests.
+        first = len(seqs) - 1 if is_prefill and len(seqs) > 1 and seqs[-1] is self._prefill_head else 0
+        return StepRecord(seqs, starts, counts, slots, is_prefill, first)
 
     def settle(self, record: StepRecord, token_ids: list[int], logprobs: Collection[Any] = (),
                num_passes: int | None = None) -> list[TokenOutput]:
@@ -205,10 +210,13 @@ class Scheduler:
         This runs for every scheduled sequence every step, so the per-sequence work is inlined:
         blocks are hashed only when the step filled one (their tokens are all known by now), and
         a sequence finishes on EOS, a stop token or its length limit; tokens a multi-step decode
-        sampled past that are dropped.
+        sampled past that are dropped. Sequences settle in the order they were scheduled, as
+        nano-vLLM's postprocess takes them: blocks are registered and freed in its order.
         """
         if num_passes is not None:
             record = shorten(record, num_passes)
+        if record.first:
+            record, token_ids, logprobs = in_schedule_order(record, token_ids, logprobs)
         settled = []
         block_size, hash_blocks = self.block_size, self.block_manager.hash_blocks
         eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len

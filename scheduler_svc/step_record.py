@@ -1,7 +1,8 @@
-"""What a step books between ``Scheduler.advance`` and ``Scheduler.settle``."""
+"""What a step books between ``Scheduler.advance`` and ``Scheduler.settle``, and the views of it settle takes."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,13 +26,29 @@ class TokenOutput:
 class StepRecord:
     """A step booked by ``advance``, waiting for its tokens in ``settle``: per sequence, the first
     token it computes, how many, and where its first sampled token goes (-1: dropped, an unfinished
-    chunk). A decode sequence samples one token per computed token (more than one in multi-step)."""
+    chunk). A decode sequence samples one token per computed token (more than one in multi-step).
+    Rows are in the plan's order; ``first`` is the row scheduled first (a prefill's continued chunk, which
+    the plan lists after its new requests)."""
 
     seqs: list[Sequence]
     starts: list[int]
     counts: list[int]
     slots: list[int]
     is_prefill: bool
+    first: int = 0
+
+
+def in_schedule_order(record: StepRecord, token_ids: list[int],
+                      logprobs: Collection[Any]) -> tuple[StepRecord, list[int], Collection[Any]]:
+    """A prefill's rows (one token each) with the one scheduled first moved to the front, so that settling
+    registers and frees blocks in the order nano-vLLM's postprocess does, and the prefix cache follows its."""
+    f = record.first
+
+    def front(rows: Any) -> list[Any]:
+        return [rows[f], *rows[:f], *rows[f + 1 :]]
+
+    moved = StepRecord(front(record.seqs), front(record.starts), front(record.counts), front(record.slots), True)
+    return moved, front(token_ids), front(logprobs) if len(logprobs) else logprobs
 
 
 def shorten(record: StepRecord, num_passes: int) -> StepRecord:

@@ -280,3 +280,17 @@ def test_a_hit_shares_a_copy_in_use_before_reviving_a_free_one(make_scheduler):
     free = bm.num_free_blocks
     s.schedule()
     assert c.block_table[0] == a.block_table[0] and bm.num_free_blocks == free - 1, "only c's last block is new"
+
+
+def test_a_continued_chunk_registers_before_the_new_requests_of_its_step(make_shadow_engine):
+    engine, _ = make_shadow_engine(num_blocks=16, block_size=4, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    c = engine.add_request(list(range(1, 13)), params)
+    engine.step()  # c's first chunk: blocks 0 and 1
+    t = engine.add_request(list(range(1, 13)), params)
+    engine.step()  # c's last block, and t hits blocks 0 and 1 and computes its last block, a twin of c's
+    bm = engine.block_manager
+    h = bm.blocks[c.block_table[2]].hash
+    # The plan lists t, new, before c; nano-vLLM's postprocess takes c first, as it scheduled it: the blocks of a
+    # step are registered (and freed) in that order.
+    assert bm.hash_to_block_ids[h] == [c.block_table[2], t.block_table[2]]
