@@ -39,7 +39,10 @@ class Scheduler:
     sequence of a batch may be chunked, and a chunked sequence stays at the
     head until its prompt is computed. Decode runs only when no prefill was
     scheduled; when a block cannot be appended, the tail of ``running`` is
-    preempted (its blocks freed, recomputed later). A decode step computes
+    preempted (its blocks freed, recomputed later). Admission and the token
+    budget count the prefix hits nano-vLLM's cache finds, so the schedule is
+    its own; the other copies ours keeps only make a sequence compute fewer
+    tokens (``BlockManager``). A decode step computes
     up to ``num_scheduler_steps`` tokens per sequence, never more than the
     ``max_decode_steps`` of any sequence in it, nor past a sequence's
     max_tokens or the model's length.
@@ -104,14 +107,17 @@ class Scheduler:
                 num_tokens = seq.num_tokens - seq.num_cached_tokens
             if remaining < num_tokens and scheduled:
                 break
+            # The budget is charged as nano-vLLM counts, so the schedule is its own; a prompt computed whole may
+            # compute fewer tokens (``BlockManager``: copies only this cache finds).
+            charge = min(num_tokens, remaining)
             if not seq.block_table:
-                self.block_manager.allocate(seq, num_cached_blocks)
+                self.block_manager.allocate(seq, num_cached_blocks, revive=charge == num_tokens)
                 self.num_prefix_query_tokens += seq.num_tokens
                 self.num_prefix_hit_tokens += seq.num_cached_tokens
                 if seq.num_prefix_hit_tokens is None:  # of the prompt: a resumed completion may hit too
                     seq.num_prefix_hit_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
-            seq.num_scheduled_tokens = min(num_tokens, remaining)
-            num_batched_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens if charge == num_tokens else charge
+            num_batched_tokens += charge
             if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens:
                 seq.status = SequenceStatus.RUNNING
                 self.waiting.popleft()
@@ -208,10 +214,11 @@ class Scheduler:
         executor cut a multi-step decode short, is how many decode steps of it ran.
 
         This runs for every scheduled sequence every step, so the per-sequence work is inlined:
-        blocks are hashed only when the step filled one (their tokens are all known by now), and
-        a sequence finishes on EOS, a stop token or its length limit; tokens a multi-step decode
-        sampled past that are dropped. Sequences settle in the order they were scheduled, as
-        nano-vLLM's postprocess takes them: blocks are registered and freed in its order.
+        blocks are hashed only when the step filled one (their tokens are all known by now) or a
+        prefill revived copies to name, and a sequence finishes on EOS, a stop token or its length
+        limit; tokens a multi-step decode sampled past that are dropped. Sequences settle in the
+        order they were scheduled, as nano-vLLM's postprocess takes them, which the prefix cache's
+        names and the free list's order follow.
         """
         if num_passes is not None:
             record = shorten(record, num_passes)
@@ -219,6 +226,7 @@ class Scheduler:
             record, token_ids, logprobs = in_schedule_order(record, token_ids, logprobs)
         settled = []
         block_size, hash_blocks = self.block_size, self.block_manager.hash_blocks
+        is_prefill, revived = record.is_prefill, self.block_manager.revived
         eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
         expected = len(record.seqs) if record.is_prefill else sum(record.counts)
         one_each = expected == len(record.seqs)  # a prefill, or a decode of one step per sequence
@@ -253,7 +261,8 @@ class Scheduler:
                                                slot, reason is not None))
                     # KV past the last kept token belongs to dropped tokens.
                     computed_end = min(computed_end, slot + kept)
-            if seq.block_table and start // block_size != computed_end // block_size:
+            if seq.block_table and (start // block_size != computed_end // block_size
+                                    or is_prefill and seq.seq_id in revived):
                 hash_blocks(seq, start, computed_end)
             if reason is not None:
                 self.finish(seq, reason)
