@@ -61,6 +61,8 @@ def assert_all_blocks_free(block_manager: BlockManager) -> None:
         assert block_ids, "a hash names no block"
         for block_id in block_ids:
             assert block_manager.blocks[block_id].hash == h, "a hash points to a reused block"
+    assert all(block_id in block_manager.hash_to_block_ids.get(h, ()) for h, block_id in block_manager.named.items())
+    assert not block_manager.revived, "a revived copy was never named nor freed"
 
 
 @pytest.fixture

@@ -58,6 +58,8 @@ def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
         block = bm.blocks[block_id]
         assert block.hash == h
         assert list(executor.kv[block_id * bs:(block_id + 1) * bs]) == block.token_ids, "a hash names stale KV"
+    assert all(block_id in bm.hash_to_block_ids.get(h, ()) for h, block_id in bm.named.items()), \
+        "nano-vLLM's name for a prefix is not one of its registered copies"
 
 
 @pytest.mark.parametrize(("overlap", "num_steps"), [(False, 1), (True, 1), (False, 5), (True, 3)],

@@ -32,18 +32,18 @@ def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
 class BlockManager:
     """Hands out fixed-size blocks and finds computed prefixes to share.
 
-    A block's hash is registered only after its KV has been computed (in
-    ``hash_blocks``), and a free block keeps its registration until it is
-    reused, so a prompt seen before can still hit it.
+    A block's hash is registered only after its KV has been computed (in ``hash_blocks``), and a free block keeps
+    its registration until it is reused, so a prompt seen before can still hit it.
 
-    A hash names every block that holds its KV: two sequences sharing a prefix
-    in one step each compute their own copy, and both stay findable, so a hit
-    survives as long as any copy does (with one name per hash, evicting the
-    named copy loses the hit while its twin still holds the KV). Merging the
-    twin into the named block instead would rewrite a block table the executor
-    already holds, which the plan protocol (appends only) cannot say. A reused
-    block drops only its own entry; a hit shares a copy in use before reviving
-    a free one, so it never holds a block more than it must.
+    Every computed copy of a prefix stays registered (two sequences sharing a prefix in one step compute one each),
+    but what is scheduled follows nano-vLLM's cache: ``named`` holds, per hash, the one copy its map names (registered
+    last, until that block is reused). A sequence is admitted, charged against the token budget and given blocks
+    exactly as nano-vLLM would, so the schedule is nano-vLLM's step for step. The other copies only save work that
+    changes nothing else: a sequence whose whole prompt is computed in the step (a chunk would end elsewhere)
+    revives a free copy nano-vLLM no longer names where nano-vLLM takes a fresh block, and that fresh block takes
+    the copy's place in the free list, keeping its own KV. Sharing a copy in use instead would hold a block less
+    than nano-vLLM and admit a sequence nano-vLLM keeps waiting, into a cache the next decode needs: preempted, it
+    is computed again, more prefill, not less.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -53,6 +53,10 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Registered blocks by hash, in registration order; a block is in at most one list, once.
         self.hash_to_block_ids: dict[int, list[int]] = {}
+        # Per hash, the copy nano-vLLM's map names: registered last and not reused since.
+        self.named: dict[int, int] = {}
+        # Per sequence, the copies it revived: named when its step settles, as nano-vLLM's fresh blocks would be.
+        self.revived: dict[int, list[int]] = {}
         self.num_cached_blocks = 0
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.used_block_ids: set[int] = set()
@@ -75,67 +79,96 @@ class BlockManager:
             copies.remove(block_id)
             if not copies:
                 del self.hash_to_block_ids[block.hash]
+            self._unname(block_id)
             self.num_cached_blocks -= 1
         block.hash = NO_HASH
         block.token_ids = []
-        block.ref_count = 1
-        self.used_block_ids.add(block_id)
+        self._use(block_id)
         return block_id
 
-    def _find(self, h: int, token_ids: list[int]) -> int | None:
-        """A block holding the KV of ``token_ids`` after the prefix that chained to ``h``: the copy
-        registered last, as nano-vLLM's map (last write wins) would name, but one in use before a
-        free one, since sharing it takes no block."""
-        found = None
+    def _use(self, block_id: int) -> None:
+        self.blocks[block_id].ref_count = 1
+        self.used_block_ids.add(block_id)
+
+    def _unname(self, block_id: int) -> None:
+        """nano-vLLM reuses ``block_id``: its map no longer names it."""
+        h = self.blocks[block_id].hash
+        if h != NO_HASH and self.named.get(h) == block_id:
+            del self.named[h]
+
+    def _revive_for_head(self, block_id: int) -> None:
+        """Take the free copy ``block_id`` where nano-vLLM takes the head of the free list: the head moves to the
+        copy's place, keeping its KV (findable here, no longer named), so the free list stays nano-vLLM's."""
+        free = self.free_block_ids
+        head = free.popleft()
+        if head != block_id:
+            free[free.index(block_id)] = head
+            self._unname(head)
+        self._use(block_id)
+
+    def _free_copy(self, h: int, token_ids: list[int]) -> int | None:
+        """A free block holding ``token_ids`` after the prefix that chained to ``h`` that nano-vLLM does not name."""
         for block_id in reversed(self.hash_to_block_ids.get(h, ())):
             block = self.blocks[block_id]
-            if block.token_ids == token_ids:
-                if block.ref_count:
-                    return block_id
-                if found is None:
-                    found = block_id
-        return found
+            if not block.ref_count and block.token_ids == token_ids and self.named.get(h) != block_id:
+                return block_id
+        return None
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest computed prefix, never the prompt's last block; none for a prompt whose
-        logprobs were asked, since only computing a token gives its logprob."""
+    def _cached_prefix(self, seq: Sequence, revive: bool) -> tuple[list[int], int]:
+        """Block ids of the longest computed prefix, never the prompt's last block, and how many of them nano-vLLM
+        names; with ``revive``, free copies it does not name continue the prefix. None for a prompt whose logprobs
+        were asked, since only computing a token gives its logprob."""
         hits: list[int] = []
         if seq.params.prompt_logprobs is not None:
-            return hits
+            return hits, 0
+        num_named = -1
         h = NO_HASH
         for i in range(seq.num_blocks - 1):
             token_ids = seq.block(i)
             h = chain_hash(token_ids, h)
-            block_id = self._find(h, token_ids)
+            if num_named < 0:
+                block_id = self.named.get(h)
+                if block_id is not None and self.blocks[block_id].token_ids == token_ids:
+                    hits.append(block_id)
+                    continue
+                num_named = len(hits)
+                if not revive:
+                    break
+            block_id = self._free_copy(h, token_ids)
             if block_id is None:
                 break
             hits.append(block_id)
-        return hits
+        return hits, len(hits) if num_named < 0 else num_named
 
     def can_allocate(self, seq: Sequence) -> int:
-        """Number of prefix-cache hit blocks if ``seq`` fits now, else -1."""
-        hits = self._cached_prefix(seq)
-        num_new_blocks = seq.num_blocks - sum(1 for b in hits if b in self.used_block_ids)
+        """Number of prefix-cache hit blocks nano-vLLM finds if ``seq`` fits now, else -1."""
+        hits, _ = self._cached_prefix(seq, revive=False)
+        num_new_blocks = seq.num_blocks - sum(1 for b in hits if self.blocks[b].ref_count)
         if len(self.free_block_ids) < num_new_blocks:
             return -1
         return len(hits)
 
-    def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
+    def allocate(self, seq: Sequence, num_cached_blocks: int, revive: bool = False) -> None:
+        """Give ``seq`` the ``num_cached_blocks`` hits ``can_allocate`` counted, then fresh blocks; with ``revive``
+        (its whole prompt is computed this step), free copies nano-vLLM does not name stand in for fresh blocks."""
         assert not seq.block_table
-        hits = self._cached_prefix(seq)[:num_cached_blocks]
-        assert len(hits) == num_cached_blocks
-        for block_id in hits:
+        hits, num_named = self._cached_prefix(seq, revive)
+        assert num_named == num_cached_blocks
+        for block_id in hits[:num_named]:
             block = self.blocks[block_id]
-            if block_id in self.used_block_ids:
+            if block.ref_count:
                 block.ref_count += 1
             else:
                 self.free_block_ids.remove(block_id)
-                self.used_block_ids.add(block_id)
-                block.ref_count = 1
-            seq.block_table.append(block_id)
-        for _ in range(num_cached_blocks, seq.num_blocks):
+                self._use(block_id)
+        for block_id in hits[num_named:]:
+            self._revive_for_head(block_id)
+        if len(hits) > num_named:
+            self.revived[seq.seq_id] = hits[num_named:]
+        seq.block_table.extend(hits)
+        for _ in range(len(hits), seq.num_blocks):
             seq.block_table.append(self._take_free_block())
-        seq.num_cached_tokens = num_cached_blocks * self.block_size
+        seq.num_cached_tokens = len(hits) * self.block_size
 
     def append_blocks(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow ``seq``'s block table to hold the KV of its first ``num_tokens`` tokens. False, taking
@@ -156,15 +189,19 @@ class BlockManager:
             if block.ref_count == 0:
                 self.used_block_ids.remove(block_id)
                 self.free_block_ids.append(block_id)
+        self.revived.pop(seq.seq_id, None)
         seq.num_cached_tokens = 0
         seq.block_table.clear()
 
     def hash_blocks(self, seq: Sequence, first_token: int, end_token: int) -> None:
-        """Register the blocks that computing tokens [first_token, end_token) filled; their KV now exists.
+        """Register the blocks that computing tokens [first_token, end_token) filled; their KV now exists. The
+        copies ``seq`` revived are named now too, in the order nano-vLLM registers the blocks it computed instead.
 
         These blocks were fresh when taken (a hit is never recomputed), so none is registered yet;
-        a copy another sequence computed in the same step joins the same hash.
+        a copy another sequence computed in the same step joins the same hash, and is named last.
         """
+        for block_id in self.revived.pop(seq.seq_id, ()):
+            self.named[self.blocks[block_id].hash] = block_id
         start = first_token // self.block_size
         end = end_token // self.block_size
         if start == end:
@@ -177,4 +214,5 @@ class BlockManager:
             block.hash = h
             block.token_ids = token_ids
             self.hash_to_block_ids.setdefault(h, []).append(block.block_id)
+            self.named[h] = block.block_id
         self.num_cached_blocks += end - start

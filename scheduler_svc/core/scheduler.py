@@ -9,6 +9,7 @@ from typing import Any
 
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.sequence import PENDING, FinishReason, Sequence, SequenceStatus, max_kv_blocks
+from scheduler_svc.core.step_record import StepRecord, TokenOutput, in_schedule_order, shorten
 from scheduler_svc.core.stop_rules import StopRule
 
 
@@ -32,32 +33,6 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
-@dataclass(slots=True)
-class TokenOutput:
-    """The completion tokens a step produced for ``seq`` (several under multi-step decode), the first at
-    ``position`` in its token ids, with the executor's logprobs of each when it sent them; ``final`` when
-    the last of them ended the sequence."""
-
-    seq: Sequence
-    token_ids: list[int]
-    logprobs: list[Any] | None
-    position: int
-    final: bool
-
-
-@dataclass(slots=True)
-class StepRecord:
-    """A step booked by ``advance``, waiting for its tokens in ``settle``: per sequence, the first
-    token it computes, how many, and where its first sampled token goes (-1: dropped, an unfinished
-    chunk). A decode sequence samples one token per computed token (more than one in multi-step)."""
-
-    seqs: list[Sequence]
-    starts: list[int]
-    counts: list[int]
-    slots: list[int]
-    is_prefill: bool
-
-
 class Scheduler:
     """Decides which sequences run each step and how many tokens each computes.
 
@@ -65,7 +40,10 @@ class Scheduler:
     sequence of a batch may be chunked, and a chunked sequence stays at the
     head until its prompt is computed. Decode runs only when no prefill was
     scheduled; when a block cannot be appended, the tail of ``running`` is
-    preempted (its blocks freed, recomputed later). A decode step computes
+    preempted (its blocks freed, recomputed later). Admission and the token
+    budget count the prefix hits nano-vLLM's cache finds, so the schedule is
+    its own; the other copies ours keeps only make a sequence compute fewer
+    tokens (``BlockManager``). A decode step computes
     up to ``num_scheduler_steps`` tokens per sequence, never more than the
     ``max_decode_steps`` of any sequence in it, nor past a sequence's
     max_tokens or the model's length.
@@ -94,6 +72,8 @@ class Scheduler:
         # Tokens looked up in the prefix cache at each allocation (vLLM's prefix-cache queries), and those found.
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
+        # The sequence the last prefill scheduled first: ``advance`` finds it in the plan's order.
+        self._prefill_head: Sequence | None = None
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -129,20 +109,24 @@ class Scheduler:
                 num_tokens = seq.num_tokens - seq.num_cached_tokens
             if remaining < num_tokens and scheduled:
                 break
+            # The budget is charged as nano-vLLM counts, so the schedule is its own; a prompt computed whole may
+            # compute fewer tokens (``BlockManager``: copies only this cache finds).
+            charge = min(num_tokens, remaining)
             if not seq.block_table:
-                self.block_manager.allocate(seq, num_cached_blocks)
+                self.block_manager.allocate(seq, num_cached_blocks, revive=charge == num_tokens)
                 self.num_prefix_query_tokens += seq.num_tokens
                 self.num_prefix_hit_tokens += seq.num_cached_tokens
                 if seq.num_prefix_hit_tokens is None:  # of the prompt: a resumed completion may hit too
                     seq.num_prefix_hit_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
-            seq.num_scheduled_tokens = min(num_tokens, remaining)
-            num_batched_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens if charge == num_tokens else charge
+            num_batched_tokens += charge
             if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens:
                 seq.status = SequenceStatus.RUNNING
                 self.waiting.popleft()
                 self.running.append(seq)
             scheduled.append(seq)
         if scheduled:
+            self._prefill_head = scheduled[0]
             return scheduled, True
 
         # The decode loop runs once per running sequence every step, so whether a sequence needs a
@@ -220,7 +204,9 @@ class Scheduler:
             starts.append(start)
             counts.append(count)
             slots.append(slot)
-        return StepRecord(seqs, starts, counts, slots, is_prefill)
+        # The plan lists a prefill's continued chunk, scheduled first, after its new requests.
+        first = len(seqs) - 1 if is_prefill and len(seqs) > 1 and seqs[-1] is self._prefill_head else 0
+        return StepRecord(seqs, starts, counts, slots, is_prefill, first)
 
     def settle(self, record: StepRecord, token_ids: list[int], logprobs: Collection[Any] = (),
                num_passes: int | None = None) -> list[TokenOutput]:
@@ -229,14 +215,19 @@ class Scheduler:
         executor cut a multi-step decode short, is how many decode steps of it ran.
 
         This runs for every scheduled sequence every step, so the per-sequence work is inlined:
-        blocks are hashed only when the step filled one (their tokens are all known by now), and
-        a sequence finishes on EOS, a stop token or its length limit; tokens a multi-step decode
-        sampled past that are dropped.
+        blocks are hashed only when the step filled one (their tokens are all known by now) or a
+        prefill revived copies to name, and a sequence finishes on EOS, a stop token or its length
+        limit; tokens a multi-step decode sampled past that are dropped. Sequences settle in the
+        order they were scheduled, as nano-vLLM's postprocess takes them, which the prefix cache's
+        names and the free list's order follow.
         """
         if num_passes is not None:
-            record = self._shorten(record, num_passes)
+            record = shorten(record, num_passes)
+        if record.first:
+            record, token_ids, logprobs = in_schedule_order(record, token_ids, logprobs)
         settled = []
         block_size, hash_blocks = self.block_size, self.block_manager.hash_blocks
+        is_prefill, revived = record.is_prefill, self.block_manager.revived
         expected = len(record.seqs) if record.is_prefill else sum(record.counts)
         one_each = expected == len(record.seqs)  # a prefill, or a decode of one step per sequence
         if len(token_ids) != expected:
@@ -267,31 +258,12 @@ class Scheduler:
                                                slot, reason is not None))
                     # KV past the last kept token belongs to dropped tokens.
                     computed_end = min(computed_end, slot + kept)
-            if seq.block_table and start // block_size != computed_end // block_size:
+            if seq.block_table and (start // block_size != computed_end // block_size
+                                    or is_prefill and seq.seq_id in revived):
                 hash_blocks(seq, start, computed_end)
             if reason is not None:
                 self.finish(seq, reason)
         return settled
-
-    @staticmethod
-    def _shorten(record: StepRecord, num_passes: int) -> StepRecord:
-        """A multi-step decode that ran only ``num_passes`` steps: each sequence books that many tokens at most, and
-        the slots and computed tokens of the steps that did not run are given back. Its blocks stay: the next steps
-        write there. A step booked after it was given back first (``unbook``); a sequence preempted meanwhile holds
-        no computed tokens, only its slots."""
-        if record.is_prefill or num_passes < 1:
-            raise ValueError(f"the executor cut a step to {num_passes} passes; only a decode of >= 1 passes is cut")
-        counts = []
-        for seq, count, slot in zip(record.seqs, record.counts, record.slots, strict=True):
-            if count > num_passes:
-                if not seq.is_finished:
-                    if seq.block_table:
-                        seq.num_cached_tokens -= count - num_passes
-                    del seq.token_ids[slot + num_passes :]
-                    seq.final_token_pending = False
-                count = num_passes
-            counts.append(count)
-        return StepRecord(record.seqs, record.starts, counts, record.slots, record.is_prefill)
 
     @staticmethod
     def unbook(record: StepRecord) -> None:
