@@ -47,6 +47,9 @@ class ServiceConfig:
     # one step per plan, and it helps where the executor's CPU per plan nears the device's step (W1, W5: the
     # figures are in docs/benchmarks-history.md).
     num_scheduler_steps: int = 8
+    # "nano-vllm": prefill first, never mixed with decode (the seed's policy); "mixed": running decodes first, prefill
+    # chunks fill the rest of the token budget in the same step (``core.mixed``).
+    scheduling_policy: str = "nano-vllm"
     # Tokens a stream gathers before a message goes out (the first and the last go at once): vLLM's and SGLang's
     # --stream-interval.
     stream_interval: int = 1
@@ -96,6 +99,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "once per plan, and EOS and stop strings are seen only between plans. A plan computes no more steps than any "
         "of its requests' readers take tokens at a time (a stream's interval; whole completions: no limit), and a new "
         "request cuts one short after its current step")
+    add("--scheduling-policy", str, "nano-vllm: prefill first, never in a step with decodes (the seed's policy); "
+        "mixed: running decodes first, and prefill chunks fill the rest of --max-num-batched-tokens in the same step",
+        choices=("nano-vllm", "mixed"))
     add("--stream-interval", positive_int, "tokens a stream gathers before they are sent (its first token and its "
         "end go at once): 1 sends each as it comes; more send fewer, larger messages, which costs this process "
         "less per token when it streams to many clients")

@@ -62,14 +62,17 @@ def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
         "nano-vLLM's name for a prefix is not one of its registered copies"
 
 
+@pytest.mark.parametrize("policy", ["nano-vllm", "mixed"])
 @pytest.mark.parametrize(("overlap", "num_steps"), [(False, 1), (True, 1), (False, 5), (True, 3)],
                          ids=["sync", "overlap", "multi-step", "multi-step-overlap"])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
-def test_engine_matches_sequential_reference(overlap, num_steps, workload):
+def test_engine_matches_sequential_reference(overlap, num_steps, policy, workload):
+    """Under either policy: mixed steps (decodes beside prefill chunks, prefix hits, one chunked prompt, preemption)
+    give every request the sequential reference's tokens."""
     block_size, num_blocks, budget, max_num_seqs, prefixes, requests = workload
     executor = ShadowExecutor(num_blocks, block_size, VOCAB, (EOS,), max_model_len=4096)
-    engine = Engine(executor, SchedulerConfig(max_num_seqs, budget, num_steps), overlap=overlap)
+    engine = Engine(executor, SchedulerConfig(max_num_seqs, budget, num_steps, policy), overlap=overlap)
     pending = []
     for prefix_choice, tail, max_tokens, ignore_eos, arrival in requests:
         prompt = (prefixes[prefix_choice] if prefix_choice < len(prefixes) else []) + tail

@@ -57,11 +57,13 @@ def run_with_recovery(engine: Engine) -> None:
     engine.step()
 
 
+@pytest.mark.parametrize("policy", ["nano-vllm", "mixed"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("die_at", [{1}, {3, 4}, {6}, {2, 9, 15}])
-def test_requests_survive_executor_restarts_with_identical_tokens(die_at, overlap):
+def test_requests_survive_executor_restarts_with_identical_tokens(die_at, overlap, policy):
     executor = RestartingExecutor(die_at, sizes=[40, 24, 64, 32, 48])
-    engine = Engine(executor, SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24), overlap=overlap)
+    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, policy=policy)
+    engine = Engine(executor, config, overlap=overlap)
     rng = random.Random(7)
     prompts = [[rng.randrange(1, 50) for _ in range(rng.randint(3, 30))] for _ in range(10)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(4, 20), ignore_eos=True) for _ in prompts]

@@ -4,7 +4,8 @@ Each model runs its prompts twice through the scheduler Engine and the
 ModelExecutor: all at once as one continuous batch; then on an engine whose
 token budget forces chunked prefill (chunk boundaries inside KV blocks), with
 two prompts repeated at the end so they hit the prefix cache their first
-copies filled. The reference is HF ``generate``, one prompt at a time.
+copies filled; and the same under the mixed scheduling policy, where decodes and prefill chunks share steps.
+The reference is HF ``generate``, one prompt at a time.
 
 The tiny models run under each CPU kernel choice (``c``, ``torch``, and ``auto``, what this machine measured), so
 that the choice of the machine running the suite cannot hide a kernel that breaks parity; SmolLM2 runs under the
@@ -53,6 +54,9 @@ class ParityRun:
     batched: list[list[int]]
     chunked: list[list[int]]
     multi_step: list[list[int]]
+    # Under the mixed policy, and how many of its steps held decodes beside prefill chunks.
+    mixed: list[list[int]]
+    mixed_steps: int
     prefix_hit_tokens: int
     chunk_budget: int
     longest_prompt: int
@@ -79,6 +83,10 @@ def run_parity(
     chunked_engine = Engine(executor, SchedulerConfig(max_num_batched_tokens=chunk_budget))
     with_repeats = prompts + [prompts[i] for i in REPEATED]
     chunked = [c.token_ids for c in chunked_engine.generate(with_repeats, params)]
+    mixed_engine = Engine(executor, SchedulerConfig(max_num_batched_tokens=chunk_budget, num_scheduler_steps=8,
+                                                    policy="mixed"))
+    mixed_steps = count_mixed_steps(mixed_engine)
+    mixed = [c.token_ids for c in mixed_engine.generate(with_repeats, params)]
     multi_step_engine = Engine(executor, SchedulerConfig(num_scheduler_steps=8))
     multi_step = [c.token_ids for c in multi_step_engine.generate(prompts, params)]
     assert multi_step_engine.block_manager.num_free_blocks == multi_step_engine.block_manager.num_blocks
@@ -87,10 +95,27 @@ def run_parity(
         batched,
         chunked,
         multi_step,
+        mixed,
+        mixed_steps[0],
         chunked_engine.scheduler.num_prefix_hit_tokens,
         chunk_budget,
         max(len(p) for p in prompts),
     )
+
+
+def count_mixed_steps(engine: Engine) -> list[int]:
+    """A counter of the steps the engine's scheduler fills with decodes and prefill chunks together."""
+    count = [0]
+    schedule = engine.scheduler.schedule
+
+    def counted() -> tuple[list, bool]:
+        seqs, is_prefill = schedule()
+        decoding = [s for s in seqs if s.num_cached_tokens >= s.num_prompt_tokens and s.num_scheduled_tokens == 1]
+        count[0] += is_prefill and 0 < len(decoding) < len(seqs)
+        return seqs, is_prefill
+
+    engine.scheduler.schedule = counted
+    return count
 
 
 def smollm2_prompts(folder: Path) -> list[list[int]]:
@@ -157,3 +182,9 @@ def test_chunked_prefill_matches_hf(parity: ParityRun) -> None:
 def test_prefix_cache_hits_match_hf(parity: ParityRun) -> None:
     assert parity.prefix_hit_tokens > 0
     assert parity.chunked[len(parity.reference) :] == [parity.reference[i] for i in REPEATED]
+
+
+def test_mixed_steps_match_hf(parity: ParityRun) -> None:
+    """Greedy float32 tokens are the same whichever policy runs: decodes beside prefill chunks change none."""
+    assert parity.mixed_steps > 0
+    assert parity.mixed == parity.reference + [parity.reference[i] for i in REPEATED]

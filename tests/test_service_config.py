@@ -8,7 +8,8 @@ import pytest
 
 from common.flags import env_name
 from common.step import ExecutorInfo
-from scheduler_svc.api.grpc_service import ACCELERATOR_GIL_SWITCH_INTERVAL_S, set_gil_switch_interval
+from executor_svc.fakes.shadow import ShadowExecutor
+from scheduler_svc.api.grpc_service import ACCELERATOR_GIL_SWITCH_INTERVAL_S, connect_engine, set_gil_switch_interval
 from scheduler_svc.config import ServiceConfig, parse_config
 
 
@@ -95,3 +96,14 @@ def test_the_gil_changes_hands_sooner_unless_the_executor_computes_on_the_schedu
         assert sys.getswitchinterval() == pytest.approx(expected)
     finally:
         sys.setswitchinterval(default)
+
+
+def test_the_scheduling_policy_reaches_the_engine():
+    """--scheduling-policy (or its environment variable) picks the engine's scheduler; a bad name is refused."""
+    assert parse_config([], env={}).scheduling_policy == ServiceConfig().scheduling_policy
+    config = parse_config([], env={"NANOSERVE_SCHEDULING_POLICY": "mixed"})
+    assert type(connect_engine(ShadowExecutor(16, 4, 50, (0,)), config).scheduler).__name__ == "MixedScheduler"
+    nano = parse_config(["--scheduling-policy", "nano-vllm"], env={"NANOSERVE_SCHEDULING_POLICY": "mixed"})
+    assert type(connect_engine(ShadowExecutor(16, 4, 50, (0,)), nano).scheduler).__name__ == "Scheduler"
+    with pytest.raises(SystemExit):
+        parse_config(["--scheduling-policy", "fcfs"], env={})

@@ -73,7 +73,7 @@ def connect_engine(executor: Executor, config: ServiceConfig) -> Engine:
     """Handshake with a reset executor: a new scheduler never inherits another one's requests."""
     executor.reset()
     return Engine(executor, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                            config.num_scheduler_steps),
+                                            config.num_scheduler_steps, config.scheduling_policy),
                   overlap=config.overlap, step_timeout_s=config.step_timeout)
 
 

@@ -23,8 +23,13 @@ class SchedulerConfig:
     # sampled token into the next forward pass itself, so the scheduling, the RPC and the plan are
     # paid once per this many decode steps. Stops (EOS, stop strings) are seen after the whole plan.
     num_scheduler_steps: int = 1
+    # "nano-vllm": prefill first, never mixed with decode (the seed's); "mixed": decodes first, prefill chunks fill
+    # the rest of the budget in the same step (``core.mixed``).
+    policy: str = "nano-vllm"
 
     def __post_init__(self) -> None:
+        if self.policy not in ("nano-vllm", "mixed"):
+            raise ValueError(f"policy must be nano-vllm or mixed, got {self.policy!r}")
         if self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.max_num_seqs < 1:
@@ -92,13 +97,21 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Return this step's sequences and whether the step is a prefill."""
-        scheduled: list[Sequence] = []
-        num_batched_tokens = 0
+        scheduled = self._schedule_prefills([], self.max_num_batched_tokens, self.max_num_seqs)
+        if scheduled:
+            self._prefill_head = scheduled[0]
+            return scheduled, True
+        return self._schedule_decodes(self.num_scheduler_steps, self.max_num_seqs), False
 
-        while self.waiting and len(scheduled) < self.max_num_seqs:
+    def _schedule_prefills(self, scheduled: list[Sequence], token_budget: int, seq_budget: int) -> list[Sequence]:
+        """Prefill FIFO from the head of ``waiting`` into ``scheduled`` within the budgets; only the first prefill
+        may be chunked, and a chunked sequence stays at the head until its prompt is computed."""
+        num_batched_tokens = 0
+        first = len(scheduled)
+        while self.waiting and len(scheduled) < seq_budget:
             seq = self.waiting[0]
-            remaining = self.max_num_batched_tokens - num_batched_tokens
-            if remaining == 0:
+            remaining = token_budget - num_batched_tokens
+            if remaining == 0 or seq.token_ids[-1] == PENDING:  # preempted while a step in flight still owes it
                 break
             if not seq.block_table:
                 num_cached_blocks = self.block_manager.can_allocate(seq)
@@ -107,7 +120,7 @@ class Scheduler:
                 num_tokens = seq.num_tokens - num_cached_blocks * self.block_size
             else:
                 num_tokens = seq.num_tokens - seq.num_cached_tokens
-            if remaining < num_tokens and scheduled:
+            if remaining < num_tokens and len(scheduled) > first:
                 break
             # The budget is charged as nano-vLLM counts, so the schedule is its own; a prompt computed whole may
             # compute fewer tokens (``BlockManager``: copies only this cache finds).
@@ -125,20 +138,23 @@ class Scheduler:
                 self.waiting.popleft()
                 self.running.append(seq)
             scheduled.append(seq)
-        if scheduled:
-            self._prefill_head = scheduled[0]
-            return scheduled, True
+        return scheduled
 
+    def _schedule_decodes(self, num_steps: int, seq_budget: int, prefill_may_follow: bool = False) -> list[Sequence]:
+        """Decode the running sequences, ``num_steps`` tokens each at most; when a block cannot be appended, the
+        tail of ``running`` is preempted (or the sequence itself, when alone). Nothing to decode and nothing held is
+        an error unless a prefill may follow in the same step (the mixed policy)."""
+        scheduled: list[Sequence] = []
         # The decode loop runs once per running sequence every step, so whether a sequence needs a
         # block is checked inline: most steps its table already holds the KV it writes, and only one
         # that needs more calls into the block manager (which counts, takes, or says none are free).
         block_manager, block_size, running = self.block_manager, self.block_size, self.running
-        num_steps, max_model_len = self.num_scheduler_steps, self.max_model_len
-        if num_steps > 1:  # one step for all: a sequence that stopped earlier would wait for the rest
+        max_model_len = self.max_model_len
+        if num_steps > 1 and running:  # one step for all: a sequence that stopped earlier would wait for the rest
             num_steps = min(num_steps, min(seq.max_decode_steps for seq in running))
         held: list[Sequence] = []
         steps = 1
-        while running and len(scheduled) < self.max_num_seqs:
+        while running and len(scheduled) < seq_budget:
             seq = running.popleft()
             if seq.final_token_pending:
                 held.append(seq)
@@ -161,11 +177,11 @@ class Scheduler:
             else:
                 seq.num_scheduled_tokens = steps
                 scheduled.append(seq)
-        if not scheduled and not held:
+        if not scheduled and not held and not prefill_may_follow:
             raise RuntimeError("nothing can be scheduled: a sequence needs more KV blocks than exist")
         running.extendleft(reversed(held))
         running.extendleft(reversed(scheduled))
-        return scheduled, False
+        return scheduled
 
     def preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

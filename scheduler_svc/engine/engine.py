@@ -23,9 +23,10 @@ from common.executor import Executor
 from common.step import StepPlan, StepResult
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.errors import InvalidRequest
+from scheduler_svc.core.mixed import POLICIES
 from scheduler_svc.core.planner import Planner
 from scheduler_svc.core.sampling import SamplingParams
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig, StepRecord, TokenOutput
+from scheduler_svc.core.scheduler import SchedulerConfig, StepRecord, TokenOutput
 from scheduler_svc.core.sequence import FinishReason, Sequence
 from scheduler_svc.core.validation import ModelLimits, check_request
 from scheduler_svc.engine.window import Window
@@ -106,7 +107,7 @@ class Engine:
         self._in_flight: Launched | None = None
         self.config = config or SchedulerConfig()
         self.info = executor.get_info()
-        self.scheduler = Scheduler(
+        self.scheduler = POLICIES[self.config.policy](
             self.config,
             BlockManager(self.info.num_blocks, self.info.block_size),
             set(self.info.eos_token_ids),
