@@ -248,3 +248,22 @@ def test_half_precision_prefill_and_decode() -> None:
     out = kernels.paged_decode(q[:2], k_cache, v_cache, decode_meta.block_tables, decode_meta.context_lens, SCALE)
     expected = TorchAttention().decode(q[:2].float(), k_cache.float(), v_cache.float(), decode_meta, SCALE)
     torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_a_mixed_step_gives_decode_rows_their_decode(block_size: int) -> None:
+    """A step of the mixed policy: decode rows (one query token after their context) packed with prefill chunks go
+    through the prefill kernel, and each decode row gets what the decode kernel gives it alone."""
+    ctx_lens, q_lens = [37, 12, block_size + 3, 70, 5], [1, 12, 1, 9, 1]
+    batch = Batch(ctx_lens, q_lens, block_size, 6, 2, seed=5)
+    meta = batch.prefill_meta()
+    k_cache, v_cache = batch.caches()
+    mixed = kernels.paged_prefill(
+        batch.q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, SCALE
+    )
+    assert_close(mixed, TorchAttention().prefill(batch.q, batch.k, batch.v, k_cache, v_cache, meta, SCALE))
+    rows = [i for i, n in enumerate(q_lens) if n == 1]
+    last = (meta.cu_seqlens_q[1:] - 1).long()[rows]
+    decode = kernels.paged_decode(batch.q[last], k_cache, v_cache, meta.block_tables[rows],
+                                  torch.tensor([ctx_lens[i] for i in rows], dtype=torch.int32), SCALE)
+    assert_close(mixed[last], decode)
