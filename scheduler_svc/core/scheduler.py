@@ -15,7 +15,9 @@ from scheduler_svc.core.stop_rules import StopRule
 
 @dataclass
 class SchedulerConfig:
-    """Per-step budgets (vLLM's names)."""
+    """Per-step budgets (vLLM's names) and the policy. The defaults are nano-vLLM's exact semantics (one decode step
+    per plan, its policy), which the seed tests and the differential against it rely on; the service's serving
+    defaults (``scheduler_svc.config.ServiceConfig``: 8 steps per plan, overlap) are set by ``connect_engine``."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192

@@ -91,7 +91,9 @@ class FinishedRequest:
 
 
 class Engine:
-    """Drives one executor: validates requests, schedules, plans, postprocesses."""
+    """Drives one executor: validates requests, schedules, plans, postprocesses. Built bare (no overlap,
+    ``SchedulerConfig()``) it is nano-vLLM's engine step for step; the scheduler service builds it with its serving
+    flags (``api.grpc_service.connect_engine``), as bench.overlap's in-process peer does."""
 
     def __init__(
         self, executor: Executor, config: SchedulerConfig | None = None, overlap: bool = False,
