@@ -182,18 +182,20 @@ def admit(args: argparse.Namespace) -> tuple[list[str], vllm_setup.VllmEnv | Non
 
 
 def run_peer(args: argparse.Namespace, peer: str, venv: vllm_setup.VllmEnv | None, workload: Workload,
-             log_dir: Path) -> dict[float, dict[str, float | None]]:
-    """Start ``peer``, warm it up, drive it at every rate in turn, stop it; the figures of each rate."""
+             logs: Path) -> dict[float, dict[str, float | None]]:
+    """Start ``peer``, warm it up, drive it at every rate in turn, stop it; the figures of each rate. ``logs``: the
+    stem of its log files' names."""
     figures = {}
     with ExitStack() as stack:
         if peer == "vllm":
-            server = start_vllm(stack, venv, args.dtype, log_dir, args.launch_timeout)
+            server = start_vllm(stack, venv, args.dtype, logs.with_suffix(".log"), args.launch_timeout)
         else:
-            server = start_nanoserve(stack, args.dtype, log_dir, args.launch_timeout)
+            server = start_nanoserve(stack, args.dtype, logs.with_suffix(".log"), args.launch_timeout)
         asyncio.run(warm_up(peer, server))
         for rate in args.request_rate:
             if args.client == "vllm-bench":
-                results, duration = run_vllm_bench(venv, server, workload, rate, args.seed, log_dir)
+                result = logs.with_name(f"{logs.name}-vllm-bench-r{rate:g}.json")
+                results, duration = run_vllm_bench(venv, server, workload, rate, args.seed, result)
             else:
                 backend = grpc_backend(server.grpc_target) if peer == "nanoserve" else openai_backend(server.base_url)
                 results, duration = asyncio.run(run_load(backend, workload, rate, args.seed, label=peer))
@@ -266,7 +268,7 @@ def run_peers(args: argparse.Namespace, workload: Workload) -> dict[str, object]
     runs: dict[tuple[str, float], list[dict[str, float | None]]] = defaultdict(list)
     for round_ in range(args.rounds):
         for peer in peers if round_ % 2 == 0 else peers[::-1]:
-            for rate, figures in run_peer(args, peer, venv, workload, log_dir).items():
+            for rate, figures in run_peer(args, peer, venv, workload, log_dir / f"round{round_ + 1}-{peer}").items():
                 runs[peer, rate].append(figures)
                 print(f"round {round_ + 1} {peer} @ {rate:g} req/s: {figures['request_throughput']:.2f} req/s, "
                       f"{figures['output_tok_s']:.1f} output tok/s, TTFT p50 {figures['ttft_p50_ms']:.1f} ms, "

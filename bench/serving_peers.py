@@ -82,14 +82,14 @@ def model_folder(model: str) -> str:
     return str(resolve_model(model))
 
 
-def start_nanoserve(stack: ExitStack, dtype: str, log_dir: Path, timeout_s: float) -> Server:
+def start_nanoserve(stack: ExitStack, dtype: str, log: Path, timeout_s: float) -> Server:
     """``python -m client.stack`` on free ports, its children importing this checkout's code."""
     port, executor_port, http_port = free_port(), free_port(), free_port()
     argv = [sys.executable, "-m", "client.stack", "--port", str(port), "--executor-port", str(executor_port),
             "--http-port", str(http_port), "--dtype", dtype]
     # The stack runs the installed nanoserve-* commands: this checkout first on their path, not the install's.
     path = os.pathsep.join(filter(None, (str(REPO_ROOT), str(REPO_ROOT / "protos"), os.environ.get("PYTHONPATH"))))
-    child = stack.enter_context(Child("nanoserve stack", argv, log_dir / "nanoserve.log",
+    child = stack.enter_context(Child("nanoserve stack", argv, log,
                                       env={**os.environ, "PYTHONPATH": path}, group=True, grace_s=STOP_GRACE_S))
     child.wait_serving(f"{HOST}:{port}", timeout_s)
     base_url = f"http://{HOST}:{http_port}/v1"
@@ -97,13 +97,13 @@ def start_nanoserve(stack: ExitStack, dtype: str, log_dir: Path, timeout_s: floa
     return Server(f"{HOST}:{port}", base_url)
 
 
-def start_vllm(stack: ExitStack, venv: vllm_setup.VllmEnv, dtype: str, log_dir: Path, timeout_s: float) -> Server:
+def start_vllm(stack: ExitStack, venv: vllm_setup.VllmEnv, dtype: str, log: Path, timeout_s: float) -> Server:
     """``vllm serve`` of the same model at vLLM's CPU settings, serving it under nanoserve's model name."""
     port = free_port()
     argv = [venv.command, "serve", model_folder(model_name()), "--served-model-name", model_name(),
             "--dtype", dtype, "--max-model-len", str(vllm_setup.MAX_MODEL_LEN),
             "--kv-cache-memory-bytes", str(vllm_setup.KV_CACHE_BYTES), "--host", HOST, "--port", str(port)]
-    child = stack.enter_context(Child("vllm serve", argv, log_dir / "vllm.log", env=venv.env(), group=True,
+    child = stack.enter_context(Child("vllm serve", argv, log, env=venv.env(), group=True,
                                       grace_s=STOP_GRACE_S))
     base_url = f"http://{HOST}:{port}/v1"
     child.wait_http(f"{base_url}/models", timeout_s)
@@ -137,9 +137,9 @@ def results_from_vllm_bench(data: dict) -> tuple[list[RequestResult], float]:
 
 
 def run_vllm_bench(venv: vllm_setup.VllmEnv, server: Server, workload: Workload, request_rate: float, seed: int,
-                   log_dir: Path) -> tuple[list[RequestResult], float]:
-    """One ``vllm bench serve`` run against ``server``; its per-request results and duration."""
-    result = log_dir / f"vllm-bench-{len(list(log_dir.glob('vllm-bench-*.json')))}.json"
+                   result: Path) -> tuple[list[RequestResult], float]:
+    """One ``vllm bench serve`` run against ``server``, saving to ``result`` (its log beside it); its per-request
+    results and duration."""
     argv = vllm_bench_argv(venv, server, workload, request_rate, seed, result)
     with open(result.with_suffix(".log"), "w") as log:
         code = subprocess.run(argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=venv.env()).returncode

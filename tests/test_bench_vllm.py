@@ -114,7 +114,7 @@ def test_vllm_bench_results_read_back_as_the_same_per_request_results():
     assert (results[1].sent_s, results[1].error) == (0.5, "Connection refused")
 
 
-def shadow_nanoserve(stack: ExitStack, dtype: str, log_dir: Path, timeout_s: float) -> serving_peers.Server:
+def shadow_nanoserve(stack: ExitStack, dtype: str, log: Path, timeout_s: float) -> serving_peers.Server:
     """The model-free shadow stack standing in for ``make run``'s, so that W3's peer loop runs in seconds."""
     target, base_url = serving_peers.launch("shadow", w3(), stack, 256, 2, dtype, timeout_s)
     return serving_peers.Server(target, base_url)
@@ -143,7 +143,7 @@ def test_rounds_alternate_and_each_figure_is_the_median_of_its_rounds(
     calls: list[str] = []
     tok_s = {"nanoserve": iter([100.0, 130.0, 90.0]), "nanoserve_openai": iter([95.0, 80.0, 120.0])}
 
-    def fake_peer(args, peer, venv, workload, log_dir):
+    def fake_peer(args, peer, venv, workload, logs):
         calls.append(peer)
         results = [RequestResult(output_tokens=2, ttft_s=0.1, latency_s=0.2, sent_s=i, itl_s=[0.1]) for i in range(3)]
         figures = summarise(results, duration_s=3.0, request_rate=1.0)
