@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +70,13 @@ def w2() -> Workload:
     return _draw("w2", 256, (100, 1024), (100, 1024), 0.6, 4096)
 
 
-WORKLOADS = {"w1": w1, "w2": w2}
+def w3() -> Workload:
+    """W3 (CPU): 64 requests, random prompts of 256 ids in [0, 10000], 128 output tokens each, greedy: the shape of
+    vLLM's ``random`` dataset at ``--random-input-len 256 --random-output-len 128``."""
+    return _draw("w3", 64, (256, 256), (128, 128), 0.0, 1024)
+
+
+WORKLOADS = {"w1": w1, "w2": w2, "w3": w3}
 
 
 def progress(iterable: Iterable | None = None, **kwargs) -> tqdm:
@@ -130,12 +140,18 @@ def free_port() -> int:
 
 
 class Child:
-    """A service subprocess, stopped (SIGTERM, then SIGKILL) on exit from the ``with`` block."""
+    """A service subprocess, stopped (SIGTERM, then SIGKILL) on exit from the ``with`` block. ``group``: it runs in a
+    process group of its own, and whatever of that group outlives ``grace_s`` after the SIGTERM is killed with it
+    (a server that starts processes of its own, such as ``vllm serve`` or ``client.stack``)."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path | None = None) -> None:
+    def __init__(self, name: str, argv: list[str], log_path: Path | None = None, env: dict[str, str] | None = None,
+                 group: bool = False, grace_s: float = 10.0) -> None:
         self.name = name
+        self.group = group
+        self.grace_s = grace_s
         self.log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
+                                        start_new_session=group)
 
     def wait_serving(self, target: str, timeout_s: float) -> None:
         """Poll grpc.health.v1 until SERVING; raise when the process dies or ``timeout_s`` passes."""
@@ -151,6 +167,18 @@ class Child:
                 time.sleep(0.1)
         raise TimeoutError(f"the {self.name} did not serve on {target} within {timeout_s:.0f}s")
 
+    def wait_http(self, url: str, timeout_s: float) -> None:
+        """Poll ``url`` until it answers 200; raise when the process dies or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the {self.name} exited with code {self.process.returncode}{self._log_tail()}")
+            with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+            time.sleep(0.5)
+        raise TimeoutError(f"the {self.name} did not answer {url} within {timeout_s:.0f}s")
+
     def _log_tail(self, lines: int = 30) -> str:
         if self.log is subprocess.DEVNULL:
             return ""
@@ -162,10 +190,13 @@ class Child:
         if self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(10)
+                self.process.wait(self.grace_s)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.group:  # the group's id is the child's pid: only what it started is in it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
         if self.log is not subprocess.DEVNULL:
             self.log.close()
 

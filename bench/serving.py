@@ -1,183 +1,58 @@
-"""W3: online serving latency through a public API, gRPC or OpenAI's HTTP, with Poisson arrivals.
+"""W3: online serving latency with Poisson arrivals, every request streamed, EOS ignored.
 
-Requests (prompts and max_tokens drawn as W1 or W2, ``ignore_eos``) are sent at
-``--request-rate`` per second with exponential gaps, each streamed: with
-``client.api.AsyncClient`` (``--backend grpc``), or with the ``openai`` SDK's
-AsyncOpenAI to ``/v1/completions`` (``--backend openai``; the prompts are token ids,
-and vLLM's ``return_token_ids`` marks the first token even without a tokenizer).
-Reports request throughput, output tokens/s, time to first token (TTFT), time per
-output token after the first (TPOT) and end-to-end latency, as vLLM's serving
-benchmark does. It targets a running server (``--server`` for gRPC, ``--base-url``
-for HTTP; the key comes from OPENAI_API_KEY) or launches its own stack: ``--launch
-shadow`` (the model-free shadow executor, no torch) or ``--launch real`` (the
-embedded model on CPU).
+Peers in turn (the default): each server of ``--peers`` is started, warmed up with one short request, driven at
+every ``--request-rate`` with the same arrivals (a seeded draw), and stopped before the next starts; ``--rounds N``
+repeats this, every other round in reverse order, and each figure is the median of its rounds. ``nanoserve`` is the
+stack ``make run`` starts (``python -m client.stack``, default flags, ``--dtype`` passed through) driven over gRPC,
+``nanoserve_openai`` the same stack over its OpenAI endpoint, ``vllm`` vLLM's CPU build (``vllm serve``, its best
+settings on these cores; the python of its environment from ``--vllm-python`` or NANOSERVE_VLLM_PYTHON, else it is
+skipped with a line saying why) over its OpenAI endpoint. The load comes from this package's client (``--client
+builtin``: ``client.api.AsyncClient`` for gRPC, the ``openai`` SDK for HTTP, prompts as token ids) or from ``vllm
+bench serve --backend openai --dataset-name random --ignore-eos`` (``--client vllm-bench``; OpenAI peers only, its
+own random prompts of the workload's shape), whose per-request figures are read back and summarised by the same code.
+
+Figures, as vLLM's serving benchmark reports them: request and output-token throughput; TTFT, TPOT and ITL (every
+gap between streamed chunks) at p50 / p90 / p99. A peer *kept up* with a rate when no request failed and it
+completed requests at least 0.95x as fast as they arrived, both rates measured over their own span (requests - 1
+over the time from the first send to the last, and from the first completion to the last); its *saturation point*
+is the highest rate it kept up with, counting up from the lowest rate and stopping at its first miss. JSON: per peer
+P and rate R (``2``, ``0.5``, ``inf``): ``P_rR_req_s``, ``P_rR_output_tok_s``, ``P_rR_{ttft,tpot,itl,e2e}_{mean,p50,
+p90,p99}_ms``, ``P_rR_offered_req_s``, ``P_rR_achieved_req_s``, ``P_rR_kept_up``, and ``P_saturation_req_s``.
+
+A single run instead (the figures' flat keys, one rate): ``--server`` (a running scheduler, gRPC), ``--base-url``
+(an OpenAI-compatible server; the key comes from OPENAI_API_KEY) or ``--launch shadow`` (the model-free shadow
+executor) / ``--launch real`` (the embedded model on CPU), driven through ``--backend grpc`` or ``openai``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import functools
 import math
-import os
-import random
+import statistics
 import sys
 import tempfile
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections import defaultdict
+from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
-import openai
+from bench import vllm_setup
+from bench.common import WARMUP_PROMPT, WORKLOADS, Workload, print_table, write_json
+from bench.serving_load import (
+    QUANTILES,
+    RequestResult,
+    grpc_backend,
+    kept_up,
+    openai_backend,
+    run_load,
+    saturation_point,
+    summarise,
+)
+from bench.serving_peers import PEERS, Server, launch, run_vllm_bench, start_nanoserve, start_vllm
 
-from bench.common import HOST, WORKLOADS, Child, Workload, free_port, percentile, print_table, progress, write_json
-from client.api import AsyncClient
-from client.errors import NanoserveError
-
-BLOCK_SIZE = 16
-SHADOW_VOCAB_SIZE = 49152
-
-
-@dataclass
-class RequestResult:
-    """One request as the client saw it; times in seconds from its send."""
-
-    output_tokens: int = 0
-    ttft_s: float = 0.0
-    latency_s: float = 0.0
-    error: str | None = None
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean gap between output tokens after the first; None for a single token."""
-        if self.output_tokens < 2:
-            return None
-        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-async def send(client: AsyncClient, prompt: list[int], max_tokens: int, temperature: float) -> RequestResult:
-    result = RequestResult()
-    start = time.perf_counter()
-    try:
-        async for chunk in client.stream(token_ids=prompt, max_tokens=max_tokens, temperature=temperature,
-                                         ignore_eos=True):
-            if chunk.token_ids and not result.output_tokens:
-                result.ttft_s = time.perf_counter() - start
-            result.output_tokens += len(chunk.token_ids)
-    except NanoserveError as e:
-        result.error = str(e)
-    result.latency_s = time.perf_counter() - start
-    return result
-
-
-async def send_openai(client: openai.AsyncOpenAI, model: str, prompt: list[int], max_tokens: int,
-                      temperature: float) -> RequestResult:
-    """One streamed /v1/completions; the output tokens are the last chunk's usage."""
-    result = RequestResult()
-    start = time.perf_counter()
-    try:
-        stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True})
-        async for chunk in stream:
-            if chunk.usage is not None:
-                result.output_tokens = chunk.usage.completion_tokens
-            elif not result.ttft_s and chunk.choices and (chunk.choices[0].text
-                                                          or getattr(chunk.choices[0], "token_ids", None)):
-                result.ttft_s = time.perf_counter() - start
-    except openai.APIError as e:
-        result.error = str(e)
-    result.latency_s = time.perf_counter() - start
-    return result
-
-
-Send = Callable[[list[int], int, float], Awaitable[RequestResult]]
-
-
-@contextlib.asynccontextmanager
-async def grpc_backend(target: str) -> AsyncIterator[Send]:
-    async with AsyncClient(target) as client:
-        await client.health()
-        yield functools.partial(send, client)
-
-
-@contextlib.asynccontextmanager
-async def openai_backend(base_url: str) -> AsyncIterator[Send]:
-    """The served model is the first that /v1/models lists; no retries, so a refusal counts as failed."""
-    api_key = os.environ.get("OPENAI_API_KEY", "none")
-    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
-        model = (await client.models.list()).data[0].id
-        yield functools.partial(send_openai, client, model)
-
-
-async def run_load(backend: contextlib.AbstractAsyncContextManager[Send], workload: Workload, request_rate: float,
-                   seed: int) -> tuple[list[RequestResult], float]:
-    """Send every request of ``workload`` with Poisson arrivals; return the results and the wall seconds."""
-    gaps = random.Random(seed)
-    async with backend as send_one:
-        bar = progress(total=len(workload), desc=f"W3 {workload.name} @ {request_rate} req/s")
-        tasks = []
-        start = time.perf_counter()
-        for i, (prompt, max_tokens) in enumerate(zip(workload.prompts, workload.max_tokens, strict=True)):
-            if i and math.isfinite(request_rate):
-                await asyncio.sleep(gaps.expovariate(request_rate))
-            task = asyncio.create_task(send_one(prompt, max_tokens, workload.temperature))
-            task.add_done_callback(lambda _: bar.update())
-            tasks.append(task)
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        bar.close()
-    return list(results), duration
-
-
-def launch(kind: str, workload: Workload, stack: ExitStack, max_num_seqs: int, threads: int,
-           timeout_s: float) -> tuple[str, str]:
-    """Start an executor and a scheduler as subprocesses; return the scheduler's gRPC address and HTTP base URL."""
-    log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-bench-"))
-    print(f"launching a {kind} stack; logs in {log_dir}", file=sys.stderr)
-    executor_port, scheduler_port, http_port = free_port(), free_port(), free_port()
-    if kind == "shadow":
-        longest = max(len(p) + m for p, m in zip(workload.prompts, workload.max_tokens, strict=True))
-        num_blocks = len(workload) * -(-longest // BLOCK_SIZE)
-        argv = [sys.executable, "-m", "executor_svc.fakes.shadow_server", "--port", str(executor_port),
-                "--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE),
-                "--vocab-size", str(SHADOW_VOCAB_SIZE), "--max-model-len", str(workload.max_model_len),
-                "--log-level", "WARNING"]
-    else:
-        argv = [sys.executable, "-m", "executor_svc", "--port", str(executor_port), "--device", "cpu",
-                "--dtype", "float32", "--max-model-len", str(workload.max_model_len), "--threads", str(threads)]
-    executor = stack.enter_context(Child("executor", argv, log_dir / "executor.log"))
-    executor.wait_serving(f"{HOST}:{executor_port}", timeout_s)
-    argv = [sys.executable, "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}",
-            "--port", str(scheduler_port), "--max-num-seqs", str(max_num_seqs), "--log-level", "WARNING",
-            "--http-port", str(http_port)]
-    scheduler = stack.enter_context(Child("scheduler", argv, log_dir / "scheduler.log"))
-    scheduler.wait_serving(f"{HOST}:{scheduler_port}", timeout_s)
-    return f"{HOST}:{scheduler_port}", f"http://{HOST}:{http_port}/v1"
-
-
-def summarise(results: list[RequestResult], duration_s: float, request_rate: float) -> dict[str, float | None]:
-    done = [r for r in results if r.error is None]
-    ttft = [1e3 * r.ttft_s for r in done if r.output_tokens]
-    tpot = [1e3 * r.tpot_s for r in done if r.tpot_s is not None]
-    e2e = [1e3 * r.latency_s for r in done]
-    output_tokens = sum(r.output_tokens for r in done)
-    figures: dict[str, float | None] = {
-        "request_rate": request_rate if math.isfinite(request_rate) else None,
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "duration_s": duration_s,
-        "request_throughput": len(done) / duration_s,
-        "output_tok_s": output_tokens / duration_s,
-        "output_tokens": output_tokens,
-    }
-    for name, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
-        figures[f"{name}_mean_ms"] = sum(values) / len(values) if values else 0.0
-        for q in (50, 90, 99):
-            figures[f"{name}_p{q}_ms"] = percentile(values, q)
-    return figures
+CLIENTS = ("builtin", "vllm-bench")
+METRICS = ("ttft", "tpot", "itl", "e2e")
 
 
 def plot(path: Path, results: list[RequestResult], title: str) -> None:
@@ -207,63 +82,214 @@ def plot(path: Path, results: list[RequestResult], title: str) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
-                        help="the API to drive: gRPC Generate, or OpenAI's /v1/completions (default: %(default)s)")
-    target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument("--server", metavar="HOST:PORT", help="a running scheduler service (--backend grpc)")
+    parser.add_argument("--peers", nargs="+", choices=PEERS, help="servers to run in turn (default: all)")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of every peer, every other round in reverse "
+                        "order; each figure is the median of its rounds (default: %(default)s)")
+    parser.add_argument("--client", choices=CLIENTS, default="builtin", help="the load generator: this package's "
+                        "client, or vllm bench serve from the vLLM environment (default: %(default)s)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="every launched server's dtype (default: %(default)s, as make run)")
+    parser.add_argument("--vllm-python", help="python of a vLLM CPU environment, for the vllm peer and --client "
+                        f"vllm-bench (default: ${vllm_setup.ENV_VAR}; docs/benchmarks.md)")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--server", metavar="HOST:PORT", help="a single run against a running scheduler (gRPC)")
     target.add_argument("--base-url", metavar="URL",
-                        help="a running OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1 (--backend openai)")
-    target.add_argument("--launch", choices=("shadow", "real"),
-                        help="start an executor (shadow: model-free; real: the embedded model on CPU) and a scheduler")
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="w1", help="(default: %(default)s)")
+                        help="a single run against a running OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    target.add_argument("--launch", choices=("shadow", "real"), help="a single run against an executor (shadow: "
+                        "model-free; real: the embedded model on CPU) and a scheduler it starts")
+    parser.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
+                        help="the API of a single run: gRPC Generate or OpenAI's /v1/completions (default: "
+                        "%(default)s)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="w3",
+                        help="w3: 256-token random prompts, 128 tokens out; w1 / w2: those workloads' requests "
+                        "(default: %(default)s)")
     parser.add_argument("--num-prompts", type=int, help="send only the first N requests of the workload")
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="requests per second, Poisson arrivals; inf sends all at once (default: %(default)s)")
+    parser.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
+                        help="requests per second, Poisson arrivals; inf sends all at once (default: inf)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival gaps (default: %(default)s)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="scheduler budget of a launched stack "
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="scheduler budget of --launch "
                         "(default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of a launched real executor "
-                        "(default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of --launch real (default: "
+                        "%(default)s)")
     parser.add_argument("--launch-timeout", type=float, default=600.0,
-                        help="seconds a launched service may take to serve (default: %(default)s)")
-    parser.add_argument("--plot", type=Path, help="save latency histograms to this PNG (needs matplotlib)")
+                        help="seconds a launched server may take to serve (default: %(default)s)")
+    parser.add_argument("--plot", type=Path, help="a single run: save latency histograms to this PNG (matplotlib)")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     args = parser.parse_args(argv)
-    if args.request_rate <= 0:
+    if any(rate <= 0 for rate in args.request_rate):
         parser.error("--request-rate must be > 0")
-    if args.server and args.backend != "grpc" or args.base_url and args.backend != "openai":
-        parser.error("--server goes with --backend grpc, --base-url with --backend openai")
+    args.single = bool(args.server or args.base_url or args.launch)
+    if args.single:
+        if args.peers or args.client != "builtin" or args.rounds != 1 or len(args.request_rate) != 1:
+            parser.error("--server, --base-url and --launch are a single run: one rate, no --peers, --rounds or "
+                         "--client")
+        if args.server and args.backend != "grpc" or args.base_url and args.backend != "openai":
+            parser.error("--server goes with --backend grpc, --base-url with --backend openai")
+    elif args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    if args.client == "vllm-bench" and args.workload != "w3":
+        parser.error("--client vllm-bench draws its own random prompts of W3's shape: --workload w3")
+    args.peers = list(dict.fromkeys(args.peers or PEERS))
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, object]:
-    args = parse_args(argv)
-    workload = WORKLOADS[args.workload]().head(args.num_prompts)
+def single_run(args: argparse.Namespace, workload: Workload) -> dict[str, object]:
+    """One rate against one server: the flat figures of ``summarise``."""
+    rate = args.request_rate[0]
     with ExitStack() as stack:
         if args.launch:
-            target, base_url = launch(args.launch, workload, stack, args.max_num_seqs, args.threads,
+            target, base_url = launch(args.launch, workload, stack, args.max_num_seqs, args.threads, args.dtype,
                                       args.launch_timeout)
         else:
             target, base_url = args.server, args.base_url
         backend = grpc_backend(target) if args.backend == "grpc" else openai_backend(base_url)
-        results, duration = asyncio.run(run_load(backend, workload, args.request_rate, args.seed))
-    figures = {"backend": args.backend, **summarise(results, duration, args.request_rate)}
+        results, duration = asyncio.run(run_load(backend, workload, rate, args.seed))
+    figures = {"backend": args.backend, **summarise(results, duration, rate)}
     against = args.server or args.base_url or args.launch + " stack"
-    print(f"W3 {workload.name}: {len(workload)} requests at {args.request_rate} req/s against {against} "
-          f"({args.backend})")
+    print(f"W3 {workload.name}: {len(workload)} requests at {rate} req/s against {against} ({args.backend})")
     print_table(["metric", "value"], [
         ["completed / failed", f"{figures['completed']} / {figures['failed']}"],
         ["duration (s)", figures["duration_s"]],
         ["request throughput (req/s)", figures["request_throughput"]],
         ["output tokens/s", figures["output_tok_s"]],
         *([f"{name} p{q} (ms)", figures[f"{key}_p{q}_ms"]] for name, key in
-          (("TTFT", "ttft"), ("TPOT", "tpot"), ("E2E", "e2e")) for q in (50, 90, 99)),
+          (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2E", "e2e")) for q in QUANTILES),
     ])
-    errors = sorted({r.error for r in results if r.error})
-    for error in errors:
+    for error in sorted({r.error for r in results if r.error}):
         print(f"error: {error}", file=sys.stderr)
     if args.plot:
-        plot(args.plot, results, f"W3 {workload.name}, {args.request_rate} req/s, {against}, {args.backend}")
+        plot(args.plot, results, f"W3 {workload.name}, {rate} req/s, {against}, {args.backend}")
+    return figures
+
+
+def admit(args: argparse.Namespace) -> tuple[list[str], vllm_setup.VllmEnv | None, dict[str, str]]:
+    """The peers that can run, the vLLM environment where one is needed, and why each other peer was left out."""
+    peers, skipped = list(args.peers), {}
+    if "vllm" not in peers and args.client != "vllm-bench":
+        return peers, None, skipped
+    found = vllm_setup.find(args.vllm_python)
+    reason = found if isinstance(found, str) else None if found.cli else vllm_setup.CLI_FIX
+    if args.client == "vllm-bench":
+        if reason:
+            raise SystemExit(f"--client vllm-bench cannot run: {reason}")
+        if "nanoserve" in peers:
+            skipped["nanoserve"] = "vllm bench serve drives OpenAI endpoints only (nanoserve_openai is this server)"
+    if "vllm" in peers and reason:
+        skipped["vllm"] = reason
+    for peer, why in skipped.items():
+        print(f"{peer} peer skipped: {why}", file=sys.stderr, flush=True)
+    return [p for p in peers if p not in skipped], None if isinstance(found, str) else found, skipped
+
+
+def run_peer(args: argparse.Namespace, peer: str, venv: vllm_setup.VllmEnv | None, workload: Workload,
+             logs: Path) -> dict[float, dict[str, float | None]]:
+    """Start ``peer``, warm it up, drive it at every rate in turn, stop it; the figures of each rate. ``logs``: the
+    stem of its log files' names."""
+    figures = {}
+    with ExitStack() as stack:
+        if peer == "vllm":
+            server = start_vllm(stack, venv, args.dtype, logs.with_suffix(".log"), args.launch_timeout)
+        else:
+            server = start_nanoserve(stack, args.dtype, logs.with_suffix(".log"), args.launch_timeout)
+        asyncio.run(warm_up(peer, server))
+        for rate in args.request_rate:
+            if args.client == "vllm-bench":
+                result = logs.with_name(f"{logs.name}-vllm-bench-r{rate:g}.json")
+                results, duration = run_vllm_bench(venv, server, workload, rate, args.seed, result)
+            else:
+                backend = grpc_backend(server.grpc_target) if peer == "nanoserve" else openai_backend(server.base_url)
+                results, duration = asyncio.run(run_load(backend, workload, rate, args.seed, label=peer))
+            figures[rate] = summarise(results, duration, rate)
+            for error in sorted({r.error for r in results if r.error})[:3]:
+                print(f"{peer} error: {error}", file=sys.stderr)
+    return figures
+
+
+async def warm_up(peer: str, server: Server) -> None:
+    """One short request, untimed, through the API the peer is measured on."""
+    backend = grpc_backend(server.grpc_target) if peer == "nanoserve" else openai_backend(server.base_url)
+    async with backend as send_one:
+        result = await send_one(WARMUP_PROMPT, 4, 0.0)
+    if result.error:
+        raise RuntimeError(f"the {peer} warm-up request failed: {result.error}")
+
+
+def medians(rounds: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Each figure's median over rounds; ``kept_up`` judged again on the medians."""
+    merged: dict[str, float | None] = {}
+    for key in rounds[0]:
+        values = [r[key] for r in rounds if isinstance(r[key], int | float) and not isinstance(r[key], bool)]
+        merged[key] = statistics.median(values) if values else None
+    merged["failed"] = max(r["failed"] for r in rounds)
+    merged["kept_up"] = kept_up(merged["offered_req_s"], merged["achieved_req_s"], merged["failed"])
+    return merged
+
+
+def peer_keys(peer: str, rate: float, figures: dict[str, float | None]) -> dict[str, object]:
+    """The JSON keys of one peer at one rate: ``P_rR_...``."""
+    prefix = f"{peer}_r{rate:g}_"
+    keys = {"req_s": figures["request_throughput"], "output_tok_s": figures["output_tok_s"],
+            "offered_req_s": figures["offered_req_s"], "achieved_req_s": figures["achieved_req_s"],
+            "kept_up": figures["kept_up"], "completed": figures["completed"], "failed": figures["failed"]}
+    keys.update({f"{m}_{s}_ms": figures[f"{m}_{s}_ms"] for m in METRICS for s in ("mean", *(f"p{q}" for q in
+                                                                                          QUANTILES))})
+    return {prefix + key: value for key, value in keys.items()}
+
+
+def percentiles(figures: dict[str, float | None], metric: str) -> str:
+    return " / ".join(f"{figures[f'{metric}_p{q}_ms']:.1f}" for q in QUANTILES)
+
+
+def print_peers(workload: Workload, args: argparse.Namespace, table: dict[tuple[str, float], dict],
+                saturation: dict[str, float | None]) -> None:
+    print(f"W3 {workload.name}: {len(workload)} requests per rate, {args.dtype}, client {args.client}, "
+          f"{args.rounds} round(s); TTFT / TPOT / ITL p50 / p90 / p99 in ms")
+    rows = []
+    for (peer, rate), f in table.items():
+        vllm = table.get(("vllm", rate))
+        rows.append([peer, f"{rate:g}", f["request_throughput"], f"{f['achieved_req_s'] or 0:.2f} / "
+                     f"{f['offered_req_s'] or 0:.2f}", f["output_tok_s"],
+                     f["output_tok_s"] / vllm["output_tok_s"] if vllm and vllm["output_tok_s"] else "-",
+                     percentiles(f, "ttft"), percentiles(f, "tpot"), percentiles(f, "itl"),
+                     {True: "yes", False: "no", None: "-"}[f["kept_up"]]])
+    print_table(["peer", "req/s offered", "req/s", "achieved / offered", "output tok/s", "vs vllm", "TTFT", "TPOT",
+                 "ITL", "kept up"], rows)
+    for peer, rate in saturation.items():
+        print(f"saturation point of {peer}: " + (f"{rate:g} req/s" if rate is not None else "none of these rates"))
+
+
+def run_peers(args: argparse.Namespace, workload: Workload) -> dict[str, object]:
+    """Every peer in turn, every rate, ``--rounds`` times; the medians' keys."""
+    peers, venv, skipped = admit(args)
+    if not peers:
+        raise SystemExit("no peer left to run")
+    log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-w3-"))
+    print(f"W3: servers' logs in {log_dir}", file=sys.stderr)
+    runs: dict[tuple[str, float], list[dict[str, float | None]]] = defaultdict(list)
+    for round_ in range(args.rounds):
+        for peer in peers if round_ % 2 == 0 else peers[::-1]:
+            for rate, figures in run_peer(args, peer, venv, workload, log_dir / f"round{round_ + 1}-{peer}").items():
+                runs[peer, rate].append(figures)
+                print(f"round {round_ + 1} {peer} @ {rate:g} req/s: {figures['request_throughput']:.2f} req/s, "
+                      f"{figures['output_tok_s']:.1f} output tok/s, TTFT p50 {figures['ttft_p50_ms']:.1f} ms, "
+                      f"kept up: {figures['kept_up']}", file=sys.stderr, flush=True)
+    table = {(peer, rate): medians(runs[peer, rate]) for peer in peers for rate in args.request_rate}
+    saturation = {peer: saturation_point({rate: table[peer, rate]["kept_up"] for rate in args.request_rate})
+                  for peer in peers}
+    print_peers(workload, args, table, saturation)
+    out: dict[str, object] = {"workload": workload.name, "num_prompts": len(workload), "dtype": args.dtype,
+                              "client": args.client, "rounds": args.rounds, "peers": peers, "skipped": skipped,
+                              "request_rates": [r if math.isfinite(r) else None for r in args.request_rate]}
+    for (peer, rate), figures in table.items():
+        out.update(peer_keys(peer, rate, figures))
+    out.update({f"{peer}_saturation_req_s": rate for peer, rate in saturation.items()})
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, object]:
+    args = parse_args(argv)
+    workload = WORKLOADS[args.workload]().head(args.num_prompts)
+    figures = single_run(args, workload) if args.single else run_peers(args, workload)
     write_json(args.json, figures)
     return figures
 

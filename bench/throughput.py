@@ -17,8 +17,10 @@ send every request at once through the public API with ``client.api.AsyncClient.
 gets them at the server's default; ``split_whole``: at default flags, as whole completions through ``GenerateOnce``,
 not streamed; ``split_yield``: at default flags but ``--yield-cpu on`` for both services); ``llamacpp`` (W1, when
 llama-cpp-python is installed; see bench/llamacpp.py) is llama.cpp on a float32 / bfloat16 GGUF of the same weights,
-64 slots batching continuously as llama-server does, prompt chunks and decodes in one ``llama_decode``. A peer is a
-function in ``PEERS``.
+64 slots batching continuously as llama-server does, prompt chunks and decodes in one ``llama_decode``; ``vllm`` (W1,
+when ``--vllm-python`` or NANOSERVE_VLLM_PYTHON names a vLLM environment, else skipped with a line saying why; see
+bench/vllm_setup.py) is vLLM's CPU build, one ``LLM.generate`` over every request at its best settings on these cores.
+A peer is a function in ``PEERS``.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ keep_heap_memory()
 
 import torch  # noqa: E402
 
-from bench import hf_cb, llamacpp  # noqa: E402 - llamacpp imports llama_cpp only when its peer runs
+from bench import hf_cb, llamacpp, vllm_setup  # noqa: E402 - llamacpp imports llama_cpp only when its peer runs
 from bench.common import (  # noqa: E402
     HOST,
     WARMUP_PROMPT,
@@ -221,6 +223,7 @@ PEERS: dict[str, Callable[[argparse.Namespace, Workload], float]] = {
     "split_whole": partial(run_split, overlap=True, how="whole"),
     "split_yield": partial(run_split, overlap=True, yield_cpu=True),
     "llamacpp": llamacpp.run_llamacpp,
+    "vllm": vllm_setup.run_w1,
 }
 
 
@@ -242,7 +245,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=None, help="run only the first N requests")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers peers (hf, hf_cb)")
     p.add_argument("--peers", nargs="+", choices=list(PEERS), default=None,
-                   help="peers to run, in order (default: all, llamacpp where it can run)")
+                   help="peers to run, in order (default: all, llamacpp and vllm where they can run)")
+    p.add_argument("--vllm-python", default=None, help="python of a vLLM CPU environment for the vllm peer "
+                   f"(default: ${vllm_setup.ENV_VAR}; without one the peer is skipped; docs/benchmarks.md)")
     p.add_argument("--cpu-kernels", type=cpu_kernels_flag, default="auto",
                    help="the executor's --cpu-kernels (e.g. another machine's choice: linear:33+=torch)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size of the executor")
@@ -264,6 +269,9 @@ def main(argv: list[str] | None = None) -> None:
     workload = WORKLOADS[args.workload]().head(args.num_requests)
     tokens = sum(workload.max_tokens)
     peers = llamacpp.admit(args, [name for name in args.peers or PEERS if not (name in HF_PEERS and args.skip_hf)])
+    peers = vllm_setup.admit(args, peers)
+    if not peers:
+        raise SystemExit("no peer left to run")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     runs: dict[str, list[float]] = {name: [] for name in peers}

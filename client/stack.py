@@ -46,13 +46,16 @@ class Service:
     target: str
 
 
-def executor_service(port: int, shadow: bool) -> Service:
-    """The embedded model on CPU, or with ``shadow`` the model-free test executor (no torch needed)."""
+def executor_service(port: int, shadow: bool, dtype: str | None = None) -> Service:
+    """The embedded model on CPU, or with ``shadow`` the model-free test executor (no torch needed); ``dtype``
+    replaces the compose stack's float32 (benchmarks run either)."""
     if shadow:
         argv = [sys.executable, "-m", "executor_svc.fakes.shadow_server", "--host", HOST, "--port", str(port)]
         return Service("executor", argv, {}, f"{HOST}:{port}")
     env = {"NANOSERVE_HOST": HOST, "NANOSERVE_PORT": str(port),
            "NANOSERVE_MODEL": os.environ.get("NANOSERVE_MODEL", DEFAULT_MODEL), **EXECUTOR_CPU_ENV}
+    if dtype is not None:
+        env["NANOSERVE_DTYPE"] = dtype
     return Service("executor", [str(BIN / "nanoserve-executor")], env, f"{HOST}:{port}")
 
 
@@ -126,12 +129,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--executor-port", type=int, default=EXECUTOR_PORT, help="executor port (default %(default)s)")
     parser.add_argument("--http-port", type=int, default=HTTP_PORT,
                         help="port of the scheduler's OpenAI-compatible HTTP API, 0 for none (default %(default)s)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"),
+                        help=f"the executor's dtype (default: {EXECUTOR_CPU_ENV['NANOSERVE_DTYPE']}, as the compose "
+                        "CPU stack)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    services = [executor_service(args.executor_port, args.shadow)]
+    services = [executor_service(args.executor_port, args.shadow, args.dtype)]
     if not args.executor_only:
         services.append(scheduler_service(args.port, args.executor_port, args.http_port))
     stack = Stack()

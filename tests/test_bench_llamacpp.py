@@ -31,7 +31,7 @@ def test_without_llama_cpp_the_default_run_leaves_it_out_and_asking_for_it_names
     default = throughput.parse_args([])
     assert llamacpp.admit(default, list(throughput.PEERS)) == [
         "hf", "hf_cb", "inprocess", "inprocess_layers", "inprocess_overlap", "split", "split_overlap", "split_tokens",
-        "split_whole", "split_yield"]
+        "split_whole", "split_yield", "vllm"]
     assert "GGML_NATIVE=ON" in capsys.readouterr().err
     asked = throughput.parse_args(["--peers", "inprocess", "llamacpp"])
     with pytest.raises(SystemExit, match="GGML_NATIVE=ON"):

@@ -75,14 +75,14 @@ def test_serving_on_a_shadow_stack_writes_its_keys(tmp_path):
     figures = json.loads(path.read_text())
     assert figures["completed"] == 3 and figures["failed"] == 0
     assert figures["request_rate"] == 50
-    for key in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
+    for key in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms"):
         assert positive_finite(figures[key]), key
 
 
 def test_serving_through_the_openai_api_writes_the_same_keys(tmp_path):
     path = tmp_path / "w3.json"
-    serving.main(["--backend", "openai", "--launch", "shadow", "--num-prompts", "3", "--request-rate", "50",
-                  "--json", str(path)])
+    serving.main(["--backend", "openai", "--launch", "shadow", "--workload", "w1", "--num-prompts", "3",
+                  "--request-rate", "50", "--json", str(path)])
     figures = json.loads(path.read_text())
     assert figures["backend"] == "openai" and figures["completed"] == 3 and figures["failed"] == 0
     assert figures["output_tokens"] == sum(serving.WORKLOADS["w1"]().head(3).max_tokens)

@@ -1,0 +1,180 @@
+"""The vLLM peers of W1 and W3 and what W3 reports: skipped with one line where vLLM is absent (CI has none), the
+other peers untouched; the arguments; the saturation point and ITL on synthetic data. The tests that run vLLM itself
+need NANOSERVE_VLLM_PYTHON (the recipe is in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from bench import serving, serving_peers, throughput, vllm_setup
+from bench.common import w3
+from bench.serving_load import RequestResult, arrivals, kept_up, saturation_point, summarise
+
+VLLM_PYTHON = os.environ.get(vllm_setup.ENV_VAR)
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON, reason=f"{vllm_setup.ENV_VAR} is unset: no vLLM environment")
+
+
+@pytest.fixture
+def no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(vllm_setup.ENV_VAR, raising=False)
+
+
+def test_w1_without_a_vllm_python_skips_the_peer_in_one_line_and_runs_the_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], no_vllm: None):
+    monkeypatch.setitem(throughput.PEERS, "inprocess", lambda args, workload: 2.0)
+    path = tmp_path / "w1.json"
+    throughput.main(["--num-requests", "2", "--peers", "inprocess", "vllm", "--json", str(path)])
+    skips = [line for line in capsys.readouterr().err.splitlines() if line.startswith("vllm peer skipped: ")]
+    assert len(skips) == 1 and vllm_setup.ENV_VAR in skips[0]
+    figures = json.loads(path.read_text())
+    assert figures["inprocess_tok_s"] > 0 and "vllm_tok_s" not in figures
+
+
+def test_a_python_without_vllm_is_named_in_the_skip_line(capsys: pytest.CaptureFixture[str]):
+    args = throughput.parse_args(["--vllm-python", sys.executable])
+    assert vllm_setup.admit(args, ["inprocess", "vllm"]) == ["inprocess"]
+    assert "cannot import vllm" in capsys.readouterr().err
+    missing = throughput.parse_args(["--vllm-python", "/nonexistent/bin/python"])
+    assert "does not exist" in vllm_setup.unavailable(missing)
+
+
+def test_vllm_runs_bound_to_the_allowed_cores_with_none_reserved_and_intel_openmp(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch):
+    assert vllm_setup.cpu_list([0, 1]) == "0-1" and vllm_setup.cpu_list([5, 0, 1, 2]) == "0-2,5"
+    (tmp_path / "lib" / "python3.11").mkdir(parents=True)
+    (tmp_path / "lib" / "libiomp5.so").touch()
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+    env = vllm_setup.VllmEnv("python", "0.0", tmp_path, cli=True).env(threads=1)
+    first = min(os.sched_getaffinity(0))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(first) and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert env["LD_PRELOAD"].split()[0] == str(tmp_path / "lib" / "libiomp5.so")
+    assert env["HF_HUB_OFFLINE"] == "1" and "GOMP_SPINCOUNT" not in env
+
+
+def test_serving_arguments():
+    args = serving.parse_args([])
+    assert (args.peers, args.client, args.workload, args.rounds, args.single) == (
+        list(serving_peers.PEERS), "builtin", "w3", 1, False)
+    args = serving.parse_args(["--peers", "vllm", "nanoserve", "--request-rate", "2", "4", "--rounds", "3"])
+    assert args.peers == ["vllm", "nanoserve"] and args.request_rate == [2.0, 4.0] and args.rounds == 3
+    assert serving.parse_args(["--launch", "shadow", "--request-rate", "5"]).single
+    for bad in (["--launch", "shadow", "--peers", "vllm"], ["--launch", "real", "--request-rate", "1", "2"],
+                ["--client", "vllm-bench", "--workload", "w1"], ["--rounds", "0"], ["--request-rate", "0"]):
+        with pytest.raises(SystemExit):
+            serving.parse_args(bad)
+
+
+def test_w3_draws_vllm_randoms_shape_and_every_peer_gets_the_same_arrivals():
+    workload = w3()
+    assert len(workload) == 64 and {len(p) for p in workload.prompts} == {256} and set(workload.max_tokens) == {128}
+    assert arrivals(5, 2.0, seed=0) == arrivals(5, 2.0, seed=0) != arrivals(5, 2.0, seed=1)
+    assert [2 * t for t in arrivals(5, 4.0, seed=0)] == pytest.approx(arrivals(5, 2.0, seed=0))
+    assert arrivals(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
+
+
+def test_saturation_point_is_the_highest_rate_kept_up_with_below_the_first_miss():
+    assert kept_up(2.0, 1.9, failed=0) and not kept_up(2.0, 1.89, failed=0) and not kept_up(2.0, 2.0, failed=1)
+    assert kept_up(None, 5.0, failed=0) is None  # all at once: no offered rate
+    assert saturation_point({1.0: True, 2.0: True, 4.0: False, math.inf: None}) == 2.0
+    assert saturation_point({1.0: True, 2.0: False, 4.0: True}) == 1.0
+    assert saturation_point({2.0: False}) is None
+
+
+def test_summarise_pools_the_itl_of_every_request_and_measures_both_rates():
+    results = [
+        RequestResult(output_tokens=4, ttft_s=0.1, latency_s=0.4, sent_s=0.0, itl_s=[0.1, 0.1, 0.1]),
+        RequestResult(output_tokens=3, ttft_s=0.2, latency_s=0.6, sent_s=1.0, itl_s=[0.2, 0.2]),
+        RequestResult(output_tokens=2, ttft_s=0.1, latency_s=1.4, sent_s=2.0, itl_s=[1.3]),
+        RequestResult(sent_s=3.0, error="refused"),
+    ]
+    figures = summarise(results, duration_s=4.0, request_rate=1.0)
+    # ITL gaps in ms, pooled: 100, 100, 100, 200, 200, 1300 (linear interpolation between order statistics)
+    assert figures["itl_p50_ms"] == pytest.approx(150.0) and figures["itl_p90_ms"] == pytest.approx(750.0)
+    assert figures["itl_p99_ms"] == pytest.approx(1245.0) and figures["itl_mean_ms"] == pytest.approx(1e3 * 2 / 6)
+    assert figures["tpot_p50_ms"] == pytest.approx(200.0)  # (0.3 / 3, 0.4 / 2, 1.3 / 1)
+    # 4 sends over 3 s; 3 completions (at 0.4, 1.6, 3.4 s) over 3 s; a failure: not kept up
+    assert figures["offered_req_s"] == pytest.approx(1.0) and figures["achieved_req_s"] == pytest.approx(2 / 3)
+    assert (figures["completed"], figures["failed"], figures["kept_up"]) == (3, 1, False)
+
+
+def test_vllm_bench_results_read_back_as_the_same_per_request_results():
+    data = {"duration": 3.0, "start_times": [10.0, 10.5], "output_lens": [3, 0], "ttfts": [0.2, 0.0],
+            "latencies": [0.6, 0.0], "itls": [[0.2, 0.2], []], "errors": ["", "Connection refused"]}
+    results, duration = serving_peers.results_from_vllm_bench(data)
+    assert duration == 3.0
+    assert (results[0].sent_s, results[0].itl_s, results[0].error, results[0].tpot_s) == (0.0, [0.2, 0.2], None,
+                                                                                          pytest.approx(0.2))
+    assert (results[1].sent_s, results[1].error) == (0.5, "Connection refused")
+
+
+def shadow_nanoserve(stack: ExitStack, dtype: str, log: Path, timeout_s: float) -> serving_peers.Server:
+    """The model-free shadow stack standing in for ``make run``'s, so that W3's peer loop runs in seconds."""
+    target, base_url = serving_peers.launch("shadow", w3(), stack, 256, 2, dtype, timeout_s)
+    return serving_peers.Server(target, base_url)
+
+
+def test_w3_without_a_vllm_python_skips_the_peer_and_writes_the_others_keys(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], no_vllm: None):
+    monkeypatch.setattr(serving, "start_nanoserve", shadow_nanoserve)
+    path = tmp_path / "w3.json"
+    serving.main(["--num-prompts", "3", "--request-rate", "20", "inf", "--json", str(path)])
+    err = capsys.readouterr().err
+    assert err.count("vllm peer skipped: ") == 1 and "round 1 nanoserve_openai @ inf" in err
+    figures = json.loads(path.read_text())
+    assert figures["peers"] == ["nanoserve", "nanoserve_openai"] and "vllm" in figures["skipped"]
+    for peer in ("nanoserve", "nanoserve_openai"):
+        for rate in ("20", "inf"):
+            for key in ("req_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
+                        "itl_p50_ms", "itl_p90_ms", "itl_p99_ms"):
+                assert figures[f"{peer}_r{rate}_{key}"] > 0, (peer, rate, key)
+        assert figures[f"{peer}_rinf_kept_up"] is None and f"{peer}_saturation_req_s" in figures
+    assert not any(key.startswith("vllm_") for key in figures)
+
+
+def test_rounds_alternate_and_each_figure_is_the_median_of_its_rounds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_vllm: None):
+    calls: list[str] = []
+    tok_s = {"nanoserve": iter([100.0, 130.0, 90.0]), "nanoserve_openai": iter([95.0, 80.0, 120.0])}
+
+    def fake_peer(args, peer, venv, workload, logs):
+        calls.append(peer)
+        results = [RequestResult(output_tokens=2, ttft_s=0.1, latency_s=0.2, sent_s=i, itl_s=[0.1]) for i in range(3)]
+        figures = summarise(results, duration_s=3.0, request_rate=1.0)
+        return {1.0: {**figures, "output_tok_s": next(tok_s[peer])}}
+
+    monkeypatch.setattr(serving, "run_peer", fake_peer)
+    figures = serving.main(["--peers", "nanoserve", "nanoserve_openai", "--request-rate", "1", "--rounds", "3"])
+    assert calls == ["nanoserve", "nanoserve_openai", "nanoserve_openai", "nanoserve", "nanoserve",
+                     "nanoserve_openai"]
+    assert (figures["nanoserve_r1_output_tok_s"], figures["nanoserve_openai_r1_output_tok_s"]) == (100.0, 95.0)
+    assert figures["nanoserve_r1_kept_up"] and figures["nanoserve_saturation_req_s"] == 1.0
+
+
+def test_vllm_bench_without_vllm_stops_with_the_reason(no_vllm: None):
+    with pytest.raises(SystemExit, match="--client vllm-bench cannot run: no vLLM python given"):
+        serving.main(["--client", "vllm-bench", "--peers", "nanoserve_openai"])
+
+
+@needs_vllm
+def test_the_w1_peer_writes_its_key(tmp_path: Path):
+    path = tmp_path / "w1.json"
+    throughput.main(["--num-requests", "2", "--peers", "vllm", "--json", str(path)])
+    assert json.loads(path.read_text())["vllm_tok_s"] > 0
+
+
+@needs_vllm
+def test_the_w3_peer_writes_its_keys(tmp_path: Path):
+    found = vllm_setup.find(None)
+    if isinstance(found, str) or not found.cli:
+        pytest.skip(found if isinstance(found, str) else vllm_setup.CLI_FIX)
+    path = tmp_path / "w3.json"
+    serving.main(["--peers", "vllm", "--num-prompts", "2", "--request-rate", "4", "--json", str(path)])
+    figures = json.loads(path.read_text())
+    assert figures["vllm_r4_completed"] == 2 and figures["vllm_r4_output_tok_s"] > 0
