@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import statistics
 import sys
@@ -54,6 +55,9 @@ from bench.serving_peers import PEERS, Server, launch, run_vllm_bench, start_nan
 CLIENTS = ("builtin", "vllm-bench")
 METRICS = ("ttft", "tpot", "itl", "e2e")
 
+
+# Requests of the workload a server runs untimed before its first measured rate.
+WARMUP_REQUESTS = 16
 
 def plot(path: Path, results: list[RequestResult], title: str) -> None:
     """Histograms of TTFT, TPOT and end-to-end latency."""
@@ -191,7 +195,7 @@ def run_peer(args: argparse.Namespace, peer: str, venv: vllm_setup.VllmEnv | Non
             server = start_vllm(stack, venv, args.dtype, logs.with_suffix(".log"), args.launch_timeout)
         else:
             server = start_nanoserve(stack, args.dtype, logs.with_suffix(".log"), args.launch_timeout)
-        asyncio.run(warm_up(peer, server))
+        asyncio.run(warm_up(peer, server, workload, max(args.request_rate), args.seed))
         for rate in args.request_rate:
             if args.client == "vllm-bench":
                 result = logs.with_name(f"{logs.name}-vllm-bench-r{rate:g}.json")
@@ -205,13 +209,21 @@ def run_peer(args: argparse.Namespace, peer: str, venv: vllm_setup.VllmEnv | Non
     return figures
 
 
-async def warm_up(peer: str, server: Server) -> None:
-    """One short request, untimed, through the API the peer is measured on."""
-    backend = grpc_backend(server.grpc_target) if peer == "nanoserve" else openai_backend(server.base_url)
-    async with backend as send_one:
+async def warm_up(peer: str, server: Server, workload: Workload, rate: float, seed: int) -> None:
+    """Untimed, through the API the peer is measured on: one short request, then the workload's first
+    ``WARMUP_REQUESTS`` at the run's highest rate, so that the first rate measured does not pay for what a server
+    does once, its first batches of each shape (docs/benchmarks-history.md, W3 against vLLM's CPU build)."""
+    def backend() -> contextlib.AbstractAsyncContextManager:
+        return grpc_backend(server.grpc_target) if peer == "nanoserve" else openai_backend(server.base_url)
+
+    async with backend() as send_one:
         result = await send_one(WARMUP_PROMPT, 4, 0.0)
     if result.error:
         raise RuntimeError(f"the {peer} warm-up request failed: {result.error}")
+    results, _ = await run_load(backend(), workload.head(WARMUP_REQUESTS), rate, seed + 1, label=f"{peer} warm-up")
+    failed = next((r.error for r in results if r.error), None)
+    if failed:
+        raise RuntimeError(f"the {peer} warm-up load failed: {failed}")
 
 
 def medians(rounds: list[dict[str, float | None]]) -> dict[str, float | None]:
