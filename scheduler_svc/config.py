@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from common.channels import PUBLIC_MAX_MESSAGE_BYTES
 from common.flags import ENV_PREFIX, EnvFlags, boolean, non_negative_float, port, positive_float, positive_int
+from scheduler_svc.core.scheduler import POLICY_NAMES
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -101,7 +102,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "request cuts one short after its current step")
     add("--scheduling-policy", str, "nano-vllm: prefill first, never in a step with decodes (the seed's policy); "
         "mixed: running decodes first, and prefill chunks fill the rest of --max-num-batched-tokens in the same step",
-        choices=("nano-vllm", "mixed"))
+        choices=POLICY_NAMES)
     add("--stream-interval", positive_int, "tokens a stream gathers before they are sent (its first token and its "
         "end go at once): 1 sends each as it comes; more send fewer, larger messages, which costs this process "
         "less per token when it streams to many clients")

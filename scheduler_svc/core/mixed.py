@@ -13,7 +13,7 @@ seed's.
 
 from __future__ import annotations
 
-from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.scheduler import POLICY_NAMES, Scheduler
 from scheduler_svc.core.sequence import Sequence
 
 
@@ -34,4 +34,4 @@ class MixedScheduler(Scheduler):
 
 
 # --scheduling-policy: the scheduler of each.
-POLICIES: dict[str, type[Scheduler]] = {"nano-vllm": Scheduler, "mixed": MixedScheduler}
+POLICIES: dict[str, type[Scheduler]] = dict(zip(POLICY_NAMES, (Scheduler, MixedScheduler), strict=True))

@@ -12,6 +12,9 @@ from scheduler_svc.core.sequence import PENDING, FinishReason, Sequence, Sequenc
 from scheduler_svc.core.step_record import StepRecord, TokenOutput, in_schedule_order, shorten
 from scheduler_svc.core.stop_rules import StopRule
 
+# --scheduling-policy's names; ``core.mixed.POLICIES`` maps each to its scheduler.
+POLICY_NAMES = ("nano-vllm", "mixed")
+
 
 @dataclass
 class SchedulerConfig:
@@ -30,8 +33,8 @@ class SchedulerConfig:
     policy: str = "nano-vllm"
 
     def __post_init__(self) -> None:
-        if self.policy not in ("nano-vllm", "mixed"):
-            raise ValueError(f"policy must be nano-vllm or mixed, got {self.policy!r}")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
         if self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.max_num_seqs < 1:

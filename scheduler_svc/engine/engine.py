@@ -255,7 +255,7 @@ class Engine:
         plan.after_whole_step_id = after_whole
         record = self.scheduler.advance(ordered, is_prefill)
         t2 = time.perf_counter()
-        window = Window.is_window(is_prefill, record)
+        window = self.config.num_scheduler_steps > 1 and Window.is_window(is_prefill, record)
         if window:
             self.window.sending(plan.step_id)
         result = run(plan)
