@@ -50,7 +50,7 @@ from bench.serving_load import (
     saturation_point,
     summarise,
 )
-from bench.serving_peers import PEERS, Server, launch, run_vllm_bench, start_nanoserve, start_vllm
+from bench.serving_peers import PEERS, Server, default_dtype, launch, run_vllm_bench, start_nanoserve, start_vllm
 
 CLIENTS = ("builtin", "vllm-bench")
 METRICS = ("ttft", "tpot", "itl", "e2e")
@@ -91,8 +91,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "order; each figure is the median of its rounds (default: %(default)s)")
     parser.add_argument("--client", choices=CLIENTS, default="builtin", help="the load generator: this package's "
                         "client, or vllm bench serve from the vLLM environment (default: %(default)s)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="every launched server's dtype (default: %(default)s, as make run)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=default_dtype(),
+                        help="every launched server's dtype (default: make run's on this CPU, %(default)s)")
     parser.add_argument("--vllm-python", help="python of a vLLM CPU environment, for the vllm peer and --client "
                         f"vllm-bench (default: ${vllm_setup.ENV_VAR}; docs/benchmarks.md)")
     target = parser.add_mutually_exclusive_group()

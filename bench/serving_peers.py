@@ -29,6 +29,14 @@ PEERS = ("nanoserve", "nanoserve_openai", "vllm")
 STOP_GRACE_S = 30.0
 
 
+def default_dtype() -> str:
+    """The dtype ``make run``'s executor picks on this CPU, so that a run without ``--dtype`` measures what users
+    get (and gives the vLLM peer the same)."""
+    from executor_svc.runtime.config import ExecutorOptions
+
+    return ExecutorOptions(device="cpu").resolved_dtype()
+
+
 def launch(kind: str, workload: Workload, stack: ExitStack, max_num_seqs: int, threads: int, dtype: str,
            timeout_s: float) -> tuple[str, str]:
     """Start an executor and a scheduler as subprocesses; return the scheduler's gRPC address and HTTP base URL."""

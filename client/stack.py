@@ -29,7 +29,7 @@ EXECUTOR_PORT = 50052
 SCHEDULER_PORT = 50051
 HTTP_PORT = 8000
 # What docker-compose.cpu.yml sets beyond the host, the port and the cache volume (tests/test_compose.py checks).
-EXECUTOR_CPU_ENV = {"NANOSERVE_DEVICE": "cpu", "NANOSERVE_DTYPE": "float32"}
+EXECUTOR_CPU_ENV = {"NANOSERVE_DEVICE": "cpu"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 STOP_GRACE_S = 10.0
 POLL_S = 0.5
@@ -48,7 +48,7 @@ class Service:
 
 def executor_service(port: int, shadow: bool, dtype: str | None = None) -> Service:
     """The embedded model on CPU, or with ``shadow`` the model-free test executor (no torch needed); ``dtype``
-    replaces the compose stack's float32 (benchmarks run either)."""
+    replaces the executor's own choice (bfloat16 where the CPU multiplies it natively, else float32)."""
     if shadow:
         argv = [sys.executable, "-m", "executor_svc.fakes.shadow_server", "--host", HOST, "--port", str(port)]
         return Service("executor", argv, {}, f"{HOST}:{port}")
@@ -130,8 +130,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--http-port", type=int, default=HTTP_PORT,
                         help="port of the scheduler's OpenAI-compatible HTTP API, 0 for none (default %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"),
-                        help=f"the executor's dtype (default: {EXECUTOR_CPU_ENV['NANOSERVE_DTYPE']}, as the compose "
-                        "CPU stack)")
+                        help="the executor's dtype (default: bfloat16 on a CPU with avx512_bf16 or amx_bf16, else "
+                        "float32, as the compose CPU stack)")
     return parser.parse_args(argv)
 
 

@@ -48,7 +48,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--host", str, "127.0.0.1", "address to bind")
     add("--port", port, 50052, "port to bind")
     add("--device", str, None, "torch device, e.g. cpu, cuda, cuda:1 (None: cuda when available, else cpu)")
-    add("--dtype", str, None, "compute dtype (None: float32 on CPU, bfloat16 on CUDA)", choices=DTYPES)
+    add("--dtype", str, None,
+        "compute dtype (None: bfloat16 on CUDA and on CPUs with avx512_bf16 or amx_bf16, else float32)", choices=DTYPES)
     add("--tensor-parallel-size", positive_int, 1, "ranks in the tensor-parallel group")
     add("--block-size", positive_int, 16, "tokens per KV-cache block")
     add("--kv-cache-memory", parse_bytes, None,

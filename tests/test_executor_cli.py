@@ -57,7 +57,7 @@ def test_a_bad_environment_value_names_its_variable(capsys: pytest.CaptureFixtur
 def test_served_executor_matches_hugging_face(tiny_model_folders: dict[str, Path]) -> None:  # noqa: F811
     port = free_port()
     folder = str(tiny_model_folders["qwen3"])
-    env = {**os.environ, "NANOSERVE_BLOCK_SIZE": "8", "NANOSERVE_MODEL": folder}
+    env = {**os.environ, "NANOSERVE_BLOCK_SIZE": "8", "NANOSERVE_MODEL": folder, "NANOSERVE_DTYPE": "float32"}
     argv = [sys.executable, "-m", "executor_svc", "--port", str(port), "--kv-cache-memory", "4M"]
     server = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -140,3 +140,20 @@ def test_sigterm_delivered_to_a_grpc_thread_stops_an_idle_executor(tmp_path: Pat
             server.wait()
     assert "executor stopping on signal 15" in log.read_text()
 
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ("fpu sse avx2 avx512f avx512_bf16", "bfloat16"),
+    ("fpu sse avx2 amx_tile amx_bf16", "bfloat16"),
+    ("fpu sse avx2 avx512f", "float32"),
+    ("fpu sse avx2 fma", "float32"),
+])
+def test_the_cpu_dtype_is_bfloat16_only_where_the_cpu_multiplies_it(
+        flags: str, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from executor_svc.cpu import kernels
+
+    monkeypatch.setattr(kernels, "cpuinfo", lambda *keys: f"flags\t\t: {flags}" if "flags" in keys else "")
+    assert options_from_args(build_parser({}).parse_args(["--device", "cpu"])).resolved_dtype() == expected
+    assert options_from_args(build_parser({}).parse_args(["--device", "cuda"])).resolved_dtype() == "bfloat16"
+    forced = build_parser({"NANOSERVE_DTYPE": "float32"}).parse_args(["--device", "cpu"])
+    assert options_from_args(forced).resolved_dtype() == "float32", "a dtype asked for is kept"

@@ -22,7 +22,8 @@ PROMPTS = {1: [5, 9, 77, 300, 41, 8], 2: [19, 23, 100, 7]}
 
 
 def tiny(folder: Path) -> ModelExecutor:
-    return ModelExecutor(ExecutorOptions(model=str(folder), block_size=8, kv_cache_memory=KV_BYTES, threads=1))
+    return ModelExecutor(ExecutorOptions(dtype="float32", model=str(folder), block_size=8, kv_cache_memory=KV_BYTES,
+                                         threads=1))
 
 
 def prefill(step_id: int) -> StepPlan:

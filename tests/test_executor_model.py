@@ -27,7 +27,8 @@ KV_BYTES = 4 << 20
 @pytest.fixture(scope="module")
 def tiny_executor(tiny_model_folders: dict[str, Path]) -> ModelExecutor:  # noqa: F811
     return ModelExecutor(
-        ExecutorOptions(model=str(tiny_model_folders["llama"]), block_size=8, kv_cache_memory=KV_BYTES, threads=1)
+        ExecutorOptions(dtype="float32", model=str(tiny_model_folders["llama"]), block_size=8, kv_cache_memory=KV_BYTES,
+                        threads=1)
     )
 
 
@@ -51,10 +52,10 @@ def test_tiny_handshake(tiny_executor: ModelExecutor) -> None:
 
 def test_max_model_len_override_and_limit(tiny_model_folders: dict[str, Path]) -> None:  # noqa: F811
     folder = str(tiny_model_folders["llama"])
-    executor = ModelExecutor(ExecutorOptions(model=folder, max_model_len=100, kv_cache_memory=1 << 20))
+    executor = ModelExecutor(ExecutorOptions(dtype="float32", model=folder, max_model_len=100, kv_cache_memory=1 << 20))
     assert executor.get_info().max_model_len == 100
     with pytest.raises(UnsupportedModel, match="max_position_embeddings 512"):
-        ModelExecutor(ExecutorOptions(model=folder, max_model_len=1000, kv_cache_memory=1 << 20))
+        ModelExecutor(ExecutorOptions(dtype="float32", model=folder, max_model_len=1000, kv_cache_memory=1 << 20))
 
 
 def test_chunked_prefill_samples_only_at_the_end(tiny_executor: ModelExecutor) -> None:
@@ -93,7 +94,7 @@ def test_rejected_plan_changes_nothing(tiny_executor: ModelExecutor) -> None:
 
 
 def test_embedded_model_handshake(smollm2_folder: Path) -> None:  # noqa: F811
-    executor = ModelExecutor(ExecutorOptions(kv_cache_memory=16 << 20, threads=1))
+    executor = ModelExecutor(ExecutorOptions(dtype="float32", kv_cache_memory=16 << 20, threads=1))
     info = executor.get_info()
     assert (info.model_id, info.architecture, info.vocab_size) == ("smollm2-135m-instruct", "LlamaForCausalLM", 49152)
     assert (list(info.eos_token_ids), info.bos_token_id, info.max_model_len) == ([2], 1, 8192)
@@ -151,7 +152,8 @@ def test_a_long_cpu_prefill_runs_the_mlp_in_chunks_with_the_same_tokens(
     folder = str(tiny_model_folders["qwen3"])
     prompts = random_prompts(3)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    executor = ModelExecutor(ExecutorOptions(model=folder, block_size=8, kv_cache_memory=KV_BYTES, threads=1))
+    executor = ModelExecutor(ExecutorOptions(dtype="float32", model=folder, block_size=8, kv_cache_memory=KV_BYTES,
+                                             threads=1))
     whole = [c.token_ids for c in Engine(executor).generate(prompts, params)]
     calls = []
     mlp = LlamaMLP._mlp

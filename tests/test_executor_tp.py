@@ -23,7 +23,7 @@ from tests.test_model_parity import random_prompts
 
 def generate(folder: Path, tp: int, prompts: list[list[int]]) -> list[list[int]]:
     options = ExecutorOptions(
-        model=str(folder), tensor_parallel_size=tp, block_size=8, kv_cache_memory=8 << 20, threads=1
+        dtype="float32", model=str(folder), tensor_parallel_size=tp, block_size=8, kv_cache_memory=8 << 20, threads=1
     )
     executor = ModelExecutor(options)
     try:
@@ -47,7 +47,8 @@ def kernels_on_rank(rank: int, world: int, init_method: str, folder: str, tables
     # Ranks whose measurements disagree, as two ranks racing near-equal kernels at once can.
     way = "c" if rank == 0 else "torch"
     kernel_probe.measure = lambda *_: KernelChoice.uniform(way, source=f"measured on rank {rank}")
-    options = ExecutorOptions(model=folder, tensor_parallel_size=world, block_size=8, kv_cache_memory=8 << 20,
+    options = ExecutorOptions(dtype="float32", model=folder, tensor_parallel_size=world, block_size=8,
+                              kv_cache_memory=8 << 20,
                               threads=1)
     kernels = ModelRunner(folder, options).kernels
     tables.put((rank, kernels.source, kernels.table))

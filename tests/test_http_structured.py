@@ -23,7 +23,7 @@ MESSAGES = [{"role": "user", "content": "Name a city and its population, as JSON
 
 @pytest.fixture(scope="module")
 def api(smollm2_folder: Path) -> Hosted:  # noqa: F811 - converts the embedded model once
-    executor = ModelExecutor(ExecutorOptions(model=DEFAULT_MODEL, threads=2, kv_cache_memory=64 << 20))
+    executor = ModelExecutor(ExecutorOptions(dtype="float32", model=DEFAULT_MODEL, threads=2, kv_cache_memory=64 << 20))
     with hosted(executor) as h:
         yield h
         h.assert_idle()

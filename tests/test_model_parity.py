@@ -76,7 +76,8 @@ def run_parity(
 ) -> ParityRun:
     kernels = {} if cpu_kernels is None else {"cpu_kernels": cpu_kernels}
     executor = ModelExecutor(
-        ExecutorOptions(model=str(folder), block_size=block_size, kv_cache_memory=kv_bytes, threads=2, **kernels)
+        ExecutorOptions(dtype="float32", model=str(folder), block_size=block_size, kv_cache_memory=kv_bytes, threads=2,
+                        **kernels)
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=not stop_at_eos)
     batched = [c.token_ids for c in Engine(executor).generate(prompts, params)]

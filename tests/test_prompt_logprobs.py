@@ -41,7 +41,8 @@ def reference(smollm2_folder: Path) -> list[tuple[torch.Tensor, torch.Tensor]]: 
 
 
 def executor(folder: Path) -> ModelExecutor:
-    return ModelExecutor(ExecutorOptions(model=str(folder), threads=2, block_size=16, kv_cache_memory=64 << 20))
+    return ModelExecutor(ExecutorOptions(dtype="float32", model=str(folder), threads=2, block_size=16,
+                                         kv_cache_memory=64 << 20))
 
 
 def assert_matches(got_logprobs: list[float], got_top: list[list[int]], expected) -> None:

@@ -81,7 +81,8 @@ def sampling_params(case: Case, ignore_eos: bool) -> SamplingParams:
 
 def engine_generate(folder: Path, cases: list[Case], ignore_eos: bool, **options) -> tuple[list[list[int]], int]:
     """Every case in one Engine run: the tokens of each, and how many preemptions there were."""
-    engine = Engine(ModelExecutor(ExecutorOptions(model=str(folder), threads=2, **options)), SchedulerConfig())
+    executor = ModelExecutor(ExecutorOptions(dtype="float32", model=str(folder), threads=2, **options))
+    engine = Engine(executor, SchedulerConfig())
     completions = engine.generate([c.prompt for c in cases], [sampling_params(c, ignore_eos) for c in cases])
     return [c.token_ids for c in completions], engine.scheduler.num_preemptions
 
@@ -101,7 +102,7 @@ def grpc_generate(folder: Path, cases: list[Case], **options) -> list[list[int]]
         requests.append(request)
 
     async def run() -> list[list[int]]:
-        executor = ModelExecutor(ExecutorOptions(model=str(folder), threads=2, **options))
+        executor = ModelExecutor(ExecutorOptions(dtype="float32", model=str(folder), threads=2, **options))
         async with in_process_scheduler(executor) as server:
             responses = await asyncio.gather(*(server.stub.GenerateOnce(r) for r in requests))
             await assert_idle_async(server.stub)

@@ -90,7 +90,8 @@ def real_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     from tests.model_fixtures import TINY_VOCAB, save_tiny_model
 
     folder = save_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama") / "llama")
-    flags = dict(model=folder, block_size=4, kv_cache_memory=REAL_KV_CACHE_BYTES, max_model_len=512, threads=1)
+    flags = dict(model=folder, dtype="float32", block_size=4, kv_cache_memory=REAL_KV_CACHE_BYTES, max_model_len=512,
+                 threads=1)
     executor = ModelExecutor(ExecutorOptions(**{**flags, "model": str(folder)}))
 
     def argv(port: int) -> list[str]:

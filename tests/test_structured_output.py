@@ -153,7 +153,7 @@ PROMPTS = {
 
 
 def make_executor(kv_bytes: int) -> ModelExecutor:
-    return ModelExecutor(ExecutorOptions(kv_cache_memory=kv_bytes, threads=2))
+    return ModelExecutor(ExecutorOptions(dtype="float32", kv_cache_memory=kv_bytes, threads=2))
 
 
 def add_requests(engine: Engine, tokenizer: ModelTokenizer, cases: list[Case]) -> list[Sequence]:

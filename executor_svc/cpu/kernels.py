@@ -54,6 +54,12 @@ def cpuinfo(*keys: str) -> str:
     return next((line for line in lines if line.startswith(keys)), "")
 
 
+def names_bfloat16_instructions() -> bool:
+    """Whether /proc/cpuinfo names an x86 bfloat16 multiply (AVX512_BF16 or AMX_BF16)."""
+    flags = cpuinfo("flags").split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def _library_path(compiler: str, flags: list[str]) -> Path:
     key = hashlib.sha256()
     sources = [source.read_bytes() for source in SOURCES + HEADERS]

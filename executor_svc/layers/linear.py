@@ -114,8 +114,7 @@ class LinearBase(nn.Module):
 def native_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512_BF16, AMX; assumed where /proc/cpuinfo names no x86
     flags). Without, torch's bfloat16 GEMM runs far below its float32 speed."""
-    flags = cpu_kernels.cpuinfo("flags").split()
-    return not flags or "avx512_bf16" in flags or "amx_bf16" in flags
+    return not cpu_kernels.cpuinfo("flags") or cpu_kernels.names_bfloat16_instructions()
 
 
 def packing_helps() -> bool:

@@ -153,8 +153,16 @@ class ExecutorOptions:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_dtype(self) -> str:
-        """float32 on CPU, bfloat16 on CUDA unless given."""
-        dtype = self.dtype or ("float32" if self.resolved_device() == "cpu" else "bfloat16")
+        """Unless given: bfloat16 on CUDA and on a CPU that names a bfloat16 multiply (AVX512_BF16, AMX), where it
+        runs about twice float32's speed (docs/benchmarks.md, W1); float32 on other CPUs, where it does not."""
+        dtype = self.dtype or self._default_dtype()
         if dtype not in DTYPES:
             raise UnsupportedModel(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
         return dtype
+
+    def _default_dtype(self) -> str:
+        if self.resolved_device() != "cpu":
+            return "bfloat16"
+        from executor_svc.cpu.kernels import names_bfloat16_instructions
+
+        return "bfloat16" if names_bfloat16_instructions() else "float32"
