@@ -4,7 +4,8 @@ Peers in turn (the default): each server of ``--peers`` is started, warmed up wi
 every ``--request-rate`` with the same arrivals (a seeded draw), and stopped before the next starts; ``--rounds N``
 repeats this, every other round in reverse order, and each figure is the median of its rounds. ``nanoserve`` is the
 stack ``make run`` starts (``python -m client.stack``, default flags, ``--dtype`` passed through) driven over gRPC,
-``nanoserve_openai`` the same stack over its OpenAI endpoint, ``vllm`` vLLM's CPU build (``vllm serve``, its best
+``nanoserve_openai`` the same stack over its OpenAI endpoint, ``nanoserve_mixed`` (not run unless named) the stack at
+``--scheduling-policy mixed`` over gRPC, ``vllm`` vLLM's CPU build (``vllm serve``, its best
 settings on these cores; the python of its environment from ``--vllm-python`` or NANOSERVE_VLLM_PYTHON, else it is
 skipped with a line saying why) over its OpenAI endpoint. The load comes from this package's client (``--client
 builtin``: ``client.api.AsyncClient`` for gRPC, the ``openai`` SDK for HTTP, prompts as token ids) or from ``vllm
@@ -50,7 +51,17 @@ from bench.serving_load import (
     saturation_point,
     summarise,
 )
-from bench.serving_peers import PEERS, Server, default_dtype, launch, run_vllm_bench, start_nanoserve, start_vllm
+from bench.serving_peers import (
+    DEFAULT_PEERS,
+    GRPC_PEERS,
+    PEERS,
+    Server,
+    default_dtype,
+    launch,
+    run_vllm_bench,
+    start_nanoserve,
+    start_vllm,
+)
 
 CLIENTS = ("builtin", "vllm-bench")
 METRICS = ("ttft", "tpot", "itl", "e2e")
@@ -86,7 +97,8 @@ def plot(path: Path, results: list[RequestResult], title: str) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--peers", nargs="+", choices=PEERS, help="servers to run in turn (default: all)")
+    parser.add_argument("--peers", nargs="+", choices=PEERS,
+                        help=f"servers to run in turn (default: {' '.join(DEFAULT_PEERS)})")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of every peer, every other round in reverse "
                         "order; each figure is the median of its rounds (default: %(default)s)")
     parser.add_argument("--client", choices=CLIENTS, default="builtin", help="the load generator: this package's "
@@ -133,7 +145,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--rounds must be >= 1")
     if args.client == "vllm-bench" and args.workload != "w3":
         parser.error("--client vllm-bench draws its own random prompts of W3's shape: --workload w3")
-    args.peers = list(dict.fromkeys(args.peers or PEERS))
+    args.peers = list(dict.fromkeys(args.peers or DEFAULT_PEERS))
     return args
 
 
@@ -176,8 +188,8 @@ def admit(args: argparse.Namespace) -> tuple[list[str], vllm_setup.VllmEnv | Non
     if args.client == "vllm-bench":
         if reason:
             raise SystemExit(f"--client vllm-bench cannot run: {reason}")
-        if "nanoserve" in peers:
-            skipped["nanoserve"] = "vllm bench serve drives OpenAI endpoints only (nanoserve_openai is this server)"
+        for peer in set(peers) & set(GRPC_PEERS):
+            skipped[peer] = "vllm bench serve drives OpenAI endpoints only (nanoserve_openai is this server)"
     if "vllm" in peers and reason:
         skipped["vllm"] = reason
     for peer, why in skipped.items():
@@ -194,14 +206,15 @@ def run_peer(args: argparse.Namespace, peer: str, venv: vllm_setup.VllmEnv | Non
         if peer == "vllm":
             server = start_vllm(stack, venv, args.dtype, logs.with_suffix(".log"), args.launch_timeout)
         else:
-            server = start_nanoserve(stack, args.dtype, logs.with_suffix(".log"), args.launch_timeout)
+            policy = "mixed" if peer == "nanoserve_mixed" else None
+            server = start_nanoserve(stack, args.dtype, logs.with_suffix(".log"), args.launch_timeout, policy)
         asyncio.run(warm_up(peer, server, workload, max(args.request_rate), args.seed))
         for rate in args.request_rate:
             if args.client == "vllm-bench":
                 result = logs.with_name(f"{logs.name}-vllm-bench-r{rate:g}.json")
                 results, duration = run_vllm_bench(venv, server, workload, rate, args.seed, result)
             else:
-                backend = grpc_backend(server.grpc_target) if peer == "nanoserve" else openai_backend(server.base_url)
+                backend = grpc_backend(server.grpc_target) if peer in GRPC_PEERS else openai_backend(server.base_url)
                 results, duration = asyncio.run(run_load(backend, workload, rate, args.seed, label=peer))
             figures[rate] = summarise(results, duration, rate)
             for error in sorted({r.error for r in results if r.error})[:3]:
@@ -214,7 +227,7 @@ async def warm_up(peer: str, server: Server, workload: Workload, rate: float, se
     ``WARMUP_REQUESTS`` at the run's highest rate, so that the first rate measured does not pay for what a server
     does once, its first batches of each shape (docs/benchmarks-history.md, W3 against vLLM's CPU build)."""
     def backend() -> contextlib.AbstractAsyncContextManager:
-        return grpc_backend(server.grpc_target) if peer == "nanoserve" else openai_backend(server.base_url)
+        return grpc_backend(server.grpc_target) if peer in GRPC_PEERS else openai_backend(server.base_url)
 
     async with backend() as send_one:
         result = await send_one(WARMUP_PROMPT, 4, 0.0)

@@ -2,7 +2,8 @@
 
 ``launch`` starts the stacks of a single run (``--launch shadow`` or ``real``). For peers run in turn, nanoserve is
 started as ``make run`` starts it (``python -m client.stack``, default flags, the dtype passed through) and driven
-over gRPC (``nanoserve``) or its OpenAI endpoint (``nanoserve_openai``); ``vllm`` is ``vllm serve`` at the settings
+over gRPC (``nanoserve``; ``nanoserve_mixed`` with the mixed scheduling policy) or its OpenAI endpoint
+(``nanoserve_openai``); ``vllm`` is ``vllm serve`` at the settings
 of bench/vllm_setup.py, driven over its OpenAI endpoint. ``run_vllm_bench`` drives an OpenAI endpoint with
 ``vllm bench serve`` instead of this package's client and reads back its per-request figures.
 """
@@ -25,7 +26,11 @@ from bench.serving_load import RequestResult
 
 BLOCK_SIZE = 16
 SHADOW_VOCAB_SIZE = 49152
-PEERS = ("nanoserve", "nanoserve_openai", "vllm")
+PEERS = ("nanoserve", "nanoserve_openai", "nanoserve_mixed", "vllm")
+DEFAULT_PEERS = ("nanoserve", "nanoserve_openai", "vllm")
+# Driven over gRPC; the others over their OpenAI endpoint. ``nanoserve_mixed``: the stack at ``--scheduling-policy
+# mixed``, its only flag away from the defaults.
+GRPC_PEERS = ("nanoserve", "nanoserve_mixed")
 STOP_GRACE_S = 30.0
 
 
@@ -90,15 +95,16 @@ def model_folder(model: str) -> str:
     return str(resolve_model(model))
 
 
-def start_nanoserve(stack: ExitStack, dtype: str, log: Path, timeout_s: float) -> Server:
-    """``python -m client.stack`` on free ports, its children importing this checkout's code."""
+def start_nanoserve(stack: ExitStack, dtype: str, log: Path, timeout_s: float, policy: str | None = None) -> Server:
+    """``python -m client.stack`` on free ports, its children importing this checkout's code; ``policy``: the
+    scheduler's ``--scheduling-policy`` where not its default."""
     port, executor_port, http_port = free_port(), free_port(), free_port()
     argv = [sys.executable, "-m", "client.stack", "--port", str(port), "--executor-port", str(executor_port),
             "--http-port", str(http_port), "--dtype", dtype]
     # The stack runs the installed nanoserve-* commands: this checkout first on their path, not the install's.
     path = os.pathsep.join(filter(None, (str(REPO_ROOT), str(REPO_ROOT / "protos"), os.environ.get("PYTHONPATH"))))
-    child = stack.enter_context(Child("nanoserve stack", argv, log,
-                                      env={**os.environ, "PYTHONPATH": path}, group=True, grace_s=STOP_GRACE_S))
+    env = {**os.environ, "PYTHONPATH": path, **({"NANOSERVE_SCHEDULING_POLICY": policy} if policy else {})}
+    child = stack.enter_context(Child("nanoserve stack", argv, log, env=env, group=True, grace_s=STOP_GRACE_S))
     child.wait_serving(f"{HOST}:{port}", timeout_s)
     base_url = f"http://{HOST}:{http_port}/v1"
     child.wait_http(f"{base_url}/models", timeout_s)

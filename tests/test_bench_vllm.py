@@ -61,7 +61,7 @@ def test_vllm_runs_bound_to_the_allowed_cores_with_none_reserved_and_intel_openm
 def test_serving_arguments():
     args = serving.parse_args([])
     assert (args.peers, args.client, args.workload, args.rounds, args.single) == (
-        list(serving_peers.PEERS), "builtin", "w3", 1, False)
+        list(serving_peers.DEFAULT_PEERS), "builtin", "w3", 1, False)
     args = serving.parse_args(["--peers", "vllm", "nanoserve", "--request-rate", "2", "4", "--rounds", "3"])
     assert args.peers == ["vllm", "nanoserve"] and args.request_rate == [2.0, 4.0] and args.rounds == 3
     assert serving.parse_args(["--launch", "shadow", "--request-rate", "5"]).single
@@ -114,7 +114,8 @@ def test_vllm_bench_results_read_back_as_the_same_per_request_results():
     assert (results[1].sent_s, results[1].error) == (0.5, "Connection refused")
 
 
-def shadow_nanoserve(stack: ExitStack, dtype: str, log: Path, timeout_s: float) -> serving_peers.Server:
+def shadow_nanoserve(stack: ExitStack, dtype: str, log: Path, timeout_s: float,
+                     policy: str | None = None) -> serving_peers.Server:
     """The model-free shadow stack standing in for ``make run``'s, so that W3's peer loop runs in seconds."""
     target, base_url = serving_peers.launch("shadow", w3(), stack, 256, 2, dtype, timeout_s)
     return serving_peers.Server(target, base_url)
@@ -136,6 +137,20 @@ def test_w3_without_a_vllm_python_skips_the_peer_and_writes_the_others_keys(
                 assert figures[f"{peer}_r{rate}_{key}"] > 0, (peer, rate, key)
         assert figures[f"{peer}_rinf_kept_up"] is None and f"{peer}_saturation_req_s" in figures
     assert not any(key.startswith("vllm_") for key in figures)
+
+
+def test_the_mixed_peer_is_the_same_stack_at_the_mixed_policy_over_grpc(
+        monkeypatch: pytest.MonkeyPatch, no_vllm: None):
+    policies: list[str | None] = []
+
+    def recording(stack: ExitStack, dtype: str, log: Path, timeout_s: float, policy: str | None = None):
+        policies.append(policy)
+        return shadow_nanoserve(stack, dtype, log, timeout_s)
+
+    monkeypatch.setattr(serving, "start_nanoserve", recording)
+    figures = serving.main(["--peers", "nanoserve", "nanoserve_mixed", "--num-prompts", "3", "--request-rate", "20"])
+    assert policies == [None, "mixed"]
+    assert figures["nanoserve_mixed_r20_output_tok_s"] > 0 and figures["peers"] == ["nanoserve", "nanoserve_mixed"]
 
 
 def test_rounds_alternate_and_each_figure_is_the_median_of_its_rounds(
