@@ -64,6 +64,7 @@ from bench.common import (  # noqa: E402
 )
 from executor_svc.__main__ import cpu_kernels_flag  # noqa: E402
 from scheduler_svc.config import ServiceConfig  # noqa: E402
+from scheduler_svc.core.scheduler import POLICY_NAMES  # noqa: E402
 
 HF_BATCH_SIZE = 16
 HF_PEERS = ("hf", "hf_cb")
@@ -120,7 +121,8 @@ def run_inprocess(args: argparse.Namespace, workload: Workload, stack: bool = Tr
         cpu_kernels=args.cpu_kernels,
     )
     steps = args.num_scheduler_steps or ServiceConfig().num_scheduler_steps
-    engine = Engine(ModelExecutor(options), SchedulerConfig(num_scheduler_steps=steps), overlap=overlap)
+    config = SchedulerConfig(num_scheduler_steps=steps, policy=args.scheduling_policy)
+    engine = Engine(ModelExecutor(options), config, overlap=overlap)
     engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     freeze_startup_heap()  # as both services do once built
     interval = sys.getswitchinterval()
@@ -166,6 +168,7 @@ def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, how: 
     ]
     if args.num_scheduler_steps is not None:
         scheduler_argv += ["--num-scheduler-steps", str(args.num_scheduler_steps)]
+    scheduler_argv += ["--scheduling-policy", args.scheduling_policy]
     target = f"{HOST}:{scheduler_port}"
     with ExitStack() as stack:
         executor = stack.enter_context(Child("executor", executor_argv, log_dir / "executor.log"))
@@ -256,6 +259,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-scheduler-steps", type=int, default=None,
                    help="the most decode steps per plan of the engine peers (nanoserve-scheduler "
                    "--num-scheduler-steps; default: its default)")
+    p.add_argument("--scheduling-policy", choices=POLICY_NAMES, default=ServiceConfig().scheduling_policy,
+                   help="the engine peers' scheduling policy (nanoserve-scheduler --scheduling-policy; default: its "
+                   "default, %(default)s)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every peer, in turn (every other round in "
                    "reverse); each peer's median counts (this machine's load drifts between runs, and alternating "
                    "rounds spreads it alike)")
@@ -291,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     tok_s = {name: tokens / s for name, s in seconds.items()}
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"{workload.name.upper()}: {len(workload)} requests, {tokens} tokens, {args.dtype}, {args.device}, "
-          f"{args.threads} threads", file=sys.stderr)
+          f"{args.threads} threads, {args.scheduling_policy} policy", file=sys.stderr)
     hf, inprocess = tok_s.get("hf"), tok_s.get("inprocess")
     # Each round's ratio first: the machine's drift between rounds cancels out.
     paired = ({name: statistics.median(base / t for base, t in zip(runs["inprocess"], runs[name], strict=True))
@@ -308,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     write_json(args.json, {**{f"{name}_tok_s": v for name, v in tok_s.items()},
                            **{f"{name}_stolen_cpu_share": statistics.median(v) for name, v in stolen.items()},
                            **ratios, **{f"{name}_paired_over_inprocess": v for name, v in paired.items()},
-                           "peak_rss_mb": peak_rss_mb, "repeats": args.repeats})
+                           "peak_rss_mb": peak_rss_mb, "repeats": args.repeats,
+                           "scheduling_policy": args.scheduling_policy})
 
 
 if __name__ == "__main__":

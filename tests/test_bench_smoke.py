@@ -92,7 +92,8 @@ def test_serving_through_the_openai_api_writes_the_same_keys(tmp_path):
 
 def test_w2_runs_on_a_shrunken_random_qwen3(tmp_path):
     """The W2 path (random Qwen3 weights, temperature 0.6, its own max_model_len) end to end, on the CPU, with the
-    in-process peer at the split's overlap and the transformers continuous-batching peer the GPU check runs."""
+    in-process peer at the split's overlap and the mixed policy, and the transformers continuous-batching peer the GPU
+    check runs."""
     folder = random_model.save_random(
         tmp_path / "qwen3", torch.float32, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
         vocab_size=10240,
@@ -100,8 +101,9 @@ def test_w2_runs_on_a_shrunken_random_qwen3(tmp_path):
     path = tmp_path / "w2.json"
     throughput.main(["--workload", "w2", "--model", str(folder), "--num-requests", "1", "--peers", "inprocess",
                      "inprocess_overlap", "hf_cb", "--kv-cache-memory", str(64 << 20), "--repeats", "2",
-                     "--json", str(path)])
+                     "--scheduling-policy", "mixed", "--json", str(path)])
     figures = json.loads(path.read_text())
+    assert figures["scheduling_policy"] == "mixed"
     peers = ("inprocess", "inprocess_overlap", "hf_cb")
     assert all(positive_finite(figures[f"{peer}_tok_s"]) for peer in peers) and figures["repeats"] == 2
     assert all(0.0 <= figures[f"{peer}_stolen_cpu_share"] <= 1.0 for peer in peers)  # a share of the CPU time
