@@ -48,6 +48,13 @@ class Workload:
         """The first ``n`` requests (all when ``n`` is None): a prefix of the same draw, not a new one."""
         return Workload(self.name, self.prompts[:n], self.max_tokens[:n], self.temperature, self.max_model_len)
 
+    def redrawn(self, seed: int) -> Workload:
+        """The same shape (prompt lengths, limits) with new random prompt ids from ``seed``: a server that ran this
+        workload finds none of them in its prefix cache, as a later run of vLLM's random dataset would not."""
+        rng = random.Random(f"{self.name}-{seed}")
+        prompts = [[rng.randint(0, 10000) for _ in prompt] for prompt in self.prompts]
+        return Workload(self.name, prompts, self.max_tokens, self.temperature, self.max_model_len)
+
 
 def _draw(name: str, num_requests: int, prompt_lens: tuple[int, int], max_tokens: tuple[int, int],
           temperature: float, max_model_len: int) -> Workload:

@@ -1,7 +1,8 @@
 """W3: online serving latency with Poisson arrivals, every request streamed, EOS ignored.
 
-Peers in turn (the default): each server of ``--peers`` is started, warmed up with one short request, driven at
-every ``--request-rate`` with the same arrivals (a seeded draw), and stopped before the next starts; ``--rounds N``
+Peers in turn (the default): each server of ``--peers`` is started, warmed up (``warm_up``), driven at every
+``--request-rate`` with the same arrivals (a seeded draw) and prompts (a draw of their own for each rate, so no rate
+finds the one before it in the prefix cache), and stopped before the next starts; ``--rounds N``
 repeats this, every other round in reverse order, and each figure is the median of its rounds. ``nanoserve`` is the
 stack ``make run`` starts (``python -m client.stack``, default flags, ``--dtype`` passed through) driven over gRPC,
 ``nanoserve_openai`` the same stack over its OpenAI endpoint, ``nanoserve_mixed`` (not run unless named) the stack at
@@ -208,14 +209,16 @@ def run_peer(args: argparse.Namespace, peer: str, venv: vllm_setup.VllmEnv | Non
         else:
             policy = "mixed" if peer == "nanoserve_mixed" else None
             server = start_nanoserve(stack, args.dtype, logs.with_suffix(".log"), args.launch_timeout, policy)
-        asyncio.run(warm_up(peer, server, workload, max(args.request_rate), args.seed))
-        for rate in args.request_rate:
+        asyncio.run(warm_up(peer, server, workload.redrawn(-1), max(args.request_rate), args.seed))
+        for i, rate in enumerate(args.request_rate):
+            # Each rate's own prompts: the same for every peer and round, in no rate's prefix cache before.
+            prompts = workload if i == 0 else workload.redrawn(i)
             if args.client == "vllm-bench":
                 result = logs.with_name(f"{logs.name}-vllm-bench-r{rate:g}.json")
-                results, duration = run_vllm_bench(venv, server, workload, rate, args.seed, result)
+                results, duration = run_vllm_bench(venv, server, prompts, rate, args.seed + i, result)
             else:
                 backend = grpc_backend(server.grpc_target) if peer in GRPC_PEERS else openai_backend(server.base_url)
-                results, duration = asyncio.run(run_load(backend, workload, rate, args.seed, label=peer))
+                results, duration = asyncio.run(run_load(backend, prompts, rate, args.seed, label=peer))
             figures[rate] = summarise(results, duration, rate)
             for error in sorted({r.error for r in results if r.error})[:3]:
                 print(f"{peer} error: {error}", file=sys.stderr)
@@ -223,9 +226,10 @@ def run_peer(args: argparse.Namespace, peer: str, venv: vllm_setup.VllmEnv | Non
 
 
 async def warm_up(peer: str, server: Server, workload: Workload, rate: float, seed: int) -> None:
-    """Untimed, through the API the peer is measured on: one short request, then the workload's first
-    ``WARMUP_REQUESTS`` at the run's highest rate, so that the first rate measured does not pay for what a server
-    does once, its first batches of each shape (docs/benchmarks-history.md, W3 against vLLM's CPU build)."""
+    """Untimed, through the API the peer is measured on: one short request, then the first ``WARMUP_REQUESTS`` of
+    ``workload`` (a draw of its own, so no measured prompt is cached by it) at the run's highest rate, so that the
+    first rate measured does not pay for what a server does once, its first batches of each shape
+    (docs/benchmarks-history.md, W3 against vLLM's CPU build)."""
     def backend() -> contextlib.AbstractAsyncContextManager:
         return grpc_backend(server.grpc_target) if peer in GRPC_PEERS else openai_backend(server.base_url)
 

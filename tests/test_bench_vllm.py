@@ -193,3 +193,23 @@ def test_the_w3_peer_writes_its_keys(tmp_path: Path):
     serving.main(["--peers", "vllm", "--num-prompts", "2", "--request-rate", "4", "--json", str(path)])
     figures = json.loads(path.read_text())
     assert figures["vllm_r4_completed"] == 2 and figures["vllm_r4_output_tok_s"] > 0
+
+
+def test_each_rate_and_the_warm_up_get_prompts_no_other_run_shares(monkeypatch: pytest.MonkeyPatch, no_vllm: None):
+    """A rate after another must not find its prompts in the prefix cache (nor the warm-up's): each draws its own,
+    of W3's shape, the same for every peer."""
+    sent: dict[str, list[tuple[int, ...]]] = {}
+
+    async def recording_load(backend, workload, rate, seed, label=""):
+        sent.setdefault(f"{label}@{rate:g}", []).extend(tuple(p) for p in workload.prompts)
+        results = [RequestResult(output_tokens=2, ttft_s=0.1, latency_s=0.2, sent_s=i, itl_s=[0.1])
+                   for i in range(len(workload))]
+        return results, 1.0
+
+    monkeypatch.setattr(serving, "start_nanoserve", shadow_nanoserve)
+    monkeypatch.setattr(serving, "run_load", recording_load)
+    serving.main(["--peers", "nanoserve", "nanoserve_openai", "--num-prompts", "4", "--request-rate", "2", "4"])
+    warm, first, second = (set(sent[f"nanoserve{name}"]) for name in (" warm-up@4", "@2", "@4"))
+    assert len(first) == len(second) == 4 and not (warm & first) and not (first & second) and not (warm & second)
+    assert all(len(p) == 256 for p in first | second)
+    assert sent["nanoserve@4"] == sent["nanoserve_openai@4"], "every peer gets the same prompts"
