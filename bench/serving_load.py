@@ -26,6 +26,11 @@ from client.errors import NanoserveError
 
 # A peer kept up with an offered rate when it completed requests at least this fast relative to their arrivals.
 KEPT_UP = 0.95
+# A server that keeps up holds a steady number of requests in flight (Little's law); one that does not piles them up.
+# Kept up needs the mean in flight at the last quarter's arrivals within this factor of the second quarter's, plus
+# IN_FLIGHT_SLACK requests for a short draw's noise.
+IN_FLIGHT_GROWTH = 1.5
+IN_FLIGHT_SLACK = 2
 QUANTILES = (50, 90, 99)
 
 
@@ -166,12 +171,30 @@ def rate_over(times: Sequence[float]) -> float | None:
     return (len(times) - 1) / (max(times) - min(times))
 
 
-def kept_up(offered: float | None, achieved: float | None, failed: int) -> bool | None:
-    """Whether completions kept pace with arrivals: none failed and ``achieved >= KEPT_UP * offered``; None when the
-    offered rate is not a rate (all at once, or a single request)."""
+def in_flight_growth(results: Sequence[RequestResult]) -> tuple[float, float] | None:
+    """The mean number of requests in flight at the arrivals of the second quarter of the run and of the last
+    quarter; None for fewer than eight requests. Completions alone cannot tell: a server that falls behind batches
+    what piled up and finishes it together, so its completions come as fast as the arrivals did."""
+    if len(results) < 8:
+        return None
+    sends = sorted(r.sent_s for r in results)
+    ends = sorted(r.sent_s + r.latency_s for r in results)
+
+    def mean_in_flight(quarter: Sequence[float]) -> float:
+        return sum(sum(s <= t for s in sends) - sum(e <= t for e in ends) for t in quarter) / len(quarter)
+
+    n = len(sends)
+    return mean_in_flight(sends[n // 4 : n // 2]), mean_in_flight(sends[3 * n // 4 :])
+
+
+def kept_up(offered: float | None, achieved: float | None, failed: int,
+            in_flight: tuple[float, float] | None = None) -> bool | None:
+    """Whether completions kept pace with arrivals: none failed, ``achieved >= KEPT_UP * offered``, and requests did
+    not pile up (``in_flight_growth``); None when the offered rate is not a rate (all at once, or one request)."""
     if offered is None:
         return None
-    return failed == 0 and achieved is not None and achieved >= KEPT_UP * offered
+    steady = in_flight is None or in_flight[1] <= IN_FLIGHT_GROWTH * in_flight[0] + IN_FLIGHT_SLACK
+    return failed == 0 and achieved is not None and achieved >= KEPT_UP * offered and steady
 
 
 def saturation_point(kept: dict[float, bool | None]) -> float | None:
@@ -203,6 +226,7 @@ def summarise(results: list[RequestResult], duration_s: float, request_rate: flo
     output_tokens = sum(r.output_tokens for r in done)
     offered = rate_over([r.sent_s for r in results]) if math.isfinite(request_rate) else None
     achieved = rate_over([r.sent_s + r.latency_s for r in done])
+    in_flight = in_flight_growth(done) if len(done) == len(results) else None
     figures: dict[str, float | None] = {
         "request_rate": request_rate if math.isfinite(request_rate) else None,
         "completed": len(done),
@@ -213,7 +237,9 @@ def summarise(results: list[RequestResult], duration_s: float, request_rate: flo
         "output_tokens": output_tokens,
         "offered_req_s": offered,
         "achieved_req_s": achieved,
-        "kept_up": kept_up(offered, achieved, len(results) - len(done)),
+        "in_flight_q2": in_flight[0] if in_flight else None,
+        "in_flight_q4": in_flight[1] if in_flight else None,
+        "kept_up": kept_up(offered, achieved, len(results) - len(done), in_flight),
     }
     for name, values in series.items():
         figures[f"{name}_mean_ms"] = sum(values) / len(values) if values else 0.0

@@ -15,7 +15,7 @@ import pytest
 
 from bench import serving, serving_peers, throughput, vllm_setup
 from bench.common import w3
-from bench.serving_load import RequestResult, arrivals, kept_up, saturation_point, summarise
+from bench.serving_load import RequestResult, arrivals, in_flight_growth, kept_up, saturation_point, summarise
 
 VLLM_PYTHON = os.environ.get(vllm_setup.ENV_VAR)
 needs_vllm = pytest.mark.skipif(not VLLM_PYTHON, reason=f"{vllm_setup.ENV_VAR} is unset: no vLLM environment")
@@ -77,6 +77,19 @@ def test_w3_draws_vllm_randoms_shape_and_every_peer_gets_the_same_arrivals():
     assert arrivals(5, 2.0, seed=0) == arrivals(5, 2.0, seed=0) != arrivals(5, 2.0, seed=1)
     assert [2 * t for t in arrivals(5, 4.0, seed=0)] == pytest.approx(arrivals(5, 2.0, seed=0))
     assert arrivals(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
+
+
+def test_a_server_that_piles_requests_up_did_not_keep_up_though_it_finishes_them_together():
+    """At 1 req/s over 32 s: a server with a steady 3 s per request holds ~3 in flight; one that falls behind and
+    then finishes everything in one batch completes as fast as requests came, but its requests pile up."""
+    steady = [RequestResult(output_tokens=8, ttft_s=0.1, latency_s=3.0, sent_s=i) for i in range(32)]
+    behind = [RequestResult(output_tokens=8, ttft_s=0.1, latency_s=40.0 - i / 2, sent_s=i) for i in range(32)]
+    calm, piled = in_flight_growth(steady), in_flight_growth(behind)
+    assert calm[0] == calm[1] == 3 and piled[1] > 1.5 * piled[0] + 2
+    assert summarise(steady, 35.0, 1.0)["kept_up"]
+    figures = summarise(behind, 56.0, 1.0)
+    assert figures["achieved_req_s"] >= figures["offered_req_s"] and not figures["kept_up"]
+    assert in_flight_growth(steady[:7]) is None and kept_up(1.0, 1.0, 0, None)
 
 
 def test_saturation_point_is_the_highest_rate_kept_up_with_below_the_first_miss():
