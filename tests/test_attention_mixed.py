@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from executor_svc.attention.cpu_backend import CpuAttention
+from executor_svc.attention.cpu_backend import MIN_SPLIT_DECODES, CpuAttention
 from executor_svc.attention.flash_backend import FlashAttention
 from executor_svc.attention.torch_backend import TorchAttention
 from executor_svc.cpu import kernels as cpu_kernels
@@ -35,11 +35,18 @@ def assert_matches(step: MixedStep, out: list[torch.Tensor]) -> None:
                                    msg=lambda m, i=i: f"request {i}: {m}")
 
 
-def seeded(seed: int) -> list[tuple[int, int]]:
-    """REQUESTS in a random plan order, with random context lengths for the decode rows."""
+def seeded(seed: int, more_decodes: int = 0) -> list[tuple[int, int]]:
+    """REQUESTS and ``more_decodes`` decode rows in a random plan order, with random context lengths for the decode
+    rows."""
     gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(REQUESTS), generator=gen).tolist()
-    return [(int(torch.randint(1, 400, (), generator=gen)), 1) if REQUESTS[i][1] == 1 else REQUESTS[i] for i in order]
+    requests = REQUESTS + [(0, 1)] * more_decodes
+    order = torch.randperm(len(requests), generator=gen).tolist()
+    return [(int(torch.randint(1, 400, (), generator=gen)), 1) if requests[i][1] == 1 else requests[i] for i in order]
+
+
+DECODES = sum(n == 1 for _, n in REQUESTS)
+# The CPU backend runs a step of few decode rows whole through its prefill kernel, and splits one of more.
+MORE_DECODES = {"few": 0, "many": MIN_SPLIT_DECODES - DECODES}
 
 
 def test_the_step_is_mixed_and_packed_decode_rows_first() -> None:
@@ -63,28 +70,32 @@ def test_torch_backend(dtype: torch.dtype, num_heads: int, num_kv_heads: int, bl
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("kernels", ["c", "torch"])
+@pytest.mark.parametrize("decodes", MORE_DECODES)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_cpu_backend(dtype: torch.dtype, num_heads: int, num_kv_heads: int, block_size: int, kernels: str,
-                     seed: int) -> None:
+                     decodes: str, seed: int) -> None:
     """Under either kernel choice: the C decode and prefill kernels, or torch for both halves."""
     backend = CpuAttention()
     backend.kernels = KernelChoice.uniform(kernels)
-    step = MixedStep(seeded(seed), block_size, num_heads, num_kv_heads, 64, dtype, seed)
+    step = MixedStep(seeded(seed, MORE_DECODES[decodes]), block_size, num_heads, num_kv_heads, 64, dtype, seed)
     assert_matches(step, step.run(backend, SCALE))
 
 
-def test_cpu_backend_runs_each_half_through_its_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    if cpu_kernels.kernel_library() is None:
-        pytest.skip("no C compiler for the CPU kernels")
+@pytest.mark.skipif(cpu_kernels.kernel_library() is None, reason="no C compiler for the CPU kernels")
+@pytest.mark.parametrize("decodes", MORE_DECODES)
+def test_cpu_backend_splits_from_enough_decode_rows(monkeypatch: pytest.MonkeyPatch, decodes: str) -> None:
     calls: list[tuple[str, int]] = []
     for name in ("kernel_decode", "kernel_prefill"):
         kernel = getattr(CpuAttention, name)
         monkeypatch.setattr(CpuAttention, name, lambda self, q, *rest, name=name, kernel=kernel: calls.append(
             (name, q.shape[0])) or kernel(self, q, *rest))
-    step = MixedStep(REQUESTS, 16, 9, 3, 64, torch.float32)
-    step.run(CpuAttention(), SCALE)
-    decodes = sum(n == 1 for _, n in REQUESTS)
-    assert calls == [("kernel_decode", decodes), ("kernel_prefill", sum(n for _, n in REQUESTS) - decodes)]
+    requests = seeded(0, MORE_DECODES[decodes])
+    MixedStep(requests, 16, 9, 3, 64, torch.float32).run(CpuAttention(), SCALE)
+    rows, num_decodes = sum(n for _, n in requests), sum(n == 1 for _, n in requests)
+    if num_decodes < MIN_SPLIT_DECODES:
+        assert calls == [("kernel_prefill", rows)]
+    else:
+        assert calls == [("kernel_decode", num_decodes), ("kernel_prefill", rows - num_decodes)]
 
 
 @pytest.mark.parametrize("seed", [0, 1])

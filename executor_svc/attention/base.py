@@ -15,10 +15,10 @@ read from the cache). Decode has one query token per request whose context is
 
 A mixed step is packed decode rows first: its metadata describes the whole step
 as a prefill (every backend's ``prefill`` could run it so) and, in ``mixed``, its
-two halves, so that the first ``num_decodes`` rows go through ``decode`` (which
-reads each context in place, where a prefill kernel tiles or copies it for one
-query) and the rest through ``prefill``; the linear layers still run once over
-all rows.
+two halves, so that the first ``num_decodes`` rows can go through ``decode``
+(which reads each context in place, where a prefill kernel tiles or copies it for
+one query) and the rest through ``prefill`` (``split_attention``); the linear
+layers still run once over all rows. Each backend's ``mixed`` chooses.
 """
 
 from __future__ import annotations
@@ -100,6 +100,38 @@ class AttentionBackend(Protocol):
         """One query per request: q [num_seqs, num_heads, head_dim] -> same shape."""
         ...
 
+    def mixed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """A mixed step (``meta.mixed``), as ``prefill`` takes it; most backends split it (``split_attention``)."""
+        ...
+
+
+
+def split_attention(
+    backend: AttentionBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """A mixed step's decode rows through ``backend.decode`` and its prefill chunks through ``backend.prefill``, into
+    one output: the ``mixed`` of a backend that always splits."""
+    split = meta.mixed
+    d = split.num_decodes
+    decoded = backend.decode(q[:d], k_cache, v_cache, split.decode, scale)
+    return torch.cat([decoded, backend.prefill(q[d:], k[d:], v[d:], k_cache, v_cache, split.prefill, scale)])
+
 
 def attend(
     backend: AttentionBackend,
@@ -111,13 +143,9 @@ def attend(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """The step's attention after ``store_kv``: a mixed step's decode rows through ``decode`` and its prefill chunks
-    through ``prefill``, into one output."""
-    split = meta.mixed
-    if split is not None:
-        d = split.num_decodes
-        decoded = backend.decode(q[:d], k_cache, v_cache, split.decode, scale)
-        return torch.cat([decoded, backend.prefill(q[d:], k[d:], v[d:], k_cache, v_cache, split.prefill, scale)])
+    """The step's attention after ``store_kv``, by the kind of step."""
+    if meta.mixed is not None:
+        return backend.mixed(q, k, v, k_cache, v_cache, meta, scale)
     if meta.is_prefill:
         return backend.prefill(q, k, v, k_cache, v_cache, meta, scale)
     return backend.decode(q, k_cache, v_cache, meta, scale)
