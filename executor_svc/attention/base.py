@@ -110,9 +110,9 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """A mixed step (``meta.mixed``), as ``prefill`` takes it; most backends split it (``split_attention``)."""
+        """A mixed step (``meta.mixed`` set), with ``prefill``'s arguments: its rows in one output, however the
+        backend runs them (most split them, ``split_attention``)."""
         ...
-
 
 
 def split_attention(
