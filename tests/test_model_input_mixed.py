@@ -3,6 +3,8 @@ rows and pending tokens still in the plan's order."""
 
 from __future__ import annotations
 
+import pickle
+
 import torch
 
 from common.step import SamplingSettings
@@ -42,6 +44,9 @@ def test_decode_rows_come_first_with_their_own_metadata() -> None:
     assert prefill.block_tables.tolist() == meta.block_tables[2:].tolist()
     assert torch.equal(prefill.slot_mapping, meta.slot_mapping[2:])
     assert meta.slot_mapping[:2].tolist() == [10 * BLOCK_SIZE, 24 * BLOCK_SIZE + 1]  # blocks 8 + 8 // 4 and 24
+    # Under tensor parallelism the step reaches the other ranks pickled.
+    copied = pickle.loads(pickle.dumps(inputs.meta))
+    assert copied.mixed.num_decodes == 2 and torch.equal(copied.mixed.prefill.cu_seqlens_k, prefill.cu_seqlens_k)
 
 
 def test_sampled_and_scored_rows_stay_in_the_plans_order() -> None:
