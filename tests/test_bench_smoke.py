@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from bench import kernels, options, overhead, overlap, profile, random_model, serving, throughput
+from bench import kernels, mixed_attention, options, overhead, overlap, profile, random_model, serving, throughput
 from bench.common import w1, w2
 from executor_svc.cpu import kernels as cpu_kernels
 from executor_svc.cpu.choice import CLASSES, FAMILIES
@@ -154,6 +154,18 @@ def test_every_split_variant_runs_the_workload_to_its_last_token(tmp_path):
     peers = ("split_tokens", "split_whole", "split_yield")
     figures = run_split_peers(tmp_path, peers)
     assert all(positive_finite(figures[f"{peer}_tok_s"]) for peer in peers)
+
+
+@pytest.mark.skipif(cpu_kernels.kernel_library() is None, reason="no C compiler here to build the CPU kernels")
+def test_mixed_attention_writes_its_keys(tmp_path):
+    path = tmp_path / "mixed.json"
+    mixed_attention.main(["--dtype", "bfloat16", "--decodes", "2", "--chunks", "8", "4:12", "--repeats", "1",
+                          "--model", "--json", str(path)])
+    figures = json.loads(path.read_text())
+    for chunk, prefix in ((8, 0), (4, 12)):
+        for way in ("whole", "split", "forward_whole", "forward_split"):
+            assert positive_finite(figures.pop(f"bfloat16_2_{chunk}_{prefix}_{way}_ms"))
+    assert figures == {}
 
 
 @pytest.mark.skipif(cpu_kernels.kernel_library() is None, reason="no C compiler here to build the CPU kernels")

@@ -17,6 +17,7 @@ from executor_svc.attention.flash_backend import FLASH_PAGE_MULTIPLE
 from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.model_executor import ModelExecutor
 from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.engine.engine import Engine
 from tests.model_fixtures import hf_greedy, tiny_model_folders  # noqa: F401
 from tests.test_model_parity import random_prompts
@@ -27,13 +28,14 @@ CUDA = torch.device("cuda")
 NEW_TOKENS = 32
 
 
-def cuda_tokens(folder: Path, backend: str, dtype: str, enforce_eager: bool, block_size: int = 16) -> list[list[int]]:
+def cuda_tokens(folder: Path, backend: str, dtype: str, enforce_eager: bool, block_size: int = 16,
+                scheduler: SchedulerConfig | None = None) -> list[list[int]]:
     options = ExecutorOptions(
         model=str(folder), device="cuda", dtype=dtype, attention_backend=backend, block_size=block_size,
         kv_cache_memory=256 << 20, enforce_eager=enforce_eager,
     )
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    return [c.token_ids for c in Engine(ModelExecutor(options)).generate(random_prompts(7), params)]
+    return [c.token_ids for c in Engine(ModelExecutor(options), scheduler).generate(random_prompts(7), params)]
 
 
 def backends() -> list[str]:
@@ -48,6 +50,16 @@ def test_float32_greedy_matches_hf(tiny_model_folders: dict[str, Path], family: 
     expected = hf_greedy(folder, random_prompts(7), NEW_TOKENS, stop_at_eos=False)
     assert cuda_tokens(folder, backend, "float32", enforce_eager=True) == expected
     assert cuda_tokens(folder, backend, "float32", enforce_eager=False) == expected
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_policy_float32_greedy_matches_hf(tiny_model_folders: dict[str, Path], backend: str) -> None:  # noqa: F811
+    """Mixed steps (decode rows through the paged decode kernel beside prefill chunks) run eagerly and pure decode
+    steps on graphs: still transformers' tokens."""
+    folder = tiny_model_folders["llama"]
+    expected = hf_greedy(folder, random_prompts(7), NEW_TOKENS, stop_at_eos=False)
+    mixed = SchedulerConfig(max_num_batched_tokens=24, policy="mixed")
+    assert cuda_tokens(folder, backend, "float32", enforce_eager=False, scheduler=mixed) == expected
 
 
 @pytest.mark.parametrize("backend", backends())

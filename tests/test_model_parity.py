@@ -19,10 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
+from executor_svc.attention import cpu_backend
 from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.model_executor import ModelExecutor
+from executor_svc.runtime.model_input import ModelInput
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.engine.engine import Engine
@@ -57,6 +60,10 @@ class ParityRun:
     # Under the mixed policy, and how many of its steps held decodes beside prefill chunks.
     mixed: list[list[int]]
     mixed_steps: int
+    # The executor's steps that ran decode rows through decode attention beside prefill chunks, and those of them
+    # that packed a decode row ahead of a chunk the plan put before it.
+    split_steps: int
+    reordered_steps: int
     prefix_hit_tokens: int
     chunk_budget: int
     longest_prompt: int
@@ -87,7 +94,11 @@ def run_parity(
     mixed_engine = Engine(executor, SchedulerConfig(max_num_batched_tokens=chunk_budget, num_scheduler_steps=8,
                                                     policy="mixed"))
     mixed_steps = count_mixed_steps(mixed_engine)
-    mixed = [c.token_ids for c in mixed_engine.generate(with_repeats, params)]
+    split_steps = count_split_steps(executor)
+    with pytest.MonkeyPatch.context() as patch:  # the CPU backend splits steps of these few decode rows too
+        patch.setattr(cpu_backend, "MIN_SPLIT_DECODES", 1)
+        mixed = [c.token_ids for c in mixed_engine.generate(with_repeats, params)]
+    del executor.runner.execute  # the class's again
     multi_step_engine = Engine(executor, SchedulerConfig(num_scheduler_steps=8))
     multi_step = [c.token_ids for c in multi_step_engine.generate(prompts, params)]
     assert multi_step_engine.block_manager.num_free_blocks == multi_step_engine.block_manager.num_blocks
@@ -98,6 +109,7 @@ def run_parity(
         multi_step,
         mixed,
         mixed_steps[0],
+        *split_steps,
         chunked_engine.scheduler.num_prefix_hit_tokens,
         chunk_budget,
         max(len(p) for p in prompts),
@@ -117,6 +129,21 @@ def count_mixed_steps(engine: Engine) -> list[int]:
 
     engine.scheduler.schedule = counted
     return count
+
+
+def count_split_steps(executor: ModelExecutor) -> list[int]:
+    """Counters of the executor's split steps and of those whose rows it reordered (``ParityRun``)."""
+    counts = [0, 0]
+    execute = executor.runner.execute
+
+    def counted(model_input: ModelInput) -> torch.Tensor:
+        if model_input.meta.mixed is not None:
+            counts[0] += 1
+            counts[1] += bool((model_input.logits_indices.diff() < 0).any())
+        return execute(model_input)
+
+    executor.runner.execute = counted
+    return counts
 
 
 def smollm2_prompts(folder: Path) -> list[list[int]]:
@@ -187,5 +214,5 @@ def test_prefix_cache_hits_match_hf(parity: ParityRun) -> None:
 
 def test_mixed_steps_match_hf(parity: ParityRun) -> None:
     """Greedy float32 tokens are the same whichever policy runs: decodes beside prefill chunks change none."""
-    assert parity.mixed_steps > 0
+    assert parity.mixed_steps > 0 and parity.split_steps > 0 and parity.reordered_steps > 0
     assert parity.mixed == parity.reference + [parity.reference[i] for i in REPEATED]

@@ -20,7 +20,7 @@ from executor_svc.attention.base import AttentionMetadata
 from executor_svc.attention.flash_backend import FlashAttention
 from executor_svc.attention.torch_backend import TorchAttention
 from executor_svc.attention.triton_backend import TritonAttention
-from tests.attention_helpers import decode_meta, prefill_meta
+from tests.attention_helpers import MixedStep, decode_meta, prefill_meta
 
 if not isinstance(tl.sum, InterpretedFunction):
     raise RuntimeError("these cases need the triton interpreter: run them with TRITON_INTERPRET=1")
@@ -267,3 +267,15 @@ def test_a_mixed_step_gives_decode_rows_their_decode(block_size: int) -> None:
     decode = kernels.paged_decode(batch.q[last], k_cache, v_cache, meta.block_tables[rows],
                                   torch.tensor([ctx_lens[i] for i in rows], dtype=torch.int32), SCALE)
     assert_close(mixed[last], decode)
+
+
+@pytest.mark.parametrize("block_size", [3, 16])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-5), (torch.float16, 2e-3)])
+def test_a_mixed_step_through_decode_and_prefill_kernels(block_size: int, dtype: torch.dtype, tolerance: float) -> None:
+    """A mixed step as the executor packs it (a new prompt ahead of decode rows, a chunk after a cached prefix): the
+    decode kernel takes the decode rows, the prefill kernel the chunks, and each request's rows equal SDPA's."""
+    step = MixedStep([(40, 40), (37, 1), (block_size + 3, 1), (70, 9), (1, 1), (5, 1)], block_size, 6, 2, HEAD_DIM,
+                     dtype, seed=3)
+    assert step.input.meta.mixed is not None and step.input.meta.mixed.num_decodes == 4
+    for out, expected in zip(step.run(TritonAttention(), SCALE), step.expected(SCALE), strict=True):
+        torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)

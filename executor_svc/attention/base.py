@@ -5,13 +5,20 @@ KV cache, per layer: ``k_cache`` and ``v_cache`` of shape
 lives in slot ``block_table[p // block_size] * block_size + p % block_size``;
 ``slot_mapping`` gives that slot for every token computed this step.
 
-A step is either all prefill or all decode (the scheduler never mixes them).
-Prefill tokens are packed ("varlen"): request ``i`` contributes the query
-tokens ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``, which are the *last* tokens of
-its context of ``cu_seqlens_k[i+1] - cu_seqlens_k[i]`` tokens (cached prefix
-and earlier chunks come first and are read from the cache). Decode has one
-query token per request whose context is ``context_lens[i]`` tokens, itself
-included. Attention is causal throughout.
+A step is prefill, decode, or mixed (``--scheduling-policy mixed``: decode rows
+and prefill chunks in one forward pass). Prefill tokens are packed ("varlen"):
+request ``i`` contributes the query tokens ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``,
+which are the *last* tokens of its context of ``cu_seqlens_k[i+1] -
+cu_seqlens_k[i]`` tokens (cached prefix and earlier chunks come first and are
+read from the cache). Decode has one query token per request whose context is
+``context_lens[i]`` tokens, itself included. Attention is causal throughout.
+
+A mixed step is packed decode rows first: its metadata describes the whole step
+as a prefill (every backend's ``prefill`` could run it so) and, in ``mixed``, its
+two halves, so that the first ``num_decodes`` rows can go through ``decode``
+(which reads each context in place, where a prefill kernel tiles or copies it for
+one query) and the rest through ``prefill`` (``split_attention``); the linear
+layers still run once over all rows. Each backend's ``mixed`` chooses.
 """
 
 from __future__ import annotations
@@ -39,6 +46,27 @@ class AttentionMetadata:
     has_cached_context: bool = False
     # Decode only: [num_seqs] int32 context length of each request.
     context_lens: torch.Tensor | None = None
+    # A mixed step (a prefill step whose first rows are decode rows): its halves' own metadata.
+    mixed: MixedSplit | None = None
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """A copy on ``device``; tensors are copied without a wait, as the step's other inputs are."""
+        moved = {name: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+                 for name, value in vars(self).items()}
+        if self.mixed is not None:
+            moved["mixed"] = MixedSplit(self.mixed.num_decodes, self.mixed.decode.to(device),
+                                        self.mixed.prefill.to(device))
+        return AttentionMetadata(**moved)
+
+
+@dataclass
+class MixedSplit:
+    """A mixed step's halves: rows ``[0, num_decodes)`` are decode rows, one per request, and the rest prefill
+    chunks whose ``cu_seqlens`` count from row ``num_decodes``."""
+
+    num_decodes: int
+    decode: AttentionMetadata
+    prefill: AttentionMetadata
 
 
 class AttentionBackend(Protocol):
@@ -71,3 +99,53 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """One query per request: q [num_seqs, num_heads, head_dim] -> same shape."""
         ...
+
+    def mixed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """A mixed step (``meta.mixed`` set), with ``prefill``'s arguments: its rows in one output, however the
+        backend runs them (most split them, ``split_attention``)."""
+        ...
+
+
+def split_attention(
+    backend: AttentionBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """A mixed step's decode rows through ``backend.decode`` and its prefill chunks through ``backend.prefill``, into
+    one output: the ``mixed`` of a backend that always splits."""
+    split = meta.mixed
+    d = split.num_decodes
+    decoded = backend.decode(q[:d], k_cache, v_cache, split.decode, scale)
+    return torch.cat([decoded, backend.prefill(q[d:], k[d:], v[d:], k_cache, v_cache, split.prefill, scale)])
+
+
+def attend(
+    backend: AttentionBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The step's attention after ``store_kv``, by the kind of step."""
+    if meta.mixed is not None:
+        return backend.mixed(q, k, v, k_cache, v_cache, meta, scale)
+    if meta.is_prefill:
+        return backend.prefill(q, k, v, k_cache, v_cache, meta, scale)
+    return backend.decode(q, k_cache, v_cache, meta, scale)

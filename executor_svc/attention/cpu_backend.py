@@ -20,6 +20,9 @@ from executor_svc.cpu.choice import ALL_C, KernelChoice
 from executor_svc.cpu.kernels import contiguous_as, kernel_library
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# A mixed step with fewer decode rows runs whole through the C prefill kernel: there one OpenMP region less per layer
+# outweighed the decode kernel's in-place reads in some of the rounds measured (docs/benchmarks-history.md).
+MIN_SPLIT_DECODES = 16
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:
@@ -78,6 +81,23 @@ class CpuAttention(TorchAttention):
         if chosen and self.prefill_applies(q, k, v, k_cache, v_cache, meta):
             return self.kernel_prefill(q, k, v, k_cache, v_cache, meta, scale)
         return super().prefill(q, k, v, k_cache, v_cache, meta, scale)
+
+    def mixed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Split from ``MIN_SPLIT_DECODES`` decode rows, or where the C prefill kernel would not take the whole step
+        (torch's prefill attends request by request); else the whole step in the C prefill kernel."""
+        few = meta.mixed.num_decodes < MIN_SPLIT_DECODES and self.kernels.use_c("prefill_attention", q.shape[0])
+        if few and self.prefill_applies(q, k, v, k_cache, v_cache, meta):
+            return self.kernel_prefill(q, k, v, k_cache, v_cache, meta, scale)
+        return super().mixed(q, k, v, k_cache, v_cache, meta, scale)
 
     def prefill_applies(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor_svc.attention.base import AttentionBackend, AttentionMetadata
+from executor_svc.attention.base import AttentionBackend, AttentionMetadata, attend
 
 
 class PagedAttention(nn.Module):
@@ -26,8 +26,5 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> [tokens, heads * head_dim]."""
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if meta.is_prefill:
-            out = self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        else:
-            out = self.backend.decode(q, self.k_cache, self.v_cache, meta, self.scale)
+        out = attend(self.backend, q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

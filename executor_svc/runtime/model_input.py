@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from executor_svc.attention.base import AttentionMetadata
+from executor_svc.attention.base import AttentionMetadata, MixedSplit
 from executor_svc.core.request_table import RequestState, ScheduledChunk
 
 
@@ -90,14 +90,10 @@ class ModelInput:
     def to(self, device: torch.device) -> ModelInput:
         if device.type == "cpu":
             return self
-        meta = AttentionMetadata(**{
-            name: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
-            for name, value in vars(self.meta).items()
-        })
         return ModelInput(
             self.input_ids.to(device, non_blocking=True),
             self.positions.to(device, non_blocking=True),
-            meta,
+            self.meta.to(device),
             self.logits_indices.to(device, non_blocking=True),
             self.prompt_rows.to(device, non_blocking=True),
         )
@@ -117,18 +113,23 @@ def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
 
 
 def prepare_input(chunks: list[ScheduledChunk], block_size: int, prompt_rows: list[int] = ()) -> ModelInput:
-    """Pack the chunks; a step where every chunk is one token runs as decode. ``prompt_rows`` are also scored.
+    """Pack the chunks; a step where every chunk is one token runs as decode. ``prompt_rows`` (rows in the chunks'
+    order) are also scored.
 
-    Packed while the step before still runs, a decode chunk's token is the one that step is sampling: it goes in
-    ``pending`` for ``ModelInput.fill_pending``."""
+    A step with one-token chunks beside longer ones is mixed (``AttentionMetadata.mixed``): its one-token chunks are
+    packed first, and ``logits_indices`` and the prompt rows point into that order, so the sampled tokens still come
+    in the chunks' order. Packed while the step before still runs, a decode chunk's token is the one that step is
+    sampling: it goes in ``pending`` for ``ModelInput.fill_pending``."""
     if not prompt_rows and all(c.num_tokens == 1 for c in chunks):
         return _decode_input(chunks, block_size)
-    num_tokens = torch.tensor([c.num_tokens for c in chunks])
-    starts = torch.tensor([c.start for c in chunks])
+    order = _decodes_first(chunks)
+    packed = chunks if order is None else [chunks[i] for i in order]
+    num_tokens = torch.tensor([c.num_tokens for c in packed])
+    starts = torch.tensor([c.start for c in packed])
     ends = starts + num_tokens
-    block_tables = pad_block_tables([c.state.block_table for c in chunks])
-    token_ids = list(itertools.chain.from_iterable(c.state.token_ids[c.start : c.end] for c in chunks))
-    pending = _pending_tokens(chunks, token_ids) if len(token_ids) < int(num_tokens.sum()) else []
+    block_tables = pad_block_tables([c.state.block_table for c in packed])
+    token_ids = list(itertools.chain.from_iterable(c.state.token_ids[c.start : c.end] for c in packed))
+    pending = _pending_tokens(packed, token_ids) if len(token_ids) < int(num_tokens.sum()) else []
     input_ids = torch.tensor(token_ids, dtype=torch.int64)
     is_decode = bool((num_tokens == 1).all())
     cu_q = torch.zeros(len(chunks) + 1, dtype=torch.int64)
@@ -139,24 +140,65 @@ def prepare_input(chunks: list[ScheduledChunk], block_size: int, prompt_rows: li
         seq_index = torch.repeat_interleave(torch.arange(len(chunks)), num_tokens)
         positions = torch.arange(int(cu_q[-1])) - (cu_q[:-1] - starts)[seq_index]
     slot_mapping = block_tables[seq_index, positions // block_size].long() * block_size + positions % block_size
+    # Each chunk's first row and token count, in the chunks' order.
+    first_rows = cu_q[:-1] if order is None else cu_q[:-1][_inverse(order)]
+    lengths = num_tokens if order is None else torch.tensor([c.num_tokens for c in chunks])
     samples = torch.tensor([c.samples for c in chunks])
-    logits_indices = (cu_q[1:] - 1)[samples]
+    logits_indices = (first_rows + lengths - 1)[samples]
+    scored = torch.tensor(prompt_rows, dtype=torch.int64)
+    if order is not None and len(scored):
+        scored = _packed_rows(scored, lengths, first_rows)
     if is_decode:
         meta = AttentionMetadata(False, slot_mapping, block_tables, context_lens=ends.int())
     else:
-        cu_k = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-        torch.cumsum(ends, 0, out=cu_k[1:])
-        meta = AttentionMetadata(
-            True,
-            slot_mapping,
-            block_tables,
-            cu_seqlens_q=cu_q.int(),
-            cu_seqlens_k=cu_k,
-            max_seqlen_q=int(num_tokens.max()),
-            max_seqlen_k=int(ends.max()),
-            has_cached_context=bool((starts > 0).any()),
-        )
-    return ModelInput(input_ids, positions, meta, logits_indices, torch.tensor(prompt_rows, dtype=torch.int64), pending)
+        meta = _prefill_meta(slot_mapping, block_tables, num_tokens, starts, cu_q)
+        d = int((num_tokens == 1).sum())  # the decode rows, packed first
+        if d:
+            decode = AttentionMetadata(False, slot_mapping[:d], block_tables[:d], context_lens=ends[:d].int())
+            prefill = _prefill_meta(slot_mapping[d:], block_tables[d:], num_tokens[d:], starts[d:], cu_q[d:] - d)
+            meta.mixed = MixedSplit(d, decode, prefill)
+    return ModelInput(input_ids, positions, meta, logits_indices, scored, pending)
+
+
+def _prefill_meta(slot_mapping: torch.Tensor, block_tables: torch.Tensor, num_tokens: torch.Tensor,
+                  starts: torch.Tensor, cu_q: torch.Tensor) -> AttentionMetadata:
+    ends = starts + num_tokens
+    cu_k = torch.zeros(len(ends) + 1, dtype=torch.int32)
+    torch.cumsum(ends, 0, out=cu_k[1:])
+    return AttentionMetadata(
+        True,
+        slot_mapping,
+        block_tables,
+        cu_seqlens_q=cu_q.int(),
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=int(num_tokens.max()),
+        max_seqlen_k=int(ends.max()),
+        has_cached_context=bool((starts > 0).any()),
+    )
+
+
+def _decodes_first(chunks: list[ScheduledChunk]) -> list[int] | None:
+    """Chunk indices with the one-token chunks first (each group in the chunks' order); None when that is the
+    chunks' own order."""
+    singles = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
+    if singles == list(range(len(singles))):
+        return None
+    return singles + [i for i, c in enumerate(chunks) if c.num_tokens != 1]
+
+
+def _inverse(order: list[int]) -> torch.Tensor:
+    """Where each chunk went in the packed order."""
+    where = torch.empty(len(order), dtype=torch.int64)
+    where[torch.tensor(order)] = torch.arange(len(order))
+    return where
+
+
+def _packed_rows(rows: torch.Tensor, lengths: torch.Tensor, first_rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` counted in the chunks' order, as rows of the packed batch (``lengths``, ``first_rows``: each chunk's
+    token count and first packed row, in the chunks' order)."""
+    chunk = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[rows]
+    starts = torch.cumsum(lengths, 0) - lengths
+    return first_rows[chunk] + rows - starts[chunk]
 
 
 def _decode_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInput:

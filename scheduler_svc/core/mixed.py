@@ -5,8 +5,9 @@ Under nano-vLLM's policy every arriving prompt stops every running decode for a 
 joins the decodes' step, and the two share one forward pass (one read of the weights). Decodes go first, so a long
 prompt cannot starve them; the prompt at the head of ``waiting`` takes the budget left (chunked when it does not
 fit, the step's one chunked prefill), so decodes delay a prompt only while ``max_num_seqs`` are running. A step
-with a prefill chunk is a prefill step to the executor (its packed path takes one-token decode rows too); a step of
-decodes alone is a decode step, and only such a step decodes more than one token per sequence (multi-step), so a
+with a prefill chunk is a prefill step to the executor, which runs its decode rows through decode attention and its
+chunks through prefill attention in one forward pass (``executor_svc/attention/base.py``); a step of decodes alone
+is a decode step, and only such a step decodes more than one token per sequence (multi-step), so a
 waiting prompt never waits for a whole window. Budgets, preemption by recompute and block accounting are the
 seed's.
 """
