@@ -1,0 +1,54 @@
+"""The engine's turn: from a step's result to the next plan on its way, the event loop gives way.
+
+The scheduler's engine loop and the event loop that writes every stream share one GIL. Once a step's result is
+back, the path to the next plan (the result handed from the stream's reader to the engine loop, settle, outputs,
+schedule, the plan handed to gRPC's sending thread) is what the accelerator waits for, and every hand-over on it
+waited behind the event loop's writing of the step before, half a switch interval at a time (W5 ``api``). So
+the executor's stream takes the turn as a result arrives and ends it as gRPC takes the next plan, and the event loop
+blocks, its GIL released, whenever it finds the turn taken, until the turn ends or ``MAX_WAIT_S`` after it began: a
+turn never ended (the last step, a failure) holds the streams back that long at most. Writing the streams only comes
+a little later; when it falls behind, a stream's next response carries every token since its last (``Outbox``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+# The longest the event loop gives way to one turn: a plan of a few hundred sequences is on its way well within it.
+MAX_WAIT_S = 0.003
+
+
+class Turn:
+    """Taken and ended by the executor stream's threads, given way to by the event loop's thread."""
+
+    def __init__(self, max_wait_s: float = MAX_WAIT_S) -> None:
+        self._max_wait_s = max_wait_s
+        self._ended = threading.Condition(threading.Lock())
+        self._taken = False
+        # When the turn taken stops holding the event loop back (time.monotonic).
+        self._until = 0.0
+
+    def take(self) -> None:
+        """A step's result arrived: the engine's turn starts (a turn already taken goes on)."""
+        with self._ended:
+            if not self._taken:
+                self._taken = True
+                self._until = time.monotonic() + self._max_wait_s
+
+    def end(self) -> None:
+        """The next plan is on its way."""
+        with self._ended:
+            if self._taken:
+                self._taken = False
+                self._ended.notify_all()
+
+    def give_way(self) -> None:
+        """Wait while the turn is taken, up to its time (event loop thread). The first test reads without the lock:
+        a turn missed by a moment is given way to at the next call."""
+        if not self._taken:
+            return
+        with self._ended:
+            left = self._until - time.monotonic()
+            if left > 0:
+                self._ended.wait_for(lambda: not self._taken, left)
