@@ -52,9 +52,22 @@ def test_a_turn_never_ended_holds_the_event_loop_back_once_and_briefly():
     turn.take()  # a result arriving during the turn does not extend it
     assert 0.15 < timed_give_way(turn) < 2.0
     assert timed_give_way(turn) < 0.1  # its time is up: every later call goes on at once
-    turn.end()
+
+
+def test_after_each_wait_the_event_loop_has_as_long_again_to_itself():
+    turn = Turn(max_wait_s=5.0)
     turn.take()
-    assert 0.15 < timed_give_way(turn) < 2.0  # a new turn has its own time
+    ender = threading.Timer(0.3, turn.end)
+    ender.start()
+    waited = timed_give_way(turn)
+    ender.join()
+    turn.take()  # the next turn, at once: not given way to within the event loop's own time
+    assert timed_give_way(turn) < 0.1
+    time.sleep(waited)
+    ender = threading.Timer(0.2, turn.end)
+    ender.start()
+    assert 0.15 < timed_give_way(turn) < 2.0  # past it, the turn is given way to again
+    ender.join()
 
 
 class CountingTurn(Turn):
