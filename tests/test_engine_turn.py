@@ -21,10 +21,18 @@ from tests.service_fixtures import assert_idle_async, collect, in_process_schedu
 VOCAB = 50
 
 
-def timed_give_way(turn: Turn) -> float:
-    start = time.monotonic()
+def timed_give_way(turn: Turn, since: float | None = None) -> float:
+    """Seconds from ``since`` (by default the call) until ``give_way`` returns."""
+    start = time.monotonic() if since is None else since
     turn.give_way()
     return time.monotonic() - start
+
+
+def end_later(turn: Turn, delay_s: float) -> tuple[threading.Timer, float]:
+    ender = threading.Timer(delay_s, turn.end)
+    started = time.monotonic()
+    ender.start()
+    return ender, started
 
 
 def test_the_event_loop_goes_on_at_once_when_no_turn_is_taken():
@@ -39,34 +47,32 @@ def test_the_event_loop_goes_on_at_once_when_no_turn_is_taken():
 def test_the_event_loop_waits_for_a_turn_to_end():
     turn = Turn(max_wait_s=5.0)
     turn.take()
-    ender = threading.Timer(0.2, turn.end)
-    ender.start()
-    waited = timed_give_way(turn)
+    ender, started = end_later(turn, 0.2)
+    waited = timed_give_way(turn, since=started)
     ender.join()
-    assert 0.15 < waited < 2.0
+    assert 0.2 <= waited < 2.0
 
 
 def test_a_turn_never_ended_holds_the_event_loop_back_once_and_briefly():
     turn = Turn(max_wait_s=0.2)
+    taken = time.monotonic()
     turn.take()
     turn.take()  # a result arriving during the turn does not extend it
-    assert 0.15 < timed_give_way(turn) < 2.0
+    assert 0.2 <= timed_give_way(turn, since=taken) < 2.0
     assert timed_give_way(turn) < 0.1  # its time is up: every later call goes on at once
 
 
 def test_after_each_wait_the_event_loop_has_as_long_again_to_itself():
     turn = Turn(max_wait_s=5.0)
     turn.take()
-    ender = threading.Timer(0.3, turn.end)
-    ender.start()
+    ender, _ = end_later(turn, 0.3)
     waited = timed_give_way(turn)
     ender.join()
     turn.take()  # the next turn, at once: not given way to within the event loop's own time
     assert timed_give_way(turn) < 0.1
     time.sleep(waited)
-    ender = threading.Timer(0.2, turn.end)
-    ender.start()
-    assert 0.15 < timed_give_way(turn) < 2.0  # past it, the turn is given way to again
+    ender, started = end_later(turn, 0.2)
+    assert 0.2 <= timed_give_way(turn, since=started) < 2.0  # past it, the turn is given way to again
     ender.join()
 
 

@@ -297,7 +297,7 @@ class SchedulerServer:
         limits = QueueLimits(self.config.max_queued_requests, self.config.max_queued_tokens)
         metrics = Metrics(info.model_id, info.max_model_len, lambda: self.loop.stats)
         self.loop = EngineLoop(engine, tokenizer, deliver_to_event_loop(aio_loop, self.turn), limits, metrics,
-                               self._on_serving(aio_loop), self.turn)
+                               self._on_serving(aio_loop))
         self.registry.register(metrics)
         self.loop.start()
         self.frontend.attach(self.loop, tokenizer)

@@ -24,7 +24,6 @@ from scheduler_svc.engine.executor_client import describe_failure
 from scheduler_svc.engine.live_requests import LiveRequests, RequestHandle
 from scheduler_svc.engine.stats import LoopObserver, LoopStats
 from scheduler_svc.engine.supervision import Supervisor
-from scheduler_svc.engine.turn import Turn
 
 log = logging.getLogger("nanoserve.scheduler")
 
@@ -34,17 +33,14 @@ OnServing = Callable[[bool], None]
 
 class EngineLoop:
     def __init__(self, engine: Engine, tokenizer: ModelTokenizer | None, deliver: Deliver, limits: QueueLimits,
-                 observer: LoopObserver, on_serving: OnServing = lambda serving: None,
-                 turn: Turn | None = None) -> None:
+                 observer: LoopObserver, on_serving: OnServing = lambda serving: None) -> None:
         """``on_serving(False)`` when the executor fails, ``on_serving(True)`` once it is back; ``observer`` hears
-        of each step and each choice's times (both on the loop thread). ``turn``: the executor stream's
-        (``engine.turn``), ended here when no plan follows a result, so the streams need not wait for it."""
+        of each step and each choice's times (both on the loop thread)."""
         self.engine = engine
         self.info = engine.info
         self.tokenizer = tokenizer
         self.deliver = deliver
         self.on_serving = on_serving
-        self.turn = turn or Turn()
         self.admission = Admission(limits)
         self.supervisor = Supervisor(time.monotonic())
         self._serving_reported = True
@@ -247,10 +243,7 @@ class EngineLoop:
             self.deliver(outbox)
 
     def _publish(self) -> None:
-        """End of an iteration: deliver the outputs, refresh the stats, postpone the probe; no step follows at once,
-        so the engine's turn is over."""
-        if not (self.supervisor.serving and self._has_work()):
-            self.turn.end()
+        """End of an iteration: deliver the outputs, refresh the stats, postpone the probe."""
         self._deliver()
         self.supervisor.postpone_probe(time.monotonic())
         self.stats = LoopStats.of(self.engine, self._requests, self.supervisor.serving)

@@ -1,15 +1,16 @@
 """The engine's turn: from a step's result to the next plan on its way, the event loop gives way.
 
-The scheduler's engine loop and the event loop that writes every stream share one GIL. Once a step's result is
-back, the path to the next plan (the result handed from the stream's reader to the engine loop, settle, outputs,
-schedule, the plan handed to gRPC's sending thread) is what the accelerator waits for, and every hand-over on it
-waited behind the event loop's writing of the step before, half a switch interval at a time (W5 ``api``). So
-the executor's stream takes the turn as a result arrives and ends it as gRPC takes the next plan, and the event loop
-blocks, its GIL released, whenever it finds the turn taken, until the turn ends or ``MAX_WAIT_S`` after it began, and
-after each wait it has as long again to itself. Both bounds keep the event loop going when it is saturated: gRPC takes
-in one new call per round of the loop, and with longer waits, at short steps and many streams, some requests were
-only admitted once others had finished (W5 ``api``). Writing the streams only comes a little later; when it falls
-behind, a stream's next response carries every token since its last (``Outbox``).
+The scheduler's engine loop and the event loop that writes every stream share one GIL. Once a step's result is back,
+the path to the next plan (the result handed from the stream's reader to the engine loop, settle, outputs, schedule,
+the plan handed to gRPC's sending thread) is what the accelerator waits for, and every hand-over on it waited behind
+the event loop's writing of the step before, half a switch interval at a time (W5 ``api``). So the executor's stream
+takes the turn as a result arrives and ends it as gRPC takes the next plan, and the event loop blocks, its GIL
+released, whenever it finds the turn taken, until the turn ends or ``MAX_WAIT_S`` after it began (a turn no plan
+follows, the last step's, ends so), and after each wait it has as long again to itself. Both bounds keep the event
+loop going when it is saturated: gRPC takes in one new call per round of the loop, and with longer waits, at short
+steps and many streams, some requests were only admitted once others had finished (W5 ``api``). Writing the streams
+only comes a little later; when it falls behind, a stream's next response carries every token since its last
+(``Outbox``).
 """
 
 from __future__ import annotations
