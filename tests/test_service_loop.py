@@ -14,7 +14,7 @@ from common.step import ExecutorInfo, StepPlan, StepResult, TokenLogprobs
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.api.frontend import Generation, Outbox
+from scheduler_svc.api.frontend import Frontend, Generation, Outbox
 from scheduler_svc.core.errors import EngineFailure, RequestFailed
 from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.sequence import FinishReason
@@ -319,7 +319,7 @@ def test_a_failed_request_hands_over_what_came_before_its_error_then_raises_it()
     async def scenario() -> tuple[list[list[RequestOutput]], RequestFailed]:
         outbox = Outbox(stream_interval=4)
         handle = SimpleNamespace(prepared=SimpleNamespace(request_id="r", params=SimpleNamespace(n=2)))
-        generation = Generation(None, handle, outbox)
+        generation = Generation(Frontend("127.0.0.1:1"), handle, outbox)
         for output in (RequestOutput(token_ids=[1], index=0), RequestOutput(token_ids=[2], index=1),
                        RequestOutput(token_ids=[3], index=0, finish_reason=FinishReason.LENGTH),
                        RequestOutput(error=EngineFailure("the executor keeps failing"))):

@@ -23,6 +23,7 @@ from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.tokenizer import ModelTokenizer
 from scheduler_svc.core.validation import ModelLimits
 from scheduler_svc.engine.loop import EngineLoop, RequestHandle
+from scheduler_svc.engine.turn import Turn
 
 
 def public(error: RequestFailed) -> RequestFailed:
@@ -96,9 +97,12 @@ class Generation:
     async def batches(self) -> AsyncIterator[list[RequestOutput]]:
         """Everything produced since the last read, so a slow reader gets fewer, larger pieces; raises the
         request's failure (always its last output: nothing of a failed request follows it) once what came before it
-        is read."""
+        is read. Each piece waits for the engine's turn to end first (``engine.turn``)."""
+        turn = self._frontend.turn
         while self.remaining:
+            turn.give_way()
             outputs = await self._outbox.take()
+            turn.give_way()
             error = outputs[-1].error
             if error is not None:
                 outputs.pop()
@@ -122,12 +126,14 @@ class Generation:
 class Frontend:
     """Refuses with ExecutorUnavailable until ``attach`` hands it the engine loop after the executor handshake.
 
-    Event-loop thread only, like the engine loop's ``submit`` callers.
+    Event-loop thread only, like the engine loop's ``submit`` callers. ``turn``: the executor stream's
+    (``engine.turn``), which every reader gives way to.
     """
 
-    def __init__(self, executor_target: str, stream_interval: int = 1) -> None:
+    def __init__(self, executor_target: str, stream_interval: int = 1, turn: Turn | None = None) -> None:
         self.executor_target = executor_target
         self.stream_interval = stream_interval
+        self.turn = turn or Turn()
         self.loop: EngineLoop | None = None
         self.tokenizer: ModelTokenizer | None = None
         # Requests in flight by the id the caller gave (or was given), for Abort.

@@ -46,6 +46,7 @@ from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.executor_client import RemoteExecutor
 from scheduler_svc.engine.loop import EngineLoop, RequestHandle
 from scheduler_svc.engine.metrics import Metrics, new_registry
+from scheduler_svc.engine.turn import Turn
 
 log = logging.getLogger("nanoserve.scheduler")
 
@@ -160,10 +161,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return self.frontend.stats()
 
 
-def deliver_to_event_loop(aio_loop: asyncio.AbstractEventLoop):
-    """The engine loop's ``deliver``: one thread hop per step, then each output into its caller's outbox."""
+def deliver_to_event_loop(aio_loop: asyncio.AbstractEventLoop, turn: Turn):
+    """The engine loop's ``deliver``: one thread hop per step, then, once the engine's turn is over, each output into
+    its caller's outbox."""
 
     def dispatch(batch: list[tuple[RequestHandle, RequestOutput]]) -> None:
+        turn.give_way()
         for handle, output in batch:
             handle.sink.put_nowait(output)
 
@@ -173,11 +176,12 @@ def deliver_to_event_loop(aio_loop: asyncio.AbstractEventLoop):
     return deliver
 
 
-def executor_client(config: ServiceConfig) -> RemoteExecutor:
-    """The executor service at ``config.executor``, over TLS when an ``--executor-tls-*`` flag is set."""
+def executor_client(config: ServiceConfig, turn: Turn | None = None) -> RemoteExecutor:
+    """The executor service at ``config.executor``, over TLS when an ``--executor-tls-*`` flag is set; ``turn``: the
+    one the public API's readers give way to (``engine.turn``)."""
     tls = TLSConfig.from_flags(config.executor_tls_cert, config.executor_tls_key, config.executor_tls_ca)
     credentials = channel_credentials(tls) if tls else None
-    return RemoteExecutor(config.executor, step_timeout_s=config.step_timeout, credentials=credentials)
+    return RemoteExecutor(config.executor, step_timeout_s=config.step_timeout, credentials=credentials, turn=turn)
 
 
 def metrics_tls(tls: TLSConfig | None) -> TLSConfig | None:
@@ -193,7 +197,9 @@ class SchedulerServer:
     def __init__(self, config: ServiceConfig, executor: Executor | None = None) -> None:
         """Serve ``executor`` (an in-process one in tests), or by default the executor service at config.executor."""
         self.config = config
-        self.frontend = Frontend(config.executor, config.stream_interval)
+        # Taken by the executor's stream from each step's result to the next plan; the API's readers give way to it.
+        self.turn = Turn()
+        self.frontend = Frontend(config.executor, config.stream_interval, self.turn)
         self.servicer = GenerationServicer(self.frontend)
         self.health = health.aio.HealthServicer()
         self.tls = TLSConfig.from_flags(config.tls_cert, config.tls_key, config.tls_ca)
@@ -216,7 +222,7 @@ class SchedulerServer:
             for server in self.http_servers:
                 server.close()
             raise
-        self.executor = executor if executor is not None else executor_client(config)
+        self.executor = executor if executor is not None else executor_client(config, self.turn)
         self.loop: EngineLoop | None = None
         self.stopping = asyncio.Event()
         self.stopped = False
@@ -290,7 +296,7 @@ class SchedulerServer:
         aio_loop = asyncio.get_running_loop()
         limits = QueueLimits(self.config.max_queued_requests, self.config.max_queued_tokens)
         metrics = Metrics(info.model_id, info.max_model_len, lambda: self.loop.stats)
-        self.loop = EngineLoop(engine, tokenizer, deliver_to_event_loop(aio_loop), limits, metrics,
+        self.loop = EngineLoop(engine, tokenizer, deliver_to_event_loop(aio_loop, self.turn), limits, metrics,
                                self._on_serving(aio_loop))
         self.registry.register(metrics)
         self.loop.start()

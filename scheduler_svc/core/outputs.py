@@ -46,14 +46,6 @@ class RequestOutput:
     drained: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Processed:
-    """A step's output for the caller, and where the loop must end the sequence (None: nowhere)."""
-
-    output: RequestOutput
-    stop_at: int | None = None
-
-
 class OutputProcessor:
     """Turns one choice's sampled tokens into text; without a tokenizer there is no text and no stop string.
 
@@ -77,27 +69,18 @@ class OutputProcessor:
                     raise InvalidRequest("resume.completion_token_ids", f"a stop string ends the generation at "
                                                                         f"resumed token {k}: nothing left to resume")
 
-    def process(self, out: TokenOutput) -> Processed:
-        seq, token_ids = out.seq, out.token_ids
-        text, stopped, stop_at = "", False, None
+    def process(self, out: TokenOutput) -> tuple[RequestOutput, int | None]:
+        """The caller's output of a step's tokens, and where the loop must end the sequence (None: nowhere).
+
+        It runs for every choice every step, on the thread that plans the next step: a plain tuple, and the
+        outputs' fields given in order (W5 ``api``)."""
+        seq, token_ids, final = out.seq, out.token_ids, out.final
+        text, stop_at = "", None
+        reason = seq.finish_reason if final else None
         if self.text is not None:
-            last = len(token_ids) - 1
-            # Completion tokens before token k: stop strings are matched from min_tokens on.
-            done = out.position - seq.num_prompt_tokens
-            for k, token_id in enumerate(token_ids):
-                if k == last and out.final and seq.finish_reason is FinishReason.STOP:
-                    break  # an EOS or stop token ends the text without being part of it
-                piece, stopped = self.text.push(token_id, done + k + 1 >= self.min_tokens)
-                text += piece
-                if stopped:
-                    if k < last or not out.final:
-                        stop_at = out.position + k
-                    token_ids = token_ids[: k + 1]
-                    break
-            if not stopped and out.final:
-                tail, stopped = self.text.finish()
-                text += tail
-        reason = FinishReason.STOP if stopped else (seq.finish_reason if out.final else None)
+            text, token_ids, stopped, stop_at = self._text(out)
+            if stopped:
+                reason = FinishReason.STOP
         logprobs = out.logprobs[: len(token_ids)] if out.logprobs and seq.params.logprobs is not None else []
         usage = None
         if reason is not None:
@@ -109,6 +92,27 @@ class OutputProcessor:
         if self.prompt_logprobs_due:
             self.prompt_logprobs_due = False
             prompt_logprobs = (seq.token_ids[1 : seq.num_prompt_tokens], seq.prompt_logprobs)
-        output = RequestOutput(text, token_ids, logprobs, reason, usage, index=self.index,
-                               prompt_logprobs=prompt_logprobs)
-        return Processed(output, stop_at)
+        return RequestOutput(text, token_ids, logprobs, reason, usage, None, self.index, prompt_logprobs), stop_at
+
+    def _text(self, out: TokenOutput) -> tuple[str, list[int], bool, int | None]:
+        """The text of a step's tokens, the tokens kept (up to a stop string), whether one matched, and where the
+        sequence must end when it matched before the step's last token."""
+        seq, token_ids = out.seq, out.token_ids
+        text, stopped, stop_at = "", False, None
+        last = len(token_ids) - 1
+        # Completion tokens before token k: stop strings are matched from min_tokens on.
+        done = out.position - seq.num_prompt_tokens
+        for k, token_id in enumerate(token_ids):
+            if k == last and out.final and seq.finish_reason is FinishReason.STOP:
+                break  # an EOS or stop token ends the text without being part of it
+            piece, stopped = self.text.push(token_id, done + k + 1 >= self.min_tokens)
+            text += piece
+            if stopped:
+                if k < last or not out.final:
+                    stop_at = out.position + k
+                token_ids = token_ids[: k + 1]
+                break
+        if not stopped and out.final:
+            tail, stopped = self.text.finish()
+            text += tail
+        return text, token_ids, stopped, stop_at

@@ -17,6 +17,7 @@ from common.step import ExecutorInfo, StepPlan, StepResult
 from common.step_codec import info_from_proto, plan_to_proto, result_from_proto
 from nanoserve.v1 import executor_pb2 as pb
 from nanoserve.v1 import executor_pb2_grpc as pb_grpc
+from scheduler_svc.engine.turn import Turn
 
 # GetInfo answers from memory, without waiting for a step: a deadline this short still fails only a hung executor,
 # and an idle probe then holds the loop (admission, cancellation) for at most this long.
@@ -38,14 +39,17 @@ class RemoteExecutor(Executor):
     ``credentials`` (``security.channel_credentials``) make the channel TLS, with a
     client certificate for an executor that requires mutual TLS; plaintext without.
     ``step_timeout_s`` bounds every step and reset, ``info_timeout_s`` every GetInfo (the handshake and the
-    idle probe), so a hung executor fails like a dead one.
+    idle probe), so a hung executor fails like a dead one. ``turn``: taken as each step's result arrives, ended as
+    the next plan is sent (``engine.turn``).
     """
 
     streams = True
 
     def __init__(self, target: str, step_timeout_s: float | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, info_timeout_s: float = INFO_TIMEOUT_S) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, info_timeout_s: float = INFO_TIMEOUT_S,
+                 turn: Turn | None = None) -> None:
         self.target = target
+        self.turn = turn or Turn()
         self.step_timeout_s = step_timeout_s
         self.info_timeout_s = info_timeout_s if step_timeout_s is None else min(info_timeout_s, step_timeout_s)
         self.channel = secure_or_insecure_channel(target, credentials, EXECUTOR_CHANNEL_OPTIONS)
@@ -64,7 +68,7 @@ class RemoteExecutor(Executor):
         """Send ``plan`` down the step stream without waiting; results resolve in the order sent."""
         stream = self._stream
         if stream is None or stream.closed:
-            stream = self._stream = StepStream(self.stub)
+            stream = self._stream = StepStream(self.stub, self.turn)
         return stream.submit(plan_to_proto(plan))
 
     def cut(self, step_id: int) -> None:
@@ -90,15 +94,23 @@ class RemoteExecutor(Executor):
 class StepStream:
     """One ``StepStream`` call: plans go out as they are submitted, a reader thread matches each
     result to the oldest unanswered plan. When the stream ends, every unanswered plan fails with
-    the stream's error and the stream is ``closed``; the next ``submit`` opens a new one."""
+    the stream's error and the stream is ``closed``; the next ``submit`` opens a new one. The engine's ``turn``
+    starts as a result arrives and ends as gRPC takes the next plan to send it."""
 
-    def __init__(self, stub: pb_grpc.ExecutorStub) -> None:
+    def __init__(self, stub: pb_grpc.ExecutorStub, turn: Turn) -> None:
+        self._turn = turn
         self._plans: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
         self._waiting: deque[Future[StepResult]] = deque()
         self._lock = threading.Lock()
         self.closed = False
-        self._call = stub.StepStream(iter(self._plans.get, None))
+        self._call = stub.StepStream(iter(self._next_plan, None))
         threading.Thread(target=self._read, name="step-stream", daemon=True).start()
+
+    def _next_plan(self) -> pb.StepPlan | None:
+        """gRPC's sending thread: the next plan to send, once there is one."""
+        plan = self._plans.get()
+        self._turn.end()
+        return plan
 
     def submit(self, plan: pb.StepPlan) -> Future[StepResult]:
         future: Future[StepResult] = Future()
@@ -118,6 +130,7 @@ class StepStream:
         error: Exception = ConnectionError("the executor closed the step stream")
         try:
             for result in self._call:
+                self._turn.take()
                 with self._lock:
                     future = self._waiting.popleft()
                 future.set_result(result_from_proto(result))

@@ -1,0 +1,130 @@
+"""The engine's turn (``scheduler_svc.engine.turn``), and streams whose writing falls behind the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+
+from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
+from executor_svc.service import build_server
+from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.executor_client import RemoteExecutor
+from scheduler_svc.engine.turn import Turn
+from tests.service_fixtures import assert_idle_async, collect, in_process_scheduler, token_request
+
+VOCAB = 50
+
+
+def timed_give_way(turn: Turn, since: float | None = None) -> float:
+    """Seconds from ``since`` (by default the call) until ``give_way`` returns."""
+    start = time.monotonic() if since is None else since
+    turn.give_way()
+    return time.monotonic() - start
+
+
+def end_later(turn: Turn, delay_s: float) -> tuple[threading.Timer, float]:
+    ender = threading.Timer(delay_s, turn.end)
+    started = time.monotonic()
+    ender.start()
+    return ender, started
+
+
+def test_the_event_loop_goes_on_at_once_when_no_turn_is_taken():
+    turn = Turn(max_wait_s=5.0)
+    assert timed_give_way(turn) < 0.5
+    turn.end()  # ending a turn never taken changes nothing
+    turn.take()
+    turn.end()
+    assert timed_give_way(turn) < 0.5
+
+
+def test_the_event_loop_waits_for_a_turn_to_end():
+    turn = Turn(max_wait_s=5.0)
+    turn.take()
+    ender, started = end_later(turn, 0.2)
+    waited = timed_give_way(turn, since=started)
+    ender.join()
+    assert 0.2 <= waited < 2.0
+
+
+def test_a_turn_never_ended_holds_the_event_loop_back_once_and_briefly():
+    turn = Turn(max_wait_s=0.2)
+    taken = time.monotonic()
+    turn.take()
+    turn.take()  # a result arriving during the turn does not extend it
+    assert 0.2 <= timed_give_way(turn, since=taken) < 2.0
+    assert timed_give_way(turn) < 0.1  # its time is up: every later call goes on at once
+
+
+def test_after_each_wait_the_event_loop_has_as_long_again_to_itself():
+    turn = Turn(max_wait_s=5.0)
+    turn.take()
+    ender, _ = end_later(turn, 0.3)
+    waited = timed_give_way(turn)
+    ender.join()
+    turn.take()  # the next turn, at once: not given way to within the event loop's own time
+    assert timed_give_way(turn) < 0.1
+    time.sleep(waited)
+    ender, started = end_later(turn, 0.2)
+    assert 0.2 <= timed_give_way(turn, since=started) < 2.0  # past it, the turn is given way to again
+    ender.join()
+
+
+class CountingTurn(Turn):
+    def __init__(self) -> None:
+        super().__init__()
+        self.taken = self.ended = 0
+
+    def take(self) -> None:
+        self.taken += 1
+        super().take()
+
+    def end(self) -> None:
+        self.ended += 1
+        super().end()
+
+
+def test_the_executor_stream_takes_the_turn_with_each_result_and_ends_it_with_each_plan_sent():
+    server, port = build_server(ShadowExecutor(64, 4, VOCAB, (0,)), "127.0.0.1", 0)
+    server.start()
+    turn = CountingTurn()
+    remote = RemoteExecutor(f"127.0.0.1:{port}", turn=turn)
+    try:
+        engine = Engine(remote, SchedulerConfig(4, 64, num_scheduler_steps=1), overlap=True)
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        engine.generate([[1, 2, 3], [4, 5]], [params, params])
+    finally:
+        remote.close()
+        server.stop(None)
+    assert turn.taken == engine.num_steps > 0
+    assert turn.ended >= engine.num_steps  # every plan sent, the drops after the last result's included
+
+
+def test_a_stream_written_late_gets_every_token_in_order_in_fewer_responses_with_its_end_and_usage():
+    """The event loop held up while the engine runs on (as when writing the streams falls behind): the stream's next
+    response carries every token produced since its last one, then the finish and the usage, exactly as read one by
+    one."""
+    prompt, max_tokens = [3, 1, 4, 1, 5], 12
+
+    async def run() -> list[pb.GenerateResponse]:
+        async with in_process_scheduler(ShadowExecutor(64, 4, VOCAB, (0,))) as s:
+            call = s.stub.Generate(token_request(prompt, max_tokens, ignore_eos=True))
+            responses = [await call.read()]
+            time.sleep(0.5)  # the event loop blocked: the engine thread computes the rest meanwhile
+            while (response := await call.read()) is not grpc.aio.EOF:
+                responses.append(response)
+            await assert_idle_async(s.stub)
+            return responses
+
+    responses = asyncio.run(run())
+    joined = collect(responses)
+    assert joined.token_ids == reference_generate(prompt, max_tokens, VOCAB, {0}, True)
+    assert len(responses) < max_tokens
+    assert joined.finish_reason == pb.FINISH_REASON_LENGTH
+    assert (joined.usage.prompt_tokens, joined.usage.completion_tokens) == (len(prompt), max_tokens)
