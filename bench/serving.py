@@ -17,11 +17,11 @@ Figures, as vLLM's serving benchmark reports them: request and output-token thro
 gap between streamed chunks) at p50 / p90 / p99. A peer *kept up* with a rate when no request failed and it
 completed requests at least 0.95x as fast as they arrived, both rates measured over their own span (requests - 1
 over the time from the first send to the last, and from the first completion to the last), and requests did not
-pile up (the mean in flight at the last quarter's arrivals at most 1.5x the second quarter's, plus 2); its
+pile up (the mean in flight at the last quarter's arrivals at most 1.25x the third quarter's, plus 2); its
 *saturation point*
 is the highest rate it kept up with, counting up from the lowest rate and stopping at its first miss. JSON: per peer
 P and rate R (``2``, ``0.5``, ``inf``): ``P_rR_req_s``, ``P_rR_output_tok_s``, ``P_rR_{ttft,tpot,itl,e2e}_{mean,p50,
-p90,p99}_ms``, ``P_rR_offered_req_s``, ``P_rR_achieved_req_s``, ``P_rR_in_flight_q2`` / ``_q4``, ``P_rR_kept_up``, and
+p90,p99}_ms``, ``P_rR_offered_req_s``, ``P_rR_achieved_req_s``, ``P_rR_in_flight_q3`` / ``_q4``, ``P_rR_kept_up``, and
 ``P_saturation_req_s``.
 
 A single run instead (the figures' flat keys, one rate): ``--server`` (a running scheduler, gRPC), ``--base-url``
@@ -253,7 +253,7 @@ def medians(rounds: list[dict[str, float | None]]) -> dict[str, float | None]:
         values = [r[key] for r in rounds if isinstance(r[key], int | float) and not isinstance(r[key], bool)]
         merged[key] = statistics.median(values) if values else None
     merged["failed"] = max(r["failed"] for r in rounds)
-    in_flight = (merged["in_flight_q2"], merged["in_flight_q4"]) if merged.get("in_flight_q2") is not None else None
+    in_flight = (merged["in_flight_q3"], merged["in_flight_q4"]) if merged.get("in_flight_q3") is not None else None
     merged["kept_up"] = kept_up(merged["offered_req_s"], merged["achieved_req_s"], merged["failed"], in_flight)
     return merged
 
@@ -264,7 +264,7 @@ def peer_keys(peer: str, rate: float, figures: dict[str, float | None]) -> dict[
     keys = {"req_s": figures["request_throughput"], "output_tok_s": figures["output_tok_s"],
             "offered_req_s": figures["offered_req_s"], "achieved_req_s": figures["achieved_req_s"],
             "kept_up": figures["kept_up"], "completed": figures["completed"], "failed": figures["failed"],
-            "in_flight_q2": figures["in_flight_q2"], "in_flight_q4": figures["in_flight_q4"]}
+            "in_flight_q3": figures["in_flight_q3"], "in_flight_q4": figures["in_flight_q4"]}
     keys.update({f"{m}_{s}_ms": figures[f"{m}_{s}_ms"] for m in METRICS for s in ("mean", *(f"p{q}" for q in
                                                                                           QUANTILES))})
     return {prefix + key: value for key, value in keys.items()}

@@ -85,7 +85,7 @@ def test_a_server_that_piles_requests_up_did_not_keep_up_though_it_finishes_them
     steady = [RequestResult(output_tokens=8, ttft_s=0.1, latency_s=3.0, sent_s=i) for i in range(32)]
     behind = [RequestResult(output_tokens=8, ttft_s=0.1, latency_s=40.0 - i / 2, sent_s=i) for i in range(32)]
     calm, piled = in_flight_growth(steady), in_flight_growth(behind)
-    assert calm[0] == calm[1] == 3 and piled[1] > 1.5 * piled[0] + 2
+    assert calm[0] == calm[1] == 3 and piled[1] > 1.25 * piled[0] + 2
     assert summarise(steady, 35.0, 1.0)["kept_up"]
     figures = summarise(behind, 56.0, 1.0)
     assert figures["achieved_req_s"] >= figures["offered_req_s"] and not figures["kept_up"]
