@@ -133,6 +133,23 @@ def split_attention(
     return torch.cat([decoded, backend.prefill(q[d:], k[d:], v[d:], k_cache, v_cache, split.prefill, scale)])
 
 
+class SplitsMixed:
+    """The ``mixed`` of a backend that always splits (``split_attention``): its decode path reads each context in
+    place, or in groups, where its prefill would attend a decode row as a prompt of one."""
+
+    def mixed(
+        self: AttentionBackend,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return split_attention(self, q, k, v, k_cache, v_cache, meta, scale)
+
+
 def attend(
     backend: AttentionBackend,
     q: torch.Tensor,

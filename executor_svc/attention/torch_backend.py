@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from executor_svc.attention.base import AttentionMetadata, split_attention
+from executor_svc.attention.base import AttentionMetadata, SplitsMixed
 
 
 def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
@@ -96,7 +96,7 @@ def decode_groups(
     return groups
 
 
-class TorchAttention:
+class TorchAttention(SplitsMixed):
     """Gathers context through the block tables and runs ``scaled_dot_product_attention``.
 
     Decode sorts the batch by context length and attends group by group (``decode_groups``), each group's
@@ -162,19 +162,6 @@ class TorchAttention:
             o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=group.mask, scale=scale)
             out.index_copy_(0, group.rows, o.reshape(n, num_heads, head_dim))
         return out
-
-    def mixed(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """Split: the decode rows in groups, not one SDPA call each as ``prefill`` would take them."""
-        return split_attention(self, q, k, v, k_cache, v_cache, meta, scale)
 
     def _decode_groups(
         self, meta: AttentionMetadata, block_size: int, num_kv_heads: int, max_tokens: int

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from executor_svc.attention import triton_kernels
-from executor_svc.attention.base import AttentionMetadata, split_attention
+from executor_svc.attention.base import AttentionMetadata, SplitsMixed
 
 
-class TritonAttention:
+class TritonAttention(SplitsMixed):
     """Paged KV store, paged decode and paged varlen prefill, each one Triton kernel launch."""
 
     name = "triton"
@@ -41,16 +41,3 @@ class TritonAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         return triton_kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
-
-    def mixed(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """Split: decode rows through the paged decode kernel (or flash-attn's), chunks through prefill."""
-        return split_attention(self, q, k, v, k_cache, v_cache, meta, scale)
