@@ -15,6 +15,7 @@ from tests.conftest import EOS, assert_all_blocks_free
 from tests.shadow_helpers import expected
 
 VOCAB = 40
+MAX_STEPS = 20_000  # far above any drawn workload's need: reaching it means the engine stopped making progress
 
 
 @st.composite
@@ -89,6 +90,8 @@ def test_engine_matches_sequential_reference(overlap, num_steps, policy, workloa
         engine.step()
         check_invariants(engine, executor)
         step += 1
+        assert step < MAX_STEPS, f"no progress after {step} steps: {len(engine.scheduler.waiting)} waiting, " \
+            f"{len(engine.scheduler.running)} running"
     engine.step()
     for prompt, params, seq in submitted:
         assert seq.is_finished
