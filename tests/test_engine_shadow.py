@@ -370,3 +370,24 @@ def test_multi_step_plans_the_executor_cannot_run_are_refused_whole():
     engine.abort(seq)
     engine.step()
     assert len(executor.table) == 0 and engine.block_manager.num_free_blocks == 8
+
+
+def test_mixed_policy_preempting_beside_a_chunked_prompt_still_finishes():
+    """A decode that runs out of blocks beside a prompt part-way through its chunks (which holds all its prompt's
+    blocks) waits behind that prompt: queued ahead of it, both would wait for each other forever."""
+    engine = Engine(ShadowExecutor(4, 4, 50, (EOS,)), SchedulerConfig(4, 4, 1, "mixed"))
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)]
+    prompts = [[1, 2, 3], list(range(5, 17))]
+    first = engine.add_request(prompts[0], params[0])
+    engine.step()  # the first prompt runs; the second arrives while it decodes and is chunked beside it
+    second = engine.add_request(prompts[1], params[1])
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    engine.step()
+    assert engine.scheduler.num_preemptions > 0
+    assert [first.completion_token_ids, second.completion_token_ids] == \
+        [expected(engine, prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -33,6 +33,15 @@ class MixedScheduler(Scheduler):
         self._prefill_head = None
         return scheduled, len(scheduled) > num_decodes
 
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt ``seq`` behind a prompt part-way through its chunks. Under this policy decodes run while a prompt
+        is chunked, and that prompt holds the blocks of its whole prompt: queued ahead of it, a preempted sequence
+        could wait for those blocks while the prompt waits for its turn, and neither would ever run."""
+        super().preempt(seq)
+        waiting = self.waiting
+        if len(waiting) > 1 and waiting[1].block_table:
+            waiting[0], waiting[1] = waiting[1], waiting[0]
+
 
 # --scheduling-policy: the scheduler of each.
 POLICIES: dict[str, type[Scheduler]] = dict(zip(POLICY_NAMES, (Scheduler, MixedScheduler), strict=True))
