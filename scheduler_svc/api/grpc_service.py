@@ -26,6 +26,8 @@ from scheduler_svc.api.codec import to_response
 from scheduler_svc.api.frontend import Frontend, Generation
 from scheduler_svc.api.http.app import create_app, create_metrics_app
 from scheduler_svc.api.http.server import HttpServer
+from scheduler_svc.api.kv_events_config import parse_kv_events_config
+from scheduler_svc.api.kv_zmq import ZmqKvPublisher
 from scheduler_svc.api.malformed import MalformedRequest, MalformedRequestInterceptor
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.core.errors import (
@@ -210,6 +212,7 @@ class SchedulerServer:
         # cache of route endpoints keeps this object, and so its server, alive until then).
         self.http: HttpServer | None = None
         self.metrics_http: HttpServer | None = None
+        self.kv_publisher: ZmqKvPublisher | None = None
         try:
             if config.http_port:
                 self.http = HttpServer(create_app(self.frontend, self.is_serving, self.registry, config.api_key),
@@ -217,10 +220,15 @@ class SchedulerServer:
             if config.metrics_port:
                 self.metrics_http = HttpServer(create_metrics_app(self.registry), config.host, config.metrics_port,
                                                metrics_tls(self.tls), "the metrics port")
+            kv_events = parse_kv_events_config(config.kv_events_config) if config.kv_events_config else None
+            if kv_events is not None and kv_events.publishes:
+                self.kv_publisher = ZmqKvPublisher(kv_events)
             self.server, self.port = self._grpc_server(config)
         except BaseException:
             for server in self.http_servers:
                 server.close()
+            if self.kv_publisher is not None:
+                self.kv_publisher.close()
             raise
         self.executor = executor if executor is not None else executor_client(config, self.turn)
         self.loop: EngineLoop | None = None
@@ -299,6 +307,9 @@ class SchedulerServer:
         self.loop = EngineLoop(engine, tokenizer, deliver_to_event_loop(aio_loop, self.turn), limits, metrics,
                                self._on_serving(aio_loop))
         self.registry.register(metrics)
+        if self.kv_publisher is not None:
+            engine.block_manager.listen()
+            self.kv_publisher.start(engine.kv_events)
         self.loop.start()
         self.frontend.attach(self.loop, tokenizer)
         self.serving = True
@@ -324,6 +335,8 @@ class SchedulerServer:
         await asyncio.gather(*servers)
         if isinstance(self.executor, RemoteExecutor):
             self.executor.close()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
 
 
 def set_gil_switch_interval(info: ExecutorInfo) -> None:
