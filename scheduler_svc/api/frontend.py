@@ -10,18 +10,23 @@ to its own statuses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import Future
 
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.codec import model_info, scheduler_stats
 from scheduler_svc.api.prepare import detokenize, prepare, public_error, tokenize
+from scheduler_svc.api.server_info import ServerInfo, server_info
 from scheduler_svc.core.errors import ExecutorUnavailable, InvalidRequest, RequestFailed
 from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.tokenizer import ModelTokenizer
 from scheduler_svc.core.validation import ModelLimits
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.kv_events import KvEventBatch
 from scheduler_svc.engine.loop import EngineLoop, RequestHandle
 from scheduler_svc.engine.turn import Turn
 
@@ -138,6 +143,7 @@ class Frontend:
         self.tokenizer: ModelTokenizer | None = None
         # Requests in flight by the id the caller gave (or was given), for Abort.
         self.by_request_id: dict[str, set[RequestHandle]] = {}
+        self.started_at = time.time()
 
     def attach(self, loop: EngineLoop, tokenizer: ModelTokenizer | None) -> None:
         self.loop, self.tokenizer = loop, tokenizer
@@ -146,6 +152,11 @@ class Frontend:
         if self.loop is None:
             raise ExecutorUnavailable(f"the scheduler is still connecting to the executor at {self.executor_target}")
         return self.loop
+
+    async def render(self, request: pb.GenerateRequest) -> PreparedRequest:
+        """What ``submit`` would queue for ``request``, checked the same way (InvalidRequest), without running it."""
+        loop = self.ready()
+        return await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
 
     async def submit(self, request: pb.GenerateRequest, whole: bool = False) -> Generation:
         """Validate (off the event loop: tokenizing and templating take time) and queue ``request``; its latency
@@ -190,3 +201,37 @@ class Frontend:
 
     def stats(self) -> pb.SchedulerStats:
         return scheduler_stats(self.ready().stats)
+
+    def server_info(self) -> ServerInfo:
+        return server_info(self.ready(), self.started_at)
+
+    async def flush_cache(self) -> int:
+        """Drop the prefix cache's entries no request holds, before the next step; the number of blocks dropped."""
+        dropped: Future[int] = Future()
+        self.ready().call(lambda engine: dropped.set_result(engine.block_manager.flush()))
+        return await asyncio.wrap_future(dropped)
+
+    async def kv_events(self, start_sequence_number: int = 0) -> AsyncIterator[list[KvEventBatch]]:
+        """The prefix cache's event batches from ``start_sequence_number`` on (0: from now; the block manager records
+        from the next step), as they come, until the caller stops reading."""
+        loop = self.ready()
+        aio_loop, woken = asyncio.get_running_loop(), asyncio.Event()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop closed: nobody reads any more
+                aio_loop.call_soon_threadsafe(woken.set)
+
+        def listen(engine: Engine) -> None:
+            engine.block_manager.listen()
+
+        loop.call(listen)
+        events = loop.engine.kv_events
+        subscription = events.subscribe(wake, start_sequence_number)
+        try:
+            while True:
+                await woken.wait()
+                woken.clear()
+                if batches := subscription.take():
+                    yield batches
+        finally:
+            events.unsubscribe(subscription)

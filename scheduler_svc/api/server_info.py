@@ -1,0 +1,71 @@
+"""What a gateway or a person asks a running scheduler about itself: the engine, the model, its KV cache, how it
+schedules, and how loaded it is now. One plain record, read by HTTP ``/server_info`` and the VllmEngine service's
+GetServerInfo and GetLoads, so both say the same."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+from scheduler_svc.engine.loop import EngineLoop
+
+ENGINE = "nanoserve"
+
+
+def engine_version() -> str:
+    """The installed nanoserve's version ("unknown" when run from a source tree that was never installed)."""
+    try:
+        return version(ENGINE)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    engine: str
+    version: str
+    model: str
+    architecture: str
+    dtype: str
+    device: str
+    # Tokens per KV block and KV blocks in the executor's cache.
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int
+    tensor_parallel_size: int
+    # How the scheduler runs steps (--max-num-seqs, --max-num-batched-tokens, --num-scheduler-steps,
+    # --scheduling-policy, --overlap).
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_scheduler_steps: int
+    scheduling_policy: str
+    overlap: bool
+    executor_instance_id: str
+    # Now: requests waiting for or in prefill, requests decoding, KV blocks held by requests.
+    num_waiting: int
+    num_running: int
+    num_used_blocks: int
+    uptime_s: float
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of the KV blocks requests hold, in [0, 1]."""
+        return self.num_used_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+
+def server_info(loop: EngineLoop, started_at: float) -> ServerInfo:
+    """``started_at``: time.time() when the scheduler started."""
+    info, engine, stats = loop.info, loop.engine, loop.stats
+    config = engine.config
+    return ServerInfo(
+        engine=ENGINE, version=engine_version(), model=info.model_id, architecture=info.architecture, dtype=info.dtype,
+        device=info.device, block_size=info.block_size, num_kv_blocks=info.num_blocks,
+        max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+        tensor_parallel_size=info.tensor_parallel_size, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, num_scheduler_steps=config.num_scheduler_steps,
+        scheduling_policy=config.policy, overlap=engine.overlap, executor_instance_id=info.instance_id,
+        num_waiting=stats.num_waiting, num_running=stats.num_running,
+        num_used_blocks=stats.num_blocks - stats.num_free_blocks, uptime_s=time.time() - started_at,
+    )
