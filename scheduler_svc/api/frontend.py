@@ -26,7 +26,7 @@ from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.tokenizer import ModelTokenizer
 from scheduler_svc.core.validation import ModelLimits
 from scheduler_svc.engine.engine import Engine
-from scheduler_svc.engine.kv_events import KvEventBatch
+from scheduler_svc.engine.kv_events import KvEventBatch, KvEventLog
 from scheduler_svc.engine.loop import EngineLoop, RequestHandle
 from scheduler_svc.engine.turn import Turn
 
@@ -128,6 +128,40 @@ class Generation:
         self.close()
 
 
+class KvEventReader:
+    """One subscriber of the prefix cache's events on the event loop: ``batches`` waits for the next ones."""
+
+    def __init__(self, events: KvEventLog, start_sequence_number: int) -> None:
+        aio_loop, self._woken = asyncio.get_running_loop(), asyncio.Event()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop closed: nobody reads any more
+                aio_loop.call_soon_threadsafe(self._woken.set)
+
+        self._events = events
+        self._subscription = events.subscribe(wake, start_sequence_number)
+
+    @staticmethod
+    def listen(engine: Engine) -> None:
+        """On the loop thread: the block manager records its events from now on."""
+        engine.block_manager.listen()
+
+    async def batches(self) -> list[KvEventBatch]:
+        while not (batches := self._subscription.take()):
+            await self._woken.wait()
+            self._woken.clear()
+        return batches
+
+    def close(self) -> None:
+        self._events.unsubscribe(self._subscription)
+
+    def __enter__(self) -> KvEventReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
 class Frontend:
     """Refuses with ExecutorUnavailable until ``attach`` hands it the engine loop after the executor handshake.
 
@@ -143,7 +177,9 @@ class Frontend:
         self.tokenizer: ModelTokenizer | None = None
         # Requests in flight by the id the caller gave (or was given), for Abort.
         self.by_request_id: dict[str, set[RequestHandle]] = {}
+        # When the scheduler started, and when the last request arrived (time.time), for GetServerInfo.
         self.started_at = time.time()
+        self.last_request_at = 0.0
 
     def attach(self, loop: EngineLoop, tokenizer: ModelTokenizer | None) -> None:
         self.loop, self.tokenizer = loop, tokenizer
@@ -162,7 +198,7 @@ class Frontend:
         """Validate (off the event loop: tokenizing and templating take time) and queue ``request``; its latency
         metrics count from now, as vLLM's count from a request's arrival. ``whole``: the caller reads each choice
         only once it ended, so its outputs wait for that."""
-        arrived_at = time.monotonic()
+        arrived_at, self.last_request_at = time.monotonic(), time.time()
         loop = self.ready()
         prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
         outbox = Outbox(None if whole else prepared.stream_interval or self.stream_interval)
@@ -211,27 +247,9 @@ class Frontend:
         self.ready().call(lambda engine: dropped.set_result(engine.block_manager.flush()))
         return await asyncio.wrap_future(dropped)
 
-    async def kv_events(self, start_sequence_number: int = 0) -> AsyncIterator[list[KvEventBatch]]:
-        """The prefix cache's event batches from ``start_sequence_number`` on (0: from now; the block manager records
-        from the next step), as they come, until the caller stops reading."""
+    def kv_events(self, start_sequence_number: int = 0) -> KvEventReader:
+        """A reader of the prefix cache's event batches from ``start_sequence_number`` on (0: from now), subscribed
+        now; the block manager records from the next step. Close it when done (``with``)."""
         loop = self.ready()
-        aio_loop, woken = asyncio.get_running_loop(), asyncio.Event()
-
-        def wake() -> None:
-            with contextlib.suppress(RuntimeError):  # the event loop closed: nobody reads any more
-                aio_loop.call_soon_threadsafe(woken.set)
-
-        def listen(engine: Engine) -> None:
-            engine.block_manager.listen()
-
-        loop.call(listen)
-        events = loop.engine.kv_events
-        subscription = events.subscribe(wake, start_sequence_number)
-        try:
-            while True:
-                await woken.wait()
-                woken.clear()
-                if batches := subscription.take():
-                    yield batches
-        finally:
-            events.unsubscribe(subscription)
+        loop.call(KvEventReader.listen)
+        return KvEventReader(loop.engine.kv_events, start_sequence_number)

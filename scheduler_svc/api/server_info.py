@@ -43,10 +43,14 @@ class ServerInfo:
     scheduling_policy: str
     overlap: bool
     executor_instance_id: str
-    # Now: requests waiting for or in prefill, requests decoding, KV blocks held by requests.
+    # Now: requests waiting for or in prefill, requests decoding, KV blocks held by requests, prompt tokens of the
+    # requests that produced nothing yet (prefix-cache hits included).
     num_waiting: int
     num_running: int
     num_used_blocks: int
+    num_queued_prompt_tokens: int
+    # Since start: the share of prompt tokens looked up in the prefix cache that were found there.
+    prefix_cache_hit_rate: float
     uptime_s: float
 
     @property
@@ -67,5 +71,7 @@ def server_info(loop: EngineLoop, started_at: float) -> ServerInfo:
         max_num_batched_tokens=config.max_num_batched_tokens, num_scheduler_steps=config.num_scheduler_steps,
         scheduling_policy=config.policy, overlap=engine.overlap, executor_instance_id=info.instance_id,
         num_waiting=stats.num_waiting, num_running=stats.num_running,
-        num_used_blocks=stats.num_blocks - stats.num_free_blocks, uptime_s=time.time() - started_at,
+        num_used_blocks=stats.num_blocks - stats.num_free_blocks, num_queued_prompt_tokens=loop.admission.num_tokens,
+        prefix_cache_hit_rate=stats.num_prefix_cache_hit_tokens / max(1, stats.num_prefix_cache_query_tokens),
+        uptime_s=time.time() - started_at,
     )

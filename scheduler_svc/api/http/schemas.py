@@ -321,6 +321,8 @@ class ServerInfo(BaseModel):
     num_waiting: int
     num_running: int
     num_used_blocks: int
+    num_queued_prompt_tokens: int
+    prefix_cache_hit_rate: float
     kv_cache_usage: float
     uptime_s: float
 
