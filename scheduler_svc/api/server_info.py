@@ -43,8 +43,9 @@ class ServerInfo:
     scheduling_policy: str
     overlap: bool
     executor_instance_id: str
-    # Now: requests waiting for or in prefill, requests decoding, KV blocks held by requests, prompt tokens of the
-    # requests that produced nothing yet (prefix-cache hits included).
+    # Now: what waits for or is in prefill (requests counted as they arrive, before the engine loop takes them, and
+    # sequences as of the last step, preempted ones included), sequences decoding, KV blocks held by requests, prompt
+    # tokens of the requests that produced nothing yet (prefix-cache hits included).
     num_waiting: int
     num_running: int
     num_used_blocks: int
@@ -70,7 +71,7 @@ def server_info(loop: EngineLoop, started_at: float) -> ServerInfo:
         tensor_parallel_size=info.tensor_parallel_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, num_scheduler_steps=config.num_scheduler_steps,
         scheduling_policy=config.policy, overlap=engine.overlap, executor_instance_id=info.instance_id,
-        num_waiting=stats.num_waiting, num_running=stats.num_running,
+        num_waiting=max(stats.num_waiting, loop.admission.num_requests), num_running=stats.num_running,
         num_used_blocks=stats.num_blocks - stats.num_free_blocks, num_queued_prompt_tokens=loop.admission.num_tokens,
         prefix_cache_hit_rate=stats.num_prefix_cache_hit_tokens / max(1, stats.num_prefix_cache_query_tokens),
         uptime_s=time.time() - started_at,
