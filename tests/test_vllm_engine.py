@@ -143,10 +143,12 @@ def test_info_rpcs_describe_the_model_and_the_load_follows_the_queue(engine, gat
     for reader in readers:
         reader.start()
     assert gate.entered.wait(5)
-    gate.steps_before_closing = 1  # two more steps, then held again: the loop has published what it admitted
+    # The loop is held inside a step: the requests show as they arrive, waiting.
+    load_when(engine, lambda load: load.num_total_reqs == 3 and load.num_waiting_reqs >= 2)
+    gate.steps_before_closing = 1  # two more steps, then held again: the loop has scheduled all three
     gate.open.set()
-    busy = load_when(engine, lambda load: load.num_total_reqs == 3)
-    assert busy.token_usage > 0 and busy.num_used_tokens > 0
+    busy = load_when(engine, lambda load: load.num_running_reqs == 3)
+    assert busy.num_total_reqs == 3 and busy.token_usage > 0 and busy.num_used_tokens > 0
     gate.steps_before_closing = None
     gate.open.set()
     for reader in readers:

@@ -239,7 +239,8 @@ class Frontend:
         return scheduler_stats(self.ready().stats)
 
     def server_info(self) -> ServerInfo:
-        return server_info(self.ready(), self.started_at)
+        num_requests = sum(len(handles) for handles in self.by_request_id.values())
+        return server_info(self.ready(), self.started_at, num_requests)
 
     async def flush_cache(self) -> int:
         """Drop the prefix cache's entries no request holds, before the next step; the number of blocks dropped."""

@@ -43,9 +43,10 @@ class ServerInfo:
     scheduling_policy: str
     overlap: bool
     executor_instance_id: str
-    # Now: what waits for or is in prefill (requests counted as they arrive, before the engine loop takes them, and
-    # sequences as of the last step, preempted ones included), sequences decoding, KV blocks held by requests, prompt
-    # tokens of the requests that produced nothing yet (prefix-cache hits included).
+    # Now: what waits to be scheduled (the requests in flight, counted as they arrive, that no step has scheduled yet,
+    # or the sequences waiting as of the last step, preempted ones included, whichever is more), the sequences
+    # scheduled (as of the last step), KV blocks held by requests, prompt tokens of the requests that produced
+    # nothing yet (prefix-cache hits included).
     num_waiting: int
     num_running: int
     num_used_blocks: int
@@ -60,8 +61,9 @@ class ServerInfo:
         return self.num_used_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
 
 
-def server_info(loop: EngineLoop, started_at: float) -> ServerInfo:
-    """``started_at``: time.time() when the scheduler started."""
+def server_info(loop: EngineLoop, started_at: float, num_requests: int) -> ServerInfo:
+    """``started_at``: time.time() when the scheduler started; ``num_requests``: requests in flight now, the engine
+    loop's or still on their way to it, so that the queue shows at once even while a step holds the loop."""
     info, engine, stats = loop.info, loop.engine, loop.stats
     config = engine.config
     return ServerInfo(
@@ -71,7 +73,7 @@ def server_info(loop: EngineLoop, started_at: float) -> ServerInfo:
         tensor_parallel_size=info.tensor_parallel_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, num_scheduler_steps=config.num_scheduler_steps,
         scheduling_policy=config.policy, overlap=engine.overlap, executor_instance_id=info.instance_id,
-        num_waiting=max(stats.num_waiting, loop.admission.num_requests), num_running=stats.num_running,
+        num_waiting=max(stats.num_waiting, num_requests - stats.num_running), num_running=stats.num_running,
         num_used_blocks=stats.num_blocks - stats.num_free_blocks, num_queued_prompt_tokens=loop.admission.num_tokens,
         prefix_cache_hit_rate=stats.num_prefix_cache_hit_tokens / max(1, stats.num_prefix_cache_query_tokens),
         uptime_s=time.time() - started_at,
