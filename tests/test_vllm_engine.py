@@ -22,6 +22,8 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
 from smg_grpc_proto.generated import common_pb2 as common
 from tokenizers import Tokenizer
 
+from common.step import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
+from executor_svc.fakes.shadow import ShadowExecutor
 from tests.http_fixtures import Hosted, hosted
 from tests.service_fixtures import EOS_ID, HOST, GatedExecutor
 from tests.test_service_loop import LogprobExecutor
@@ -30,9 +32,21 @@ from tests.test_service_options import TOKENIZER, echo
 PROMPT = TOKENIZER.encode("Hello world, héllo wörld! The quick brown fox jumps.", add_special_tokens=False)
 
 
+class ScoringExecutor(LogprobExecutor):
+    """Also scores the prompt of each new request that asks, -1.0 a token, as a model does in its prefill."""
+
+    def step(self, plan: StepPlan) -> StepResult:
+        result = super().step(plan)
+        for new in plan.new_requests:
+            if new.sampling.num_prompt_logprobs is not None:
+                scored = [TokenLogprobs(-1.0, [t, 7], [-1.0, -3.0]) for t in new.token_ids[1:]]
+                result.prompt_logprobs.append(PromptLogprobs(new.request_id, 1, scored))
+        return result
+
+
 @pytest.fixture(scope="module")
 def gate() -> GatedExecutor:
-    return GatedExecutor(LogprobExecutor(echo()))
+    return GatedExecutor(ScoringExecutor(echo()))
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +108,8 @@ def test_not_streamed_each_choice_is_one_complete_with_all_its_tokens(engine) ->
     prompt_logprobs = completes[0].input_logprobs
     assert list(prompt_logprobs.token_ids) == PROMPT
     assert not prompt_logprobs.token_logprobs[0].HasField("value"), "the first prompt token has no logprob"
+    assert [lp.value for lp in prompt_logprobs.token_logprobs[1:]] == [-1.0] * (len(PROMPT) - 1)
+    assert prompt_logprobs.top_logprobs[1].token_ids[0] == PROMPT[1] and not prompt_logprobs.top_logprobs[0].values
 
 
 def test_text_input_stop_strings_and_stop_tokens_say_what_matched(engine) -> None:
@@ -231,7 +247,14 @@ def test_a_bad_generate_is_refused_naming_the_field_while_a_good_stream_complete
     assert list(split(good)[1][0].output_ids) == echoed(PROMPT, 8)
 
 
-def test_every_other_rpc_refuses_bad_input_or_what_it_cannot_do_clearly(engine, channel: grpc.Channel) -> None:
+def test_every_other_rpc_refuses_bad_input_or_what_it_cannot_do_clearly(engine, channel: grpc.Channel,
+                                                                        gate: GatedExecutor) -> None:
+    gate.open.clear()
+    gate.entered.clear()
+    good: list[vllm.GenerateResponse] = []
+    reader = threading.Thread(target=lambda: good.extend(engine.Generate(request(max_tokens=8))))
+    reader.start()
+    assert gate.entered.wait(5)
     cases = [
         (lambda: engine.GetLoads(vllm.GetLoadsRequest(dp_rank=1)), grpc.StatusCode.INVALID_ARGUMENT, "dp_rank:"),
         (lambda: engine.FlushCache(common.FlushCacheRequest(timeout_s=-1)), grpc.StatusCode.INVALID_ARGUMENT,
@@ -252,3 +275,36 @@ def test_every_other_rpc_refuses_bad_input_or_what_it_cannot_do_clearly(engine, 
             result = call(b"\xff\xff\xff")
             list(result) if method in ("Generate", "SubscribeKvEvents") else result
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+    gate.open.set()
+    reader.join(10)
+    assert list(split(good)[1][0].output_ids) == echoed(PROMPT, 8), "the good stream completed meanwhile"
+
+
+def test_streamed_prompt_logprobs_come_in_each_choices_first_chunk(engine) -> None:
+    chunks, completes = split(list(engine.Generate(request(n=2, seed=3, prompt_logprobs=2, logprobs=0))))
+    first = {}
+    for chunk in chunks:
+        first.setdefault(chunk.index, chunk)
+    assert sorted(first) == [0, 1]
+    for chunk in first.values():
+        assert list(chunk.input_logprobs.token_ids) == PROMPT
+        assert len(chunk.input_logprobs.top_logprobs) == len(PROMPT)
+    later = [c for c in chunks if c not in first.values()]
+    assert all(not c.HasField("input_logprobs") for c in later)
+    assert all(c.output_logprobs.token_ids == c.token_ids and not c.output_logprobs.top_logprobs for c in chunks)
+    assert sorted(c.index for c in completes) == [0, 1]
+
+
+def test_without_a_tokenizer_text_and_get_tokenizer_are_refused_and_tokens_work() -> None:
+    with hosted(ShadowExecutor(num_blocks=16, block_size=4, vocab_size=50)) as h, \
+            grpc.insecure_channel(f"{HOST}:{h.server.port}") as channel:
+        stub = vllm_grpc.VllmEngineStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.GetTokenizer(common.GetTokenizerRequest()))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(vllm.GenerateRequest(text="hi")))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and refused.value.details().startswith("text:")
+        _, (complete,) = split(list(stub.Generate(request([1, 2, 3], max_tokens=3))))
+        assert len(complete.output_ids) == 3
+        h.assert_idle()

@@ -34,8 +34,8 @@ def output_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs], with_to
 
 
 def input_logprobs(prompt_ids: list[int], logprobs: list[TokenLogprobs], with_top: bool) -> vllm.InputLogProbs:
-    """One entry per prompt token; the first has no logprob (nothing came before it)."""
-    out = vllm.InputLogProbs(token_ids=prompt_ids)
+    """One entry per prompt token scored; the first has no logprob (nothing came before it)."""
+    out = vllm.InputLogProbs(token_ids=prompt_ids[: len(logprobs) + 1])
     out.token_logprobs.append(vllm.InputTokenLogProb())
     out.token_logprobs.extend(vllm.InputTokenLogProb(value=lp.logprob) for lp in logprobs)
     if with_top:
