@@ -71,7 +71,7 @@ class EngineLoop:
         return handle
 
     def cancel(self, handle: RequestHandle, answer: bool = False) -> None:
-        """Abort ``handle`` before the next step (``answer``: its choices end with ABORT); a finished one is left be."""
+        """Abort ``handle`` before the next step (``answer``: its choices end with ABORT), unless finished."""
         self.call(lambda engine: self._requests.cancel(engine, handle, answer))
 
     def call(self, work: Callable[[Engine], object]) -> None:
