@@ -56,7 +56,7 @@ def running_gateway(worker_urls: list[str], log_path: Path, *flags: str,
     shows each line of ``ready`` as many times as it says."""
     port = free_port()
     argv = [smg_binary(), "launch", "--host", HOST, "--port", str(port), "--prometheus-port", str(free_port()),
-            "--log-level", "info", "--worker-urls", *worker_urls, *flags]
+            "--log-level", "info", "--shutdown-grace-period-secs", "0", "--worker-urls", *worker_urls, *flags]
     process = spawn(argv, log_path)
     gateway = Gateway(process, f"http://{HOST}:{port}", log_path)
     try:

@@ -17,7 +17,7 @@ from tests.http_fixtures import Hosted, hosted
 from tests.service_fixtures import CHATML_TEMPLATE, TOKENIZER_VOCAB_SIZE, byte_level_tokenizer
 
 # Per route and generation mode; each example with a generation costs at most MAX_MODEL_LEN shadow steps.
-EXAMPLES_PER_ROUTE = 40
+EXAMPLES_PER_ROUTE = 25
 MAX_MODEL_LEN = 64
 
 
