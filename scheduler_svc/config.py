@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from common.channels import PUBLIC_MAX_MESSAGE_BYTES
 from common.flags import ENV_PREFIX, EnvFlags, boolean, non_negative_float, port, positive_float, positive_int
+from scheduler_svc.api.kv_events_config import kv_events_flag
 from scheduler_svc.core.scheduler import POLICY_NAMES
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -61,6 +62,8 @@ class ServiceConfig:
     http_port: int = 8000
     # Prometheus /metrics alone, without the API key (for scrapers that cannot send one); 0 turns it off.
     metrics_port: int = 0
+    # vLLM's --kv-events-config JSON: publish the prefix cache's events over ZMQ (``api.kv_events_config``).
+    kv_events_config: str = ""
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -113,6 +116,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "(0 turns it off)")
     add("--metrics-port", port, "port of Prometheus /metrics alone on --host, with the same TLS certificate but "
         "without the API key or client certificates, for scrapers that send neither (0 turns it off)")
+    add("--kv-events-config", kv_events_flag, "vLLM's KV-events JSON, e.g. '{\"endpoint\": \"tcp://*:5557\", "
+        "\"topic\": \"kv\"}': publish the prefix cache's events over ZMQ in vLLM's format (empty: not over ZMQ; "
+        "the gRPC SubscribeKvEvents serves them either way)")
     return parser
 
 

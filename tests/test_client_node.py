@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import smg_grpc_proto
 
 from tests.service_fixtures import ROOT
 
@@ -64,3 +66,18 @@ def test_node_client_sends_a_structured_output_constraint(node: str, echo_server
     rejected = run_example(node, "--server", echo_server.target, "--regex", "(unclosed", PROMPT)
     assert rejected.returncode == 1
     assert rejected.stderr.startswith("error: INVALID_ARGUMENT: structured_output.regex"), rejected.stderr
+
+
+def test_node_streams_vllm_engine_generate_from_the_running_stack(node: str, echo_server: EchoServer) -> None:
+    """The gateways' protocol from another language: examples/node/vllm_engine.js, its stub built from the proto
+    smg-grpc-proto ships, streams chunks of token ids and a final GenerateComplete."""
+    proto_dir = Path(smg_grpc_proto.__file__).parent / "proto"
+    _, token_ids = echo_server.echo(PROMPT, 9)
+    result = subprocess.run([node, str(EXAMPLE / "vllm_engine.js"), "--proto-dir", str(proto_dir), "--server",
+                             echo_server.target, "--max-tokens", "9", PROMPT], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    *chunks, last = result.stdout.splitlines()
+    complete = json.loads(last)
+    assert [int(t) for line in chunks for t in line.split(",")] == token_ids == complete["output_ids"]
+    assert (complete["finish_reason"], complete["completion_tokens"]) == ("length", 9)

@@ -19,6 +19,7 @@ from common.step import StepPlan, StepResult
 from executor_svc.fakes.shadow import ShadowExecutor
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api import grpc_service as service
+from scheduler_svc.api import grpc_status
 from scheduler_svc.api.http import errors
 from scheduler_svc.api.http.translate import openai_param
 from scheduler_svc.config import ServiceConfig
@@ -221,7 +222,7 @@ def test_every_error_is_in_openais_shape(echo_api: Hosted):
 
 def test_both_status_tables_cover_every_failure():
     failures = set(RequestFailed.__subclasses__())
-    assert set(errors.STATUS_OF) == set(service.STATUS_OF) == failures
+    assert set(errors.STATUS_OF) == set(grpc_status.STATUS_OF) == failures
 
 
 @pytest.mark.parametrize(("field", "renames", "param"), [

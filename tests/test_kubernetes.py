@@ -37,6 +37,8 @@ CRD = KUBERNETES / "crds" / "inference.networking.k8s.io_inferencepools.yaml"
 # The oldest Kubernetes these manifests target (native gRPC probes are GA since 1.27) and the newest schema.
 SCHEMA_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
 OVERLAYS = ["cpu", "gpu", "tp2"]
+# The Shepherd Model Gateway in front of the cpu overlay's pods, in place of the InferencePool's picker.
+GATEWAY = "smg"
 # An overlay plus the optional components, as docs/deploy.md tells to combine them.
 SECURED = ("cpu", ["api-key", "tls"])
 TARGETS = ["base", *OVERLAYS, "cpu+api-key+tls"]
@@ -65,7 +67,7 @@ def render(target: str) -> tuple[dict, ...]:
         pytest.skip("neither kubectl nor kustomize is installed, so the kustomizations cannot be rendered")
     if target == "base":
         folder, flags = KUBERNETES / "base", []
-    elif target in OVERLAYS:
+    elif target in (*OVERLAYS, GATEWAY):
         folder, flags = KUBERNETES / "overlays" / target, []
     else:  # overlay+component...: a kustomization of its own, outside the tree, as a user would write it
         overlay, *components = target.split("+")
@@ -316,3 +318,43 @@ def test_the_pods_commands_and_environment_start_the_services(target: str) -> No
     finally:
         processes.stop()
     assert [p.returncode for _, p in processes.running] == [0, 0], "SIGTERM (the pod's stop) must end both cleanly"
+
+
+@pytest.mark.parametrize("version", SCHEMA_VERSIONS)
+def test_the_gateway_overlay_is_valid_and_leaves_the_picker_out(version: str) -> None:
+    objects = render(GATEWAY)
+    for document in objects:
+        validate(document, version)
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    assert ("Deployment", "nanoserve") in kinds and ("Deployment", "nanoserve-gateway") in kinds
+    assert not {o for o in kinds if o[0] == "InferencePool" or o[1] == "nanoserve-epp"}, "no CRD needed"
+
+
+def test_the_gateway_finds_every_scheduler_on_its_grpc_port() -> None:
+    """The gateway's arguments, parsed by smg's own parser, select the nanoserve pods and their gRPC port, which the
+    NetworkPolicy opens; its Role lets it watch pods, and its probes name its own port."""
+    launch_router = pytest.importorskip("smg.launch_router", reason="smg is not installed: pip install smg")
+    objects = render(GATEWAY)
+    spec = find(objects, "Deployment", "nanoserve-gateway")["spec"]["template"]["spec"]
+    (gateway,) = spec["containers"]
+    assert gateway["args"][0] == "launch"
+    args = launch_router.parse_router_args(gateway["args"][1:])
+    pod = find(objects, "Deployment", "nanoserve")["spec"]["template"]
+    assert args.service_discovery and args.selector.items() <= pod["metadata"]["labels"].items()
+    grpc_port = next(p["containerPort"] for p in containers(objects)["scheduler"]["ports"] if p["name"] == "grpc")
+    assert args.service_discovery_port == grpc_port
+    assert args.service_discovery_namespace == "$(NAMESPACE)"
+    assert {e["name"] for e in gateway["env"]} == {"NAMESPACE"}
+    assert args.policy == "cache_aware"
+    policy = find(objects, "NetworkPolicy", "nanoserve")["spec"]
+    assert grpc_port in [port["port"] for rule in policy["ingress"] for port in rule["ports"]]
+    role = find(objects, "Role", spec["serviceAccountName"])
+    assert {"list", "watch"} <= set(role["rules"][0]["verbs"]) and role["rules"][0]["resources"] == ["pods"]
+    binding = find(objects, "RoleBinding", spec["serviceAccountName"])
+    assert binding["subjects"][0]["name"] == spec["serviceAccountName"]
+    ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
+    assert ports["http"] == args.port and ports["metrics"] == args.prometheus_port
+    for kind in ("readinessProbe", "livenessProbe"):
+        assert gateway[kind]["httpGet"]["port"] == "http"
+    labels = find(objects, "Deployment", "nanoserve-gateway")["spec"]["template"]["metadata"]["labels"]
+    assert find(objects, "Service", "nanoserve-gateway")["spec"]["selector"].items() <= labels.items()

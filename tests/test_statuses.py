@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from scheduler_svc.api.grpc_service import STATUS_OF as GRPC_STATUS_OF
+from scheduler_svc.api.grpc_status import STATUS_OF as GRPC_STATUS_OF
 from scheduler_svc.api.http.errors import STATUS_OF as HTTP_STATUS_OF
 from scheduler_svc.core import errors
 from scheduler_svc.core.errors import RequestFailed

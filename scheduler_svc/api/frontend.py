@@ -10,18 +10,23 @@ to its own statuses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import Future
 
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.codec import model_info, scheduler_stats
 from scheduler_svc.api.prepare import detokenize, prepare, public_error, tokenize
+from scheduler_svc.api.server_info import ServerInfo, server_info
 from scheduler_svc.core.errors import ExecutorUnavailable, InvalidRequest, RequestFailed
 from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.tokenizer import ModelTokenizer
 from scheduler_svc.core.validation import ModelLimits
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.kv_events import KvEventBatch, KvEventLog
 from scheduler_svc.engine.loop import EngineLoop, RequestHandle
 from scheduler_svc.engine.turn import Turn
 
@@ -123,6 +128,40 @@ class Generation:
         self.close()
 
 
+class KvEventReader:
+    """One subscriber of the prefix cache's events on the event loop: ``batches`` waits for the next ones."""
+
+    def __init__(self, events: KvEventLog, start_sequence_number: int) -> None:
+        aio_loop, self._woken = asyncio.get_running_loop(), asyncio.Event()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop closed: nobody reads any more
+                aio_loop.call_soon_threadsafe(self._woken.set)
+
+        self._events = events
+        self._subscription = events.subscribe(wake, start_sequence_number)
+
+    @staticmethod
+    def listen(engine: Engine) -> None:
+        """On the loop thread: the block manager records its events from now on."""
+        engine.block_manager.listen()
+
+    async def batches(self) -> list[KvEventBatch]:
+        while not (batches := self._subscription.take()):
+            await self._woken.wait()
+            self._woken.clear()
+        return batches
+
+    def close(self) -> None:
+        self._events.unsubscribe(self._subscription)
+
+    def __enter__(self) -> KvEventReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
 class Frontend:
     """Refuses with ExecutorUnavailable until ``attach`` hands it the engine loop after the executor handshake.
 
@@ -138,6 +177,9 @@ class Frontend:
         self.tokenizer: ModelTokenizer | None = None
         # Requests in flight by the id the caller gave (or was given), for Abort.
         self.by_request_id: dict[str, set[RequestHandle]] = {}
+        # When the scheduler started, and when the last request arrived (time.time), for GetServerInfo.
+        self.started_at = time.time()
+        self.last_request_at = 0.0
 
     def attach(self, loop: EngineLoop, tokenizer: ModelTokenizer | None) -> None:
         self.loop, self.tokenizer = loop, tokenizer
@@ -147,11 +189,16 @@ class Frontend:
             raise ExecutorUnavailable(f"the scheduler is still connecting to the executor at {self.executor_target}")
         return self.loop
 
+    async def render(self, request: pb.GenerateRequest) -> PreparedRequest:
+        """What ``submit`` would queue for ``request``, checked the same way (InvalidRequest), without running it."""
+        loop = self.ready()
+        return await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
+
     async def submit(self, request: pb.GenerateRequest, whole: bool = False) -> Generation:
         """Validate (off the event loop: tokenizing and templating take time) and queue ``request``; its latency
         metrics count from now, as vLLM's count from a request's arrival. ``whole``: the caller reads each choice
         only once it ended, so its outputs wait for that."""
-        arrived_at = time.monotonic()
+        arrived_at, self.last_request_at = time.monotonic(), time.time()
         loop = self.ready()
         prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
         outbox = Outbox(None if whole else prepared.stream_interval or self.stream_interval)
@@ -190,3 +237,20 @@ class Frontend:
 
     def stats(self) -> pb.SchedulerStats:
         return scheduler_stats(self.ready().stats)
+
+    def server_info(self) -> ServerInfo:
+        num_requests = sum(len(handles) for handles in self.by_request_id.values())
+        return server_info(self.ready(), self.started_at, num_requests)
+
+    async def flush_cache(self) -> int:
+        """Drop the prefix cache's entries no request holds, before the next step; the number of blocks dropped."""
+        dropped: Future[int] = Future()
+        self.ready().call(lambda engine: dropped.set_result(engine.block_manager.flush()))
+        return await asyncio.wrap_future(dropped)
+
+    def kv_events(self, start_sequence_number: int = 0) -> KvEventReader:
+        """A reader of the prefix cache's event batches from ``start_sequence_number`` on (0: from now), subscribed
+        now; the block manager records from the next step. Close it when done (``with``)."""
+        loop = self.ready()
+        loop.call(KvEventReader.listen)
+        return KvEventReader(loop.engine.kv_events, start_sequence_number)

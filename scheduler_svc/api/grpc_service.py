@@ -24,19 +24,15 @@ from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.api.codec import to_response
 from scheduler_svc.api.frontend import Frontend, Generation
+from scheduler_svc.api.grpc_status import fail
 from scheduler_svc.api.http.app import create_app, create_metrics_app
 from scheduler_svc.api.http.server import HttpServer
+from scheduler_svc.api.kv_events_config import parse_kv_events_config
+from scheduler_svc.api.kv_zmq import ZmqKvPublisher
 from scheduler_svc.api.malformed import MalformedRequest, MalformedRequestInterceptor
+from scheduler_svc.api.vllm_engine import servicer as vllm_engine
 from scheduler_svc.config import ServiceConfig
-from scheduler_svc.core.errors import (
-    CacheTooSmall,
-    EngineFailure,
-    ExecutorUnavailable,
-    InvalidRequest,
-    QueueFull,
-    RequestFailed,
-    ServerStopping,
-)
+from scheduler_svc.core.errors import InvalidRequest, RequestFailed
 from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.core.tokenizer import ModelTokenizer
@@ -53,16 +49,6 @@ log = logging.getLogger("nanoserve.scheduler")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # Trailing metadata of a stream the server ended with ABORT as it shut down (``common.channels.DRAINED_KEY``).
 DRAINED_METADATA = ((DRAINED_KEY, "true"),)
-# Every way a request can fail, and the status a caller sees for it.
-STATUS_OF: dict[type[RequestFailed], grpc.StatusCode] = {
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    # A restarted executor's cache cannot hold the request: not busy, so retrying here as it is will not help.
-    CacheTooSmall: grpc.StatusCode.FAILED_PRECONDITION,
-    ServerStopping: grpc.StatusCode.UNAVAILABLE,
-    ExecutorUnavailable: grpc.StatusCode.UNAVAILABLE,
-    EngineFailure: grpc.StatusCode.INTERNAL,
-}
 # After the engine loop ended: time for the handlers to send their last responses.
 SERVER_STOP_GRACE_S = 5.0
 # How long a thread holds the GIL while another waits for it, in front of an accelerator (CPython's default: 5 ms).
@@ -84,10 +70,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
 
-    @staticmethod
-    async def _fail(context: grpc.aio.ServicerContext, error: RequestFailed) -> None:
-        """End the call with the status of ``error``."""
-        await context.abort(STATUS_OF[type(error)], str(error))
+    _fail = staticmethod(fail)
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -210,6 +193,7 @@ class SchedulerServer:
         # cache of route endpoints keeps this object, and so its server, alive until then).
         self.http: HttpServer | None = None
         self.metrics_http: HttpServer | None = None
+        self.kv_publisher: ZmqKvPublisher | None = None
         try:
             if config.http_port:
                 self.http = HttpServer(create_app(self.frontend, self.is_serving, self.registry, config.api_key),
@@ -217,10 +201,15 @@ class SchedulerServer:
             if config.metrics_port:
                 self.metrics_http = HttpServer(create_metrics_app(self.registry), config.host, config.metrics_port,
                                                metrics_tls(self.tls), "the metrics port")
+            kv_events = parse_kv_events_config(config.kv_events_config) if config.kv_events_config else None
+            if kv_events is not None and kv_events.publishes:
+                self.kv_publisher = ZmqKvPublisher(kv_events)
             self.server, self.port = self._grpc_server(config)
         except BaseException:
             for server in self.http_servers:
                 server.close()
+            if self.kv_publisher is not None:
+                self.kv_publisher.close()
             raise
         self.executor = executor if executor is not None else executor_client(config, self.turn)
         self.loop: EngineLoop | None = None
@@ -233,11 +222,13 @@ class SchedulerServer:
     def _grpc_server(self, config: ServiceConfig) -> tuple[grpc.aio.Server, int]:
         """The gRPC server, bound; its port (the one asked for, or the one picked for port 0)."""
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
-        interceptors.append(MalformedRequestInterceptor(SERVICE_NAME))
+        interceptors += [MalformedRequestInterceptor(name) for name in (SERVICE_NAME, vllm_engine.SERVICE_NAME)]
         server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)
+        vllm_engine.add_to_server(self.frontend, self.is_serving, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        reflection.enable_server_reflection((SERVICE_NAME, vllm_engine.SERVICE_NAME, health.SERVICE_NAME,
+                                             reflection.SERVICE_NAME), server)
         return server, bind(server, config.host, config.port, self.tls)
 
     async def _sync_health(self) -> None:
@@ -245,7 +236,7 @@ class SchedulerServer:
         async with self._health_lock:
             serving = self.is_serving()
             status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-            for name in ("", SERVICE_NAME):
+            for name in ("", SERVICE_NAME, vllm_engine.SERVICE_NAME):
                 await self.health.set(name, status)
 
     def is_serving(self) -> bool:
@@ -299,6 +290,9 @@ class SchedulerServer:
         self.loop = EngineLoop(engine, tokenizer, deliver_to_event_loop(aio_loop, self.turn), limits, metrics,
                                self._on_serving(aio_loop))
         self.registry.register(metrics)
+        if self.kv_publisher is not None:
+            engine.block_manager.listen()
+            self.kv_publisher.start(engine.kv_events)
         self.loop.start()
         self.frontend.attach(self.loop, tokenizer)
         self.serving = True
@@ -324,6 +318,8 @@ class SchedulerServer:
         await asyncio.gather(*servers)
         if isinstance(self.executor, RemoteExecutor):
             self.executor.close()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
 
 
 def set_gil_switch_interval(info: ExecutorInfo) -> None:

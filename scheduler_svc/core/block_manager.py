@@ -7,6 +7,7 @@ from collections import deque
 
 import xxhash
 
+from scheduler_svc.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from scheduler_svc.core.sequence import Sequence
 
 NO_HASH = -1
@@ -44,6 +45,9 @@ class BlockManager:
     the copy's place in the free list, keeping its own KV. Sharing a copy in use instead would hold a block less
     than nano-vLLM and admit a sequence nano-vLLM keeps waiting, into a cache the next decode needs: preempted, it
     is computed again, more prefill, not less.
+
+    While someone listens (``listen``), the cache's entries as they come and go are recorded in ``events``
+    (``core.kv_events``); otherwise recording costs one check per registered block and per reused one.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -60,6 +64,8 @@ class BlockManager:
         self.num_cached_blocks = 0
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.used_block_ids: set[int] = set()
+        # The prefix cache's events since the last ``take_events``; None while nobody listens.
+        self.events: list[KvEvent] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -69,22 +75,67 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
+    def listen(self) -> None:
+        """Record the prefix cache's events from now on (already recording: nothing changes)."""
+        if self.events is None:
+            self.events = []
+
+    def carry_listener(self, old: BlockManager) -> None:
+        """This empty cache replaces ``old`` (a restarted executor's): whoever listened to it now hears that nothing
+        is cached, then this cache's events."""
+        if old.events is not None:
+            self.events = [*old.events, AllBlocksCleared()]
+
+    def take_events(self) -> list[KvEvent]:
+        """The events recorded since the last call, oldest first (none while nobody listens)."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
+
     def _take_free_block(self) -> int:
         """Hand out the least recently freed block, dropping its prefix-cache registration."""
         block_id = self.free_block_ids.popleft()
         block = self.blocks[block_id]
         assert block.ref_count == 0
         if block.hash != NO_HASH:
-            copies = self.hash_to_block_ids[block.hash]
-            copies.remove(block_id)
-            if not copies:
-                del self.hash_to_block_ids[block.hash]
-            self._unname(block_id)
-            self.num_cached_blocks -= 1
-        block.hash = NO_HASH
+            self._unregister(block)
         block.token_ids = []
         self._use(block_id)
         return block_id
+
+    def _unregister(self, block: Block) -> None:
+        """Drop ``block``'s prefix-cache registration; the entry is removed with its last copy."""
+        h = block.hash
+        copies = self.hash_to_block_ids[h]
+        copies.remove(block.block_id)
+        if not copies:
+            del self.hash_to_block_ids[h]
+            if self.events is not None:
+                last = self.events[-1] if self.events else None
+                if type(last) is BlockRemoved:
+                    last.block_hashes.append(h)
+                else:
+                    self.events.append(BlockRemoved([h]))
+        self._unname(block.block_id)
+        self.num_cached_blocks -= 1
+        block.hash = NO_HASH
+
+    def flush(self) -> int:
+        """Drop the prefix-cache entries no request holds (their blocks stay free, now without KV worth finding);
+        the blocks requests hold keep theirs, since their sequences chain new hashes onto them. Returns the number
+        of blocks dropped; the events say which entries went, or (none left) that nothing is cached."""
+        dropped = 0
+        for block_id in self.free_block_ids:
+            block = self.blocks[block_id]
+            if block.hash != NO_HASH:
+                self._unregister(block)
+                block.token_ids = []
+                dropped += 1
+        if self.events is not None and dropped and not self.hash_to_block_ids:
+            self.events[:] = [AllBlocksCleared()]  # the state every event not yet taken led to
+        return dropped
 
     def _use(self, block_id: int) -> None:
         self.blocks[block_id].ref_count = 1
@@ -207,12 +258,23 @@ class BlockManager:
         if start == end:
             return
         h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else NO_HASH
+        events, stored = self.events, None
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
             token_ids = seq.block(i)
-            h = chain_hash(token_ids, h)
+            parent, h = h, chain_hash(token_ids, h)
             block.hash = h
             block.token_ids = token_ids
-            self.hash_to_block_ids.setdefault(h, []).append(block.block_id)
+            copies = self.hash_to_block_ids.setdefault(h, [])
+            if events is not None:  # a new entry continues this call's chain of them, or starts one
+                if copies:
+                    stored = None
+                elif stored is None:
+                    stored = BlockStored([h], None if parent == NO_HASH else parent, list(token_ids), self.block_size)
+                    events.append(stored)
+                else:
+                    stored.block_hashes.append(h)
+                    stored.token_ids += token_ids
+            copies.append(block.block_id)
             self.named[h] = block.block_id
         self.num_cached_blocks += end - start

@@ -64,6 +64,8 @@ class StopStringMatcher:
         self.stop = stop
         self.include_stop = include_stop
         self.held = ""
+        # The stop string that ended the generation, once one did.
+        self.matched: str | None = None
 
     def push(self, text: str, match: bool = True) -> tuple[str, bool]:
         """Return the text safe to emit and whether a stop string ended the generation.
@@ -82,6 +84,7 @@ class StopStringMatcher:
         if matches:
             self.held = ""
             start, minus_length = min(matches)
+            self.matched = buffer[start : start - minus_length]
             return buffer[: start - minus_length if self.include_stop else start], True
         keep = max((self._partial_match(buffer, s) for s in self.stop), default=0)
         self.held = buffer[len(buffer) - keep :]

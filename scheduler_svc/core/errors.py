@@ -1,7 +1,7 @@
 """Why a request was refused or ended without finishing: one exception type per outcome a caller can act on.
 
 The core raises or reports these; each public API maps them to its own status in one table
-(gRPC: ``api.grpc_service.STATUS_OF``, HTTP: ``api.http.errors.STATUS_OF``), so no status is decided twice.
+(gRPC: ``api.grpc_status.STATUS_OF``, HTTP: ``api.http.errors.STATUS_OF``), so no status is decided twice.
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ class RequestOutput:
     prompt_logprobs: tuple[list[int], list[TokenLogprobs]] | None = None
     # An ABORT because the server shut down before the request finished: the caller may resume it elsewhere.
     drained: bool = False
+    # With a STOP: the stop string matched, or the stop token id sampled (None for an EOS token).
+    matched_stop: str | int | None = None
 
 
 class OutputProcessor:
@@ -92,7 +94,17 @@ class OutputProcessor:
         if self.prompt_logprobs_due:
             self.prompt_logprobs_due = False
             prompt_logprobs = (seq.token_ids[1 : seq.num_prompt_tokens], seq.prompt_logprobs)
-        return RequestOutput(text, token_ids, logprobs, reason, usage, None, self.index, prompt_logprobs), stop_at
+        output = RequestOutput(text, token_ids, logprobs, reason, usage, None, self.index, prompt_logprobs)
+        if reason is FinishReason.STOP:
+            output.matched_stop = self._matched_stop(seq, token_ids)
+        return output, stop_at
+
+    def _matched_stop(self, seq: Sequence, token_ids: list[int]) -> str | int | None:
+        """What ended a STOP: a stop string, or a stop token id (not an EOS, which the model ends on by itself)."""
+        if self.text is not None and self.text.matcher.matched is not None:
+            return self.text.matcher.matched
+        last = token_ids[-1] if token_ids else None
+        return last if last in seq.params.stop_token_ids else None
 
     def _text(self, out: TokenOutput) -> tuple[str, list[int], bool, int | None]:
         """The text of a step's tokens, the tokens kept (up to a stop string), whether one matched, and where the

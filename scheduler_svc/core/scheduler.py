@@ -321,6 +321,7 @@ class Scheduler:
         again, oldest first, to be recomputed like a preempted one. Returns the sequences that no
         longer fit in the new cache; they are finished with ABORT."""
         live = sorted([*self.running, *self.waiting], key=lambda seq: seq.seq_id)
+        block_manager.carry_listener(self.block_manager)
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.running.clear()

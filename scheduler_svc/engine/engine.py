@@ -29,6 +29,7 @@ from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig, StepRecord, TokenOutput
 from scheduler_svc.core.sequence import FinishReason, Sequence
 from scheduler_svc.core.validation import ModelLimits, check_request
+from scheduler_svc.engine.kv_events import KvEventLog
 from scheduler_svc.engine.window import Window
 
 
@@ -122,6 +123,8 @@ class Engine:
         self.num_restarts = 0
         self.last_timings = StepTimings()
         self.on_step: OnStep = _unobserved
+        # The prefix cache's events, for whoever subscribes: the engine loop collects them after each iteration.
+        self.kv_events = KvEventLog()
         self.window = Window(executor)
 
     @property

@@ -1,11 +1,10 @@
-"""The engine loop: one thread owns the Engine, any number of RPCs feed it through ``submit`` and ``cancel``.
+"""The engine loop: one thread owns the Engine, RPCs feed it through ``submit``, ``cancel`` and ``call``.
 
-Each iteration admits new requests, applies cancellations (freeing blocks at once), runs one engine
-step, has each request's ``OutputProcessor`` turn its tokens into text, and hands the step's outputs
-to ``deliver`` in one call; idle, it sleeps until woken or the ``Supervisor`` wants a probe or a retry.
-A failed step loses no request: the executor is DOWN, ``Engine.recover`` is retried as the supervisor
-says, and every request carries on by recompute. ``stop`` drains within a grace period, then aborts.
-"""
+Each iteration admits new requests, applies cancellations (freeing blocks at once), runs one engine step, has each
+request's ``OutputProcessor`` turn its tokens into text, hands the step's outputs to ``deliver`` in one call and the
+prefix cache's events to ``Engine.kv_events``; idle, it sleeps until woken or the ``Supervisor`` wants a probe or retry.
+A failed step loses no request: the executor is DOWN, ``Engine.recover`` is retried as the supervisor says, and every
+request carries on by recompute. ``stop`` drains within a grace period, then aborts."""
 
 from __future__ import annotations
 
@@ -46,7 +45,7 @@ class EngineLoop:
         self._serving_reported = True
         self._wakeup = threading.Condition()
         self._inbox: list[RequestHandle] = []
-        self._cancelled: list[tuple[RequestHandle, bool]] = []
+        self._calls: list[Callable[[Engine], object]] = []
         self._drain_deadline: float | None = None
         self._requests = LiveRequests(self.admission, observer)
         engine.on_step = observer.step
@@ -60,10 +59,9 @@ class EngineLoop:
 
     def submit(self, prepared: PreparedRequest, sink: object, arrived_at: float,
                tokens_per_read: float = 1) -> RequestHandle:
-        """Queue a validated request that arrived at ``arrived_at`` (time.monotonic); raise QueueFull, ServerStopping
-        or InvalidRequest when it cannot be taken. ``tokens_per_read``: how many of a choice's tokens its reader
-        takes at a time (inf: whole completions), the most decode steps a plan computes for it. A multi-step
-        decode in flight is cut short, so that the request starts after the current step of it."""
+        """Queue a validated request that arrived at ``arrived_at`` (time.monotonic); raise QueueFull, ServerStopping or
+        InvalidRequest when it cannot be taken. ``tokens_per_read``: how many of a choice's tokens its reader takes at a
+        time (inf: whole completions), the most decode steps a plan computes for it. A window in flight is cut short."""
         self.admission.admit(len(prepared.prompt_token_ids))
         handle = RequestHandle(prepared, sink, arrived_at, tokens_per_read)
         with self._wakeup:
@@ -73,10 +71,13 @@ class EngineLoop:
         return handle
 
     def cancel(self, handle: RequestHandle, answer: bool = False) -> None:
-        """Abort ``handle`` before the next step (``answer``: its choices end with ABORT); a finished request is
-        left alone. A multi-step decode in flight is cut short, as for an arrival."""
+        """Abort ``handle`` before the next step (``answer``: its choices end with ABORT), unless finished."""
+        self.call(lambda engine: self._requests.cancel(engine, handle, answer))
+
+    def call(self, work: Callable[[Engine], object]) -> None:
+        """Run ``work(engine)`` on the loop thread before the next step (a cancel, a cache flush), cutting a window."""
         with self._wakeup:
-            self._cancelled.append((handle, answer))
+            self._calls.append(work)
             self.engine.cut_for_loop()
             self._wakeup.notify()
 
@@ -101,14 +102,14 @@ class EngineLoop:
             with self._wakeup:
                 self._wait()
                 inbox, self._inbox = self._inbox, []
-                cancelled, self._cancelled = self._cancelled, []
-                if inbox or cancelled:
+                calls, self._calls = self._calls, []
+                if inbox or calls:
                     self.engine.loop_work_taken()
             try:
                 self._admit(inbox)
-                for handle, answer in cancelled:
-                    self._requests.cancel(self.engine, handle, answer)
-                if cancelled:  # their answers go now, not after the next step (a window, with requests beside them)
+                for work in calls:
+                    work(self.engine)
+                if calls:  # a cancel's answers go now, not after the next step (a window, with requests beside them)
                     self._deliver()
                 now = time.monotonic()
                 if supervisor.retry_due(now):
@@ -131,8 +132,8 @@ class EngineLoop:
             self._publish()
 
     def _wait(self) -> None:
-        """Sleep (lock held) until there is work: requests, cancels, a step, a retry, a probe, the drain's end."""
-        while not (self._inbox or self._cancelled):
+        """Sleep (lock held) until there is work: requests, calls, a step, a retry, a probe, the drain's end."""
+        while not (self._inbox or self._calls):
             wake_at = self.supervisor.wake_at(self._has_work())
             if wake_at is None:
                 return
@@ -148,9 +149,8 @@ class EngineLoop:
     def _drained(self) -> bool:
         """Stopping, and either nothing is left in flight or the grace period is over."""
         with self._wakeup:
-            if self._drain_deadline is None:
-                return False
-            return time.monotonic() >= self._drain_deadline or not (self._requests or self._inbox)
+            deadline = self._drain_deadline
+            return deadline is not None and (time.monotonic() >= deadline or not (self._requests or self._inbox))
 
     def _admit(self, handles: list[RequestHandle]) -> None:
         for handle in handles:
@@ -243,7 +243,8 @@ class EngineLoop:
             self.deliver(outbox)
 
     def _publish(self) -> None:
-        """End of an iteration: deliver the outputs, refresh the stats, postpone the probe."""
+        """End of an iteration: deliver the outputs and the KV events, refresh the stats, postpone the probe."""
         self._deliver()
+        self.engine.kv_events.collect(self.engine.block_manager)
         self.supervisor.postpone_probe(time.monotonic())
         self.stats = LoopStats.of(self.engine, self._requests, self.supervisor.serving)

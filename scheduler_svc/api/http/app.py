@@ -4,7 +4,9 @@ them through the same ``Frontend``, and translates the outputs back; no engine l
 A streamed response whose client goes away is cancelled by Starlette (``GenerationStream``), and a whole
 response's by ``unless_disconnected``; either way its generations close, which cancels their requests, so their KV
 blocks are free before the next step. ``/metrics`` is Prometheus' (``metrics_router``), behind the API key like every
-route but ``/health``; ``create_metrics_app`` serves it alone on --metrics-port.
+route but ``/health``; ``create_metrics_app`` serves it alone on --metrics-port. ``/openapi.json`` and ``/docs``
+describe every route (``openapi``); ``gateway`` adds what gateways probe (``/version``, ``/server_info``, the render
+routes).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from common.security import bearer_token
 from scheduler_svc.api.frontend import Frontend, Generation
 from scheduler_svc.api.http import responses, schemas, translate
 from scheduler_svc.api.http.errors import ApiError, install_handlers
+from scheduler_svc.api.http.gateway import gateway_router
+from scheduler_svc.api.http.openapi import ERRORS, STREAMED, without_validation_errors
+from scheduler_svc.api.server_info import engine_version
 from scheduler_svc.core.errors import RequestFailed
 from scheduler_svc.core.tokenizer import ModelTokenizer
 
@@ -126,25 +131,26 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
             for generation in generations:
                 generation.close()
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", response_model=schemas.ChatCompletion, responses=STREAMED)
     async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         t = translate.chat_request(body, served_model())
         return await generate(request, t, responses.chat_chunks, responses.chat_completion)
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", response_model=schemas.TextCompletion, responses=STREAMED)
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         t = translate.completion_request(body, served_model(), frontend.tokenizer)
         return await generate(request, t, responses.completion_chunks, responses.completion)
 
     def model_card() -> schemas.ModelCard:
         info = frontend.ready().info
-        return schemas.ModelCard(id=info.model_id, created=started, max_model_len=info.max_model_len)
+        return schemas.ModelCard(id=info.model_id, created=started, root=info.model_id,
+                                 max_model_len=info.max_model_len)
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", response_model=schemas.ModelList)
     async def models() -> Response:
         return json_response(schemas.ModelList(data=[model_card()]))
 
-    @router.get("/v1/models/{model:path}")
+    @router.get("/v1/models/{model:path}", response_model=schemas.ModelCard)
     async def model(model: str) -> Response:
         translate.check_model(model, served_model())
         return json_response(model_card())
@@ -154,13 +160,13 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
         """200 exactly when gRPC health says SERVING."""
         return Response(status_code=200 if serving() else 503)
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", response_model=schemas.TokenizeResponse)
     async def tokenize(body: schemas.TokenizeRequest) -> Response:
         response = await frontend.tokenize(translate.tokenize_request(body, served_model()))
         return json_response(schemas.TokenizeResponse(count=response.count, max_model_len=response.max_model_len,
                                                       tokens=list(response.token_ids)))
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", response_model=schemas.DetokenizeResponse)
     async def detokenize(body: schemas.DetokenizeRequest) -> Response:
         try:
             response = frontend.detokenize(translate.detokenize_request(body, served_model()))
@@ -192,7 +198,9 @@ def create_metrics_app(registry: CollectorRegistry) -> FastAPI:
 def create_app(frontend: Frontend, serving: Callable[[], bool], registry: CollectorRegistry,
                api_key: str = "") -> FastAPI:
     """``serving``: what gRPC health would say (True: SERVING); ``registry``: what ``/metrics`` serves."""
-    app = FastAPI(title="nanoserve", openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(title="nanoserve", version=engine_version(), redoc_url=None,
+                  description="The OpenAI-compatible API of a nanoserve scheduler, and what gateways probe.")
+    app.openapi = without_validation_errors(app)
     install_handlers(app)
 
     @app.exception_handler(RequestFailed)
@@ -200,7 +208,8 @@ def create_app(frontend: Frontend, serving: Callable[[], bool], registry: Collec
         """Not ready, draining, or a refused tokenize: fields named as OpenAI spells them."""
         return translate.api_error(error, {}).response()
 
-    app.include_router(routes(frontend, serving))
+    app.include_router(routes(frontend, serving), responses=ERRORS)
+    app.include_router(gateway_router(frontend), responses=ERRORS)
     app.include_router(metrics_router(registry))
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)

@@ -107,6 +107,19 @@ class CompletionRequest(GenerationParameters):
     add_special_tokens: bool | None = None
 
 
+class CompletionRenderRequest(CompletionRequest):
+    """vLLM's /v1/completions/render: a completion request whose prompts are only tokenized; ``model`` may be left
+    out (routers strip it)."""
+
+    model: str | None = None
+
+
+class ChatCompletionRenderRequest(ChatCompletionRequest):
+    """vLLM's /v1/chat/completions/render: the conversation rendered with the chat template and tokenized."""
+
+    model: str | None = None
+
+
 class TokenizeRequest(Request):
     """vLLM's /tokenize: a text ``prompt`` or chat ``messages``."""
 
@@ -226,6 +239,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "nanoserve"
+    # vLLM's: the model the served one is (its id here).
+    root: str
     max_model_len: int
 
 
@@ -242,6 +257,74 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class RenderedSamplingParams(BaseModel):
+    """The sampling and stopping parameters the request would run with, defaults filled in (vLLM's names)."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    max_tokens: int
+    min_tokens: int
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: dict[int, float]
+    logprobs: int | None
+    prompt_logprobs: int | None
+    # Whether a grammar (response_format or structured_outputs) constrains the output.
+    structured_output: bool
+
+
+class RenderedPrompt(BaseModel):
+    """What a prompt becomes: vLLM's render response, the token ids the engine would compute."""
+
+    request_id: str
+    model: str
+    token_ids: list[int]
+    sampling_params: RenderedSamplingParams
+
+
+class Version(BaseModel):
+    version: str
+
+
+class ServerInfo(BaseModel):
+    """The engine, its model and KV cache, how it schedules, and its load now (``api.server_info``)."""
+
+    engine: str
+    version: str
+    model: str
+    architecture: str
+    dtype: str
+    device: str
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int
+    tensor_parallel_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_scheduler_steps: int
+    scheduling_policy: str
+    overlap: bool
+    executor_instance_id: str
+    num_waiting: int
+    num_running: int
+    num_used_blocks: int
+    num_queued_prompt_tokens: int
+    prefix_cache_hit_rate: float
+    kv_cache_usage: float
+    uptime_s: float
 
 
 class ErrorDetail(BaseModel):

@@ -1,0 +1,80 @@
+"""What gateways ask a worker over HTTP besides completions: who it is (``/version``, which the Shepherd Model Gateway
+probes to tell vLLM-compatible engines from generic ones, and ``/server_info``) and what a prompt becomes
+(vLLM's render routes, which llm-d's precise prefix-cache scorer reads token ids from).
+
+A render request is translated and checked exactly as its completion request would be (``Frontend.render``):
+the same refusals, the same token ids, nothing queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+from scheduler_svc.api.frontend import Frontend
+from scheduler_svc.api.http import schemas, translate
+from scheduler_svc.api.server_info import engine_version
+from scheduler_svc.core.errors import RequestFailed
+from scheduler_svc.core.request import PreparedRequest
+
+
+def json_response(message: schemas.BaseModel | list[schemas.RenderedPrompt]) -> Response:
+    if isinstance(message, list):
+        body = "[" + ",".join(item.model_dump_json() for item in message) + "]"
+    else:
+        body = message.model_dump_json()
+    return Response(body, media_type="application/json")
+
+
+def rendered(prepared: PreparedRequest, model: str) -> schemas.RenderedPrompt:
+    p = prepared.params
+    sampling = schemas.RenderedSamplingParams(
+        n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
+        max_tokens=p.max_tokens, min_tokens=p.min_tokens, stop=p.stop, stop_token_ids=sorted(p.stop_token_ids),
+        ignore_eos=p.ignore_eos, include_stop_str_in_output=p.include_stop_str_in_output,
+        skip_special_tokens=p.skip_special_tokens, repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias,
+        logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, structured_output=p.grammar is not None)
+    return schemas.RenderedPrompt(request_id=prepared.request_id, model=model, token_ids=prepared.prompt_token_ids,
+                                  sampling_params=sampling)
+
+
+def gateway_router(frontend: Frontend) -> APIRouter:
+    router = APIRouter()
+
+    def served_model() -> str:
+        return frontend.ready().info.model_id
+
+    async def render(t: translate.Translated) -> list[schemas.RenderedPrompt]:
+        prompts = []
+        for request in t.requests:
+            try:
+                prepared = await frontend.render(request)
+            except RequestFailed as e:
+                raise translate.api_error(e, t.renames) from e
+            prompts.append(rendered(prepared, t.model))
+        return prompts
+
+    @router.get("/version", response_model=schemas.Version)
+    async def version() -> Response:
+        return json_response(schemas.Version(version=engine_version()))
+
+    @router.get("/server_info", response_model=schemas.ServerInfo)
+    async def server_info() -> Response:
+        info = frontend.server_info()
+        return json_response(schemas.ServerInfo(**dataclasses.asdict(info), kv_cache_usage=info.kv_cache_usage))
+
+    @router.post("/v1/completions/render", response_model=list[schemas.RenderedPrompt])
+    async def completions_render(body: schemas.CompletionRenderRequest) -> Response:
+        """The token ids of each prompt, one object per prompt, as ``/v1/completions`` would compute them."""
+        return json_response(await render(translate.completion_request(body, served_model(), frontend.tokenizer)))
+
+    @router.post("/v1/chat/completions/render", response_model=schemas.RenderedPrompt)
+    async def chat_completions_render(body: schemas.ChatCompletionRenderRequest) -> Response:
+        """The conversation rendered with the chat template, as ``/v1/chat/completions`` would compute it."""
+        (prompt,) = await render(translate.chat_request(body, served_model()))
+        return json_response(prompt)
+
+    return router
