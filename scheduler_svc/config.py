@@ -8,8 +8,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from common.channels import PUBLIC_MAX_MESSAGE_BYTES
-from common.flags import ENV_PREFIX, EnvFlags, boolean, non_negative_float, port, positive_float, positive_int
+from common.flags import (
+    ENV_PREFIX,
+    EnvFlags,
+    boolean,
+    byte_size,
+    non_negative_float,
+    port,
+    positive_float,
+    positive_int,
+)
 from scheduler_svc.core.scheduler import POLICY_NAMES
+from scheduler_svc.engine.recorder import DEFAULT_MAX_FILE_BYTES
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -61,6 +71,14 @@ class ServiceConfig:
     http_port: int = 8000
     # Prometheus /metrics alone, without the API key (for scrapers that cannot send one); 0 turns it off.
     metrics_port: int = 0
+    # Record the executor's handshake, plans and results into this directory (docs/replay.md); "": no recording.
+    record: str = ""
+    # With --record: record from the start; off, only once StartRecording (gRPC or HTTP) asks.
+    record_at_start: bool = True
+    # Keep the tokenizer and chat template in the recorded handshakes (without them the ids are not text).
+    record_text: bool = False
+    # A recording file's size before the next one begins, in bytes.
+    record_max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -113,6 +131,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "(0 turns it off)")
     add("--metrics-port", port, "port of Prometheus /metrics alone on --host, with the same TLS certificate but "
         "without the API key or client certificates, for scrapers that send neither (0 turns it off)")
+    add("--record", str, "record the executor's handshake, every plan and every result into this directory, for "
+        "`nanoserve replay` (docs/replay.md); the requests' text is left out unless --record-text")
+    add("--record-at-start", boolean, "with --record, record from the start ('off': only once the StartRecording "
+        "RPC or POST /admin/recording/start asks)")
+    add("--record-text", boolean, "keep the tokenizer and chat template in the recording, so that its token ids "
+        "read as text")
+    add("--record-max-file-bytes", byte_size, "size of a recording file before the next one begins, e.g. 256M")
     return parser
 
 
