@@ -211,7 +211,7 @@ class Recording:
             found.num_records += len(frames)
         if session is not None and session not in sessions:
             raise RecordingError(f"{directory} holds no session {session!r}")
-        self.sessions = list(sessions.values())
+        self.sessions = sorted(sessions.values(), key=lambda s: (s.header.started_at, s.name))
 
     @property
     def num_records(self) -> int:

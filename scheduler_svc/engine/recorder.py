@@ -71,8 +71,9 @@ class Session:
 
 
 def session_name() -> str:
-    """UTC time and a random suffix: file names sort sessions by age."""
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
+    """UTC time to the millisecond and a random suffix: file names sort sessions by age."""
+    now = time.time()
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{int(now % 1 * 1000):03d}Z-{secrets.token_hex(3)}"
 
 
 class Recorder:
