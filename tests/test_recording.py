@@ -171,7 +171,11 @@ def test_the_switch_over_http_needs_the_api_key_and_without_a_directory_there_is
 def test_a_full_disk_stops_the_recording_and_not_the_service(tmp_path: Path):
     with hosted(shadow(), record=str(tmp_path)) as h:
         first = h.stub.GenerateOnce(token_request([1, 2, 3], 8, ignore_eos=True)).token_ids
-        writer, written = h.server.recorder.session.writer, []
+        session = h.server.recorder.session
+        writer, written = session.writer, []
+        deadline = time.monotonic() + 5
+        while (session.queue or not writer.num_records) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the first request's records on disk
 
         def to_a_full_disk(records: list[bytes]) -> None:
             """On the writer's thread, from its next write on: every write fails with ENOSPC."""

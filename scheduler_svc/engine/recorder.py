@@ -2,10 +2,12 @@
 
 ``RecordingExecutor`` (``engine.recording_executor``) hands the ``Recorder`` each plan as it goes out, each result or
 failure as it comes back, each reset, and the handshake of each executor instance new to the session. On the step's
-path that is a clock read and a queue put: a plan or a result is not changed once handed over (the planner sends
-copies), so this writer thread encodes it (``common.step_codec``) and writes it (``common.recording``) while the
-engine waits for the executor. The queue is bounded: a writer that falls behind, like a write error or a full disk,
-stops the recording, logged once and seen in the status and the metrics, never the service.
+path that is a clock read and an append to a deque, which wakes nobody: a plan or a result is not changed once
+handed over (the planner sends copies), so the writer thread, waking every ``FLUSH_S``, encodes what gathered
+(``common.step_codec``) and writes it (``common.recording``) in one go, a few times a second rather than twice a
+step, so that it seldom takes the GIL from the engine's thread. The queue is bounded: a writer that falls behind,
+like a write error or a full disk, stops the recording, logged once and seen in the status and the metrics, never
+the service.
 
 A session begins at a reset of the executor, so a recording always starts from an empty executor: the scheduler
 resets it as it connects, and a recording started later asks the engine loop for a ``resync``.
@@ -14,10 +16,10 @@ resets it as it connects, and a recording started later asks the engine loop for
 from __future__ import annotations
 
 import logging
-import queue
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,6 +36,8 @@ log = logging.getLogger("nanoserve.scheduler")
 
 # Records waiting for the writer (about two a step): seconds of steps, for a disk that stalls now and then.
 QUEUE_SIZE = 8192
+# How often the writer thread wakes to write what gathered.
+FLUSH_S = 0.05
 # How long ``stop`` waits for the writer to empty its queue.
 STOP_TIMEOUT_S = 10.0
 DEFAULT_MAX_FILE_BYTES = 256 << 20
@@ -63,7 +67,10 @@ class Session:
     name: str
     writer: RecordingWriter
     started: float = field(default_factory=time.monotonic)
-    queue: queue.Queue = field(default_factory=lambda: queue.Queue(QUEUE_SIZE))
+    # (entry, seconds since the start, item): appended by any thread, taken by the writer's.
+    queue: deque = field(default_factory=deque)
+    # Set by ``stop``: the writer writes what is left, then ends.
+    closing: threading.Event = field(default_factory=threading.Event)
     # The executor instance whose handshake was recorded last.
     instance_id: str = ""
     failed: bool = False
@@ -118,8 +125,8 @@ class Recorder:
             if self.session is not None:
                 self._bytes_before += self.session.writer.num_bytes
             self.session = session = Session(name, writer, instance_id=info.instance_id)
-            session.queue.put_nowait(("handshake", 0.0, info))
-            session.queue.put_nowait(("reset", 0.0, rpb.ExecutorReset(num_dropped_requests=num_dropped)))
+            session.queue.append(("handshake", 0.0, info))
+            session.queue.append(("reset", 0.0, rpb.ExecutorReset(num_dropped_requests=num_dropped)))
             session.thread = threading.Thread(target=self._write, args=(session,), name="recorder", daemon=True)
             session.thread.start()
             self.active = True
@@ -137,10 +144,10 @@ class Recorder:
         session = self.session
         if not self.active or session is None:
             return
-        try:
-            session.queue.put_nowait((entry, time.monotonic() - session.started, item))
-        except queue.Full:
+        if len(session.queue) >= QUEUE_SIZE:
             self._fail(session, f"the writer fell {QUEUE_SIZE} records behind the steps")
+            return
+        session.queue.append((entry, time.monotonic() - session.started, item))
 
     def stop(self, reason: str = "stopped") -> None:
         """End the session in order (``reason``: "stopped" or "shutdown"), its last records written."""
@@ -150,12 +157,8 @@ class Recorder:
             if not self.active or session is None:
                 return
             self.active = False
-        try:
-            end = rpb.RecordingEnd(reason=reason)
-            session.queue.put(("end", time.monotonic() - session.started, end), timeout=STOP_TIMEOUT_S)
-            session.queue.put(None, timeout=STOP_TIMEOUT_S)
-        except queue.Full:
-            self._fail(session, f"the writer did not catch up within {STOP_TIMEOUT_S:g}s of the stop")
+        session.queue.append(("end", time.monotonic() - session.started, rpb.RecordingEnd(reason=reason)))
+        session.closing.set()
         session.thread.join(STOP_TIMEOUT_S)
         log.info("recording session %s stopped: %d records, %d bytes", session.name, session.writer.num_records,
                  session.writer.num_bytes)
@@ -184,17 +187,14 @@ class Recorder:
         return item.SerializeToString()  # failure, reset and end come as their messages
 
     def _write(self, session: Session) -> None:
-        """The writer thread: whatever is queued, encoded and written in one go, until the end or a failure."""
+        """The writer thread: whatever gathered, encoded and written in one go, until the end or a failure."""
         done = False
         while not done and not session.failed:
-            batch = [session.queue.get()]
-            while True:
-                try:
-                    batch.append(session.queue.get_nowait())
-                except queue.Empty:
-                    break
-            if None in batch:
-                batch, done = batch[: batch.index(None)], True
+            done = session.closing.wait(FLUSH_S)
+            queued = session.queue
+            batch = [queued.popleft() for _ in range(len(queued))]
+            if not batch:
+                continue
             try:
                 session.writer.write([record_bytes(entry, t, self._encode(entry, item)) for entry, t, item in batch])
             except OSError as e:
