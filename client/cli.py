@@ -3,7 +3,7 @@
 Exit codes: 0 success; 1 other server error, a generation the server aborted, or ``health`` not
 SERVING; 2 bad command line;
 3 server unreachable or timed out; 4 request rejected (invalid argument); 5 server busy
-(queue full); 130 interrupted.
+(queue full); 130 interrupted. ``replay`` has its own (docs/replay.md).
 """
 
 from __future__ import annotations

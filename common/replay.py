@@ -269,10 +269,11 @@ class Replayer:
         for request_id, computed, scheduled, n in zip(c.request_ids, c.num_computed_tokens, c.num_scheduled_tokens,
                                                       steps, strict=True):
             end = computed + scheduled
-            samples = end == lengths.get(request_id)
+            samples = end == lengths.get(request_id)  # one it does not hold: the executor refuses the plan
             rows.append((request_id, end, (n if passes is None else min(n, passes)) if samples else 0))
         for request_id, _, count in rows:
-            lengths[request_id] += count
+            if request_id in lengths:
+                lengths[request_id] += count
         return rows
 
     def _request(self, request_id: int) -> RequestReport:

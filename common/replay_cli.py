@@ -17,6 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.executor import Executor
+from common.flags import byte_size
 from common.recording import Recording, RecordingError
 from common.replay import Replayer
 from common.replay_report import render, to_json
@@ -46,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("--model options (default: as recorded where it says, else the executor's)")
     model.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: the recorded one)")
     model.add_argument("--device", help="torch device, e.g. cpu or cuda (default: cuda when available)")
-    model.add_argument("--kv-cache-memory", type=int, metavar="BYTES",
-                       help="KV-cache bytes: enough for the recorded number of blocks")
+    model.add_argument("--kv-cache-memory", type=byte_size, metavar="BYTES",
+                       help="KV-cache bytes, e.g. 4GiB: enough for the recorded number of blocks")
     model.add_argument("--attention-backend", help="cpu, torch, triton or flash_attn")
     model.add_argument("--threads", type=int, help="torch threads on the CPU")
     remote = parser.add_argument_group("--executor options")

@@ -176,7 +176,8 @@ class Recorder:
         session = self.session
         return self._bytes_before + (session.writer.num_bytes if session is not None else 0)
 
-    def _encode(self, entry: str, item: object) -> bytes:
+    def encode(self, entry: str, item: object) -> bytes:
+        """The payload of a ``Record`` of ``entry`` (the writer thread's work, with ``record_bytes`` and the write)."""
         if entry == "plan":
             return plan_to_proto(item).SerializeToString()
         if entry == "result":
@@ -196,7 +197,7 @@ class Recorder:
             if not batch:
                 continue
             try:
-                session.writer.write([record_bytes(entry, t, self._encode(entry, item)) for entry, t, item in batch])
+                session.writer.write([record_bytes(entry, t, self.encode(entry, item)) for entry, t, item in batch])
             except OSError as e:
                 self._fail(session, f"cannot write to {self.directory}: {e.strerror or e}")
             except Exception as e:  # an encoding bug must not leave the steps filling a queue nobody empties
