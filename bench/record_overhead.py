@@ -15,8 +15,9 @@ weighs on both alike):
 Each peer's ratio is the median over rounds of recorded / plain in the same round (target: >= 0.98). On shared
 cores a round's noise can pass the 2 % asked, so beside it is what recording adds to the scheduler process, which
 no noise moves: the writer thread's CPU over a whole recorded run (its recording encoded, framed and written again,
-as the writer did), as a share of the run's wall time on one core; and ``encode``, that CPU per plan and result of
-a decode step at ``--batch``. The step's path itself only appends each plan and result to the writer's queue.
+as the writer did), as a share of the run's wall time on one core; ``encode``, that CPU per plan and result of a
+decode step at ``--batch``; and what the step's own path pays (a plan submitted and its result called back, each
+handed to the writer's queue), against an executor that answers at once.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from bench.common import HOST, WORKLOADS, Child, free_port, print_table, write_j
 from bench.overhead import geometry
 from bench.overlap import DEFAULTS, TAIL_FACTOR, VOCAB_SIZE, executor_flags, time_decode
 from bench.overlap_api import ApiPeer
+from common.executor import Executor
 from common.recording import Recording, RecordingWriter, record_bytes
-from common.step import CachedRequests, StepPlan, StepResult
+from common.step import CachedRequests, ExecutorInfo, StepPlan, StepResult
 from common.step_codec import info_from_proto, plan_from_proto, plan_to_proto, result_from_proto, result_to_proto
 from scheduler_svc.api.grpc_service import executor_client
 from scheduler_svc.engine.recorder import Recorder
@@ -57,6 +59,42 @@ def encode_us(batch: int, directory: Path, repeats: int = 2000) -> float:
                       record_bytes("result", 1.0, result_to_proto(result).SerializeToString())])
     writer.close()
     return 1e6 * (time.thread_time() - start) / repeats
+
+
+class Answered(Executor):
+    """Answers each plan at once with a ready result: what is left to time is the caller's own path."""
+
+    def __init__(self, result: StepResult) -> None:
+        self.result = result
+
+    def get_info(self) -> ExecutorInfo:
+        return ExecutorInfo(instance_id="x")
+
+    def step(self, plan: StepPlan) -> StepResult:
+        return self.result
+
+    def reset(self) -> int:
+        return 0
+
+
+def step_path_us(batch: int, directory: Path, repeats: int = 1500) -> float:
+    """Microseconds the recording adds to a step's own path (a plan submitted, its result called back), against
+    the same executor unrecorded; the writer thread's work is not in it (``encode_us``). Few enough repeats that
+    the writer's queue holds them all even if it does not wake meanwhile."""
+    plan = StepPlan(7, False, [], [], CachedRequests(list(range(batch)), [512] * batch, [1] * batch, [0] * batch, []))
+    inner = Answered(StepResult(list(range(batch)), instance_id="x", step_id=7))
+    recorder = Recorder(directory)
+    recorder.start()
+    recorded = RecordingExecutor(inner, recorder)
+    recorded.reset()
+    timings = []
+    for executor in (inner, recorded, inner, recorded):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            executor.submit(plan).result()
+        timings.append((time.perf_counter() - start) / repeats)
+    recorder.stop()
+    return 1e6 * (min(timings[1::2]) - min(timings[::2]))
 
 
 def writer_cpu_s(directory: Path) -> tuple[float, int]:
@@ -180,8 +218,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                           file=sys.stderr, flush=True)
         finally:
             remote.close()
-    encode = encode_us(args.batch, root / "encode")
-    results: dict[str, float] = {"encode_us_per_step": encode, "batch": args.batch, "repeats": args.repeats}
+    encode, path = encode_us(args.batch, root / "encode"), step_path_us(args.batch, root / "path")
+    results: dict[str, float] = {"encode_us_per_step": encode, "step_path_us": path, "batch": args.batch,
+                                 "repeats": args.repeats}
     rows = []
     for peer, pairs in rounds.items():
         plain, recorded = (statistics.median(p[i] for p in pairs) for i in (0, 1))
@@ -197,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"{args.batch}, {args.step_ms:g} ms steps); ratio = recorded / plain, paired per round")
     print_table(["peer", "plain", "recorded", "ratio (median)", "rounds", "records (last run)",
                  "writer CPU (ms)", "writer CPU (% of the run)"], rows)
-    print(f"writer thread: {encode:.0f} us of CPU per decode step of {args.batch} (plan and result)")
+    print(f"writer thread: {encode:.0f} us of CPU per decode step of {args.batch} (plan and result); the step's "
+          f"own path: {path:.1f} us more")
     write_json(args.json, results)
     return results
 

@@ -34,7 +34,8 @@ from scheduler_svc.engine.metrics import PREFIX
 
 log = logging.getLogger("nanoserve.scheduler")
 
-# Records waiting for the writer (about two a step): seconds of steps, for a disk that stalls now and then.
+# Records waiting for the writer, about two a step: a disk may stall for 0.2 s at the fastest step rates (W4), for
+# seconds beside an accelerator, before the recording stops.
 QUEUE_SIZE = 8192
 # How often the writer thread wakes to write what gathered.
 FLUSH_S = 0.05
