@@ -9,7 +9,7 @@ from tokenizers import Tokenizer
 from common.replay import ReplayReport, RequestReport
 from common.step import ExecutorInfo
 
-# Diverged requests listed in the table; the JSON lists every request.
+# Plans and diverged requests listed in the table; the JSON lists every one.
 MAX_ROWS = 40
 
 
@@ -43,9 +43,11 @@ def render(report: ReplayReport) -> str:
         f"recorded over {report.recorded_s:.2f}s, replayed in {report.replay_s:.2f}s",
     ]
     lines += [f"warning: {warning}" for warning in dict.fromkeys(report.warnings)]
-    for issue in report.issues:
+    for issue in report.issues[:MAX_ROWS]:
         kind = "differs" if issue.difference else "note"
         lines.append(f"step {issue.step_id} ({kind}): recorded {issue.recorded}; replay {issue.replayed}")
+    if len(report.issues) > MAX_ROWS:
+        lines.append(f"... and {len(report.issues) - MAX_ROWS} more plans (--json lists every one)")
     diverged = report.diverged
     lines.append(f"{len(report.requests)} requests compared, {len(diverged)} diverged")
     rows = [["request", "tokens", "first divergence", "recorded", "replayed", "max |dlogprob|"]]
