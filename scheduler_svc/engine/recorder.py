@@ -116,11 +116,11 @@ class Recorder:
         with self._lock:
             if not self.pending:
                 return
-            self.pending = False
             name = session_name()
             try:
                 writer = RecordingWriter(self.directory, name, time.time(), self.with_text, self.max_file_bytes)
             except OSError as e:
+                self.pending = False
                 self._stopped_by(f"cannot write to {self.directory}: {e.strerror or e}")
                 return
             if self.session is not None:
@@ -130,7 +130,9 @@ class Recorder:
             session.queue.append(("reset", 0.0, rpb.ExecutorReset(num_dropped_requests=num_dropped)))
             session.thread = threading.Thread(target=self._write, args=(session,), name="recorder", daemon=True)
             session.thread.start()
+            # Active before no longer pending: a reader of the status (unlocked) never sees neither.
             self.active = True
+            self.pending = False
         log.info("recording session %s into %s", name, self.directory)
 
     def handshake(self, info: ExecutorInfo) -> None:
