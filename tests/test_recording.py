@@ -27,8 +27,10 @@ from tests.replay_helpers import recorded
 from tests.service_fixtures import (
     HOST,
     ROOT,
+    TOKENIZER_VOCAB_SIZE,
     GatedExecutor,
     assert_idle,
+    byte_level_tokenizer,
     executor_argv,
     free_port,
     in_process_scheduler,
@@ -227,3 +229,19 @@ def test_the_split_stack_records_and_the_command_line_replays_it(tmp_path: Path)
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "client.cli", *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
+
+
+@pytest.mark.parametrize("with_text", [False, True], ids=["ids only", "--record-text"])
+def test_the_tokenizer_stays_out_of_the_recording_unless_asked(tmp_path: Path, with_text: bool):
+    tokenizer_json = byte_level_tokenizer().to_str()
+    executor = ShadowExecutor(64, 4, TOKENIZER_VOCAB_SIZE, (0,), tokenizer_json=tokenizer_json)
+
+    async def main():
+        async with in_process_scheduler(executor, record=str(tmp_path), record_text=with_text) as s:
+            return await generate(s.stub, [5, 6, 7], 4)
+
+    assert asyncio.run(main()) == reference_generate([5, 6, 7], 4, TOKENIZER_VOCAB_SIZE, {0}, True)
+    info = recorded(tmp_path)
+    assert info.model_id == "shadow-kv" and info.num_blocks == 64
+    assert info.tokenizer_json == (tokenizer_json if with_text else "")
+    assert Recording(tmp_path).sessions[0].header.with_text is with_text
