@@ -76,16 +76,18 @@ class ApiPeer:
         self.tail_factor = tail_factor
 
     @classmethod
-    def scheduler(cls, executor_flags: list[str], stream_interval: int = 1) -> ApiPeer:
-        """The scheduler service at its default flags (but ``--stream-interval``) in front of a simulated executor
-        with ``executor_flags``."""
+    def scheduler(cls, executor_flags: list[str], stream_interval: int = 1,
+                  scheduler_flags: tuple[str, ...] = ()) -> ApiPeer:
+        """The scheduler service at its default flags (but ``--stream-interval`` and ``scheduler_flags``) in front of
+        a simulated executor with ``executor_flags``."""
         executor_port, port = free_port(), free_port()
         return cls(port, start_serving([
             ("api's simulated executor", executor_port, [
                 "-m", "executor_svc.fakes.simulated", "--host", HOST, "--port", str(executor_port), *executor_flags]),
             ("api's scheduler", port, [
                 "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--host", HOST, "--port", str(port),
-                "--http-port", "0", "--log-level", "WARNING", "--stream-interval", str(stream_interval)]),
+                "--http-port", "0", "--log-level", "WARNING", "--stream-interval", str(stream_interval),
+                *scheduler_flags]),
         ]))
 
     @classmethod

@@ -144,10 +144,11 @@ def run_inprocess(args: argparse.Namespace, workload: Workload, stack: bool = Tr
 
 
 def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, how: str = "generate",
-              yield_cpu: bool = False) -> float:
+              yield_cpu: bool = False, scheduler_flags: tuple[str, ...] = ()) -> float:
     """Executor and scheduler as subprocesses, every request sent at once through the public API: ``how`` is
     ``generate`` (``AsyncClient.generate``), ``tokens`` (the same, one response per token) or ``whole`` (whole
-    completions through ``GenerateOnce``); ``yield_cpu`` is both services' ``--yield-cpu``."""
+    completions through ``GenerateOnce``); ``yield_cpu`` is both services' ``--yield-cpu``; ``scheduler_flags``
+    go to the scheduler last (bench.record_overhead's ``--record``)."""
 
     log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-w1-"))
     executor_port, scheduler_port = free_port(), free_port()
@@ -168,7 +169,7 @@ def run_split(args: argparse.Namespace, workload: Workload, overlap: bool, how: 
     ]
     if args.num_scheduler_steps is not None:
         scheduler_argv += ["--num-scheduler-steps", str(args.num_scheduler_steps)]
-    scheduler_argv += ["--scheduling-policy", args.scheduling_policy]
+    scheduler_argv += ["--scheduling-policy", args.scheduling_policy, *scheduler_flags]
     target = f"{HOST}:{scheduler_port}"
     with ExitStack() as stack:
         executor = stack.enter_context(Child("executor", executor_argv, log_dir / "executor.log"))

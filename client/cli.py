@@ -3,7 +3,7 @@
 Exit codes: 0 success; 1 other server error, a generation the server aborted, or ``health`` not
 SERVING; 2 bad command line;
 3 server unreachable or timed out; 4 request rejected (invalid argument); 5 server busy
-(queue full); 130 interrupted.
+(queue full); 130 interrupted. ``replay`` has its own (docs/replay.md).
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from google.protobuf.message import Message
 
 from client.api import DEFAULT_TARGET, Client
 from client.errors import NanoserveError
+from client.replay import run_replay
+from common import replay_cli
+from common.replay_cli import add_arguments as add_replay_arguments
 from common.security import TLSConfig
 
 EXIT_ERROR = 1
@@ -127,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     abort = commands.add_parser("abort", help="abort requests in flight by id; print those aborted")
     add_connection_args(abort)
     abort.add_argument("request_ids", nargs="+", help="request ids (GenerateRequest.request_id)")
+    add_replay_arguments(commands.add_parser(
+        "replay", help="drive an executor with a scheduler's recording and compare its results (docs/replay.md)",
+        description=replay_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     for name, text in (("info", "print the served model and its limits as JSON"),
                        ("stats", "print the scheduler's live counters as JSON"),
                        ("health", "print the grpc.health.v1 status; exit 0 only when SERVING")):
@@ -257,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     try:
+        if args.command == "replay":
+            argv = sys.argv[1:] if argv is None else argv
+            return run_replay(args, tls, argv[argv.index("replay") + 1 :])
         return run(args, tls)
     except NanoserveError as e:
         sys.stdout.flush()

@@ -7,11 +7,13 @@ start-up naming the variable, and a flag on the command line wins over it.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable, Mapping
 
 ENV_PREFIX = "NANOSERVE_"
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
+BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
 def env_name(flag: str) -> str:
@@ -45,6 +47,14 @@ def non_negative_float(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
+
+
+def byte_size(text: str) -> int:
+    """``1073741824``, ``512M``, ``2GiB`` or ``1.5g`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)(i?b)?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 1073741824, 512M, 2GiB)")
+    return int(float(match[1]) * BYTE_UNITS[match[2]])
 
 
 def port(text: str) -> int:

@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
 
-from common.flags import EnvFlags, boolean, port, positive_float, positive_int
+from common.flags import EnvFlags, boolean, byte_size, port, positive_float, positive_int
 from common.security import TLSConfig
 from executor_svc.cpu.choice import parse_override
 from executor_svc.cpu.openmp import set_wait_policy
@@ -20,17 +19,6 @@ from executor_svc.runtime.config import DTYPES, ExecutorOptions
 from executor_svc.runtime.registry import DEFAULT_MODEL
 
 log = logging.getLogger("nanoserve.executor")
-
-UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    """``1073741824``, ``512M``, ``2GiB`` or ``1.5g`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)(i?b)?\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 1073741824, 512M, 2GiB)")
-    return int(float(match[1]) * UNITS[match[2]])
-
 
 def cpu_kernels_flag(text: str) -> str:
     try:
@@ -52,7 +40,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         "compute dtype (None: bfloat16 on CUDA and on CPUs with avx512_bf16 or amx_bf16, else float32)", choices=DTYPES)
     add("--tensor-parallel-size", positive_int, 1, "ranks in the tensor-parallel group")
     add("--block-size", positive_int, 16, "tokens per KV-cache block")
-    add("--kv-cache-memory", parse_bytes, None,
+    add("--kv-cache-memory", byte_size, None,
         "KV-cache bytes per rank, e.g. 2GiB (None: 1GiB on CPU, the free memory share on CUDA)")
     add("--gpu-memory-utilization", positive_float, 0.9, "share of GPU memory to fill, KV cache included")
     add("--attention-backend", str, None, "cpu, torch, triton or flash_attn (None: the best for the device)")

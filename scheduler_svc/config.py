@@ -8,9 +8,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from common.channels import PUBLIC_MAX_MESSAGE_BYTES
-from common.flags import ENV_PREFIX, EnvFlags, boolean, non_negative_float, port, positive_float, positive_int
+from common.flags import (
+    ENV_PREFIX,
+    EnvFlags,
+    boolean,
+    byte_size,
+    non_negative_float,
+    port,
+    positive_float,
+    positive_int,
+)
 from scheduler_svc.api.kv_events_config import kv_events_flag
 from scheduler_svc.core.scheduler import POLICY_NAMES
+from scheduler_svc.engine.recorder import DEFAULT_MAX_FILE_BYTES
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -64,6 +74,14 @@ class ServiceConfig:
     metrics_port: int = 0
     # vLLM's --kv-events-config JSON: publish the prefix cache's events over ZMQ (``api.kv_events_config``).
     kv_events_config: str = ""
+    # Record the executor's handshake, plans and results into this directory (docs/replay.md); "": no recording.
+    record: str = ""
+    # With --record: record from the start; off, only once StartRecording (gRPC or HTTP) asks.
+    record_at_start: bool = True
+    # Keep the tokenizer and chat template in the recorded handshakes (without them the ids are not text).
+    record_text: bool = False
+    # A recording file's size before the next one begins, in bytes.
+    record_max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -119,6 +137,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--kv-events-config", kv_events_flag, "vLLM's KV-events JSON, e.g. '{\"endpoint\": \"tcp://*:5557\", "
         "\"topic\": \"kv\"}': publish the prefix cache's events over ZMQ in vLLM's format (empty: not over ZMQ; "
         "the gRPC SubscribeKvEvents serves them either way)")
+    add("--record", str, "record the executor's handshake, every plan and every result into this directory, for "
+        "`nanoserve replay` (docs/replay.md); the requests' text is left out unless --record-text")
+    add("--record-at-start", boolean, "with --record, record from the start ('off': only once the StartRecording "
+        "RPC or POST /admin/recording/start asks)")
+    add("--record-text", boolean, "keep the tokenizer and chat template in the recording, so that its token ids "
+        "read as text")
+    add("--record-max-file-bytes", byte_size, "size of a recording file before the next one begins, e.g. 256M")
     return parser
 
 

@@ -69,3 +69,16 @@ def test_an_incompatible_executor_keeps_requests_failing_until_the_right_one_is_
     assert s.incompatible is not None, "unreachable in between: still not the right one"
     s.recovered(3.0)
     assert s.serving and s.incompatible is None
+
+
+def test_a_resync_recovers_at_once_though_serving_and_keeps_health():
+    """A recording started: the loop recovers onto the same executor, with no health flip; a failed attempt is
+    retried with backoff, not in a tight loop."""
+    s = Supervisor(now=0.0, backoff=Backoff(first_s=0.1, max_s=0.4))
+    assert not s.retry_due(1e9)
+    s.resync(5.0)
+    assert s.serving and s.retry_due(5.0) and s.wake_at(has_work=False) == 5.0
+    assert s.recovery_failed(5.0) == 0.1
+    assert s.serving and not s.retry_due(5.05) and s.retry_due(5.1)
+    s.recovered(6.0)
+    assert s.serving and not s.retry_due(1e9) and s.wake_at(has_work=True) is None

@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,6 +23,7 @@ from common.security import ApiKeyInterceptor, TLSConfig, bind, channel_credenti
 from common.step import ExecutorInfo
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
+from nanoserve.v1 import recording_pb2_grpc as rpb_grpc
 from scheduler_svc.api.codec import to_response
 from scheduler_svc.api.frontend import Frontend, Generation
 from scheduler_svc.api.grpc_status import fail
@@ -30,6 +32,8 @@ from scheduler_svc.api.http.server import HttpServer
 from scheduler_svc.api.kv_events_config import parse_kv_events_config
 from scheduler_svc.api.kv_zmq import ZmqKvPublisher
 from scheduler_svc.api.malformed import MalformedRequest, MalformedRequestInterceptor
+from scheduler_svc.api.recording import SERVICE_NAME as RECORDING_SERVICE
+from scheduler_svc.api.recording import RecordingControl, RecordingServicer
 from scheduler_svc.api.vllm_engine import servicer as vllm_engine
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.core.errors import InvalidRequest, RequestFailed
@@ -42,6 +46,8 @@ from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.executor_client import RemoteExecutor
 from scheduler_svc.engine.loop import EngineLoop, RequestHandle
 from scheduler_svc.engine.metrics import Metrics, new_registry
+from scheduler_svc.engine.recorder import Recorder, RecordingMetrics
+from scheduler_svc.engine.recording_executor import RecordingExecutor
 from scheduler_svc.engine.turn import Turn
 
 log = logging.getLogger("nanoserve.scheduler")
@@ -188,6 +194,12 @@ class SchedulerServer:
         self.tls = TLSConfig.from_flags(config.tls_cert, config.tls_key, config.tls_ca)
         # The scheduler's metrics join the process' ones once the executor answered (they are labelled with its model).
         self.registry = new_registry()
+        self.recorder = (Recorder(Path(config.record), config.record_text, config.record_max_file_bytes)
+                         if config.record else None)
+        if self.recorder is not None and config.record_at_start:
+            self.recorder.start()
+        self.registry.register(RecordingMetrics(lambda: self.recorder))
+        self.recording = RecordingControl(self.recorder, lambda: self.loop)
         # The HTTP ports before gRPC's: a plain socket closes now, while a grpc.aio server left unstopped by a failed
         # start is shut down by the interpreter's exit, which printed an empty "Error in sys.excepthook" (FastAPI's
         # cache of route endpoints keeps this object, and so its server, alive until then).
@@ -196,8 +208,8 @@ class SchedulerServer:
         self.kv_publisher: ZmqKvPublisher | None = None
         try:
             if config.http_port:
-                self.http = HttpServer(create_app(self.frontend, self.is_serving, self.registry, config.api_key),
-                                       config.host, config.http_port, self.tls)
+                app = create_app(self.frontend, self.is_serving, self.registry, config.api_key, self.recording)
+                self.http = HttpServer(app, config.host, config.http_port, self.tls)
             if config.metrics_port:
                 self.metrics_http = HttpServer(create_metrics_app(self.registry), config.host, config.metrics_port,
                                                metrics_tls(self.tls), "the metrics port")
@@ -212,6 +224,9 @@ class SchedulerServer:
                 self.kv_publisher.close()
             raise
         self.executor = executor if executor is not None else executor_client(config, self.turn)
+        # What the engine drives: the executor, recorded with --record.
+        self.engine_executor = (RecordingExecutor(self.executor, self.recorder) if self.recorder is not None
+                                else self.executor)
         self.loop: EngineLoop | None = None
         self.stopping = asyncio.Event()
         self.stopped = False
@@ -227,8 +242,9 @@ class SchedulerServer:
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)
         vllm_engine.add_to_server(self.frontend, self.is_serving, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, vllm_engine.SERVICE_NAME, health.SERVICE_NAME,
-                                             reflection.SERVICE_NAME), server)
+        rpb_grpc.add_RecordingServicer_to_server(RecordingServicer(self.recording), server)
+        reflection.enable_server_reflection((SERVICE_NAME, vllm_engine.SERVICE_NAME, RECORDING_SERVICE,
+                                             health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         return server, bind(server, config.host, config.port, self.tls)
 
     async def _sync_health(self) -> None:
@@ -272,7 +288,7 @@ class SchedulerServer:
         backoff = Backoff()
         while not self.stopping.is_set():
             try:
-                engine = await asyncio.to_thread(connect_engine, self.executor, self.config)
+                engine = await asyncio.to_thread(connect_engine, self.engine_executor, self.config)
                 break
             except grpc.RpcError as e:
                 delay = backoff.next()
@@ -314,6 +330,8 @@ class SchedulerServer:
         if self.loop is not None:
             grace = self.config.shutdown_grace
             await asyncio.to_thread(self.loop.stop, grace, grace + self.config.step_timeout)
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.stop, "shutdown")
         servers = [self.server.stop(SERVER_STOP_GRACE_S), *(s.stop(SERVER_STOP_GRACE_S) for s in self.http_servers)]
         await asyncio.gather(*servers)
         if isinstance(self.executor, RemoteExecutor):

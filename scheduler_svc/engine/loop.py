@@ -1,10 +1,8 @@
-"""The engine loop: one thread owns the Engine, RPCs feed it through ``submit``, ``cancel`` and ``call``.
+"""The engine loop: one thread owns the Engine; RPCs feed it through ``submit``, ``cancel`` and ``call``.
 
-Each iteration admits new requests, applies cancellations (freeing blocks at once), runs one engine step, has each
-request's ``OutputProcessor`` turn its tokens into text, hands the step's outputs to ``deliver`` in one call and the
-prefix cache's events to ``Engine.kv_events``; idle, it sleeps until woken or the ``Supervisor`` wants a probe or retry.
-A failed step loses no request: the executor is DOWN, ``Engine.recover`` is retried as the supervisor says, and every
-request carries on by recompute. ``stop`` drains within a grace period, then aborts."""
+Each iteration admits requests, applies cancellations (freeing blocks at once), runs one engine step, turns its tokens
+into text and hands the outputs to ``deliver`` and the cache's events to ``Engine.kv_events``; idle, it sleeps until
+woken or the ``Supervisor`` wants a probe or retry. A failed step or a ``resync`` loses no request: all recompute."""
 
 from __future__ import annotations
 
@@ -33,8 +31,8 @@ OnServing = Callable[[bool], None]
 class EngineLoop:
     def __init__(self, engine: Engine, tokenizer: ModelTokenizer | None, deliver: Deliver, limits: QueueLimits,
                  observer: LoopObserver, on_serving: OnServing = lambda serving: None) -> None:
-        """``on_serving(False)`` when the executor fails, ``on_serving(True)`` once it is back; ``observer`` hears
-        of each step and each choice's times (both on the loop thread)."""
+        """``on_serving(False)`` when the executor fails, ``(True)`` once back; ``observer`` hears of each step and
+        each choice's times (both on the loop thread)."""
         self.engine = engine
         self.info = engine.info
         self.tokenizer = tokenizer
@@ -79,6 +77,12 @@ class EngineLoop:
         with self._wakeup:
             self._calls.append(work)
             self.engine.cut_for_loop()
+            self._wakeup.notify()
+
+    def resync(self) -> None:
+        """Start over on an empty executor, as after a restart (a recording begins from one)."""
+        with self._wakeup:
+            self.supervisor.resync(time.monotonic())
             self._wakeup.notify()
 
     def stop(self, grace_s: float = 0.0, join_timeout_s: float | None = None) -> None:
@@ -162,8 +166,7 @@ class EngineLoop:
                 self._requests.emit(handle, RequestOutput(error=e))
 
     def _step(self) -> None:
-        """Engine steps: one, then, once every request has finished, what is left for the executor (a step
-        booked for sequences that ended since, a drop-only plan), so that idle stats mean an empty executor too."""
+        """Engine steps: one, then, once every request finished, what is left for the executor (idle means empty)."""
         while (outputs := self._executor_step()) is not None:
             self._requests.process(self.engine, outputs, self.tokenizer)
             if not (self._has_work() and self.engine.nothing_to_schedule()):
@@ -188,13 +191,11 @@ class EngineLoop:
     def _probe(self) -> None:
         """Idle: is the executor still there, and still the same instance?"""
         try:
-            same = self.engine.probe()
+            if not self.engine.probe():
+                log.warning("executor restarted while idle")
+                self.supervisor.go_down(time.monotonic())
         except Exception as e:  # gone or hung: as if a step had failed
             log.warning("executor unreachable while idle (%s)", describe_failure(e))
-            same = None
-        if not same:
-            if same is False:
-                log.warning("executor restarted while idle")
             self.supervisor.go_down(time.monotonic())
 
     def _recover(self) -> None:
@@ -238,7 +239,6 @@ class EngineLoop:
         self._publish()
 
     def _deliver(self) -> None:
-        """Hand the outputs gathered so far over in one call."""
         if outbox := self._requests.take_outbox():
             self.deliver(outbox)
 

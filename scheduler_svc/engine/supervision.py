@@ -10,6 +10,8 @@ sockets (tests/test_supervision.py); the engine loop feeds it what happened and 
 - An executor that came back serving another model is INCOMPATIBLE: requests fail fast until the
   right one is back.
 - An idle loop probes every ``IDLE_PROBE_S`` so health turns NOT_SERVING without waiting for a request.
+- A resync (a recording starting) recovers once though the executor serves, so the recording begins from an empty
+  executor; health stays SERVING.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class Supervisor:
     retry_at: float = 0.0
     probe_at: float = field(init=False)
     failed_steps: int = 0
+    # Recover at the next retry though serving (``resync``).
+    resync_due: bool = False
 
     def __post_init__(self) -> None:
         self.probe_at = self.now + IDLE_PROBE_S
@@ -72,7 +76,11 @@ class Supervisor:
         return self.serving and now >= self.probe_at
 
     def retry_due(self, now: float) -> bool:
-        return not self.serving and now >= self.retry_at
+        return (self.resync_due or not self.serving) and now >= self.retry_at
+
+    def resync(self, now: float) -> None:
+        """Recover now, though the executor serves: handshake, reset, every request recomputed."""
+        self.resync_due, self.retry_at = True, now
 
     def postpone_probe(self, now: float) -> None:
         """The loop just did something: the executor was heard from (or will be) without a probe."""
@@ -93,11 +101,11 @@ class Supervisor:
 
     def recovered(self, now: float) -> None:
         """Back: health SERVING again."""
-        self.state, self.incompatible = ExecutorState.SERVING, None
+        self.state, self.incompatible, self.resync_due = ExecutorState.SERVING, None, False
         self.postpone_probe(now)
 
     def wake_at(self, has_work: bool) -> float | None:
         """When the loop must wake without news: a retry while down, a probe while idle; None: it has work now."""
-        if not self.serving:
+        if self.resync_due or not self.serving:
             return self.retry_at
         return None if has_work else self.probe_at

@@ -25,9 +25,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from common.security import bearer_token
 from scheduler_svc.api.frontend import Frontend, Generation
 from scheduler_svc.api.http import responses, schemas, translate
+from scheduler_svc.api.http.admin import recording_router
 from scheduler_svc.api.http.errors import ApiError, install_handlers
 from scheduler_svc.api.http.gateway import gateway_router
 from scheduler_svc.api.http.openapi import ERRORS, STREAMED, without_validation_errors
+from scheduler_svc.api.recording import RecordingControl
 from scheduler_svc.api.server_info import engine_version
 from scheduler_svc.core.errors import RequestFailed
 from scheduler_svc.core.tokenizer import ModelTokenizer
@@ -196,8 +198,9 @@ def create_metrics_app(registry: CollectorRegistry) -> FastAPI:
 
 
 def create_app(frontend: Frontend, serving: Callable[[], bool], registry: CollectorRegistry,
-               api_key: str = "") -> FastAPI:
-    """``serving``: what gRPC health would say (True: SERVING); ``registry``: what ``/metrics`` serves."""
+               api_key: str = "", recording: RecordingControl | None = None) -> FastAPI:
+    """``serving``: what gRPC health would say (True: SERVING); ``registry``: what ``/metrics`` serves;
+    ``recording``: the switch of ``/admin/recording``."""
     app = FastAPI(title="nanoserve", version=engine_version(), redoc_url=None,
                   description="The OpenAI-compatible API of a nanoserve scheduler, and what gateways probe.")
     app.openapi = without_validation_errors(app)
@@ -211,6 +214,8 @@ def create_app(frontend: Frontend, serving: Callable[[], bool], registry: Collec
     app.include_router(routes(frontend, serving), responses=ERRORS)
     app.include_router(gateway_router(frontend), responses=ERRORS)
     app.include_router(metrics_router(registry))
+    if recording is not None:
+        app.include_router(recording_router(recording))
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     return app

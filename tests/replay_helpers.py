@@ -1,0 +1,125 @@
+"""A recorded session for the replay tests: the real scheduler, in process, over an executor that restarts once,
+serving requests that need chunked prefill, prefix hits, preemptions, n > 1, structured output, logprobs and a
+resumed stream."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from argparse import Namespace
+from collections.abc import Callable
+from pathlib import Path
+
+from common.executor import Executor
+from common.recording import Recording
+from common.replay import Replayer, ReplayReport
+from common.replay_cli import recorded_executor
+from common.step import ExecutorInfo, StepPlan, StepResult
+from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc.engine.stats import LoopStats
+from tests.service_fixtures import assert_idle_async, collect, in_process_scheduler, token_request
+
+# Small steps and a small cache: prompts are chunked, and the requests in flight together do not fit.
+SESSION_CONFIG = {"max_num_batched_tokens": 16, "max_num_seqs": 6}
+NUM_BLOCKS = 28
+BLOCK_SIZE = 4
+
+
+class ConnectionLost(RuntimeError):
+    """What a killed executor process looks like to the engine."""
+
+
+class RestartingExecutor(Executor):
+    """Dies at its ``die_at``-th step and comes back as ``make()``: a new instance that holds nothing."""
+
+    def __init__(self, make: Callable[[], Executor], die_at: int) -> None:
+        self.make, self.die_at = make, die_at
+        self.inner = make()
+        self.steps = 0
+
+    def get_info(self) -> ExecutorInfo:
+        return self.inner.get_info()
+
+    def reset(self) -> int:
+        return self.inner.reset()
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.steps += 1
+        if self.steps == self.die_at:
+            self.inner = self.make()
+            raise ConnectionLost("executor process killed")
+        return self.inner.step(plan)
+
+
+def prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
+    return [rng.randrange(1, vocab) for _ in range(length)]
+
+
+def greedy(token_ids: list[int], max_tokens: int, **stopping: object) -> pb.GenerateRequest:
+    """Greedy: an unseeded sampled request draws from the executor's own generator, which no replay repeats."""
+    request = token_request(token_ids, max_tokens, **stopping)
+    request.sampling.temperature = 0
+    return request
+
+
+async def session(stub, vocab: int, regex: str, logprobs: bool) -> list[list[int]]:
+    """The requests, in two waves (``logprobs``: one asks for them, of its tokens and its prompt's); every
+    completion's tokens."""
+    rng = random.Random(3)
+    shared = prompt(rng, vocab, 17)
+    first = [
+        greedy(shared + prompt(rng, vocab, 23), 10, ignore_eos=True),  # chunked: 40 tokens, 16 a step
+        greedy(prompt(rng, vocab, 9), 12, ignore_eos=True),
+        greedy(prompt(rng, vocab, 11), 14, ignore_eos=True),
+    ]
+    choices = token_request(prompt(rng, vocab, 7), 8, ignore_eos=True)
+    choices.sampling.n, choices.sampling.seed, choices.sampling.temperature = 3, 5, 0.8
+    constrained = greedy(prompt(rng, vocab, 6), 6)
+    constrained.structured_output.regex = regex
+    scored = greedy(prompt(rng, vocab, 8), 9, ignore_eos=True)
+    if logprobs:
+        scored.sampling.logprobs, scored.prompt_logprobs = 2, 1
+    streamed = [choices, constrained]
+    whole = [*first, scored]
+    outputs = await asyncio.gather(*(stub.GenerateOnce(r) for r in whole),
+                                   *(collect_stream(stub, r) for r in streamed))
+    resumed = greedy(prompt(rng, vocab, 10), 9, ignore_eos=True)
+    resumed.resume.completion_token_ids.extend(prompt(rng, vocab, 3))
+    second = [greedy(shared + prompt(rng, vocab, 5), 7, ignore_eos=True), resumed]  # a prefix hit
+    outputs += await asyncio.gather(*(stub.GenerateOnce(r) for r in second))
+    return [list(o.token_ids) if isinstance(o, pb.GenerateResponse) else o for o in outputs]
+
+
+async def collect_stream(stub, request: pb.GenerateRequest) -> list[int]:
+    responses = [r async for r in stub.Generate(request)]
+    by_choice: dict[int, list[pb.GenerateResponse]] = {}
+    for response in responses:
+        by_choice.setdefault(response.index, []).append(response)
+    return [t for index in sorted(by_choice) for t in collect(by_choice[index]).token_ids]
+
+
+def record_session(executor: Executor, directory: Path, regex: str, vocab: int, logprobs: bool = False,
+                   **config: object) -> tuple[list[list[int]], LoopStats]:
+    """Run the session with ``--record directory``; its outputs and the engine loop's counters."""
+
+    async def main():
+        async with in_process_scheduler(executor, record=str(directory), **SESSION_CONFIG, **config) as s:
+            outputs = await session(s.stub, vocab, regex, logprobs)
+            await assert_idle_async(s.stub)
+            return outputs, s.server.loop.stats
+
+    return asyncio.run(main())
+
+
+def replay(recording: Path, executor: Executor) -> ReplayReport:
+    return Replayer(executor).run(Recording(recording))
+
+
+def model_args(model: str, kv_cache_memory: int) -> Namespace:
+    """``nanoserve replay --model`` arguments, on the CPU with the test's threads."""
+    return Namespace(model=model, dtype=None, device="cpu", kv_cache_memory=kv_cache_memory, attention_backend=None,
+                     threads=2)
+
+
+def recorded(directory: Path) -> ExecutorInfo:
+    return recorded_executor(Recording(directory))

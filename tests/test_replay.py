@@ -1,0 +1,137 @@
+"""Record and replay (docs/replay.md): a session through the real scheduler (chunked prefill, prefix hits,
+preemptions, n > 1, structured output, logprobs, an executor restart and a resumed stream) replays identically on
+the shadow-KV executor and on the model; an executor that samples one token otherwise is caught at that request,
+step and position."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.recording import Recording
+from common.step import StepPlan, StepResult
+from common.step_codec import plan_from_proto
+from executor_svc.core.request_table import ScheduledChunk
+from executor_svc.fakes.shadow import ShadowExecutor
+from executor_svc.runtime.config import ExecutorOptions
+from executor_svc.runtime.model_executor import ModelExecutor
+from executor_svc.runtime.registry import DEFAULT_MODEL
+from executor_svc.runtime.replay import model_executor, shadow_executor
+from tests.model_fixtures import smollm2_folder  # noqa: F401
+from tests.replay_helpers import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    RestartingExecutor,
+    model_args,
+    record_session,
+    recorded,
+    replay,
+)
+from tests.service_fixtures import CHATML_TEMPLATE, EOS_ID, TOKENIZER_VOCAB_SIZE, byte_level_tokenizer
+
+REGEX = "[a-c]{2,8}"
+# About 46 KiB of float32 KV per SmolLM2 token: as few blocks of 4 tokens as the shadow session has.
+MODEL_KV_BYTES = NUM_BLOCKS * BLOCK_SIZE * 46 * 1024
+
+
+def shadow() -> ShadowExecutor:
+    return ShadowExecutor(NUM_BLOCKS, BLOCK_SIZE, TOKENIZER_VOCAB_SIZE, (EOS_ID,),
+                          tokenizer_json=byte_level_tokenizer().to_str(), chat_template=CHATML_TEMPLATE)
+
+
+def plans(directory: Path) -> list[StepPlan]:
+    recording = Recording(directory)
+    return [plan_from_proto(r.plan) for s in recording.sessions for r in recording.records(s)
+            if r.WhichOneof("entry") == "plan"]
+
+
+def assert_the_session_has_everything(directory: Path, stats) -> None:
+    """The recording holds what the session was built to exercise."""
+    assert stats.num_preemptions > 0 and stats.num_prefix_cache_hit_tokens > 0
+    assert stats.num_executor_restarts == 1
+    recorded_plans = plans(directory)
+    new = [n for p in recorded_plans for n in p.new_requests]
+    assert any(n.num_scheduled_tokens < len(n.token_ids) - n.num_computed_tokens for n in new), "no chunked prefill"
+    assert any(n.num_computed_tokens > 0 for n in new), "no prefix hit"
+    assert any(n.sampling.grammar for n in new), "no structured output"
+    assert any(n.num_prompt_tokens is not None for n in new), "no request came back with its completion"
+
+
+@pytest.fixture(scope="module")
+def shadow_recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("shadow-recording")
+    outputs, stats = record_session(RestartingExecutor(shadow, die_at=12), directory, REGEX, TOKENIZER_VOCAB_SIZE)
+    assert all(outputs), "a request ended without tokens"
+    assert_the_session_has_everything(directory, stats)
+    return directory
+
+
+def test_a_session_replays_identically_on_the_shadow_executor(shadow_recording: Path):
+    report = replay(shadow_recording, shadow_executor(recorded(shadow_recording)))
+    assert report.identical, (report.issues, report.diverged)
+    assert report.num_restarts == 1 and report.num_compared == report.num_identical > 20
+    assert len(report.requests) >= 10 and all(r.num_tokens > 0 for r in report.requests.values())
+    assert not report.warnings
+
+
+def test_a_session_replays_identically_on_the_model(smollm2_folder, tmp_path: Path):  # noqa: F811
+    def make() -> ModelExecutor:
+        return ModelExecutor(ExecutorOptions(dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=MODEL_KV_BYTES,
+                                             threads=2))
+
+    executor = RestartingExecutor(make, die_at=10)
+    vocab = executor.get_info().vocab_size
+    outputs, stats = record_session(executor, tmp_path, REGEX, vocab, logprobs=True)
+    assert_the_session_has_everything(tmp_path, stats)
+    replaying = model_executor(recorded(tmp_path), model_args(DEFAULT_MODEL, MODEL_KV_BYTES))
+    report = replay(tmp_path, replaying)
+    assert report.identical, (report.issues, report.diverged)
+    assert report.num_restarts == 1 and report.num_compared == report.num_identical
+    diffs = [r.max_logprob_diff for r in report.requests.values() if r.max_logprob_diff is not None]
+    assert diffs and max(diffs) == 0.0, "the logprobs of the same model and plans differ"
+
+
+class AlteredShadow(ShadowExecutor):
+    """A shadow executor whose sampler gets one token wrong, request ``request_id``'s in plan ``step_id``: as a
+    changed kernel would, it keeps that token, so the request's context parts from the recorded one there."""
+
+    def __init__(self, step_id: int, request_id: int, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.target = (step_id, request_id)
+        self.step_id = 0
+        self.altered: tuple[int, int] | None = None  # (recorded token, altered token)
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.step_id = plan.step_id
+        return super().step(plan)
+
+    def forward(self, chunks: list[ScheduledChunk], inputs: object | None = None) -> StepResult:
+        result = super().forward(chunks, inputs)
+        for i, chunk in enumerate(chunks):
+            if chunk.samples and (self.step_id, chunk.state.request_id) == self.target:
+                token = result.token_ids[i]
+                result.token_ids[i] = (token + 1) % self.info.vocab_size
+                self.altered = (token, result.token_ids[i])
+        return result
+
+
+def test_an_altered_executor_diverges_at_the_request_step_and_position_it_altered(shadow_recording: Path):
+    recording = Recording(shadow_recording)
+    records = [r for s in recording.sessions for r in recording.records(s)]
+    answered = {r.result.step_id for r in records if r.WhichOneof("entry") == "result"}
+    # Prefills that sample (a prompt's last chunk) in plans whose results were recorded: one from the middle.
+    candidates = [(plan.step_id, new) for plan in plans(shadow_recording) if plan.step_id in answered
+                  for new in plan.new_requests
+                  if new.num_computed_tokens + new.num_scheduled_tokens == len(new.token_ids)]
+    step_id, new = candidates[len(candidates) // 2]
+    info = recorded(shadow_recording)
+    altered = AlteredShadow(step_id, new.request_id, num_blocks=info.num_blocks, block_size=info.block_size,
+                            vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids)
+    report = replay(shadow_recording, altered)
+    assert altered.altered is not None, "the altered plan was never run"
+    assert not report.identical
+    (diverged,) = report.diverged
+    d = diverged.divergence
+    assert (diverged.request_id, d.step_id, d.position) == (new.request_id, step_id, len(new.token_ids))
+    assert (d.recorded, d.replayed) == altered.altered
