@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from common.executor import LoraRefused
 from executor_svc.runtime.config import ModelConfig
 
 # The projections an adapter may target, by PEFT's module names, and where each sits in a decoder layer.
@@ -30,12 +31,8 @@ _UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "rank_pattern": {}, 
                 "trainable_token_indices": None, "alora_invocation_tokens": None, "use_qalora": False}
 
 
-class LoraError(ValueError):
-    """An adapter this executor cannot serve; the message says why."""
-
-
-class LoraInUse(LoraError):
-    """An unload refused because held requests run through the adapter."""
+class LoraError(LoraRefused):
+    """An adapter this executor cannot serve, or a load or unload it refuses; the message says why."""
 
 
 @dataclass

@@ -84,7 +84,7 @@ class LoraManager:
         with self._lock:
             loaded = self.adapters.pop(name, None)
             if loaded is None:
-                raise LoraError(f"adapter {name!r} is not loaded")
+                raise LoraError(f"adapter {name!r} is not loaded", "NOT_FOUND")
             slot = self._slots.pop(loaded.lora_id)
             del self._scalings[slot]
             for weights in self.projections.values():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from common.step import ExecutorInfo, LoraAdapterInfo, StepResult
 from executor_svc.core.request_table import RequestTable, ScheduledChunk
 from executor_svc.core.step_pipeline import TableExecutor
-from executor_svc.lora.adapter import LoraError, LoraInUse
+from executor_svc.lora.adapter import LoraError
 from executor_svc.lora.manager import LoraManager
 from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.distributed import free_init_method, init_group, spawn_workers, tp_size
@@ -88,6 +89,7 @@ class ModelExecutor(TableExecutor):
         lora = self._runtime_lora()
         loaded = lora.load(name, path)
         self.table.lora_ids = lora.ids
+        self.info = replace(self.info, lora_adapters=self.lora_adapters())
         return LoraAdapterInfo(loaded.lora_id, loaded.name, loaded.path, loaded.rank)
 
     def unload_lora(self, name: str) -> LoraAdapterInfo:
@@ -95,20 +97,22 @@ class ModelExecutor(TableExecutor):
         lora = self._runtime_lora()
         loaded = lora.adapters.get(name)
         if loaded is None:
-            raise LoraError(f"adapter {name!r} is not loaded")
+            raise LoraError(f"adapter {name!r} is not loaded", "NOT_FOUND")
         if not self.table.retire_lora(loaded.lora_id):
-            raise LoraInUse(f"adapter {name!r} serves running requests; unload it once they finish")
+            raise LoraError(f"adapter {name!r} serves running requests; unload it once they finish",
+                            "FAILED_PRECONDITION")
         lora.unload(name)
+        self.info = replace(self.info, lora_adapters=self.lora_adapters())
         return LoraAdapterInfo(loaded.lora_id, loaded.name, loaded.path, loaded.rank)
 
     def _runtime_lora(self) -> LoraManager:
         if not self.options.runtime_lora or self.runner.lora is None:
             raise LoraError("loading and unloading adapters at run time is off (start the executor with "
-                            "--runtime-lora)")
+                            "--runtime-lora)", "FAILED_PRECONDITION")
         if tp_size() > 1:
             # The other ranks follow rank 0's broadcasts in step order, which a call from another thread would break.
             raise LoraError("adapters load at run time on one rank only; under tensor parallelism pass them with "
-                            "--lora-modules at start")
+                            "--lora-modules at start", "FAILED_PRECONDITION")
         return self.runner.lora
 
     def pack(self, chunks: list[ScheduledChunk], before: list[ScheduledChunk] | None = None) -> PreparedInput:
