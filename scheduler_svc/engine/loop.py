@@ -1,10 +1,9 @@
-"""The engine loop: one thread owns the Engine, any number of RPCs feed it through ``submit`` and ``cancel``.
+"""The engine loop: one thread owns the Engine, any number of RPCs feed it through ``submit``, ``cancel``, ``call``.
 
-Each iteration admits new requests, applies cancellations (freeing blocks at once), runs one engine
-step, has each request's ``OutputProcessor`` turn its tokens into text, and hands the step's outputs
-to ``deliver`` in one call; idle, it sleeps until woken or the ``Supervisor`` wants a probe or a retry.
-A failed step loses no request: the executor is DOWN, ``Engine.recover`` is retried as the supervisor
-says, and every request carries on by recompute. ``stop`` drains within a grace period, then aborts.
+Each iteration admits new requests, runs the calls, applies cancellations (freeing blocks at once), runs one engine
+step, turns its tokens into text (each request's ``OutputProcessor``) and hands the outputs to ``deliver``; idle, it
+sleeps until woken or the ``Supervisor`` wants a probe or a retry. A failed step loses no request: ``Engine.recover``
+is retried as the supervisor says, and each goes on by recompute. ``stop`` drains within a grace period, then aborts.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.tokenizer import ModelTokenizer
 from scheduler_svc.engine.admission import Admission, QueueLimits
+from scheduler_svc.engine.calls import EngineCalls
 from scheduler_svc.engine.engine import Engine, IncompatibleExecutor, TokenOutput
 from scheduler_svc.engine.executor_client import describe_failure
 from scheduler_svc.engine.live_requests import LiveRequests, RequestHandle
@@ -31,7 +31,7 @@ Deliver = Callable[[list[tuple[RequestHandle, RequestOutput]]], None]
 OnServing = Callable[[bool], None]
 
 
-class EngineLoop:
+class EngineLoop(EngineCalls):
     def __init__(self, engine: Engine, tokenizer: ModelTokenizer | None, deliver: Deliver, limits: QueueLimits,
                  observer: LoopObserver, on_serving: OnServing = lambda serving: None) -> None:
         """``on_serving(False)`` when the executor fails, ``on_serving(True)`` once it is back; ``observer`` hears
@@ -100,12 +100,13 @@ class EngineLoop:
         while True:
             with self._wakeup:
                 self._wait()
-                inbox, self._inbox = self._inbox, []
-                cancelled, self._cancelled = self._cancelled, []
-                if inbox or cancelled:
+                inbox, cancelled, calls = self._inbox, self._cancelled, self._take_calls()
+                self._inbox, self._cancelled = [], []
+                if inbox or cancelled or calls:
                     self.engine.loop_work_taken()
             try:
                 self._admit(inbox)
+                self._run_calls(calls)
                 for handle, answer in cancelled:
                     self._requests.cancel(self.engine, handle, answer)
                 if cancelled:  # their answers go now, not after the next step (a window, with requests beside them)
@@ -132,7 +133,7 @@ class EngineLoop:
 
     def _wait(self) -> None:
         """Sleep (lock held) until there is work: requests, cancels, a step, a retry, a probe, the drain's end."""
-        while not (self._inbox or self._cancelled):
+        while not (self._inbox or self._cancelled or self._calls):
             wake_at = self.supervisor.wake_at(self._has_work())
             if wake_at is None:
                 return
