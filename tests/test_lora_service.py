@@ -106,6 +106,8 @@ def test_runtime_load_and_unload_while_streams_run(served: Served) -> None:
     long.sampling.temperature, long.lora, long.stream_interval, long.request_id = 0.0, "a1", 1, "long"
     running = stub.Generate(long, timeout=120)
     first = next(running)
+    metrics = httpx.get(f"{served.http}/metrics", timeout=10).text
+    assert 'nanoserve:lora_requests_info{max_lora="2",running_lora_adapters="a1",waiting_lora_adapters=""}' in metrics
     loaded = stub.LoadLoraAdapter(pb.LoadLoraRequest(lora_name="a3", lora_path=str(served.adapters["a2"])), timeout=60)
     assert (loaded.name, loaded.rank) == ("a3", 4)
     with pytest.raises(grpc.RpcError) as busy:
