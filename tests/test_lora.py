@@ -179,3 +179,17 @@ def test_runtime_loading_is_refused_unless_enabled(family: Family) -> None:
     with pytest.raises(LoraRefused, match="--runtime-lora") as refused:
         executor.load_lora("a3", str(family.adapters["a1"]))
     assert refused.value.code == "FAILED_PRECONDITION"
+
+
+def test_two_tensor_parallel_ranks_serve_adapters(family: Family) -> None:
+    """Each rank holds its shard of every adapter: B's rows beside a column-parallel projection's, A's columns beside
+    a row-parallel one's (summed by its all-reduce). Run-time loading stays on one rank, refused clearly here."""
+    executor = family.executor(tensor_parallel_size=2, threads=1, runtime_lora=True)
+    try:
+        outputs, reference = mixed_batch(family, Engine(executor, SchedulerConfig(max_num_batched_tokens=24)))
+        assert outputs == reference
+        with pytest.raises(LoraRefused, match="under tensor parallelism") as refused:
+            executor.load_lora("a3", str(family.adapters["a1"]))
+        assert refused.value.code == "FAILED_PRECONDITION"
+    finally:
+        executor.close()
