@@ -14,6 +14,8 @@ all-reduce with the rest.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from executor_svc.runtime.distributed import tp_rank
@@ -43,6 +45,21 @@ class LoraBatch:
         self.every_slot = slots == list(range(num_slots))
         self.scales = torch.tensor([scalings[s] for s in slots], dtype=dtype, device=device).view(-1, 1, 1)
         self.length = length
+        # On CUDA with Triton: its kernels, which take each row's slot and every slot's scaling instead.
+        self.kernel = cuda_kernel() if device.type == "cuda" else None
+        if self.kernel is not None:
+            self.row_slots = row_slots.to(device=device, dtype=torch.int32)
+            self.slot_scales = torch.tensor([scalings.get(s, 0.0) for s in range(num_slots)], dtype=torch.float32,
+                                            device=device)
+
+
+def cuda_kernel() -> Callable[..., None] | None:
+    """``triton_kernels.lora_add`` where Triton is installed."""
+    try:
+        from executor_svc.lora.triton_kernels import lora_add
+    except ImportError:
+        return None
+    return lora_add
 
 
 class LoraStep:
@@ -111,6 +128,10 @@ class LoraWeights:
         if not any(slot in self.slots for slot in batch.slots):
             return
         a, b = self.factors
+        if batch.kernel is not None:
+            batch.kernel(x.reshape(-1, self.in_features), y.view(-1, y.shape[-1]), a, b, batch.row_slots,
+                         batch.slot_scales[: a.shape[0]])
+            return
         if not batch.every_slot or a.shape[0] != len(batch.slots):
             a, b = a.index_select(0, batch.slot_index), b.index_select(0, batch.slot_index)
         segments = x.reshape(-1, self.in_features).index_select(0, batch.gather)
