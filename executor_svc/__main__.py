@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 
+from common.executor import LoraRefused
 from common.flags import EnvFlags, boolean, port, positive_float, positive_int
 from common.security import TLSConfig
 from executor_svc.cpu.choice import parse_override
@@ -128,7 +129,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
-    options = options_from_args(args)
+    try:
+        options = options_from_args(args)
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"--lora-modules: {e}")
     try:
         tls = TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
     except ValueError as e:
@@ -137,7 +141,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     from executor_svc.runtime.model_executor import ModelExecutor
     from executor_svc.service import serve
 
-    executor = ModelExecutor(options)
+    try:
+        executor = ModelExecutor(options)
+    except LoraRefused as e:  # an adapter of --lora-modules that does not fit: say which and why
+        parser.error(str(e))
     info = executor.get_info()
     log.info(
         "model %s (%s) on %s, %s, %d KV blocks of %d tokens, attention %s, tensor-parallel %d",
