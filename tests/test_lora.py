@@ -56,12 +56,15 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=T
 
 
 def mixed_batch(family: Family, engine: Engine) -> tuple[list[list[int]], list[list[int]]]:
-    """Every prompt through the base model and each adapter, all in one run: (outputs, references)."""
+    """Every prompt through the base model and each adapter, all in one run, adapters round robin (so that a decode
+    step's rows interleave adapters, and a prefill's chunks are runs of one): (outputs, references)."""
     names = [None, *ADAPTERS]
-    loras = [name for name in names for _ in family.prompts]
-    outputs = engine.generate(family.prompts * len(names), PARAMS, loras)
+    loras = [name for _ in family.prompts for name in names]
+    prompts = [prompt for prompt in family.prompts for _ in names]
+    outputs = engine.generate(prompts, PARAMS, loras)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return [c.token_ids for c in outputs], [ref for name in names for ref in family.reference[name]]
+    return [c.token_ids for c in outputs], [family.reference[name][i] for i in range(len(family.prompts))
+                                            for name in names]
 
 
 @pytest.mark.parametrize("config", [

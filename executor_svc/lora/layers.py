@@ -22,15 +22,17 @@ from executor_svc.runtime.distributed import tp_rank
 
 
 class LoraBatch:
-    """One step's adapter rows as segments: ``gather`` [adapters, rows] (short segments padded with row 0, whose
-    products are dropped), the rows each product goes to (``targets``, and which products those are: ``kept``, None
-    when none is padding), the segments' slots (``slot_index``; ``every_slot``: slots 0.. in order, whose factors
-    need no gathering) and their adapters' scalings [adapters, 1, 1]."""
+    """One step's adapter rows as runs of consecutive rows (``runs``), or else as segments: ``gather`` [adapters, rows]
+    (short segments padded with row 0, whose products are dropped), the rows each product goes to (``targets``, and
+    which products those are: ``kept``, None when none is padding), the segments' slots (``slot_index``;
+    ``every_slot``: slots 0.. in order, whose factors need no gathering) and their adapters' scalings [adapters, 1,
+    1]."""
 
     def __init__(self, row_slots: torch.Tensor, scalings: dict[int, float], num_slots: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         slots = sorted({int(s) for s in row_slots.unique().tolist()} - {-1})
         self.slots = slots
+        self.runs = _runs(row_slots, scalings, len(slots))
         rows = [torch.nonzero(row_slots == slot).flatten() for slot in slots]
         length = max((len(r) for r in rows), default=0)
         gather = torch.zeros(len(slots), length, dtype=torch.int64)
@@ -51,6 +53,21 @@ class LoraBatch:
             self.row_slots = row_slots.to(device=device, dtype=torch.int32)
             self.slot_scales = torch.tensor([scalings.get(s, 0.0) for s in range(num_slots)], dtype=torch.float32,
                                             device=device)
+
+
+def _runs(row_slots: torch.Tensor, scalings: dict[int, float], num_adapters: int
+          ) -> list[tuple[int, int, int, float]] | None:
+    """The adapter rows as (start, end, slot, scaling) runs of consecutive rows where they are few (a prefill's
+    chunks: each is one request's), updated in place through views; None where adapters interleave (decode rows),
+    which take the gathered segments."""
+    change = torch.nonzero(row_slots[1:] != row_slots[:-1]).flatten() + 1
+    starts = [0, *change.tolist()]
+    if len(starts) > 2 * num_adapters + 1:
+        return None
+    ends = [*starts[1:], len(row_slots)]
+    slots = row_slots[starts].tolist()
+    return [(start, end, slot, scalings[slot]) for start, end, slot in zip(starts, ends, slots, strict=True)
+            if slot >= 0]
 
 
 def cuda_kernel() -> Callable[..., None] | None:
@@ -131,6 +148,11 @@ class LoraWeights:
         if batch.kernel is not None:
             batch.kernel(x.reshape(-1, self.in_features), y.view(-1, y.shape[-1]), a, b, batch.row_slots,
                          batch.slot_scales[: a.shape[0]])
+            return
+        if batch.runs is not None:
+            x2, y2 = x.reshape(-1, self.in_features), y.view(-1, y.shape[-1])
+            for start, end, slot, scaling in batch.runs:
+                y2[start:end].addmm_(torch.mm(x2[start:end], a[slot]).mul_(scaling), b[slot])
             return
         if not batch.every_slot or a.shape[0] != len(batch.slots):
             a, b = a.index_select(0, batch.slot_index), b.index_select(0, batch.slot_index)

@@ -108,8 +108,6 @@ class LoraManager:
             weights.install(slot, [adapter.factors.get((index, shard)) for shard in SHARDS[name]])
 
 
-
-
 def _weights_for(linear: LinearBase, shape: tuple[int, int], step: LoraStep, max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> LoraWeights:
     """``shape``: the projection's full (out, in) features (its dense weight may be gone, packed for the C kernel)."""
@@ -120,4 +118,3 @@ def _weights_for(linear: LinearBase, shape: tuple[int, int], step: LoraStep, max
     offsets = [sum(linear.shard_sizes[:i]) for i in range(len(linear.shard_sizes))]
     return LoraWeights(step, list(zip(offsets, linear.shard_sizes, strict=True)), in_features, max_rank, False,
                        dtype, device)
-

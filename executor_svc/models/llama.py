@@ -109,14 +109,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # On the CPU, the layers of a decode step in the C stack where they fit (``cpu_decode_stack.attach``).
         self.cpu_stack: CpuDecodeStack | None = None
-        # With adapters served (``executor_svc/lora``): the running step's adapter rows, which the C stack lacks.
+        # With adapters served (``executor_svc/lora``): the running step's adapter rows, whose update the C stack
+        # leaves to the projections' modules.
         self.lora_step: LoraStep | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        no_lora = self.lora_step is None or self.lora_step.batch is None
-        if self.cpu_stack is not None and no_lora and self.cpu_stack.applies(hidden, meta):
-            hidden, residual = self.cpu_stack.run(hidden, positions, meta)
+        adapted = self.lora_step is not None and self.lora_step.batch is not None
+        if self.cpu_stack is not None and self.cpu_stack.applies(hidden, meta, adapted):
+            hidden, residual = self.cpu_stack.run(hidden, positions, meta, adapted)
         else:
             residual = None
             for layer in self.layers:
