@@ -54,17 +54,18 @@ def write_adapter(folder: Path, config: ModelConfig, rank: int, seed: int) -> Pa
     return folder
 
 
-def run(engine: Engine, peer: str, workload_name: str) -> float:
-    """Seconds to generate the workload, each request through the base model or round robin over the adapters."""
+def run(engine: Engine, peer: str, workload_name: str) -> tuple[float, float]:
+    """Wall and CPU seconds (this process's threads, all of them) to generate the workload, each request through the
+    base model or round robin over the adapters. On a machine shared with other work the CPU seconds move less."""
     workload = WORKLOADS[workload_name]()
     names = [f"lora{i % NUM_ADAPTERS}" if peer == "adapters" else None for i in range(len(workload.prompts))]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for prompt, max_tokens, name in zip(workload.prompts, workload.max_tokens, names, strict=True):
         engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), name)
     with progress(total=sum(workload.max_tokens), desc=peer) as bar:
         while engine.has_unfinished():
             bar.update(sum(len(out.token_ids) for out in engine.step()))
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,14 +90,20 @@ def main(argv: list[str] | None = None) -> None:
         for name in (None, *adapters):
             engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), [name])
         seconds: dict[str, list[float]] = {peer: [] for peer in PEERS}
+        cpu: dict[str, list[float]] = {peer: [] for peer in PEERS}
         for round_ in range(args.repeats):
             for peer in PEERS if round_ % 2 == 0 else reversed(PEERS):
-                seconds[peer].append(run(engine, peer, args.workload))
+                wall, used = run(engine, peer, args.workload)
+                seconds[peer].append(wall)
+                cpu[peer].append(used)
     median = {peer: statistics.median(times) for peer, times in seconds.items()}
+    median_cpu = {peer: statistics.median(times) for peer, times in cpu.items()}
     tokens = sum(WORKLOADS[args.workload]().max_tokens)
-    print_table(["peer", "seconds", "tok/s", "x base"],
-                [[peer, median[peer], tokens / median[peer], median[peer] / median["base"]] for peer in PEERS])
-    write_json(args.json, {"seconds": seconds, "ratio": median["adapters"] / median["base"], "rank": args.rank,
+    print_table(["peer", "seconds", "tok/s", "x base", "CPU seconds", "x base (CPU)"],
+                [[peer, median[peer], tokens / median[peer], median[peer] / median["base"], median_cpu[peer],
+                  median_cpu[peer] / median_cpu["base"]] for peer in PEERS])
+    write_json(args.json, {"seconds": seconds, "cpu_seconds": cpu, "ratio": median["adapters"] / median["base"],
+                           "cpu_ratio": median_cpu["adapters"] / median_cpu["base"], "rank": args.rank,
                            "threads": torch.get_num_threads(), "dtype": args.dtype, "workload": args.workload})
 
 
