@@ -5,7 +5,10 @@ width, out], where ``width`` is the packed shards (3 for qkv, 2 for gate-up, els
 lower rank is padded with zeros) and B is block-diagonal over the shards. The base projection runs once over all rows;
 then the step's adapter rows are gathered into one segment per adapter ([adapters, rows, in], ``LoraBatch``), each
 segment is multiplied by its own adapter's A, scaled, and by its B in two batched GEMMs, and the products are added
-to their rows. A row of the base model is in no segment: its output is the base projection's, bit for bit.
+to their rows. Where the adapter rows come in a few runs of consecutive rows (a prefill's chunks, each one request's),
+each run is updated in place through views instead, without the gathering and scattering that cost more than the
+GEMMs at prefill's row counts. A row of the base model is in no segment or run: its output is the base
+projection's, bit for bit.
 
 Tensor parallelism shards as the projection does: a column-parallel projection keeps this rank's rows of B (each
 packed shard's), a row-parallel one this rank's columns of A, and its partial update is summed by the projection's
