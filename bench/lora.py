@@ -13,6 +13,7 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from executor_svc.cpu.malloc import keep_heap_memory
@@ -24,7 +25,7 @@ keep_heap_memory()
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from bench.common import WARMUP_PROMPT, WORKLOADS, print_table, progress, write_json  # noqa: E402
+from bench.common import WARMUP_PROMPT, WORKLOADS, Workload, print_table, progress, write_json  # noqa: E402
 from executor_svc.lora.adapter import PROJECTIONS, projection_shape  # noqa: E402
 from executor_svc.runtime.config import ExecutorOptions, ModelConfig  # noqa: E402
 from executor_svc.runtime.model_executor import ModelExecutor  # noqa: E402
@@ -54,10 +55,9 @@ def write_adapter(folder: Path, config: ModelConfig, rank: int, seed: int) -> Pa
     return folder
 
 
-def run(engine: Engine, peer: str, workload_name: str) -> tuple[float, float]:
+def run(engine: Engine, peer: str, workload: Workload) -> tuple[float, float]:
     """Wall and CPU seconds (this process's threads, all of them) to generate the workload, each request through the
     base model or round robin over the adapters. On a machine shared with other work the CPU seconds move less."""
-    workload = WORKLOADS[workload_name]()
     names = [f"lora{i % NUM_ADAPTERS}" if peer == "adapters" else None for i in range(len(workload.prompts))]
     start, cpu_start = time.perf_counter(), time.process_time()
     for prompt, max_tokens, name in zip(workload.prompts, workload.max_tokens, names, strict=True):
@@ -76,15 +76,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="alternating rounds per peer (default: 1)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--num-requests", type=int, default=None, help="the workload's first N requests (default: all)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens (default: none)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    workload = WORKLOADS[args.workload]()
+    count = args.num_requests or len(workload.prompts)
+    workload = replace(workload, prompts=workload.prompts[:count], max_tokens=[
+        min(n, args.max_tokens or n) for n in workload.max_tokens[:count]])
     folder = resolve_model(args.model)
     config = ModelConfig.from_folder(folder)
     with tempfile.TemporaryDirectory() as root:
         adapters = {f"lora{i}": str(write_adapter(Path(root) / f"lora{i}", config, args.rank, seed=i))
                     for i in range(NUM_ADAPTERS)}
         options = ExecutorOptions(model=args.model, dtype=args.dtype, kv_cache_memory=2 << 30, threads=args.threads,
-                                  max_model_len=WORKLOADS[args.workload]().max_model_len, lora_modules=adapters,
+                                  max_model_len=workload.max_model_len, lora_modules=adapters,
                                   max_lora_rank=args.rank)
         engine = Engine(ModelExecutor(options), SchedulerConfig(num_scheduler_steps=8, max_loras=NUM_ADAPTERS))
         for name in (None, *adapters):
@@ -93,12 +99,12 @@ def main(argv: list[str] | None = None) -> None:
         cpu: dict[str, list[float]] = {peer: [] for peer in PEERS}
         for round_ in range(args.repeats):
             for peer in PEERS if round_ % 2 == 0 else reversed(PEERS):
-                wall, used = run(engine, peer, args.workload)
+                wall, used = run(engine, peer, workload)
                 seconds[peer].append(wall)
                 cpu[peer].append(used)
     median = {peer: statistics.median(times) for peer, times in seconds.items()}
     median_cpu = {peer: statistics.median(times) for peer, times in cpu.items()}
-    tokens = sum(WORKLOADS[args.workload]().max_tokens)
+    tokens = sum(workload.max_tokens)
     print_table(["peer", "seconds", "tok/s", "x base", "CPU seconds", "x base (CPU)"],
                 [[peer, median[peer], tokens / median[peer], median[peer] / median["base"], median_cpu[peer],
                   median_cpu[peer] / median_cpu["base"]] for peer in PEERS])
