@@ -9,9 +9,11 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.executor import LoraRefused
 from common.step import StepPlan, StepResult
+from executor_svc.cpu.decode_stack import CpuDecodeStack
 from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.model_executor import ModelExecutor
 from scheduler_svc.core.sampling import SamplingParams
@@ -196,3 +198,19 @@ def test_two_tensor_parallel_ranks_serve_adapters(family: Family) -> None:
         assert refused.value.code == "FAILED_PRECONDITION"
     finally:
         executor.close()
+
+
+def test_decode_steps_with_adapters_keep_the_c_decode_stack(family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the C stack fits (Llama, not Qwen3's q/k norms), a decode step with adapter rows runs it, each
+    projection through its module and its adapters' update, with the reference tokens."""
+    adapted = []
+    run = CpuDecodeStack._run_torch_linears
+
+    def recorded(self: CpuDecodeStack, hidden: torch.Tensor, residual: torch.Tensor, layers: list | None = None):
+        adapted.append(layers is self.adapted_layers)
+        return run(self, hidden, residual, layers)
+
+    monkeypatch.setattr(CpuDecodeStack, "_run_torch_linears", recorded)
+    outputs, reference = mixed_batch(family, Engine(family.executor(cpu_kernels="c")))
+    assert outputs == reference
+    assert any(adapted) == (family.base.name == "llama")

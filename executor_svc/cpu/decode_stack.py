@@ -174,13 +174,13 @@ class CpuDecodeStack:
         if adapted:
             return self._run_torch_linears(hidden, residual, self.adapted_layers)
         if not self._c_linear(rows):
-            return self._run_torch_linears(hidden, residual, self.torch_layers)
+            return self._run_torch_linears(hidden, residual)
         _check(self._run(*self._args))
         return hidden, residual
 
-    def _run_torch_linears(self, hidden: torch.Tensor, residual: torch.Tensor, layers: list[tuple]
+    def _run_torch_linears(self, hidden: torch.Tensor, residual: torch.Tensor, layers: list[tuple] | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stack with each projection through Python (``torch_layers``: ``LinearBase.torch_matmul``;
+        """The stack with each projection through Python (``torch_layers``, the default: ``LinearBase.torch_matmul``;
         ``adapted_layers``: the whole module, with its LoRA update), the rest in C between."""
         rows, shape, step = hidden.shape[0], self._args[2], self._args[3]
         size, eps, bf16, threads = self.shape.hidden, self.shape.eps, self.shape.bf16, self.shape.threads
@@ -191,7 +191,7 @@ class CpuDecodeStack:
         residual.copy_(hidden)  # the embeddings are the residual; the first norm adds nothing
         x, added = hidden, None
         # each projection's output is held in a name while C reads it: a temporary would be freed first
-        for spec, input_norm, post_norm, qkv, qkv_bias, o, gate_up, gate_up_bias, down in layers:
+        for spec, input_norm, post_norm, qkv, qkv_bias, o, gate_up, gate_up_bias, down in layers or self.torch_layers:
             self._rms_norm(x.data_ptr(), size, added, input_norm, normed_p, rows, size, eps, bf16, threads)
             added = residual_p
             y = qkv(normed, qkv_bias)
