@@ -138,6 +138,15 @@ class Client:
         """Live queue and KV-block counters."""
         return self._unary(self.stub.GetStats, pb.GetStatsRequest())
 
+    def load_lora(self, name: str, path: str) -> pb.LoraAdapterCard:
+        """Load a PEFT LoRA adapter (a folder on the executor's machine) as ``name``; requests then pass ``lora=name``.
+        Refused unless the executor runs with --runtime-lora."""
+        return self._unary(self.stub.LoadLoraAdapter, pb.LoadLoraRequest(lora_name=name, lora_path=path))
+
+    def unload_lora(self, name: str) -> pb.LoraAdapterCard:
+        """Unload an adapter; refused (FAILED_PRECONDITION) while requests use it."""
+        return self._unary(self.stub.UnloadLoraAdapter, pb.UnloadLoraRequest(lora_name=name))
+
     def health(self, service: str = "") -> str:
         """The grpc.health.v1 status name, e.g. "SERVING" or "NOT_SERVING"."""
         response = self._unary(self.health_stub.Check, health_pb2.HealthCheckRequest(service=service))

@@ -81,6 +81,8 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                         help="in [-2, 2], against tokens by their count in the completion (server default 0.0)")
     parser.add_argument("--logit-bias", type=logit_bias, action="append",
                         help="TOKEN_ID=BIAS added to that token's logit, repeatable (server default none)")
+    parser.add_argument("--lora", metavar="NAME", help="the LoRA adapter to run through (server default: the base "
+                        "model; 'nanoserve info' lists the adapters)")
     parser.add_argument("--n", type=int, help="independent completions, streamed labelled by index (server default 1)")
     parser.add_argument("--min-tokens", type=int,
                         help="completion tokens before EOS or a stop may end it (server default 0)")
@@ -168,7 +170,7 @@ def generation_options(args: argparse.Namespace) -> dict:
              "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "n",
              "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
              "prompt_logprobs",
-             "json_schema", "regex", "choice", "grammar", "json_object")
+             "json_schema", "regex", "choice", "grammar", "json_object", "lora")
     options = {name: getattr(args, name) for name in names}
     options["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     return options

@@ -43,10 +43,11 @@ def build_request(
     grammar: str | None = None,
     json_object: bool | None = None,
     stream_interval: int | None = None,
+    lora: str | None = None,
 ) -> pb.GenerateRequest:
     """Exactly one of ``prompt`` (text), ``messages`` (chat) or ``token_ids`` must be given, and at most one
     structured-output constraint (``json_schema`` as JSON text or a dict, ``regex``, ``choice``, ``grammar``
-    in Lark, ``json_object``).
+    in Lark, ``json_object``). ``lora``: the LoRA adapter to run through, by name (None: the base model).
 
     Options left as None are not sent, so the server applies its documented defaults.
     Range checks are the server's job: it answers INVALID_ARGUMENT naming the field.
@@ -67,7 +68,7 @@ def build_request(
     request = pb.GenerateRequest(request_id=request_id, sampling=sampling, stopping=stopping,
                                  add_special_tokens=add_special_tokens, skip_special_tokens=skip_special_tokens,
                                  truncate_prompt_tokens=truncate_prompt_tokens, prompt_logprobs=prompt_logprobs,
-                                 stream_interval=stream_interval)
+                                 stream_interval=stream_interval, lora=lora)
     constraint = structured_output(json_schema, regex, choice, grammar, json_object)
     if constraint is not None:
         request.structured_output.CopyFrom(constraint)

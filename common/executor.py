@@ -9,7 +9,17 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Protocol
 
-from common.step import ExecutorInfo, StepPlan, StepResult
+from common.step import ExecutorInfo, LoraAdapterInfo, StepPlan, StepResult
+
+
+class LoraRefused(ValueError):
+    """A load or unload of a LoRA adapter refused, changing nothing; ``code`` is the gRPC status name it travels
+    as (INVALID_ARGUMENT: the adapter does not fit; FAILED_PRECONDITION: not now, or not on this executor;
+    NOT_FOUND: no adapter by that name)."""
+
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class Executor(Protocol):
@@ -37,6 +47,14 @@ class Executor(Protocol):
     def cut(self, step_id: int) -> None:
         """CutStep: stop multi-step plan ``step_id`` after the pass in progress. Advisory: an executor that runs no
         multi-step plans has nothing to cut."""
+
+    def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
+        """Load a PEFT LoRA adapter while serving; LoraRefused where this executor cannot."""
+        raise LoraRefused("this executor serves no LoRA adapters", "FAILED_PRECONDITION")
+
+    def unload_lora(self, name: str) -> LoraAdapterInfo:
+        """Unload an adapter no request uses; LoraRefused otherwise."""
+        raise LoraRefused("this executor serves no LoRA adapters", "FAILED_PRECONDITION")
 
     def prepare(self, plan: StepPlan) -> object:
         """The first half of ``step``: apply the plan and pack its input; the second half is ``execute``."""

@@ -66,6 +66,8 @@ class NewRequest:
     num_scheduled_tokens: int = 0
     # token_ids[num_prompt_tokens:] is completion (a preempted or recovered request); None: all prompt.
     num_prompt_tokens: int | None = None
+    # The LoRA adapter it runs through, an id from ``ExecutorInfo.lora_adapters``; 0: the base model.
+    lora_id: int = 0
 
 
 @dataclass(slots=True)
@@ -130,6 +132,17 @@ class StepResult:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraAdapterInfo:
+    """A LoRA adapter the executor holds: requests name it by ``name``, plans by ``lora_id`` (never reused by one
+    executor instance, so it can key the prefix cache)."""
+
+    lora_id: int
+    name: str
+    path: str = ""
+    rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ExecutorInfo:
     """The handshake: what the scheduler must know of the executor before its first plan (defaults: the proto's)."""
 
@@ -149,6 +162,11 @@ class ExecutorInfo:
     tokenizer_json: str = ""
     chat_template: str = ""
     attention_backend: str = ""
+    # The adapters loaded at start; adapters load and unload at run time only where ``runtime_lora`` (and the
+    # scheduler learns of them from those calls' answers).
+    lora_adapters: tuple[LoraAdapterInfo, ...] = ()
+    max_lora_rank: int = 0
+    runtime_lora: bool = False
 
     @property
     def on_cpu(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from common.step import (
     CachedRequests,
     ExecutorInfo,
+    LoraAdapterInfo,
     NewRequest,
     PromptLogprobs,
     SamplingSettings,
@@ -52,7 +53,8 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
         msg.new_requests.add(request_id=new.request_id, token_ids=new.token_ids,
                              sampling=sampling_to_proto(new.sampling), block_table=new.block_table,
                              num_computed_tokens=new.num_computed_tokens,
-                             num_scheduled_tokens=new.num_scheduled_tokens, num_prompt_tokens=new.num_prompt_tokens)
+                             num_scheduled_tokens=new.num_scheduled_tokens, num_prompt_tokens=new.num_prompt_tokens,
+                             lora_id=new.lora_id)
     c = plan.cached_requests
     if c.request_ids:
         cached = msg.cached_requests
@@ -74,7 +76,7 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
         new_requests=[
             NewRequest(new.request_id, list(new.token_ids), sampling_from_proto(new.sampling), list(new.block_table),
                        new.num_computed_tokens, new.num_scheduled_tokens,
-                       new.num_prompt_tokens if new.HasField("num_prompt_tokens") else None)
+                       new.num_prompt_tokens if new.HasField("num_prompt_tokens") else None, new.lora_id)
             for new in msg.new_requests
         ],
         cached_requests=CachedRequests(list(c.request_ids), list(c.num_computed_tokens), list(c.num_scheduled_tokens),
@@ -119,15 +121,25 @@ def result_from_proto(msg: pb.StepResult) -> StepResult:
 
 INFO_FIELDS = ("instance_id", "model_id", "architecture", "dtype", "device", "vocab_size", "max_model_len",
                "block_size", "num_blocks", "tensor_parallel_size", "tokenizer_json", "chat_template",
-               "attention_backend")
+               "attention_backend", "max_lora_rank", "runtime_lora")
 
 
 def info_to_proto(info: ExecutorInfo) -> pb.ExecutorInfo:
     return pb.ExecutorInfo(**{name: getattr(info, name) for name in INFO_FIELDS},
-                           eos_token_ids=info.eos_token_ids, bos_token_id=info.bos_token_id)
+                           eos_token_ids=info.eos_token_ids, bos_token_id=info.bos_token_id,
+                           lora_adapters=map(lora_to_proto, info.lora_adapters))
 
 
 def info_from_proto(msg: pb.ExecutorInfo) -> ExecutorInfo:
     return ExecutorInfo(**{name: getattr(msg, name) for name in INFO_FIELDS},
                         eos_token_ids=tuple(msg.eos_token_ids),
-                        bos_token_id=msg.bos_token_id if msg.HasField("bos_token_id") else None)
+                        bos_token_id=msg.bos_token_id if msg.HasField("bos_token_id") else None,
+                        lora_adapters=tuple(map(lora_from_proto, msg.lora_adapters)))
+
+
+def lora_to_proto(adapter: LoraAdapterInfo) -> pb.LoraAdapter:
+    return pb.LoraAdapter(lora_id=adapter.lora_id, name=adapter.name, path=adapter.path, rank=adapter.rank)
+
+
+def lora_from_proto(msg: pb.LoraAdapter) -> LoraAdapterInfo:
+    return LoraAdapterInfo(msg.lora_id, msg.name, msg.path, msg.rank)

@@ -11,6 +11,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 
+from common.executor import LoraRefused
 from common.flags import EnvFlags, boolean, byte_size, port, positive_float, positive_int
 from common.security import TLSConfig
 from executor_svc.cpu.choice import parse_override
@@ -26,6 +27,19 @@ def cpu_kernels_flag(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def lora_modules(text: str) -> dict[str, str]:
+    """``name=path`` items, separated by commas -> {name: path}."""
+    modules = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise argparse.ArgumentTypeError(f"an adapter is NAME=PATH, got {item!r}")
+        if name in modules:
+            raise argparse.ArgumentTypeError(f"adapter name {name!r} is given twice")
+        modules[name] = path
+    return modules
 
 
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -54,6 +68,11 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         "~10 Python calls a layer)")
     add("--yield-cpu", boolean, False, "on the CPU, run gRPC's and the other helper threads in SCHED_IDLE, so that "
         "they never preempt the forward pass: more offline throughput, a later first token (with the scheduler's)")
+    add("--lora-modules", lora_modules, {}, "LoRA adapters to serve, NAME=PATH items (PEFT adapter folders), "
+        "space- or comma-separated; a request names one as its model", nargs="+")
+    add("--max-lora-rank", positive_int, 16, "highest LoRA adapter rank served")
+    add("--runtime-lora", boolean, False, "allow loading and unloading LoRA adapters while serving (the "
+        "LoadLoraAdapter and UnloadLoraAdapter RPCs; one rank only)")
     add("--tls-cert", str, "", "PEM certificate chain (with --tls-key: serve TLS)")
     add("--tls-key", str, "", "PEM private key of --tls-cert")
     add("--tls-ca", str, "", "PEM CA: only a scheduler with a client certificate it signed may connect (mutual TLS)")
@@ -75,14 +94,33 @@ def options_from_args(args: argparse.Namespace) -> ExecutorOptions:
         enforce_eager=args.enforce_eager,
         cpu_kernels=args.cpu_kernels,
         cpu_decode_stack=args.cpu_decode_stack,
+        lora_modules=_merged(args.lora_modules),
+        max_lora_rank=args.max_lora_rank,
+        runtime_lora=args.runtime_lora,
     )
+
+
+def _merged(modules: dict[str, str] | list[dict[str, str]]) -> dict[str, str]:
+    """One mapping from the flag's items (a list of them from the command line, one from the environment)."""
+    if isinstance(modules, dict):
+        return modules
+    merged: dict[str, str] = {}
+    for part in modules:
+        twice = merged.keys() & part.keys()
+        if twice:
+            raise argparse.ArgumentTypeError(f"adapter name {sorted(twice)[0]!r} is given twice")
+        merged.update(part)
+    return merged
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
-    options = options_from_args(args)
+    try:
+        options = options_from_args(args)
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"--lora-modules: {e}")
     try:
         tls = TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
     except ValueError as e:
@@ -91,7 +129,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     from executor_svc.runtime.model_executor import ModelExecutor
     from executor_svc.service import serve
 
-    executor = ModelExecutor(options)
+    try:
+        executor = ModelExecutor(options)
+    except LoraRefused as e:  # an adapter of --lora-modules that does not fit: say which and why
+        parser.error(str(e))
     info = executor.get_info()
     log.info(
         "model %s (%s) on %s, %s, %d KV blocks of %d tokens, attention %s, tensor-parallel %d",

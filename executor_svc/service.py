@@ -16,11 +16,11 @@ from grpc_reflection.v1alpha import reflection
 
 from common.channels import EXECUTOR_SERVER_OPTIONS
 from common.cpu_yield import thread_ids, yield_cpu
-from common.executor import Executor
+from common.executor import Executor, LoraRefused
 from common.heap import freeze_startup_heap
 from common.security import TLSConfig, bind, transport_name
-from common.step import StepResult
-from common.step_codec import info_to_proto, plan_from_proto, result_to_proto
+from common.step import LoraAdapterInfo, StepResult
+from common.step_codec import info_to_proto, lora_to_proto, plan_from_proto, result_to_proto
 from executor_svc.core.request_table import PlanError
 from nanoserve.v1 import executor_pb2 as pb
 from nanoserve.v1 import executor_pb2_grpc as pb_grpc
@@ -191,6 +191,20 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         """Not queued behind the step it cuts: it only marks it (an executor without multi-step cuts ignores it)."""
         self.executor.cut(request.step_id)
         return pb.CutStepResponse()
+
+    def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context: grpc.ServicerContext) -> pb.LoraAdapter:
+        """Between steps (both locks), so that no plan runs while the adapters change."""
+        return self._lora(self.executor.load_lora, context, request.name, request.path)
+
+    def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context: grpc.ServicerContext
+                          ) -> pb.LoraAdapter:
+        return self._lora(self.executor.unload_lora, context, request.name)
+
+    def _lora(self, fn: Callable[..., LoraAdapterInfo], context: grpc.ServicerContext, *args: str) -> pb.LoraAdapter:
+        try:
+            return lora_to_proto(self._run(fn, *args).result())
+        except LoraRefused as e:
+            context.abort(getattr(grpc.StatusCode, e.code), str(e))
 
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> pb.ResetResponse:
         return pb.ResetResponse(num_dropped_requests=self._run(self.executor.reset).result())

@@ -62,6 +62,8 @@ class ServiceConfig:
     # "nano-vllm": prefill first, never mixed with decode (the seed's policy); "mixed": running decodes first, prefill
     # chunks fill the rest of the token budget in the same step (``core.mixed``).
     scheduling_policy: str = "nano-vllm"
+    # The most distinct LoRA adapters in one step; requests for another wait their turn, in arrival order.
+    max_loras: int = 4
     # Tokens a stream gathers before a message goes out (the first and the last go at once): vLLM's and SGLang's
     # --stream-interval.
     stream_interval: int = 1
@@ -124,6 +126,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--scheduling-policy", str, "nano-vllm: prefill first, never in a step with decodes (the seed's policy); "
         "mixed: running decodes first, and prefill chunks fill the rest of --max-num-batched-tokens in the same step",
         choices=POLICY_NAMES)
+    add("--max-loras", positive_int, "the most distinct LoRA adapters in one step (the base model not counted); a "
+        "request for another waits, in arrival order, until an adapter's requests end")
     add("--stream-interval", positive_int, "tokens a stream gathers before they are sent (its first token and its "
         "end go at once): 1 sends each as it comes; more send fewer, larger messages, which costs this process "
         "less per token when it streams to many clients")

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from bench import kernels, mixed_attention, options, overhead, overlap, profile, random_model, serving, throughput
+from bench import kernels, lora, mixed_attention, options, overhead, overlap, profile, random_model, serving, throughput
 from bench.common import w1, w2
 from executor_svc.cpu import kernels as cpu_kernels
 from executor_svc.cpu.choice import CLASSES, FAMILIES
@@ -239,3 +239,11 @@ def test_options_writes_its_keys(tmp_path):
     for peer in options.PEERS:
         assert positive_finite(figures[f"{peer}_step_ms"])
     assert figures["plain_over_plain"] == 1.0 and positive_finite(figures["json_schema_over_plain"])
+
+
+def test_lora_writes_its_keys(tmp_path):
+    path = tmp_path / "lora.json"
+    lora.main(["--num-requests", "4", "--max-tokens", "3", "--rank", "4", "--threads", "1", "--json", str(path)])
+    figures = json.loads(path.read_text())
+    assert positive_finite(figures["ratio"]) and positive_finite(figures["cpu_ratio"])
+    assert [len(figures["seconds"][peer]) for peer in lora.PEERS] == [1, 1]

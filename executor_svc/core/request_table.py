@@ -9,6 +9,8 @@ passes that sample them are the step code's (``executor_svc.core.step_pipeline``
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Container
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
@@ -52,6 +54,8 @@ class RequestState:
     # checked against these, so the next plan can be applied while the step before it still runs.
     planned_computed: int = 0
     planned_len: int = 0
+    # The adapter its tokens run through (``NewRequest.lora_id``; 0: the base model).
+    lora_id: int = 0
 
 
 @dataclass(slots=True)
@@ -83,9 +87,22 @@ class RequestTable:
         # Positions at or past it have no rotary embedding: a plan reaching there is refused, not half-run.
         self.max_model_len = max_model_len
         self.requests: dict[int, RequestState] = {}
+        # The adapter ids a new request may name (beside 0, the base model): the model executor's loaded ones.
+        self.lora_ids: Container[int] = frozenset()
+        # Held while a plan is checked and applied, so that ``retire_lora`` sees every request it admits.
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    def retire_lora(self, lora_id: int) -> bool:
+        """Stop accepting requests for adapter ``lora_id`` unless a held request runs through it (then False, and
+        nothing changes): once True, no plan can bring it back, so its weights can go."""
+        with self._lock:
+            if any(state.lora_id == lora_id for state in self.requests.values()):
+                return False
+            self.lora_ids = frozenset(self.lora_ids) - {lora_id}
+            return True
 
     def reset(self) -> int:
         n = len(self.requests)
@@ -97,7 +114,11 @@ class RequestTable:
         order. The steps applied before need not have run yet (``planned_*``); their tokens are recorded by
         ``record_sampled`` when they have.
         """
-        self._validate(plan)
+        with self._lock:
+            self._validate(plan)
+            return self._apply(plan)
+
+    def _apply(self, plan: StepPlan) -> list[ScheduledChunk]:
         for request_id in plan.finished_request_ids:
             del self.requests[request_id]
         chunks = []
@@ -109,6 +130,7 @@ class RequestTable:
                 new.num_computed_tokens,
                 new.sampling,
                 len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens,
+                lora_id=new.lora_id,
             )
             end = new.num_computed_tokens + new.num_scheduled_tokens
             state.planned_computed, state.planned_len = end, len(state.token_ids) + (end == len(state.token_ids))
@@ -204,6 +226,8 @@ class RequestTable:
             if new.num_prompt_tokens is not None and new.num_prompt_tokens > n:
                 raise PlanError(INVALID, f"request {rid}: {new.num_prompt_tokens} prompt tokens of its {n} tokens")
             self._check_sampling(rid, new.sampling)
+            if new.lora_id and new.lora_id not in self.lora_ids:
+                raise PlanError(PRECONDITION, f"request {rid}: adapter id {new.lora_id} is not loaded")
             end = new.num_computed_tokens + new.num_scheduled_tokens
             self._check_blocks(rid, new.block_table, end, len(new.block_table))
         cached = plan.cached_requests

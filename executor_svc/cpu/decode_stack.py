@@ -15,12 +15,15 @@ and rotary run C inside the stack whatever the choice says for them: torch wins 
 the cost of the C call's wrapper, which the stack does not pay. It fits Llama and Qwen2 (q/k/v biases) on one
 rank with the ``cpu`` attention backend; Qwen3's q/k norms and biases after a row-parallel projection take the
 layers' path.
+A step with LoRA adapter rows takes the four-call form too, each projection through its module (its kernel choice,
+then its adapters' update, ``executor_svc/lora``).
 ``--cpu-decode-stack off`` turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -79,6 +82,7 @@ class CpuDecodeStack:
         self.layers = (_Layer * len(model.layers))()
         # per layer, for steps whose projections run in torch: its struct, norms and projections
         self.torch_layers: list[tuple] = []
+        self.adapted_layers: list[tuple] = []
         for layer, spec in zip(model.layers, self.layers, strict=True):
             a, m = layer.self_attn, layer.mlp
             tensors = [_tensor(layer.input_layernorm.weight, dtype), _tensor(layer.post_attention_layernorm.weight,
@@ -97,6 +101,9 @@ class CpuDecodeStack:
                 a.qkv_proj.bias, a.o_proj.torch_matmul, m.gate_up_proj.torch_matmul, m.gate_up_proj.bias,
                 m.down_proj.torch_matmul,
             ))
+            # with LoRA adapters in the step: each projection whole (its kernel choice, then its adapters' update)
+            self.adapted_layers.append((*self.torch_layers[-1][:3], _whole(a.qkv_proj), None, _whole(a.o_proj),
+                                        _whole(m.gate_up_proj), None, _whole(m.down_proj)))
         cache = attn.attn.k_cache
         self.cos, self.sin = _tensor(attn.rotary.cos, dtype), _tensor(attn.rotary.sin, dtype)
         self.shape = _Shape(
@@ -133,19 +140,20 @@ class CpuDecodeStack:
                 return False
         return True
 
-    def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def applies(self, hidden: torch.Tensor, meta: AttentionMetadata, adapted: bool = False) -> bool:
         """A decode step on the CPU, at a row count where decode attention and RMSNorm run C; linear may run
-        either way, C only where the weights have packed copies."""
+        either way, C only where the weights have packed copies (``adapted``: the step has LoRA adapter rows, and
+        each projection runs whole in Python, as its module does)."""
         rows = hidden.shape[0]
         return (not meta.is_prefill and hidden.is_cpu and hidden.dtype == self.dtype and rows > 0
-                and (self.packed or not self._c_linear(rows))
+                and (self.packed or adapted or not self._c_linear(rows))
                 and self.backend.kernels.use_c("decode_attention", rows)
                 and self.first.input_layernorm.kernels.use_c("rms_norm", rows))
 
     def _c_linear(self, rows: int) -> bool:
         return self.first.self_attn.qkv_proj.kernels.use_c("linear", rows)
 
-    def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, adapted: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's output, the residual) for a step ``applies`` took; ``hidden`` (the embeddings,
         [rows, hidden]) may be overwritten."""
@@ -163,13 +171,17 @@ class CpuDecodeStack:
         step.block_tables, step.context_lens = tables.data_ptr(), lengths.data_ptr()
         step.hidden, step.residual, step.scratch = hidden.data_ptr(), residual.data_ptr(), self.scratch.data_ptr()
         self.shape.threads = torch.get_num_threads()
+        if adapted:
+            return self._run_torch_linears(hidden, residual, self.adapted_layers)
         if not self._c_linear(rows):
             return self._run_torch_linears(hidden, residual)
         _check(self._run(*self._args))
         return hidden, residual
 
-    def _run_torch_linears(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stack with each projection through torch (``LinearBase.torch_matmul``), the rest in C between."""
+    def _run_torch_linears(self, hidden: torch.Tensor, residual: torch.Tensor, layers: list[tuple] | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stack with each projection through Python (``torch_layers``, the default: ``LinearBase.torch_matmul``;
+        ``adapted_layers``: the whole module, with its LoRA update), the rest in C between."""
         rows, shape, step = hidden.shape[0], self._args[2], self._args[3]
         size, eps, bf16, threads = self.shape.hidden, self.shape.eps, self.shape.bf16, self.shape.threads
         inter = self.shape.intermediate
@@ -179,7 +191,7 @@ class CpuDecodeStack:
         residual.copy_(hidden)  # the embeddings are the residual; the first norm adds nothing
         x, added = hidden, None
         # each projection's output is held in a name while C reads it: a temporary would be freed first
-        for spec, input_norm, post_norm, qkv, qkv_bias, o, gate_up, gate_up_bias, down in self.torch_layers:
+        for spec, input_norm, post_norm, qkv, qkv_bias, o, gate_up, gate_up_bias, down in layers or self.torch_layers:
             self._rms_norm(x.data_ptr(), size, added, input_norm, normed_p, rows, size, eps, bf16, threads)
             added = residual_p
             y = qkv(normed, qkv_bias)
@@ -190,6 +202,11 @@ class CpuDecodeStack:
             self._silu_and_mul(y.data_ptr(), act_p, rows, inter, bf16, threads)
             x = down(act, None)
         return x, residual
+
+
+def _whole(linear: nn.Module) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """A projection module as ``torch_matmul``'s signature: its own forward adds its bias."""
+    return lambda x, bias: linear(x)
 
 
 def _linears(layers: nn.ModuleList) -> list[nn.Module]:

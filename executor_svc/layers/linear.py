@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ from torch import nn
 from executor_svc.cpu import kernels as cpu_kernels
 from executor_svc.cpu.choice import ALL_C, KernelChoice
 from executor_svc.runtime.distributed import all_reduce, divide, tp_rank, tp_size
+
+if TYPE_CHECKING:
+    from executor_svc.lora.layers import LoraWeights
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # The row count oneDNN lays a reordered bfloat16 weight out for (``onednn_copy``): a full decode batch. Between 1
@@ -87,6 +91,12 @@ class LinearBase(nn.Module):
     packed_weight: PackedWeight | None = None
     onednn_weight: torch.Tensor | None = None
     kernels: KernelChoice = ALL_C
+    # The adapters' factors for this projection (``executor_svc/lora``); None: no adapter serving.
+    lora: LoraWeights | None = None
+
+    def lora_active(self) -> bool:
+        """Whether the running step has adapter rows, so this projection adds their low-rank update."""
+        return self.lora is not None and self.lora.step.batch is not None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None) -> torch.Tensor:
         """``rows``: the row count the kernel choice goes by (default: ``x``'s), a whole step's for a chunk of it."""
@@ -205,7 +215,10 @@ class ColumnParallelLinear(LinearBase):
         target.copy_(loaded.narrow(0, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-        return self.matmul(x, self.bias, rows)
+        y = self.matmul(x, self.bias, rows)
+        if self.lora is not None and self.lora.step.batch is not None:
+            self.lora.add(x, y)
+        return y
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -229,5 +242,8 @@ class RowParallelLinear(LinearBase):
         self.weight.data.copy_(loaded.narrow(1, tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-        y = all_reduce(self.matmul(x, None, rows))
+        y = self.matmul(x, None, rows)
+        if self.lora is not None and self.lora.step.batch is not None:
+            self.lora.add(x, y)  # a partial sum under tensor parallelism, like y's
+        y = all_reduce(y)
         return y if self.bias is None else y + self.bias

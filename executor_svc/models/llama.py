@@ -19,6 +19,7 @@ from executor_svc.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from executor_svc.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from executor_svc.layers.norm import RMSNorm
 from executor_svc.layers.rotary import RotaryEmbedding
+from executor_svc.lora.layers import LoraStep
 from executor_svc.runtime.config import ModelConfig
 from executor_svc.runtime.distributed import divide, tp_size
 
@@ -68,7 +69,8 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu":
+        # Row chunks would cut the step's rows apart from their adapters' (``lora.layers.LoraBatch``).
+        if x.device.type == "cpu" and not self.gate_up_proj.lora_active():
             rows = max(1, self.CPU_CHUNK_BYTES // (sum(self.gate_up_proj.shard_sizes) * x.element_size()))
             if x.shape[0] > rows:
                 return torch.cat([self._mlp(part, x.shape[0]) for part in x.split(rows)])
@@ -107,11 +109,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # On the CPU, the layers of a decode step in the C stack where they fit (``cpu_decode_stack.attach``).
         self.cpu_stack: CpuDecodeStack | None = None
+        # With adapters served (``executor_svc/lora``): the running step's adapter rows, whose update the C stack
+        # leaves to the projections' modules.
+        self.lora_step: LoraStep | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.cpu_stack is not None and self.cpu_stack.applies(hidden, meta):
-            hidden, residual = self.cpu_stack.run(hidden, positions, meta)
+        adapted = self.lora_step is not None and self.lora_step.batch is not None
+        if self.cpu_stack is not None and self.cpu_stack.applies(hidden, meta, adapted):
+            hidden, residual = self.cpu_stack.run(hidden, positions, meta, adapted)
         else:
             residual = None
             for layer in self.layers:

@@ -8,7 +8,7 @@ dataclass and any configuration it cannot run is refused before a weight is read
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -144,6 +144,16 @@ class ExecutorOptions:
     cpu_kernels: str = "auto"
     # CPU: a decode step's decoder layers in one C call where they fit (cpu/decode_stack.py).
     cpu_decode_stack: bool = True
+    # LoRA adapters loaded at start, name -> PEFT adapter folder (``executor_svc/lora``).
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    # The highest adapter rank served (factors are padded to it); with runtime_lora, LoRA is on without lora_modules.
+    max_lora_rank: int = 16
+    # Whether adapters may be loaded and unloaded while serving (LoadLoraAdapter, UnloadLoraAdapter).
+    runtime_lora: bool = False
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.lora_modules) or self.runtime_lora
 
     def resolved_device(self) -> str:
         if self.device:

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from common.step import ExecutorInfo, StepResult
+from common.step import ExecutorInfo, LoraAdapterInfo, StepResult
 from executor_svc.core.request_table import RequestTable, ScheduledChunk
 from executor_svc.core.step_pipeline import TableExecutor
+from executor_svc.lora.adapter import LoraError
+from executor_svc.lora.manager import LoraManager
 from executor_svc.runtime.config import ExecutorOptions
-from executor_svc.runtime.distributed import free_init_method, init_group, spawn_workers
+from executor_svc.runtime.distributed import free_init_method, init_group, spawn_workers, tp_size
 from executor_svc.runtime.model_runner import LaunchedForward, ModelRunner, PreparedInput, rank_device, worker_main
 from executor_svc.runtime.registry import resolve_model
 
@@ -50,6 +53,8 @@ class ModelExecutor(TableExecutor):
         self.prepares_ahead = runner.device.type != "cpu"
         config = runner.config
         self.table = RequestTable(runner.num_blocks, runner.block_size, config.vocab_size, runner.max_model_len)
+        if runner.lora is not None:
+            self.table.lora_ids = runner.lora.ids
         tokenizer = self.folder / "tokenizer.json"
         self.info = ExecutorInfo(
             instance_id=uuid.uuid4().hex,
@@ -67,7 +72,48 @@ class ModelExecutor(TableExecutor):
             tokenizer_json=tokenizer.read_text() if tokenizer.is_file() else "",
             chat_template=read_chat_template(self.folder),
             attention_backend=runner.backend.name,
+            lora_adapters=self.lora_adapters(),
+            max_lora_rank=options.max_lora_rank if runner.lora is not None else 0,
+            runtime_lora=options.runtime_lora,
         )
+
+    def lora_adapters(self) -> tuple[LoraAdapterInfo, ...]:
+        """The adapters held now, by id."""
+        lora = self.runner.lora
+        held = sorted(lora.adapters.values(), key=lambda a: a.lora_id) if lora is not None else []
+        return tuple(LoraAdapterInfo(a.lora_id, a.name, a.path, a.rank) for a in held)
+
+    def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
+        """Load adapter ``name`` from the PEFT folder ``path`` while serving; LoraError, changing nothing, if runtime
+        loading is off or the adapter does not fit (the executor keeps serving either way)."""
+        lora = self._runtime_lora()
+        loaded = lora.load(name, path)
+        self.table.lora_ids = lora.ids
+        self.info = replace(self.info, lora_adapters=self.lora_adapters())
+        return LoraAdapterInfo(loaded.lora_id, loaded.name, loaded.path, loaded.rank)
+
+    def unload_lora(self, name: str) -> LoraAdapterInfo:
+        """Unload adapter ``name``; LoraInUse, changing nothing, while a held request runs through it."""
+        lora = self._runtime_lora()
+        loaded = lora.adapters.get(name)
+        if loaded is None:
+            raise LoraError(f"adapter {name!r} is not loaded", "NOT_FOUND")
+        if not self.table.retire_lora(loaded.lora_id):
+            raise LoraError(f"adapter {name!r} serves running requests; unload it once they finish",
+                            "FAILED_PRECONDITION")
+        lora.unload(name)
+        self.info = replace(self.info, lora_adapters=self.lora_adapters())
+        return LoraAdapterInfo(loaded.lora_id, loaded.name, loaded.path, loaded.rank)
+
+    def _runtime_lora(self) -> LoraManager:
+        if not self.options.runtime_lora or self.runner.lora is None:
+            raise LoraError("loading and unloading adapters at run time is off (start the executor with "
+                            "--runtime-lora)", "FAILED_PRECONDITION")
+        if tp_size() > 1:
+            # The other ranks follow rank 0's broadcasts in step order, which a call from another thread would break.
+            raise LoraError("adapters load at run time on one rank only; under tensor parallelism pass them with "
+                            "--lora-modules at start", "FAILED_PRECONDITION")
+        return self.runner.lora
 
     def pack(self, chunks: list[ScheduledChunk], before: list[ScheduledChunk] | None = None) -> PreparedInput:
         prepared = self.runner.prepare(chunks)

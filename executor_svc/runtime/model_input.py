@@ -38,6 +38,8 @@ class ModelInput:
     # of the same requests): ``fill_pending`` then assigns the tokens whole, with no index arrays. With
     # ``num_sampled``, the launch after a wait comes sooner and the accelerator idles less between steps (W5).
     linked_in_order: bool = False
+    # Each row's adapter id (0: the base model), in packed order; None when no row has one (``executor_svc/lora``).
+    lora_ids: torch.Tensor | None = None
     # ``len(logits_indices)``, counted when packed: a cold tensor's ``len`` is slow after a wait.
     num_sampled: int = field(init=False)
 
@@ -96,6 +98,7 @@ class ModelInput:
             self.meta.to(device),
             self.logits_indices.to(device, non_blocking=True),
             self.prompt_rows.to(device, non_blocking=True),
+            lora_ids=self.lora_ids,
         )
 
 
@@ -157,7 +160,18 @@ def prepare_input(chunks: list[ScheduledChunk], block_size: int, prompt_rows: li
             decode = AttentionMetadata(False, slot_mapping[:d], block_tables[:d], context_lens=ends[:d].int())
             prefill = _prefill_meta(slot_mapping[d:], block_tables[d:], num_tokens[d:], starts[d:], cu_q[d:] - d)
             meta.mixed = MixedSplit(d, decode, prefill)
-    return ModelInput(input_ids, positions, meta, logits_indices, scored, pending)
+    lora_ids = _lora_ids(packed, num_tokens)
+    return ModelInput(input_ids, positions, meta, logits_indices, scored, pending, lora_ids=lora_ids)
+
+
+def _lora_ids(packed: list[ScheduledChunk], num_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Each row's adapter id, ``num_tokens`` rows per chunk (one when None); None when every row is the base
+    model's, whose steps then run as without adapters."""
+    ids = [c.state.lora_id for c in packed]
+    if not any(ids):
+        return None
+    ids = torch.tensor(ids, dtype=torch.int64)
+    return ids if num_tokens is None else torch.repeat_interleave(ids, num_tokens)
 
 
 def _prefill_meta(slot_mapping: torch.Tensor, block_tables: torch.Tensor, num_tokens: torch.Tensor,
@@ -219,7 +233,8 @@ def _decode_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInput:
     meta = AttentionMetadata(False, torch.from_numpy(slots), block_tables,
                              context_lens=torch.from_numpy((starts + 1).astype(np.int32)))
     return ModelInput(torch.tensor(token_ids, dtype=torch.int64), torch.from_numpy(starts), meta,
-                      torch.from_numpy(samples), torch.empty(0, dtype=torch.int64), pending)
+                      torch.from_numpy(samples), torch.empty(0, dtype=torch.int64), pending,
+                      lora_ids=_lora_ids(chunks))
 
 
 def _pending_tokens(chunks: list[ScheduledChunk], token_ids: list[int]) -> list[tuple[int, RequestState, int]]:

@@ -25,6 +25,7 @@ from executor_svc.cpu import decode_stack as cpu_decode_stack
 from executor_svc.cpu import probe as kernel_probe
 from executor_svc.cpu.choice import ALL_C
 from executor_svc.cpu.malloc import keep_heap_memory
+from executor_svc.lora.manager import LoraManager
 from executor_svc.runtime.config import DEFAULT_CPU_KV_CACHE_BYTES, ExecutorOptions, ModelConfig, UnsupportedModel
 from executor_svc.runtime.distributed import all_reduce_min, broadcast_object, init_group, tp_rank, tp_size
 from executor_svc.runtime.loader import load_model
@@ -92,6 +93,11 @@ class ModelRunner:
             if options.cpu_decode_stack and cpu_decode_stack.attach(self.model, self.backend, self.dtype):
                 log.info("CPU decode steps run the decoder layers in the C stack (with torch projections where "
                          "linear runs torch)")
+        self.lora = None
+        if options.lora_enabled:
+            self.lora = LoraManager(self.model, self.config, options.max_lora_rank, self.dtype, self.device)
+            for name, path in options.lora_modules.items():
+                self.lora.load(name, path)
         self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
         self.constraints = GrammarConstraints(Path(folder) / "tokenizer.json", self.config.vocab_size,
                                               self.config.eos_token_ids)
@@ -150,9 +156,24 @@ class ModelRunner:
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         """Forward pass on this rank; logits [sampled rows, vocab] (identical on every rank)."""
         inp = model_input.to(self.device)
+        if model_input.lora_ids is not None:
+            return self._execute_with_adapters(inp)
         hidden = self.graphs.run(inp) if self.graphs is not None and not inp.meta.is_prefill else None
         if hidden is None:
             hidden = self.model(inp.input_ids, inp.positions, inp.meta)
+        rows = torch.cat([inp.logits_indices, inp.prompt_rows]) if len(inp.prompt_rows) else inp.logits_indices
+        return self.model.compute_logits(hidden[rows])
+
+    def _execute_with_adapters(self, inp: ModelInput) -> torch.Tensor:
+        """``execute`` for a step with adapter rows: eagerly (CUDA graphs hold no adapter update) and through the
+        layers (the CPU's C decode stack has none either)."""
+        if self.lora is None:
+            raise ValueError("a step names LoRA adapters on an executor serving none")
+        self.lora.begin(inp.lora_ids)
+        try:
+            hidden = self.model(inp.input_ids, inp.positions, inp.meta)
+        finally:
+            self.lora.end()
         rows = torch.cat([inp.logits_indices, inp.prompt_rows]) if len(inp.prompt_rows) else inp.logits_indices
         return self.model.compute_logits(hidden[rows])
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from common.step import ExecutorInfo, TokenLogprobs
+from collections.abc import Iterable
+
+from common.step import ExecutorInfo, LoraAdapterInfo, TokenLogprobs
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.sequence import FinishReason
@@ -47,7 +49,8 @@ def to_response(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateRes
     return response
 
 
-def model_info(info: ExecutorInfo, tokenizer: ModelTokenizer | None) -> pb.ModelInfo:
+def model_info(info: ExecutorInfo, tokenizer: ModelTokenizer | None,
+               adapters: Iterable[LoraAdapterInfo] = ()) -> pb.ModelInfo:
     return pb.ModelInfo(
         model_id=info.model_id,
         architecture=info.architecture,
@@ -61,7 +64,12 @@ def model_info(info: ExecutorInfo, tokenizer: ModelTokenizer | None) -> pb.Model
         block_size=info.block_size,
         num_blocks=info.num_blocks,
         executor_instance_id=info.instance_id,
+        lora_adapters=map(lora_card, adapters),
     )
+
+
+def lora_card(adapter: LoraAdapterInfo) -> pb.LoraAdapterCard:
+    return pb.LoraAdapterCard(name=adapter.name, path=adapter.path, rank=adapter.rank)
 
 
 def scheduler_stats(stats: LoopStats) -> pb.SchedulerStats:

@@ -14,8 +14,8 @@ import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Iterable
-from concurrent.futures import Future
 
+from common.step import LoraAdapterInfo
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.codec import model_info, scheduler_stats
 from scheduler_svc.api.prepare import detokenize, prepare, public_error, tokenize
@@ -233,7 +233,20 @@ class Frontend:
         return pb.DetokenizeResponse(text=detokenize(request, self.tokenizer, loop.info.vocab_size))
 
     def model_info(self) -> pb.ModelInfo:
-        return model_info(self.ready().info, self.tokenizer)
+        return model_info(self.ready().info, self.tokenizer, self.adapters())
+
+    def adapters(self) -> list[LoraAdapterInfo]:
+        """The LoRA adapters requests may name now, by name (a copy of the loop thread's map)."""
+        return sorted(dict(self.ready().engine.adapters.by_name).values(), key=lambda adapter: adapter.name)
+
+    async def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
+        """Have the executor load an adapter, between steps; LoraRefused with the executor's reason if not."""
+        call = self.ready().call(lambda engine: engine.adapters.load(engine.executor, name, path))
+        return await asyncio.wrap_future(call)
+
+    async def unload_lora(self, name: str) -> LoraAdapterInfo:
+        """Unload an adapter, between steps; LoraRefused while requests wait or run through it."""
+        return await asyncio.wrap_future(self.ready().call(lambda engine: engine.unload_lora(name)))
 
     def stats(self) -> pb.SchedulerStats:
         return scheduler_stats(self.ready().stats)
@@ -244,9 +257,7 @@ class Frontend:
 
     async def flush_cache(self) -> int:
         """Drop the prefix cache's entries no request holds, before the next step; the number of blocks dropped."""
-        dropped: Future[int] = Future()
-        self.ready().call(lambda engine: dropped.set_result(engine.block_manager.flush()))
-        return await asyncio.wrap_future(dropped)
+        return await asyncio.wrap_future(self.ready().call(lambda engine: engine.block_manager.flush()))
 
     def kv_events(self, start_sequence_number: int = 0) -> KvEventReader:
         """A reader of the prefix cache's event batches from ``start_sequence_number`` on (0: from now), subscribed

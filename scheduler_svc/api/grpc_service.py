@@ -17,14 +17,14 @@ from grpc_reflection.v1alpha import reflection
 
 from common.channels import DRAINED_KEY, server_options
 from common.cpu_yield import thread_ids, yield_cpu
-from common.executor import Executor
+from common.executor import Executor, LoraRefused
 from common.heap import freeze_startup_heap
 from common.security import ApiKeyInterceptor, TLSConfig, bind, channel_credentials, transport_name
 from common.step import ExecutorInfo
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from nanoserve.v1 import recording_pb2_grpc as rpb_grpc
-from scheduler_svc.api.codec import to_response
+from scheduler_svc.api.codec import lora_card, to_response
 from scheduler_svc.api.frontend import Frontend, Generation
 from scheduler_svc.api.grpc_status import fail
 from scheduler_svc.api.http.app import create_app, create_metrics_app
@@ -66,7 +66,7 @@ def connect_engine(executor: Executor, config: ServiceConfig) -> Engine:
     """Handshake with a reset executor: a new scheduler never inherits another one's requests."""
     executor.reset()
     return Engine(executor, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                            config.num_scheduler_steps, config.scheduling_policy),
+                                            config.num_scheduler_steps, config.scheduling_policy, config.max_loras),
                   overlap=config.overlap, step_timeout_s=config.step_timeout)
 
 
@@ -144,6 +144,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         await self._ready(context)
         return self.frontend.model_info()
+
+    async def LoadLoraAdapter(self, request: pb.LoadLoraRequest, context: grpc.aio.ServicerContext
+                              ) -> pb.LoraAdapterCard:
+        await self._ready(context)
+        try:
+            return lora_card(await self.frontend.load_lora(request.lora_name, request.lora_path))
+        except LoraRefused as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), str(e))
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraRequest, context: grpc.aio.ServicerContext
+                                ) -> pb.LoraAdapterCard:
+        await self._ready(context)
+        try:
+            return lora_card(await self.frontend.unload_lora(request.lora_name))
+        except LoraRefused as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), str(e))
 
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.SchedulerStats:
         await self._ready(context)

@@ -153,4 +153,4 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
         interval = stream_interval(request)
     except InvalidRequest as e:
         raise public_error(e) from e
-    return PreparedRequest(request.request_id or uuid.uuid4().hex, token_ids, params, resumed, interval)
+    return PreparedRequest(request.request_id or uuid.uuid4().hex, token_ids, params, resumed, interval, request.lora)

@@ -30,6 +30,14 @@ def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
     return h.intdigest()
 
 
+def root_hash(seq: Sequence) -> int:
+    """What a sequence's first block chains from: nothing for the base model, else its adapter's id, so that every
+    block hash of an adapter's sequence differs from the base model's and every other adapter's (their KV does)."""
+    if not seq.lora_id:
+        return NO_HASH
+    return xxhash.xxh64_intdigest(b"lora" + seq.lora_id.to_bytes(8, "little"))
+
+
 class BlockManager:
     """Hands out fixed-size blocks and finds computed prefixes to share.
 
@@ -173,7 +181,7 @@ class BlockManager:
         if seq.params.prompt_logprobs is not None:
             return hits, 0
         num_named = -1
-        h = NO_HASH
+        h = root_hash(seq)
         for i in range(seq.num_blocks - 1):
             token_ids = seq.block(i)
             h = chain_hash(token_ids, h)
@@ -257,7 +265,7 @@ class BlockManager:
         end = end_token // self.block_size
         if start == end:
             return
-        h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else NO_HASH
+        h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else root_hash(seq)
         events, stored = self.events, None
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
@@ -270,7 +278,7 @@ class BlockManager:
                 if copies:
                     stored = None
                 elif stored is None:
-                    stored = BlockStored([h], None if parent == NO_HASH else parent, list(token_ids), self.block_size)
+                    stored = BlockStored([h], None if i == 0 else parent, list(token_ids), self.block_size)
                     events.append(stored)
                 else:
                     stored.block_hashes.append(h)

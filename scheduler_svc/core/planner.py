@@ -36,7 +36,7 @@ class Planner:
             # Copies: the plan may be applied on the executor's thread while this one appends tokens.
             plan.new_requests.append(NewRequest(seq.seq_id, list(seq.token_ids), seq.params.settings,
                                                 list(seq.block_table), seq.num_cached_tokens,
-                                                seq.num_scheduled_tokens, seq.num_prompt_tokens))
+                                                seq.num_scheduled_tokens, seq.num_prompt_tokens, seq.lora_id))
             sent[seq.seq_id] = len(seq.block_table)
         if cached_seqs:
             # Every column is one comprehension: this runs for every running sequence every decode step.

@@ -17,3 +17,5 @@ class PreparedRequest:
     # Tokens each choice gathers before its stream carries them (GenerateRequest.stream_interval); None: the
     # server's --stream-interval.
     stream_interval: int | None = None
+    # The LoRA adapter it runs through, by name (GenerateRequest.lora); "": the base model.
+    lora: str = ""

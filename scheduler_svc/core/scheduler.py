@@ -31,6 +31,8 @@ class SchedulerConfig:
     # "nano-vllm": prefill first, never mixed with decode (the seed's); "mixed": decodes first, prefill chunks fill
     # the rest of the budget in the same step (``core.mixed``).
     policy: str = "nano-vllm"
+    # The most distinct LoRA adapters in one step (the base model not counted); None: no bound.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -41,6 +43,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
 
 
 class Scheduler:
@@ -69,6 +73,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.num_scheduler_steps = config.num_scheduler_steps
+        self.max_loras = config.max_loras
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.eos_token_ids = eos_token_ids
@@ -113,11 +118,17 @@ class Scheduler:
         may be chunked, and a chunked sequence stays at the head until its prompt is computed."""
         num_batched_tokens = 0
         first = len(scheduled)
+        adapters = None  # the step's adapters, counted at the first waiting sequence that has one
         while self.waiting and len(scheduled) < seq_budget:
             seq = self.waiting[0]
             remaining = token_budget - num_batched_tokens
             if remaining == 0 or seq.token_ids[-1] == PENDING:  # preempted while a step in flight still owes it
                 break
+            if seq.lora_id and self.max_loras is not None and not seq.block_table:
+                adapters = self._adapters_running(scheduled) if adapters is None else adapters
+                if seq.lora_id not in adapters and len(adapters) >= self.max_loras:
+                    break  # FIFO: it waits at the head until an adapter's sequences finish, so it never starves
+                adapters.add(seq.lora_id)
             if not seq.block_table:
                 num_cached_blocks = self.block_manager.can_allocate(seq)
                 if num_cached_blocks == -1:
@@ -144,6 +155,11 @@ class Scheduler:
                 self.running.append(seq)
             scheduled.append(seq)
         return scheduled
+
+    def _adapters_running(self, scheduled: list[Sequence]) -> set[int]:
+        """The adapters of the running sequences and of those scheduled so far: every one runs in the next decode
+        step, so admitting a sequence keeps a step within ``max_loras`` unless its adapter is among them."""
+        return {seq.lora_id for seq in (*self.running, *scheduled) if seq.lora_id}
 
     def _schedule_decodes(self, num_steps: int, seq_budget: int, prefill_may_follow: bool = False) -> list[Sequence]:
         """Decode the running sequences, ``num_steps`` tokens each at most; when a block cannot be appended, the

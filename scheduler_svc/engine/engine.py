@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from common.executor import Executor
-from common.step import StepPlan, StepResult
+from common.step import LoraAdapterInfo, StepPlan, StepResult
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.errors import InvalidRequest
 from scheduler_svc.core.mixed import POLICIES
@@ -29,6 +29,7 @@ from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig, StepRecord, TokenOutput
 from scheduler_svc.core.sequence import FinishReason, Sequence
 from scheduler_svc.core.validation import ModelLimits, check_request
+from scheduler_svc.engine.adapters import Adapters
 from scheduler_svc.engine.kv_events import KvEventLog
 from scheduler_svc.engine.window import Window
 
@@ -123,9 +124,9 @@ class Engine:
         self.num_restarts = 0
         self.last_timings = StepTimings()
         self.on_step: OnStep = _unobserved
-        # The prefix cache's events, for whoever subscribes: the engine loop collects them after each iteration.
-        self.kv_events = KvEventLog()
+        self.kv_events = KvEventLog()  # the prefix cache's, collected by the engine loop after each iteration
         self.window = Window(executor)
+        self.adapters = Adapters(self.info.lora_adapters, self.info.model_id)
 
     @property
     def block_manager(self) -> BlockManager:
@@ -135,19 +136,21 @@ class Engine:
     def limits(self) -> ModelLimits:
         return ModelLimits.of(self.info)
 
-    def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
-        """Check and queue a request; raise InvalidRequest when it can never run."""
+    def add_request(self, token_ids: list[int], params: SamplingParams, lora: str | None = None) -> Sequence:
+        """Check and queue a request (through adapter ``lora``; None: the base model); InvalidRequest if it cannot."""
         check_request(token_ids, params, self.limits)
-        return self.enqueue(token_ids, params)
+        return self.enqueue(token_ids, params, lora=lora)
 
-    def enqueue(self, token_ids: list[int], params: SamplingParams, resumed: list[int] | None = None) -> Sequence:
+    def enqueue(self, token_ids: list[int], params: SamplingParams, resumed: list[int] | None = None,
+                lora: str | None = None) -> Sequence:
         """Queue a request already checked (``validation``) against this executor's limits; ``resumed`` completion
         tokens count as generated (a stream another scheduler started).
 
-        The cache may have shrunk since (a restarted executor): then InvalidRequest still.
+        The cache may have shrunk since (a restarted executor), or the adapter gone: then InvalidRequest still.
         """
         tokens = [*token_ids, *(resumed or ())]
-        seq = Sequence(next(self._seq_ids), tokens, params, self.info.block_size, len(token_ids))
+        seq = Sequence(next(self._seq_ids), tokens, params, self.info.block_size, len(token_ids),
+                       self.adapters.lora_id(lora))
         try:
             self.scheduler.add(seq)
         except ValueError as e:
@@ -354,7 +357,16 @@ class Engine:
         self.info = info
         self.scheduler.max_model_len = info.max_model_len
         self.planner.forget_all()
-        return self.scheduler.requeue_all(BlockManager(info.num_blocks, info.block_size))
+        lost = self.adapters.renumber([*self.scheduler.running, *self.scheduler.waiting], info.lora_adapters)
+        for seq in lost:  # its adapter is gone with the old executor
+            self.abort(seq)
+        return lost + self.scheduler.requeue_all(BlockManager(info.num_blocks, info.block_size))
+
+    def unload_lora(self, name: str) -> LoraAdapterInfo:
+        """``Adapters.unload``, once an idle executor has dropped the requests that ended (busy, it may refuse)."""
+        if self._in_flight is None:
+            self._flush_released()
+        return self.adapters.unload(self.executor, name, [*self.scheduler.running, *self.scheduler.waiting])
 
     def _abandon_in_flight(self) -> None:
         """Forget the step in flight before a reset; its outcome no longer matters.
@@ -374,13 +386,13 @@ class Engine:
         if plan.finished_request_ids:
             self.executor.step(plan)
 
-    def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
-    ) -> list[FinishedRequest]:
-        """Run requests to completion; outputs in prompt order."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 loras: list[str | None] | None = None) -> list[FinishedRequest]:
+        """Run requests to completion (through the LoRA adapters ``loras`` names); outputs in prompt order."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        loras = loras or [None] * len(prompts)
+        seqs = [self.add_request(p, sp, lora) for p, sp, lora in zip(prompts, params, loras, strict=True)]
         while self.has_unfinished():
             self.step()
         self._flush_released()

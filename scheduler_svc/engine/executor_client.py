@@ -11,10 +11,10 @@ from concurrent.futures import Future
 import grpc
 
 from common.channels import EXECUTOR_CHANNEL_OPTIONS
-from common.executor import Executor
+from common.executor import Executor, LoraRefused
 from common.security import secure_or_insecure_channel
-from common.step import ExecutorInfo, StepPlan, StepResult
-from common.step_codec import info_from_proto, plan_to_proto, result_from_proto
+from common.step import ExecutorInfo, LoraAdapterInfo, StepPlan, StepResult
+from common.step_codec import info_from_proto, lora_from_proto, plan_to_proto, result_from_proto
 from nanoserve.v1 import executor_pb2 as pb
 from nanoserve.v1 import executor_pb2_grpc as pb_grpc
 from scheduler_svc.engine.turn import Turn
@@ -31,6 +31,11 @@ def describe_failure(error: Exception) -> str:
     if isinstance(error, TimeoutError):  # the overlapped step's wait: what the unary Step's deadline reports
         return "DEADLINE_EXCEEDED: the step in flight got no result within --step-timeout"
     return f"{type(error).__name__}: {error}"
+
+
+# The statuses of an executor's refusal to load or unload an adapter (``common.executor.LoraRefused``).
+LORA_REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
+                 grpc.StatusCode.UNIMPLEMENTED)
 
 
 class RemoteExecutor(Executor):
@@ -77,6 +82,22 @@ class RemoteExecutor(Executor):
         call = self.stub.CutStep.future(pb.CutStepRequest(step_id=step_id), timeout=self.info_timeout_s)
         self._cuts.add(call)  # a call gRPC holds no reference to is cancelled when collected
         call.add_done_callback(self._cuts.discard)
+
+    def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
+        return self._lora(self.stub.LoadLoraAdapter, pb.LoadLoraAdapterRequest(name=name, path=path))
+
+    def unload_lora(self, name: str) -> LoraAdapterInfo:
+        return self._lora(self.stub.UnloadLoraAdapter, pb.UnloadLoraAdapterRequest(name=name))
+
+    def _lora(self, call: grpc.UnaryUnaryMultiCallable, request: object) -> LoraAdapterInfo:
+        """The executor's refusal comes back as LoraRefused with its status; reading an adapter takes a while, so
+        the step timeout bounds the call."""
+        try:
+            return lora_from_proto(call(request, timeout=self.step_timeout_s))
+        except grpc.RpcError as e:
+            if e.code() in LORA_REFUSALS:
+                raise LoraRefused(e.details(), e.code().name) from None
+            raise
 
     def reset(self) -> int:
         """Drop every request's state, and the step stream: no answer of an older step can come back."""

@@ -1,6 +1,6 @@
 """The engine loop: one thread owns the Engine; RPCs feed it through ``submit``, ``cancel`` and ``call``.
 
-Each iteration admits requests, applies cancellations (freeing blocks at once), runs one engine step, turns its tokens
+Each iteration admits requests, runs the calls (cancels free blocks at once), runs one engine step, turns its tokens
 into text and hands the outputs to ``deliver`` and the cache's events to ``Engine.kv_events``; idle, it sleeps until
 woken or the ``Supervisor`` wants a probe or retry. A failed step or a ``resync`` loses no request: all recompute."""
 
@@ -16,6 +16,7 @@ from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.tokenizer import ModelTokenizer
 from scheduler_svc.engine.admission import Admission, QueueLimits
+from scheduler_svc.engine.calls import EngineCalls
 from scheduler_svc.engine.engine import Engine, IncompatibleExecutor, TokenOutput
 from scheduler_svc.engine.executor_client import describe_failure
 from scheduler_svc.engine.live_requests import LiveRequests, RequestHandle
@@ -28,7 +29,7 @@ Deliver = Callable[[list[tuple[RequestHandle, RequestOutput]]], None]
 OnServing = Callable[[bool], None]
 
 
-class EngineLoop:
+class EngineLoop(EngineCalls):
     def __init__(self, engine: Engine, tokenizer: ModelTokenizer | None, deliver: Deliver, limits: QueueLimits,
                  observer: LoopObserver, on_serving: OnServing = lambda serving: None) -> None:
         """``on_serving(False)`` when the executor fails, ``(True)`` once back; ``observer`` hears of each step and
@@ -43,7 +44,6 @@ class EngineLoop:
         self._serving_reported = True
         self._wakeup = threading.Condition()
         self._inbox: list[RequestHandle] = []
-        self._calls: list[Callable[[Engine], object]] = []
         self._drain_deadline: float | None = None
         self._requests = LiveRequests(self.admission, observer)
         engine.on_step = observer.step
@@ -72,13 +72,6 @@ class EngineLoop:
         """Abort ``handle`` before the next step (``answer``: its choices end with ABORT), unless finished."""
         self.call(lambda engine: self._requests.cancel(engine, handle, answer))
 
-    def call(self, work: Callable[[Engine], object]) -> None:
-        """Run ``work(engine)`` on the loop thread before the next step (a cancel, a cache flush), cutting a window."""
-        with self._wakeup:
-            self._calls.append(work)
-            self.engine.cut_for_loop()
-            self._wakeup.notify()
-
     def resync(self) -> None:
         """Start over on an empty executor, as after a restart (a recording begins from one)."""
         with self._wakeup:
@@ -106,13 +99,12 @@ class EngineLoop:
             with self._wakeup:
                 self._wait()
                 inbox, self._inbox = self._inbox, []
-                calls, self._calls = self._calls, []
+                calls = self._take_calls()
                 if inbox or calls:
                     self.engine.loop_work_taken()
             try:
                 self._admit(inbox)
-                for work in calls:
-                    work(self.engine)
+                self._run_calls(calls)
                 if calls:  # a cancel's answers go now, not after the next step (a window, with requests beside them)
                     self._deliver()
                 now = time.monotonic()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 
@@ -154,6 +155,17 @@ class Metrics:
         yield success
         for name, documentation, buckets in self.histograms:
             yield buckets.family(name, documentation, labels)
+        if stats.max_loras:
+            yield lora_requests_info(stats)
+
+
+def lora_requests_info(stats: LoopStats) -> GaugeMetricFamily:
+    """vLLM's LoRA gauge, which the Gateway API Inference Extension's endpoint picker routes by: its labels say which
+    adapters run and wait; its value is when they were read (seconds since the epoch), the picker taking the latest."""
+    gauge = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running and waiting LoRA adapters (in the labels).",
+                              labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    gauge.add_metric([str(stats.max_loras), stats.running_lora_adapters, stats.waiting_lora_adapters], time.time())
+    return gauge
 
 
 def new_registry() -> CollectorRegistry:

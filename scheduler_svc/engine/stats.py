@@ -32,6 +32,11 @@ class LoopStats:
     num_generation_tokens: int = 0
     num_executor_restarts: int = 0
     executor_up: bool = True
+    # With LoRA adapters served: --max-loras (else 0), and the adapters of the running and the waiting requests, each
+    # as sorted names joined by commas (the ``lora_requests_info`` gauge's labels).
+    max_loras: int = 0
+    running_lora_adapters: str = ""
+    waiting_lora_adapters: str = ""
 
     @classmethod
     def of(cls, engine: Engine, requests: LiveRequests, executor_up: bool) -> LoopStats:
@@ -53,7 +58,21 @@ class LoopStats:
             num_generation_tokens=requests.num_generation_tokens,
             num_executor_restarts=engine.num_restarts,
             executor_up=executor_up,
+            **lora_labels(engine),
         )
+
+
+def lora_labels(engine: Engine) -> dict[str, object]:
+    """The ``LoopStats`` LoRA fields: a look at every live request, only where the executor serves adapters."""
+    if not engine.info.max_lora_rank or not engine.adapters.by_name:
+        return {}
+    scheduler, name_of = engine.scheduler, engine.adapters.name_of
+
+    def names(seqs: object) -> str:
+        return ",".join(sorted({name_of(seq.lora_id) for seq in seqs if seq.lora_id}))
+
+    return dict(max_loras=scheduler.max_loras or 0, running_lora_adapters=names(scheduler.running),
+                waiting_lora_adapters=names(scheduler.waiting))
 
 
 class LoopObserver(Protocol):

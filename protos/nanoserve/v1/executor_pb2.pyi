@@ -11,7 +11,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("instance_id", "model_id", "architecture", "dtype", "device", "vocab_size", "eos_token_ids", "bos_token_id", "max_model_len", "block_size", "num_blocks", "tensor_parallel_size", "tokenizer_json", "chat_template", "attention_backend")
+    __slots__ = ("instance_id", "model_id", "architecture", "dtype", "device", "vocab_size", "eos_token_ids", "bos_token_id", "max_model_len", "block_size", "num_blocks", "tensor_parallel_size", "tokenizer_json", "chat_template", "attention_backend", "lora_adapters", "max_lora_rank", "runtime_lora")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,9 @@ class ExecutorInfo(_message.Message):
     TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_LORA_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_id: str
     architecture: str
@@ -42,7 +45,36 @@ class ExecutorInfo(_message.Message):
     tokenizer_json: str
     chat_template: str
     attention_backend: str
-    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    max_lora_rank: int
+    runtime_lora: bool
+    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., attention_backend: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., max_lora_rank: _Optional[int] = ..., runtime_lora: _Optional[bool] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("lora_id", "name", "path", "rank")
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    lora_id: int
+    name: str
+    path: str
+    rank: int
+    def __init__(self, lora_id: _Optional[int] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "num_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "grammar", "num_prompt_logprobs")
@@ -86,7 +118,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., grammar: _Optional[str] = ..., num_prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "block_table", "num_computed_tokens", "num_scheduled_tokens", "num_prompt_tokens")
+    __slots__ = ("request_id", "token_ids", "sampling", "block_table", "num_computed_tokens", "num_scheduled_tokens", "num_prompt_tokens", "lora_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +126,7 @@ class NewRequest(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -101,7 +134,8 @@ class NewRequest(_message.Message):
     num_computed_tokens: int
     num_scheduled_tokens: int
     num_prompt_tokens: int
-    def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    lora_id: int
+    def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ...) -> None: ...
 
 class CachedRequests(_message.Message):
     __slots__ = ("request_ids", "num_computed_tokens", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "num_decode_steps")

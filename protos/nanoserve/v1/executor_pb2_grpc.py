@@ -59,6 +59,16 @@ class ExecutorStub:
                 request_serializer=nanoserve_dot_v1_dot_executor__pb2.CutStepRequest.SerializeToString,
                 response_deserializer=nanoserve_dot_v1_dot_executor__pb2.CutStepResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/nanoserve.v1.Executor/LoadLoraAdapter',
+                request_serializer=nanoserve_dot_v1_dot_executor__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=nanoserve_dot_v1_dot_executor__pb2.LoraAdapter.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/nanoserve.v1.Executor/UnloadLoraAdapter',
+                request_serializer=nanoserve_dot_v1_dot_executor__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=nanoserve_dot_v1_dot_executor__pb2.LoraAdapter.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -109,6 +119,25 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Load a PEFT LoRA adapter while serving, under a new id. FAILED_PRECONDITION
+        unless the executor allows it (--runtime-lora, one rank); INVALID_ARGUMENT
+        when the adapter does not fit the model (rank, target modules, shapes) or
+        its name is taken. The executor keeps serving either way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unload an adapter. FAILED_PRECONDITION while a request the executor holds
+        runs through it (those requests are never disturbed), or when run-time
+        loading is off; NOT_FOUND for a name not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -136,6 +165,16 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.CutStep,
                     request_deserializer=nanoserve_dot_v1_dot_executor__pb2.CutStepRequest.FromString,
                     response_serializer=nanoserve_dot_v1_dot_executor__pb2.CutStepResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=nanoserve_dot_v1_dot_executor__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=nanoserve_dot_v1_dot_executor__pb2.LoraAdapter.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=nanoserve_dot_v1_dot_executor__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=nanoserve_dot_v1_dot_executor__pb2.LoraAdapter.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -273,6 +312,60 @@ class Executor:
             '/nanoserve.v1.Executor/CutStep',
             nanoserve_dot_v1_dot_executor__pb2.CutStepRequest.SerializeToString,
             nanoserve_dot_v1_dot_executor__pb2.CutStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanoserve.v1.Executor/LoadLoraAdapter',
+            nanoserve_dot_v1_dot_executor__pb2.LoadLoraAdapterRequest.SerializeToString,
+            nanoserve_dot_v1_dot_executor__pb2.LoraAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanoserve.v1.Executor/UnloadLoraAdapter',
+            nanoserve_dot_v1_dot_executor__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            nanoserve_dot_v1_dot_executor__pb2.LoraAdapter.FromString,
             options,
             channel_credentials,
             insecure,

@@ -110,7 +110,7 @@ class ChoiceList(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "tokens", "sampling", "stopping", "add_special_tokens", "skip_special_tokens", "truncate_prompt_tokens", "structured_output", "prompt_logprobs", "resume", "stream_interval")
+    __slots__ = ("request_id", "text", "chat", "tokens", "sampling", "stopping", "add_special_tokens", "skip_special_tokens", "truncate_prompt_tokens", "structured_output", "prompt_logprobs", "resume", "stream_interval", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class GenerateRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     chat: ChatPrompt
@@ -137,7 +138,8 @@ class GenerateRequest(_message.Message):
     prompt_logprobs: int
     resume: ResumeFrom
     stream_interval: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingOptions, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    lora: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingOptions, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ..., stream_interval: _Optional[int] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class ResumeFrom(_message.Message):
     __slots__ = ("completion_token_ids",)
@@ -198,7 +200,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "architecture", "dtype", "device", "vocab_size", "max_model_len", "eos_token_ids", "has_chat_template", "has_tokenizer", "block_size", "num_blocks", "executor_instance_id")
+    __slots__ = ("model_id", "architecture", "dtype", "device", "vocab_size", "max_model_len", "eos_token_ids", "has_chat_template", "has_tokenizer", "block_size", "num_blocks", "executor_instance_id", "lora_adapters")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +213,7 @@ class ModelInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     dtype: str
@@ -223,7 +226,32 @@ class ModelInfo(_message.Message):
     block_size: int
     num_blocks: int
     executor_instance_id: str
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., executor_instance_id: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterCard]
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., executor_instance_id: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterCard, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapterCard(_message.Message):
+    __slots__ = ("name", "path", "rank")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class LoadLoraRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

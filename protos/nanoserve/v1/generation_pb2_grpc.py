@@ -69,6 +69,16 @@ class GenerationStub:
                 request_serializer=nanoserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
                 response_deserializer=nanoserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/nanoserve.v1.Generation/LoadLoraAdapter',
+                request_serializer=nanoserve_dot_v1_dot_generation__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=nanoserve_dot_v1_dot_generation__pb2.LoraAdapterCard.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/nanoserve.v1.Generation/UnloadLoraAdapter',
+                request_serializer=nanoserve_dot_v1_dot_generation__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=nanoserve_dot_v1_dot_generation__pb2.LoraAdapterCard.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -126,6 +136,25 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Load a PEFT LoRA adapter from a folder on the executor's machine; requests
+        may then name it (GenerateRequest.lora). FAILED_PRECONDITION unless the
+        executor runs with --runtime-lora; INVALID_ARGUMENT for an adapter that does
+        not fit the model (rank, target modules, shapes) or a name already loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unload an adapter. FAILED_PRECONDITION while requests wait or run through
+        it (they are never disturbed: retry once they end); NOT_FOUND for a name not
+        loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +192,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=nanoserve_dot_v1_dot_generation__pb2.AbortRequest.FromString,
                     response_serializer=nanoserve_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=nanoserve_dot_v1_dot_generation__pb2.LoadLoraRequest.FromString,
+                    response_serializer=nanoserve_dot_v1_dot_generation__pb2.LoraAdapterCard.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=nanoserve_dot_v1_dot_generation__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=nanoserve_dot_v1_dot_generation__pb2.LoraAdapterCard.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +393,60 @@ class Generation:
             '/nanoserve.v1.Generation/Abort',
             nanoserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
             nanoserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanoserve.v1.Generation/LoadLoraAdapter',
+            nanoserve_dot_v1_dot_generation__pb2.LoadLoraRequest.SerializeToString,
+            nanoserve_dot_v1_dot_generation__pb2.LoraAdapterCard.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanoserve.v1.Generation/UnloadLoraAdapter',
+            nanoserve_dot_v1_dot_generation__pb2.UnloadLoraRequest.SerializeToString,
+            nanoserve_dot_v1_dot_generation__pb2.LoraAdapterCard.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from common.executor import LoraRefused
 from common.security import bearer_token
 from scheduler_svc.api.frontend import Frontend, Generation
 from scheduler_svc.api.http import responses, schemas, translate
@@ -98,12 +99,15 @@ class GenerationStream(StreamingResponse):
                 generation.close()
 
 
+def served_by(frontend: Frontend) -> Callable[[], translate.Served]:
+    """What a request's ``model`` may name now: the base model or a LoRA adapter loaded at the time."""
+    return lambda: translate.Served(frontend.ready().info.model_id, frozenset(a.name for a in frontend.adapters()))
+
+
 def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
     router = APIRouter()
     started = int(time.time())
-
-    def served_model() -> str:
-        return frontend.ready().info.model_id
+    served_model = served_by(frontend)
 
     async def submit(t: translate.Translated) -> list[Generation]:
         """Every prompt's request, or none: one refused closes those already queued."""
@@ -143,19 +147,40 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
         t = translate.completion_request(body, served_model(), frontend.tokenizer)
         return await generate(request, t, responses.completion_chunks, responses.completion)
 
-    def model_card() -> schemas.ModelCard:
+    def model_cards() -> list[schemas.ModelCard]:
+        """The base model, then each LoRA adapter, with the base model as its parent."""
         info = frontend.ready().info
-        return schemas.ModelCard(id=info.model_id, created=started, root=info.model_id,
+        base = schemas.ModelCard(id=info.model_id, created=started, root=info.model_id,
                                  max_model_len=info.max_model_len)
+        return [base, *(schemas.ModelCard(id=a.name, created=started, root=a.path, parent=info.model_id,
+                                          max_model_len=info.max_model_len) for a in frontend.adapters())]
 
     @router.get("/v1/models", response_model=schemas.ModelList)
     async def models() -> Response:
-        return json_response(schemas.ModelList(data=[model_card()]))
+        return json_response(schemas.ModelList(data=model_cards()))
 
     @router.get("/v1/models/{model:path}", response_model=schemas.ModelCard)
     async def model(model: str) -> Response:
-        translate.check_model(model, served_model())
-        return json_response(model_card())
+        name = translate.check_model(model, served_model()) or frontend.ready().info.model_id
+        return json_response(next(card for card in model_cards() if card.id == name))
+
+    @router.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: schemas.LoadLoraAdapterRequest) -> Response:
+        """Refused unless the executor runs with --runtime-lora."""
+        try:
+            await frontend.load_lora(body.lora_name, body.lora_path)
+        except LoraRefused as e:
+            raise lora_error(e) from e
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @router.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: schemas.UnloadLoraAdapterRequest) -> Response:
+        """Refused while requests wait or run through the adapter; they are never disturbed."""
+        try:
+            await frontend.unload_lora(body.lora_name)
+        except LoraRefused as e:
+            raise lora_error(e) from e
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @router.get("/health")
     async def health() -> Response:
@@ -177,6 +202,11 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
         return json_response(schemas.DetokenizeResponse(prompt=response.text))
 
     return router
+
+
+def lora_error(error: LoraRefused) -> ApiError:
+    """An adapter the executor will not load or unload: 404 for a name not loaded, else 400 with the reason."""
+    return ApiError(404 if error.code == "NOT_FOUND" else 400, str(error), "lora_name")
 
 
 def metrics_router(registry: CollectorRegistry) -> APIRouter:
@@ -212,7 +242,7 @@ def create_app(frontend: Frontend, serving: Callable[[], bool], registry: Collec
         return translate.api_error(error, {}).response()
 
     app.include_router(routes(frontend, serving), responses=ERRORS)
-    app.include_router(gateway_router(frontend), responses=ERRORS)
+    app.include_router(gateway_router(frontend, served_by(frontend)), responses=ERRORS)
     app.include_router(metrics_router(registry))
     if recording is not None:
         app.include_router(recording_router(recording))

@@ -9,6 +9,7 @@ the same refusals, the same token ids, nothing queued.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from fastapi import APIRouter
 from fastapi.responses import Response
@@ -41,11 +42,9 @@ def rendered(prepared: PreparedRequest, model: str) -> schemas.RenderedPrompt:
                                   sampling_params=sampling)
 
 
-def gateway_router(frontend: Frontend) -> APIRouter:
+def gateway_router(frontend: Frontend, served_model: Callable[[], translate.Served]) -> APIRouter:
+    """``served_model``: what a request's ``model`` may name now (the OpenAI routes' own)."""
     router = APIRouter()
-
-    def served_model() -> str:
-        return frontend.ready().info.model_id
 
     async def render(t: translate.Translated) -> list[schemas.RenderedPrompt]:
         prompts = []

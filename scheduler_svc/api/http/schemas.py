@@ -239,9 +239,23 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "nanoserve"
-    # vLLM's: the model the served one is (its id here).
-    root: str
+    # A LoRA adapter's folder and base model (vLLM's fields); the base model is its own root, with no parent.
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    lora_name: str
 
 
 class ModelList(BaseModel):

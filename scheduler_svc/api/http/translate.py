@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.http import schemas
@@ -63,10 +64,22 @@ def api_error(error: RequestFailed, renames: Mapping[str, str]) -> ApiError:
     return failure(error, openai_param(error.field, renames) if isinstance(error, InvalidRequest) else None)
 
 
-def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
-        raise ApiError(404, f"The model `{requested}` does not exist; this server serves `{served}`", "model",
-                       "model_not_found")
+class Served(NamedTuple):
+    """What a request's ``model`` may name: the base model, or a LoRA adapter by its name (as vLLM serves them)."""
+
+    model_id: str
+    adapters: frozenset[str] = frozenset()
+
+
+def check_model(requested: str | None, served: Served) -> str:
+    """The LoRA adapter ``requested`` names ("" for the base model); 404 when it names nothing served."""
+    if requested is None or requested == served.model_id:
+        return ""
+    if requested in served.adapters:
+        return requested
+    adapters = f" and the LoRA adapters {', '.join(sorted(served.adapters))}" if served.adapters else ""
+    raise ApiError(404, f"The model `{requested}` does not exist; this server serves `{served.model_id}`{adapters}",
+                   "model", "model_not_found")
 
 
 def unsupported(param: str, what: str) -> ApiError:
@@ -159,8 +172,8 @@ def message_text(message: schemas.Message, i: int) -> str:
     return "".join(part.text for part in message.content)
 
 
-def chat_request(body: schemas.ChatCompletionRequest, model: str) -> Translated:
-    check_model(body.model, model)
+def chat_request(body: schemas.ChatCompletionRequest, served: Served) -> Translated:
+    lora = check_model(body.model, served)
     if body.tools:
         raise unsupported("tools", "tool calling")
     if body.functions:
@@ -176,7 +189,8 @@ def chat_request(body: schemas.ChatCompletionRequest, model: str) -> Translated:
     messages = [pb.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=message_text(m, i))
                 for i, m in enumerate(body.messages)]
     request.chat.CopyFrom(pb.ChatPrompt(messages=messages, add_generation_prompt=body.add_generation_prompt))
-    return translated(body, "chatcmpl", model, [request], renames, top_logprobs, [])
+    request.lora = lora
+    return translated(body, "chatcmpl", lora or served.model_id, [request], renames, top_logprobs, [])
 
 
 def prompts_of(prompt: str | list) -> list[str | list[int]]:
@@ -188,9 +202,9 @@ def prompts_of(prompt: str | list) -> list[str | list[int]]:
     return [prompt] if isinstance(prompt[0], int) else list(prompt)
 
 
-def completion_request(body: schemas.CompletionRequest, model: str,
+def completion_request(body: schemas.CompletionRequest, served: Served,
                        tokenizer: ModelTokenizer | None) -> Translated:
-    check_model(body.model, model)
+    lora = check_model(body.model, served)
     if body.suffix:
         raise unsupported("suffix", "a suffix (insertion)")
     if body.best_of not in (None, 1):
@@ -201,6 +215,7 @@ def completion_request(body: schemas.CompletionRequest, model: str,
     requests, echo = [], []
     for prompt in prompts_of(body.prompt):
         request = base_request(body, body.max_tokens, body.logprobs, renames)
+        request.lora = lora
         if isinstance(prompt, str):
             request.text = prompt
             if body.add_special_tokens is not None:
@@ -211,11 +226,11 @@ def completion_request(body: schemas.CompletionRequest, model: str,
         if body.echo:
             as_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt, False) if tokenizer else ""
             echo.append(as_text)
-    return translated(body, "cmpl", model, requests, renames, body.logprobs, echo)
+    return translated(body, "cmpl", lora or served.model_id, requests, renames, body.logprobs, echo)
 
 
-def tokenize_request(body: schemas.TokenizeRequest, model: str) -> pb.TokenizeRequest:
-    check_model(body.model, model)
+def tokenize_request(body: schemas.TokenizeRequest, served: Served) -> pb.TokenizeRequest:
+    check_model(body.model, served)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "prompt: give exactly one of prompt or messages", "prompt")
     request = pb.TokenizeRequest(add_special_tokens=body.add_special_tokens)
@@ -228,6 +243,6 @@ def tokenize_request(body: schemas.TokenizeRequest, model: str) -> pb.TokenizeRe
     return request
 
 
-def detokenize_request(body: schemas.DetokenizeRequest, model: str) -> pb.DetokenizeRequest:
-    check_model(body.model, model)
+def detokenize_request(body: schemas.DetokenizeRequest, served: Served) -> pb.DetokenizeRequest:
+    check_model(body.model, served)
     return pb.DetokenizeRequest(token_ids=body.tokens)

@@ -1,0 +1,47 @@
+"""Work for the engine that is not a request (a cancel, a cache flush, a LoRA adapter's load or unload): queued from
+any thread, run by the engine loop's thread between steps, as everything that touches the engine is."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from functools import cached_property
+from typing import TypeVar
+
+from scheduler_svc.engine.engine import Engine
+
+T = TypeVar("T")
+EngineCall = tuple[Callable[[Engine], object], Future]
+
+
+class EngineCalls:
+    """``EngineLoop``'s calls; every access is under its ``_wakeup`` lock."""
+
+    engine: Engine
+    _wakeup: threading.Condition
+
+    @cached_property
+    def _calls(self) -> list[EngineCall]:
+        return []
+
+    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Run ``fn(engine)`` on the loop thread between steps; its result or error comes in the future."""
+        future: Future[T] = Future()
+        with self._wakeup:
+            self._calls.append((fn, future))
+            self.engine.cut_for_loop()
+            self._wakeup.notify()
+        return future
+
+    def _take_calls(self) -> list[EngineCall]:
+        calls, self._calls = self._calls, []
+        return calls
+
+    def _run_calls(self, calls: list[EngineCall]) -> None:
+        """Each call's error goes to its caller, not into the loop."""
+        for fn, future in calls:
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as e:
+                future.set_exception(e)
