@@ -174,10 +174,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with Child("simulated executor", simulated_argv(port := free_port(), flags)) as child:
         child.wait_serving(f"{HOST}:{port}", timeout_s=60)
         config = replace(DEFAULTS, executor=f"{HOST}:{port}")
-        remote = executor_client(config)
         if "w5" in args.peers:
             def w5(directory: Path | None) -> tuple[float, float]:
-                executor = remote
+                # A channel of its own each run: one left idle through the other peers' minutes would be closed by
+                # the executor's gRPC server for its keepalive pings ("too many pings").
+                executor = remote = executor_client(config)
                 if directory is not None:
                     recorder = Recorder(directory)
                     recorder.start()
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 finally:
                     if directory is not None:
                         recorder.stop()
+                    remote.close()
 
             timers["w5"] = w5
         if "w5-api" in args.peers:
@@ -203,21 +205,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     api.close()  # stopped: its recording ends, whole
 
             timers["w5-api"] = w5_api
-        try:
-            for round_ in range(args.repeats):
-                for peer in args.peers:
-                    order = (False, True) if round_ % 2 == 0 else (True, False)
-                    figures = {}
-                    for recorded in order:
-                        directory = new_directory() if recorded else None
-                        figures[recorded], seconds = timers[peer](directory)
-                        if directory is not None:
-                            recorded_runs[peer].append((directory, seconds))
-                    rounds[peer].append((figures[False], figures[True]))
-                    print(f"round {round_ + 1} {peer}: plain {figures[False]:.1f}, recorded {figures[True]:.1f}",
-                          file=sys.stderr, flush=True)
-        finally:
-            remote.close()
+        for round_ in range(args.repeats):
+            for peer in args.peers:
+                order = (False, True) if round_ % 2 == 0 else (True, False)
+                figures = {}
+                for recorded in order:
+                    directory = new_directory() if recorded else None
+                    figures[recorded], seconds = timers[peer](directory)
+                    if directory is not None:
+                        recorded_runs[peer].append((directory, seconds))
+                rounds[peer].append((figures[False], figures[True]))
+                print(f"round {round_ + 1} {peer}: plain {figures[False]:.1f}, recorded {figures[True]:.1f}",
+                      file=sys.stderr, flush=True)
     encode, path = encode_us(args.batch, root / "encode"), step_path_us(args.batch, root / "path")
     results: dict[str, float] = {"encode_us_per_step": encode, "step_path_us": path, "batch": args.batch,
                                  "repeats": args.repeats}
