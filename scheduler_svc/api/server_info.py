@@ -53,12 +53,9 @@ class ServerInfo:
     num_queued_prompt_tokens: int
     # Since start: the share of prompt tokens looked up in the prefix cache that were found there.
     prefix_cache_hit_rate: float
+    # Share of the KV blocks requests hold, in [0, 1].
+    kv_cache_usage: float
     uptime_s: float
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Share of the KV blocks requests hold, in [0, 1]."""
-        return self.num_used_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
 
 
 def server_info(loop: EngineLoop, started_at: float, num_requests: int) -> ServerInfo:
@@ -76,5 +73,6 @@ def server_info(loop: EngineLoop, started_at: float, num_requests: int) -> Serve
         num_waiting=max(stats.num_waiting, num_requests - stats.num_running), num_running=stats.num_running,
         num_used_blocks=stats.num_blocks - stats.num_free_blocks, num_queued_prompt_tokens=loop.admission.num_tokens,
         prefix_cache_hit_rate=stats.num_prefix_cache_hit_tokens / max(1, stats.num_prefix_cache_query_tokens),
+        kv_cache_usage=(stats.num_blocks - stats.num_free_blocks) / stats.num_blocks if stats.num_blocks else 0.0,
         uptime_s=time.time() - started_at,
     )

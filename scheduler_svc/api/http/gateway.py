@@ -8,17 +8,20 @@ the same refusals, the same token ids, nothing queued.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from fastapi import APIRouter
 from fastapi.responses import Response
+from pydantic import TypeAdapter
 
 from scheduler_svc.api.frontend import Frontend
 from scheduler_svc.api.http import schemas, translate
-from scheduler_svc.api.server_info import engine_version
+from scheduler_svc.api.server_info import ServerInfo, engine_version
 from scheduler_svc.core.errors import RequestFailed
 from scheduler_svc.core.request import PreparedRequest
+
+# /server_info's body: the shared dataclass as JSON.
+SERVER_INFO = TypeAdapter(ServerInfo)
 
 
 def json_response(message: schemas.BaseModel | list[schemas.RenderedPrompt]) -> Response:
@@ -60,10 +63,9 @@ def gateway_router(frontend: Frontend, served_model: Callable[[], translate.Serv
     async def version() -> Response:
         return json_response(schemas.Version(version=engine_version()))
 
-    @router.get("/server_info", response_model=schemas.ServerInfo)
+    @router.get("/server_info", response_model=ServerInfo)
     async def server_info() -> Response:
-        info = frontend.server_info()
-        return json_response(schemas.ServerInfo(**dataclasses.asdict(info), kv_cache_usage=info.kv_cache_usage))
+        return Response(SERVER_INFO.dump_json(frontend.server_info()), media_type="application/json")
 
     @router.post("/v1/completions/render", response_model=list[schemas.RenderedPrompt])
     async def completions_render(body: schemas.CompletionRenderRequest) -> Response:

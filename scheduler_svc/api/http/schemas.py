@@ -312,35 +312,6 @@ class Version(BaseModel):
     version: str
 
 
-class ServerInfo(BaseModel):
-    """The engine, its model and KV cache, how it schedules, and its load now (``api.server_info``)."""
-
-    engine: str
-    version: str
-    model: str
-    architecture: str
-    dtype: str
-    device: str
-    block_size: int
-    num_kv_blocks: int
-    max_model_len: int
-    vocab_size: int
-    tensor_parallel_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    num_scheduler_steps: int
-    scheduling_policy: str
-    overlap: bool
-    executor_instance_id: str
-    num_waiting: int
-    num_running: int
-    num_used_blocks: int
-    num_queued_prompt_tokens: int
-    prefix_cache_hit_rate: float
-    kv_cache_usage: float
-    uptime_s: float
-
-
 class ErrorDetail(BaseModel):
     message: str
     type: str
