@@ -7,14 +7,13 @@ from __future__ import annotations
 import asyncio
 import random
 from argparse import Namespace
-from collections.abc import Callable
 from pathlib import Path
 
 from common.executor import Executor
 from common.recording import Recording
 from common.replay import Replayer, ReplayReport
 from common.replay_cli import recorded_executor
-from common.step import ExecutorInfo, StepPlan, StepResult
+from common.step import ExecutorInfo
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.engine.stats import LoopStats
 from tests.service_fixtures import assert_idle_async, collect, in_process_scheduler, token_request
@@ -23,32 +22,6 @@ from tests.service_fixtures import assert_idle_async, collect, in_process_schedu
 SESSION_CONFIG = {"max_num_batched_tokens": 16, "max_num_seqs": 6}
 NUM_BLOCKS = 28
 BLOCK_SIZE = 4
-
-
-class ConnectionLost(RuntimeError):
-    """What a killed executor process looks like to the engine."""
-
-
-class RestartingExecutor(Executor):
-    """Dies at its ``die_at``-th step and comes back as ``make()``: a new instance that holds nothing."""
-
-    def __init__(self, make: Callable[[], Executor], die_at: int) -> None:
-        self.make, self.die_at = make, die_at
-        self.inner = make()
-        self.steps = 0
-
-    def get_info(self) -> ExecutorInfo:
-        return self.inner.get_info()
-
-    def reset(self) -> int:
-        return self.inner.reset()
-
-    def step(self, plan: StepPlan) -> StepResult:
-        self.steps += 1
-        if self.steps == self.die_at:
-            self.inner = self.make()
-            raise ConnectionLost("executor process killed")
-        return self.inner.step(plan)
 
 
 def prompt(rng: random.Random, vocab: int, length: int) -> list[int]:

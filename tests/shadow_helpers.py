@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Collection
 
 from common.executor import Executor
 from common.step import ExecutorInfo, StepPlan, StepResult
@@ -10,6 +11,35 @@ from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.engine.engine import Engine, FinishedRequest
 from tests.conftest import EOS
+
+
+class ConnectionLost(RuntimeError):
+    """What a killed executor process looks like to the engine."""
+
+
+class RestartingExecutor(Executor):
+    """Dies at each of its ``die_at`` steps (1-based) and comes back as ``make()``: a new instance that holds
+    nothing (``restarts`` counts the deaths)."""
+
+    def __init__(self, make: Callable[[], Executor], die_at: Collection[int]) -> None:
+        self.make, self.die_at = make, die_at
+        self.inner = make()
+        self.steps = 0
+        self.restarts = 0
+
+    def get_info(self) -> ExecutorInfo:
+        return self.inner.get_info()
+
+    def reset(self) -> int:
+        return self.inner.reset()
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.steps += 1
+        if self.steps in self.die_at:
+            self.inner = self.make()
+            self.restarts += 1
+            raise ConnectionLost("executor process killed")
+        return self.inner.step(plan)
 
 
 class RecordingExecutor(Executor):

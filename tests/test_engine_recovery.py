@@ -6,46 +6,18 @@ import random
 
 import pytest
 
-from common.executor import Executor
-from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.fakes.shadow import ShadowExecutor
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.engine.engine import Engine, ExecutorRestarted, IncompatibleExecutor
 from tests.conftest import EOS, assert_all_blocks_free
-from tests.shadow_helpers import expected
+from tests.shadow_helpers import ConnectionLost, RestartingExecutor, expected
 
 
-class ConnectionLost(RuntimeError):
-    """What a killed executor process looks like to the engine."""
-
-
-class RestartingExecutor(Executor):
-    """Dies at the given steps and comes back as a fresh executor (new instance id, maybe new size)."""
-
-    def __init__(self, die_at: set[int], sizes: list[int], block_size: int = 4, vocab_size: int = 50) -> None:
-        self.die_at, self.sizes = die_at, list(sizes)
-        self.block_size, self.vocab_size = block_size, vocab_size
-        self.inner = self._fresh()
-        self.steps = 0
-        self.restarts = 0
-
-    def _fresh(self) -> ShadowExecutor:
-        return ShadowExecutor(self.sizes.pop(0), self.block_size, self.vocab_size, (EOS,))
-
-    def get_info(self) -> ExecutorInfo:
-        return self.inner.get_info()
-
-    def reset(self) -> int:
-        return self.inner.reset()
-
-    def step(self, plan: StepPlan) -> StepResult:
-        self.steps += 1
-        if self.steps in self.die_at:
-            self.inner = self._fresh()
-            self.restarts += 1
-            raise ConnectionLost("executor process killed")
-        return self.inner.step(plan)
+def restarting_shadow(die_at: set[int], sizes: list[int]) -> RestartingExecutor:
+    """Dies at the given steps and comes back as a fresh shadow executor of the next size (new instance id)."""
+    left = list(sizes)
+    return RestartingExecutor(lambda: ShadowExecutor(left.pop(0), 4, 50, (EOS,)), die_at)
 
 
 def run_with_recovery(engine: Engine) -> None:
@@ -61,7 +33,7 @@ def run_with_recovery(engine: Engine) -> None:
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("die_at", [{1}, {3, 4}, {6}, {2, 9, 15}])
 def test_requests_survive_executor_restarts_with_identical_tokens(die_at, overlap, policy):
-    executor = RestartingExecutor(die_at, sizes=[40, 24, 64, 32, 48])
+    executor = restarting_shadow(die_at, [40, 24, 64, 32, 48])
     config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, policy=policy)
     engine = Engine(executor, config, overlap=overlap)
     rng = random.Random(7)
@@ -78,7 +50,7 @@ def test_requests_survive_executor_restarts_with_identical_tokens(die_at, overla
 
 
 def test_seeded_sampling_survives_a_restart():
-    executor = RestartingExecutor({5}, sizes=[40, 40])
+    executor = restarting_shadow({5}, [40, 40])
     engine = Engine(executor, SchedulerConfig(8, 64))
     prompts = [[3, 4, 5, 6, 7], [9, 8, 7]]
     params = [SamplingParams(temperature=0.8, seed=11, max_tokens=12, ignore_eos=True)] * 2
@@ -89,7 +61,7 @@ def test_seeded_sampling_survives_a_restart():
 
 
 def test_requests_too_large_for_the_new_cache_are_aborted():
-    executor = RestartingExecutor({2}, sizes=[40, 6])
+    executor = restarting_shadow({2}, [40, 6])
     engine = Engine(executor, SchedulerConfig(8, 64))
     small = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     large = engine.add_request(list(range(1, 30)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -104,7 +76,7 @@ def test_requests_too_large_for_the_new_cache_are_aborted():
 
 
 def test_an_executor_with_another_model_is_refused():
-    executor = RestartingExecutor({2}, sizes=[40, 40])
+    executor = restarting_shadow({2}, [40, 40])
     engine = Engine(executor, SchedulerConfig(8, 64))
     engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     engine.step()

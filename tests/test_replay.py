@@ -22,13 +22,13 @@ from tests.model_fixtures import smollm2_folder  # noqa: F401
 from tests.replay_helpers import (
     BLOCK_SIZE,
     NUM_BLOCKS,
-    RestartingExecutor,
     model_args,
     record_session,
     recorded,
     replay,
 )
 from tests.service_fixtures import CHATML_TEMPLATE, EOS_ID, TOKENIZER_VOCAB_SIZE, byte_level_tokenizer
+from tests.shadow_helpers import RestartingExecutor
 
 REGEX = "[a-c]{2,8}"
 # About 46 KiB of float32 KV per SmolLM2 token: as few blocks of 4 tokens as the shadow session has.
@@ -61,7 +61,7 @@ def assert_the_session_has_everything(directory: Path, stats) -> None:
 @pytest.fixture(scope="module")
 def shadow_recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("shadow-recording")
-    outputs, stats = record_session(RestartingExecutor(shadow, die_at=12), directory, REGEX, TOKENIZER_VOCAB_SIZE)
+    outputs, stats = record_session(RestartingExecutor(shadow, {12}), directory, REGEX, TOKENIZER_VOCAB_SIZE)
     assert all(outputs), "a request ended without tokens"
     assert_the_session_has_everything(directory, stats)
     return directory
@@ -80,7 +80,7 @@ def test_a_session_replays_identically_on_the_model(smollm2_folder, tmp_path: Pa
         return ModelExecutor(ExecutorOptions(dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=MODEL_KV_BYTES,
                                              threads=2))
 
-    executor = RestartingExecutor(make, die_at=10)
+    executor = RestartingExecutor(make, {10})
     vocab = executor.get_info().vocab_size
     outputs, stats = record_session(executor, tmp_path, REGEX, vocab, logprobs=True)
     assert_the_session_has_everything(tmp_path, stats)

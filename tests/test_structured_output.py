@@ -20,8 +20,6 @@ import jsonschema
 import lark
 import pytest
 
-from common.executor import Executor
-from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.model_executor import ModelExecutor
 from nanoserve.v1 import generation_pb2 as pb
@@ -33,6 +31,7 @@ from scheduler_svc.core.tokenizer import ChatMessage, ModelTokenizer
 from scheduler_svc.engine.engine import Engine, ExecutorRestarted
 from tests.conftest import assert_all_blocks_free
 from tests.model_fixtures import smollm2_folder  # noqa: F401
+from tests.shadow_helpers import ConnectionLost, RestartingExecutor
 
 MAX_TOKENS = 160
 # About 46 KiB of float32 KV per token: room for every request at once, or for a few only (preemptions).
@@ -207,38 +206,10 @@ def test_fifty_schemas_regexes_choices_and_grammars_conform_with_multi_step_deco
     assert_idle(engine, roomy_executor)
 
 
-class ConnectionLost(RuntimeError):
-    """What a killed executor process looks like to the engine."""
-
-
-class RestartingExecutor(Executor):
-    """Dies once, at step ``die_at``, and comes back as a fresh ModelExecutor (new instance, no matchers)."""
-
-    def __init__(self, die_at: int) -> None:
-        self.die_at = die_at
-        self.inner = make_executor(TINY_KV_BYTES)
-        self.steps = 0
-        self.restarts = 0
-
-    def get_info(self) -> ExecutorInfo:
-        return self.inner.get_info()
-
-    def reset(self) -> int:
-        return self.inner.reset()
-
-    def step(self, plan: StepPlan) -> StepResult:
-        self.steps += 1
-        if self.steps == self.die_at:
-            self.inner = make_executor(TINY_KV_BYTES)
-            self.restarts += 1
-            raise ConnectionLost("executor process killed")
-        return self.inner.step(plan)
-
-
 @pytest.mark.parametrize(("num_scheduler_steps", "die_at"), [(1, 30), (8, 6)], ids=["overlap", "overlap-multi-step"])
 def test_outputs_conform_across_preemptions_and_an_executor_restart(tokenizer, num_scheduler_steps, die_at):
     cases = corpus(12, seed=num_scheduler_steps)
-    executor = RestartingExecutor(die_at)
+    executor = RestartingExecutor(lambda: make_executor(TINY_KV_BYTES), {die_at})
     engine = Engine(executor, SchedulerConfig(num_scheduler_steps=num_scheduler_steps), overlap=True)
     seqs = add_requests(engine, tokenizer, cases)
     replayed = 0
