@@ -81,6 +81,10 @@ class CachedRequests:
     new_block_ids: list[int] = field(default_factory=list)
     # Multi-step decode: tokens to decode per request; empty for one step each.
     num_decode_steps: list[int] = field(default_factory=list)
+    # Speculative decoding: proposals each request verifies (empty: none), and their ids concatenated (empty: the
+    # executor's draft model proposes them).
+    num_draft_tokens: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -129,6 +133,8 @@ class StepResult:
     num_passes: int | None = None
     instance_id: str = ""
     step_id: int = 0
+    # Tokens per scheduled request in token_ids, set only for a plan with drafts (accepted proposals, then one).
+    num_sampled_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +173,8 @@ class ExecutorInfo:
     lora_adapters: tuple[LoraAdapterInfo, ...] = ()
     max_lora_rank: int = 0
     runtime_lora: bool = False
+    # The draft model's id (speculative proposals made by the executor); "" when it has none.
+    draft_model_id: str = ""
 
     @property
     def on_cpu(self) -> bool:

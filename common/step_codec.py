@@ -64,6 +64,8 @@ def plan_to_proto(plan: StepPlan) -> pb.StepPlan:
         cached.num_new_blocks.extend(c.num_new_blocks)
         cached.new_block_ids.extend(c.new_block_ids)
         cached.num_decode_steps.extend(c.num_decode_steps)
+        cached.num_draft_tokens.extend(c.num_draft_tokens)
+        cached.draft_token_ids.extend(c.draft_token_ids)
     return msg
 
 
@@ -80,7 +82,8 @@ def plan_from_proto(msg: pb.StepPlan) -> StepPlan:
             for new in msg.new_requests
         ],
         cached_requests=CachedRequests(list(c.request_ids), list(c.num_computed_tokens), list(c.num_scheduled_tokens),
-                                       list(c.num_new_blocks), list(c.new_block_ids), list(c.num_decode_steps)),
+                                       list(c.num_new_blocks), list(c.new_block_ids), list(c.num_decode_steps),
+                                       list(c.num_draft_tokens), list(c.draft_token_ids)),
         after_whole_step_id=msg.after_whole_step_id if msg.HasField("after_whole_step_id") else None,
     )
 
@@ -98,7 +101,8 @@ def _logprobs_from_proto(msg: pb.TokenLogprobs) -> TokenLogprobs:
 
 def result_to_proto(result: StepResult) -> pb.StepResult:
     msg = pb.StepResult(instance_id=result.instance_id, step_id=result.step_id, token_ids=result.token_ids,
-                        forward_ms=result.forward_ms, sample_ms=result.sample_ms, num_passes=result.num_passes)
+                        forward_ms=result.forward_ms, sample_ms=result.sample_ms, num_passes=result.num_passes,
+                        num_sampled_tokens=result.num_sampled_tokens)
     if result.logprobs:
         msg.logprobs.extend(map(_logprobs_to_proto, result.logprobs))
     for run in result.prompt_logprobs:
@@ -115,13 +119,13 @@ def result_from_proto(msg: pb.StepResult) -> StepResult:
         [PromptLogprobs(run.request_id, run.first_position, [_logprobs_from_proto(lp) for lp in run.logprobs])
          for run in msg.prompt_logprobs],
         msg.num_passes if msg.HasField("num_passes") else None,
-        msg.instance_id, msg.step_id,
+        msg.instance_id, msg.step_id, list(msg.num_sampled_tokens),
     )
 
 
 INFO_FIELDS = ("instance_id", "model_id", "architecture", "dtype", "device", "vocab_size", "max_model_len",
                "block_size", "num_blocks", "tensor_parallel_size", "tokenizer_json", "chat_template",
-               "attention_backend", "max_lora_rank", "runtime_lora")
+               "attention_backend", "max_lora_rank", "runtime_lora", "draft_model_id")
 
 
 def info_to_proto(info: ExecutorInfo) -> pb.ExecutorInfo:

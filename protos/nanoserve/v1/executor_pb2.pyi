@@ -11,7 +11,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("instance_id", "model_id", "architecture", "dtype", "device", "vocab_size", "eos_token_ids", "bos_token_id", "max_model_len", "block_size", "num_blocks", "tensor_parallel_size", "tokenizer_json", "chat_template", "attention_backend", "lora_adapters", "max_lora_rank", "runtime_lora")
+    __slots__ = ("instance_id", "model_id", "architecture", "dtype", "device", "vocab_size", "eos_token_ids", "bos_token_id", "max_model_len", "block_size", "num_blocks", "tensor_parallel_size", "tokenizer_json", "chat_template", "attention_backend", "lora_adapters", "max_lora_rank", "runtime_lora", "draft_model_id")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class ExecutorInfo(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_LORA_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_id: str
     architecture: str
@@ -48,7 +49,8 @@ class ExecutorInfo(_message.Message):
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
     max_lora_rank: int
     runtime_lora: bool
-    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., attention_backend: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., max_lora_rank: _Optional[int] = ..., runtime_lora: _Optional[bool] = ...) -> None: ...
+    draft_model_id: str
+    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., attention_backend: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., max_lora_rank: _Optional[int] = ..., runtime_lora: _Optional[bool] = ..., draft_model_id: _Optional[str] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("lora_id", "name", "path", "rank")
@@ -138,20 +140,24 @@ class NewRequest(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ...) -> None: ...
 
 class CachedRequests(_message.Message):
-    __slots__ = ("request_ids", "num_computed_tokens", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "num_decode_steps")
+    __slots__ = ("request_ids", "num_computed_tokens", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "num_decode_steps", "num_draft_tokens", "draft_token_ids")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_decode_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_decode_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_decode_steps: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "is_prefill", "new_requests", "cached_requests", "finished_request_ids", "after_whole_step_id")
@@ -180,7 +186,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("instance_id", "step_id", "token_ids", "logprobs", "forward_ms", "sample_ms", "prompt_logprobs", "num_passes")
+    __slots__ = ("instance_id", "step_id", "token_ids", "logprobs", "forward_ms", "sample_ms", "prompt_logprobs", "num_passes", "num_sampled_tokens")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +195,7 @@ class StepResult(_message.Message):
     SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_PASSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     step_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -197,7 +204,8 @@ class StepResult(_message.Message):
     sample_ms: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     num_passes: int
-    def __init__(self, instance_id: _Optional[str] = ..., step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., num_passes: _Optional[int] = ...) -> None: ...
+    num_sampled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, instance_id: _Optional[str] = ..., step_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., num_passes: _Optional[int] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("request_id", "first_position", "logprobs")
