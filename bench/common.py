@@ -83,7 +83,15 @@ def w3() -> Workload:
     return _draw("w3", 64, (256, 256), (128, 128), 0.0, 1024)
 
 
-WORKLOADS = {"w1": w1, "w2": w2, "w3": w3}
+def w6() -> Workload:
+    """W6 (speculative decoding): 32 requests, each a block of 48 random ids repeated 4 times (a pattern the model
+    continues by copying), 128 output tokens, greedy."""
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(48)] * 4 for _ in range(32)]
+    return Workload("w6", prompts, [128] * 32, 0.0, 1024)
+
+
+WORKLOADS = {"w1": w1, "w2": w2, "w3": w3, "w6": w6}
 
 
 def progress(iterable: Iterable | None = None, **kwargs) -> tqdm:
