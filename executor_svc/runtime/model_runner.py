@@ -33,6 +33,7 @@ from executor_svc.runtime.model_input import ModelInput, prepare_input
 from executor_svc.sample.constraints import GrammarConstraints
 from executor_svc.sample.prompt_logprobs import ScoredRun, prompt_logprobs, score_rows
 from executor_svc.sample.sampler import Sampler, SamplerOutput
+from executor_svc.spec.verify import verify
 
 log = logging.getLogger("nanoserve.executor")
 
@@ -209,11 +210,17 @@ class ModelRunner:
         scored = prompt_logprobs(logits[num_sampled:], runs) if runs else []
         logits = logits[:num_sampled]
         sampled = [c for c in launched.chunks if c.samples]
-        states = [c.state for c in sampled]
-        constrained = self.constraints.mask(logits, states)
-        output = self.sampler(logits, [s.sampling for s in states], [c.end for c in sampled], states)
-        if constrained:
-            self.constraints.advance(states, constrained, output.token_ids)
+        if any(c.num_drafts for c in sampled):
+            verified = verify(logits, sampled, self.sampler, self.constraints)
+            output = SamplerOutput([t for tokens in verified.token_ids for t in tokens],
+                                   [e for entries in verified.logprobs for e in entries],
+                                   [len(tokens) for tokens in verified.token_ids])
+        else:
+            states = [c.state for c in sampled]
+            constrained = self.constraints.mask(logits, states)
+            output = self.sampler(logits, [s.sampling for s in states], [c.end for c in sampled], states)
+            if constrained:
+                self.constraints.advance(states, constrained, output.token_ids)
         t2 = time.perf_counter()
         return output, scored, (t1 - launched.started) * 1e3, (t2 - t1) * 1e3
 
