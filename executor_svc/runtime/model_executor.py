@@ -55,6 +55,7 @@ class ModelExecutor(TableExecutor):
         config = runner.config
         self.table = RequestTable(runner.num_blocks, runner.block_size, config.vocab_size, runner.max_model_len)
         self.table.verifies_drafts = True
+        self.table.has_draft_model = runner.draft is not None
         if runner.lora is not None:
             self.table.lora_ids = runner.lora.ids
         tokenizer = self.folder / "tokenizer.json"
@@ -77,6 +78,7 @@ class ModelExecutor(TableExecutor):
             lora_adapters=self.lora_adapters(),
             max_lora_rank=options.max_lora_rank if runner.lora is not None else 0,
             runtime_lora=options.runtime_lora,
+            draft_model_id=runner.draft.model_id if runner.draft is not None else "",
         )
 
     def lora_adapters(self) -> tuple[LoraAdapterInfo, ...]:
