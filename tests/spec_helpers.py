@@ -1,98 +1,109 @@
-"""A model-free oracle for speculative decoding in the scheduler core: each next token is a function of the whole
-context, and the "executor" verifies proposals against it, so a booking or give-back bug changes the tokens."""
+"""A minimal scheduler for executor-level speculative-decoding tests: it owns block tables, sends prefill,
+decode and verification plans, and cuts a request's table after a verification as the contract says."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-import xxhash
+from common.executor import Executor
+from common.step import CachedRequests, NewRequest, SamplingSettings, StepPlan, StepResult
 
-from scheduler_svc.core.planner import Planner
-from scheduler_svc.core.scheduler import Scheduler
-from scheduler_svc.core.sequence import PENDING, Sequence
-from tests.conftest import EOS
-
-VOCAB = 40
+GREEDY = SamplingSettings(temperature=0.0)
 
 
-def next_token(context: list[int], period: int = 3) -> int:
-    """Mostly repeats the token ``period`` back (so n-grams recur and proposals are often right), sometimes not."""
-    h = xxhash.xxh64_intdigest(bytes(str(context), "ascii"))
-    if len(context) > period and h % 4:
-        return context[-period]
-    return 1 + h % (VOCAB - 1)
+@dataclass
+class Tracked:
+    """The scheduler's view of one request."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed: int = 0
+    completion: list[int] = field(default_factory=list)
 
 
-def reference(prompt: list[int], max_tokens: int, eos: bool = False) -> list[int]:
-    """The completion a correct scheduler produces (EOS ends it only with ``eos``)."""
-    tokens, out = list(prompt), []
-    while len(out) < max_tokens:
-        t = next_token(tokens)
-        tokens.append(t)
-        out.append(t)
-        if eos and t == EOS:
-            break
-    return out
+class SpecDriver:
+    """Runs requests to ``max_tokens`` on an executor, proposing with ``propose(request_id, tokens, k)`` (None
+    entries: the executor's draft model proposes) and keeping every block table exactly as the executor must."""
 
+    def __init__(self, executor: Executor) -> None:
+        info = executor.get_info()
+        self.executor, self.block_size = executor, info.block_size
+        self.free = list(range(info.num_blocks))
+        self.requests: dict[int, Tracked] = {}
+        self.step_id = 0
+        self.results: list[StepResult] = []
 
-def verify(context: list[int], drafts: list[int]) -> list[int]:
-    """The tokens an exact verifier samples: the proposals that match, then its own."""
-    out: list[int] = []
-    for draft in drafts:
-        t = next_token(context + out)
-        if t != draft:
-            return [*out, t]
-        out.append(t)
-    return [*out, next_token(context + out)]
+    def _grow(self, tracked: Tracked, num_tokens: int) -> list[int]:
+        needed = -(-num_tokens // self.block_size) - len(tracked.block_table)
+        new = [self.free.pop(0) for _ in range(max(0, needed))]
+        tracked.block_table += new
+        return new
 
+    def step(self, plan: StepPlan) -> StepResult:
+        self.step_id += 1
+        plan.step_id = self.step_id
+        result = self.executor.step(plan)
+        self.results.append(result)
+        return result
 
-def run_step(scheduler: Scheduler, planner: Planner,
-             on_schedule: Callable[[list[Sequence], bool], None] | None = None) -> list:
-    """Schedule, plan, book, "execute" and settle one step; returns the outputs. ``on_schedule`` sees the step as
-    scheduled."""
-    seqs, is_prefill = scheduler.schedule()
-    if on_schedule is not None:
-        on_schedule(seqs, is_prefill)
-    if not seqs:
-        return []
-    plan, ordered = planner.build(seqs, is_prefill, scheduler.drain_released())
-    cached = plan.cached_requests
-    drafts_of = {}
-    ids = iter(cached.draft_token_ids)
-    for seq_id, k in zip(cached.request_ids, cached.num_draft_tokens or [0] * len(cached.request_ids), strict=True):
-        drafts_of[seq_id] = [next(ids) for _ in range(k)]
-    record = scheduler.advance(ordered, is_prefill)
-    token_ids, num_sampled = [], []
-    for seq, slot in zip(record.seqs, record.slots, strict=True):
-        if slot < 0:
-            sampled = [0]
-        else:
-            context = seq.token_ids[:slot]
-            assert PENDING not in context
-            sampled = verify(context, drafts_of.get(seq.seq_id, []))
-        token_ids += sampled
-        num_sampled.append(len(sampled))
-    outputs = scheduler.settle(record, token_ids, (), None, num_sampled if record.drafts else None)
-    if record.drafts:
-        planner.tables_cut([s for s, k in zip(record.seqs, record.drafts, strict=True) if k])
-    check_tables(scheduler)
-    return outputs
+    def prefill(self, prompts: dict[int, list[int]], sampling: SamplingSettings = GREEDY) -> None:
+        new = []
+        for rid, prompt in prompts.items():
+            tracked = self.requests[rid] = Tracked(list(prompt), [])
+            self._grow(tracked, len(prompt))
+            new.append(NewRequest(rid, list(prompt), sampling, list(tracked.block_table), 0, len(prompt)))
+        result = self.step(StepPlan(is_prefill=True, new_requests=new))
+        for rid, token in zip(prompts, result.token_ids, strict=True):
+            tracked = self.requests[rid]
+            tracked.num_computed = len(tracked.token_ids)
+            tracked.token_ids.append(token)
+            tracked.completion.append(token)
 
+    def decode(self, drafts: dict[int, list[int] | int]) -> StepResult:
+        """One step of every request named: a list of proposals, or a count the executor's draft model fills."""
+        cached = CachedRequests()
+        given: list[int] = []
+        for rid, proposal in drafts.items():
+            tracked = self.requests[rid]
+            k = proposal if isinstance(proposal, int) else len(proposal)
+            new = self._grow(tracked, tracked.num_computed + 1 + k)
+            cached.request_ids.append(rid)
+            cached.num_computed_tokens.append(tracked.num_computed)
+            cached.num_scheduled_tokens.append(1 + k)
+            cached.num_new_blocks.append(len(new))
+            cached.new_block_ids += new
+            cached.num_draft_tokens.append(k)
+            if not isinstance(proposal, int):
+                given += proposal
+        cached.draft_token_ids = given
+        result = self.step(StepPlan(cached_requests=cached))
+        counts = result.num_sampled_tokens or [1] * len(drafts)
+        at = 0
+        for rid, n in zip(drafts, counts, strict=True):
+            tracked = self.requests[rid]
+            tokens = result.token_ids[at : at + n]
+            at += n
+            tracked.token_ids += tokens
+            tracked.completion += tokens
+            tracked.num_computed += n
+            keep = -(-tracked.num_computed // self.block_size)
+            self.free += tracked.block_table[keep:]
+            del tracked.block_table[keep:]
+        return result
 
-def check_tables(scheduler: Scheduler) -> None:
-    """Between steps a decoding sequence holds exactly the blocks of its computed tokens (no rejected slot kept)."""
-    bs = scheduler.block_size
-    for seq in scheduler.running:
-        if seq.block_table and seq.num_cached_tokens == len(seq.token_ids) - 1:
-            assert len(seq.block_table) == -(-seq.num_cached_tokens // bs), "a block past the computed tokens"
+    def generate(self, prompts: dict[int, list[int]], max_tokens: int,
+                 propose: Callable[[int, list[int]], list[int] | int],
+                 sampling: SamplingSettings = GREEDY) -> dict[int, list[int]]:
+        """Each request's first ``max_tokens`` completion tokens (the last step may give a few more)."""
+        self.prefill(prompts, sampling)
+        while live := [rid for rid, t in self.requests.items() if len(t.completion) < max_tokens]:
+            self.decode({rid: propose(rid, self.requests[rid].token_ids) for rid in live})
+        return {rid: t.completion[:max_tokens] for rid, t in self.requests.items()}
 
-
-def run_all(scheduler: Scheduler, planner: Planner | None = None, max_steps: int = 10_000) -> int:
-    """Run the queues empty; returns the steps taken."""
-    planner = planner or Planner()
-    steps = 0
-    while not scheduler.is_finished():
-        run_step(scheduler, planner)
-        steps += 1
-        assert steps < max_steps
-    return steps
+    def finish(self) -> None:
+        """Drop every request: the executor holds none after, and every block is free."""
+        self.step(StepPlan(finished_request_ids=list(self.requests)))
+        for tracked in self.requests.values():
+            self.free += tracked.block_table
+        self.requests.clear()

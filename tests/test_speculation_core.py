@@ -13,7 +13,7 @@ from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.core.sequence import PENDING, FinishReason, Sequence
 from tests.conftest import EOS, assert_all_blocks_free
-from tests.spec_helpers import reference, run_all, run_step
+from tests.spec_oracle import reference, run_all, run_step
 
 _ids = iter(range(10**9))
 
