@@ -23,9 +23,9 @@ from scheduler_svc.core.sequence import Sequence
 class MixedScheduler(Scheduler):
     """``Scheduler`` with decodes and prefill chunks in one step."""
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
+    def schedule(self, propose: bool = True) -> tuple[list[Sequence], bool]:
         num_steps = 1 if self.waiting else self.num_scheduler_steps
-        scheduled = self._schedule_decodes(num_steps, self.max_num_seqs, prefill_may_follow=True)
+        scheduled = self._schedule_decodes(num_steps, self.max_num_seqs, prefill_may_follow=True, propose=propose)
         num_decodes = len(scheduled)
         decode_tokens = sum(seq.num_scheduled_tokens for seq in scheduled)
         # A multi-step decode is a step of its own: it preempted what now waits (nothing waited when it began).

@@ -78,13 +78,14 @@ class Scheduler:
             self.speculator.attach(seq)
         self.waiting.append(seq)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Return this step's sequences and whether the step is a prefill."""
+    def schedule(self, propose: bool = True) -> tuple[list[Sequence], bool]:
+        """Return this step's sequences and whether the step is a prefill; with speculation, ``propose`` False
+        (a plan booked on a window in flight) proposes nothing."""
         scheduled = self._schedule_prefills([], self.max_num_batched_tokens, self.max_num_seqs)
         if scheduled:
             self._prefill_head = scheduled[0]
             return scheduled, True
-        return self._schedule_decodes(self.num_scheduler_steps, self.max_num_seqs), False
+        return self._schedule_decodes(self.num_scheduler_steps, self.max_num_seqs, propose=propose), False
 
     def _schedule_prefills(self, scheduled: list[Sequence], token_budget: int, seq_budget: int) -> list[Sequence]:
         """Prefill FIFO from the head of ``waiting`` into ``scheduled`` within the budgets; only the first prefill
@@ -134,7 +135,8 @@ class Scheduler:
         step, so admitting a sequence keeps a step within ``max_loras`` unless its adapter is among them."""
         return {seq.lora_id for seq in (*self.running, *scheduled) if seq.lora_id}
 
-    def _schedule_decodes(self, num_steps: int, seq_budget: int, prefill_may_follow: bool = False) -> list[Sequence]:
+    def _schedule_decodes(self, num_steps: int, seq_budget: int, prefill_may_follow: bool = False,
+                          propose: bool = True) -> list[Sequence]:
         """Decode the running sequences, ``num_steps`` tokens each at most; when a block cannot be appended, the
         tail of ``running`` is preempted (or the sequence itself, when alone). Nothing to decode and nothing held is
         an error unless a prefill may follow in the same step (the mixed policy)."""
@@ -146,7 +148,8 @@ class Scheduler:
         max_model_len = self.max_model_len
         hold_in_flight = False
         if self.speculator is not None and running:
-            hold_in_flight, proposed = self.speculator.propose(running, seq_budget, self.max_num_batched_tokens)
+            hold_in_flight, proposed = self.speculator.propose(running, seq_budget, self.max_num_batched_tokens,
+                                                               propose)
             if proposed:  # a plan with proposals is one decode step
                 num_steps = 1
         if num_steps > 1 and running:  # one step for all: a sequence that stopped earlier would wait for the rest

@@ -11,6 +11,8 @@ POLICY_NAMES = ("nano-vllm", "mixed")
 SPECULATIVE_METHODS = ("ngram", "draft")
 # vLLM's n-gram window when neither end is given (one given: both are it).
 DEFAULT_NGRAM_SIZE = 5
+# Proposals per sequence per step when not given (vLLM has no default for n-gram proposals).
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
 
 @dataclass
@@ -33,8 +35,9 @@ class SchedulerConfig:
     max_loras: int | None = None
     # Speculative decoding (``core.speculation``): None (off), or one of SPECULATIVE_METHODS.
     speculative: str | None = None
-    # The most tokens proposed per sequence per step (each verified in the same forward pass as its last token).
-    num_speculative_tokens: int = 4
+    # The most tokens proposed per sequence per step (each verified in the same forward pass as its last token);
+    # None: DEFAULT_NUM_SPECULATIVE_TOKENS with speculation.
+    num_speculative_tokens: int | None = None
     # The n-gram proposer's window: the longest suffix it matches first, down to the shortest (vLLM's
     # prompt_lookup_max / prompt_lookup_min; None: as vLLM, the other end, or DEFAULT_NGRAM_SIZE for both).
     ngram_min: int | None = None
@@ -59,6 +62,15 @@ class SchedulerConfig:
     def _check_speculation(self) -> None:
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}")
+        if self.speculative is None:
+            given = [name for name in ("num_speculative_tokens", "speculative_disable_by_batch_size", "ngram_min",
+                                       "ngram_max") if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply with speculative decoding, which is off: set "
+                                 f"speculative too")
+            return
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.speculative != "ngram" and (self.ngram_min is not None or self.ngram_max is not None):

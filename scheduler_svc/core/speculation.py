@@ -15,10 +15,11 @@ time (up to k); some, one more than were accepted; none, it stops proposing for 
 while its proposals keep failing). Above ``speculative_disable_by_batch_size`` running sequences nothing is proposed.
 
 Overlap and multi-step: a plan with proposals is one decode step (no window), and a sequence verifying is held until
-its result, since the next plan starts where verification ended. The next plan is never booked ahead of a decode in
-flight when it could propose: once any running sequence verifies, or its settled tokens already match an n-gram (so
-that it would propose once its token in flight is known), every decode waits for the step in flight, so the batch
-stays one step; otherwise decodes are planned ahead (overlap) and in windows as without speculation.
+its result, since the next plan starts where verification ended. A sequence whose decode is in flight cannot propose
+(its last token is not known yet): when one verifies, or its settled tokens already match an n-gram (so that it would
+propose once its token in flight is known), every decode in flight waits for its step, so the batch stays one step
+and the next plan proposes; otherwise decodes are planned ahead (overlap) and in windows as without speculation. A
+plan booked on a window in flight proposes nothing (a cut window drops it whole).
 """
 
 from __future__ import annotations
@@ -80,24 +81,29 @@ class Speculator:
             index = NgramIndex(*self.ngram_window) if self.method == "ngram" else None
             seq.speculation = SequenceSpeculation(self.k, index)
 
-    def propose(self, running: deque[Sequence], seq_budget: int, token_budget: int) -> tuple[bool, bool]:
-        """Set each running sequence's proposals for the coming decode (``num_draft_tokens``, ``draft_token_ids``)
-        within the token budget (one token kept for every sequence that may decode). Returns whether every decode
-        in flight must be held instead, and whether anything was proposed: nothing is proposed while a decode is in
-        flight (its tokens are not known), and if a sequence would propose then, the next plan waits for them."""
+    def propose(self, running: deque[Sequence], seq_budget: int, token_budget: int,
+                may_propose: bool = True) -> tuple[bool, bool]:
+        """Set each settled running sequence's proposals for the coming decode (``num_draft_tokens``,
+        ``draft_token_ids``) within the token budget (one token kept for every sequence that may decode); with
+        ``may_propose`` False (a plan booked on a window in flight) none. Returns whether the decodes in flight must
+        be held, and whether anything was proposed: a sequence with a decode in flight cannot propose (its tokens
+        are not known), and when one verifies or would propose, every decode in flight waits for its result."""
         if self.disable_by_batch_size is not None and len(running) > self.disable_by_batch_size:
             return False, False
-        if any(seq.token_ids[-1] == PENDING and not seq.final_token_pending for seq in running):
-            return any(self._would_propose(seq) for seq in running if not seq.final_token_pending), False
+        hold = False
         spare = initial = token_budget - min(len(running), seq_budget)
         ngram = self.method == "ngram"
         for seq in running:
             seq.num_draft_tokens = 0
-            state = seq.speculation
-            if (state is None or spare <= 0 or seq.final_token_pending
-                    or state.skip_until > seq.num_completion_tokens):
-                continue
             tokens = seq.token_ids
+            if seq.final_token_pending:
+                continue
+            if tokens[-1] == PENDING:
+                hold = hold or self._would_propose(seq)
+                continue
+            state = seq.speculation
+            if not may_propose or state is None or spare <= 0 or state.skip_until > seq.num_completion_tokens:
+                continue
             num_tokens = len(tokens)
             # The verification samples up to limit + 1 tokens, never past the completion's length.
             limit = min(state.draft_len, spare, seq.stop_rule.max_completion - (num_tokens - seq.num_prompt_tokens) - 1)
@@ -110,7 +116,7 @@ class Speculator:
             else:
                 seq.num_draft_tokens = limit
             spare -= seq.num_draft_tokens
-        return False, spare < initial
+        return hold, spare < initial
 
     def _would_propose(self, seq: Sequence) -> bool:
         """Whether ``seq`` verifies now, or would propose once its tokens in flight are known."""

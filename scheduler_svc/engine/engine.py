@@ -240,7 +240,7 @@ class Engine:
         if self.scheduler.is_finished():
             return None
         t0 = time.perf_counter()
-        seqs, is_prefill = self.scheduler.schedule()
+        seqs, is_prefill = self.scheduler.schedule(after_whole is None)
         if not seqs:  # every running sequence awaits its final token from the step in flight
             return None
         if is_prefill:
