@@ -127,3 +127,18 @@ def test_smollm2_greedy_with_proposals_gives_the_tokens_of_plain_decoding(smollm
     out, counts = speculated(executor, requests, 12, reference, 0.8)
     assert out == reference
     assert max(counts) > 2
+
+
+def test_grammar_rows_with_proposals_give_the_tokens_of_plain_decoding(smollm2_folder: Path) -> None:  # noqa: F811
+    """Accepted proposals advance the grammar, rejected ones leave no trace in it; an illegal proposal is rejected."""
+    import llguidance
+
+    executor = executor_for(smollm2_folder)
+    grammar = llguidance.LLMatcher.grammar_from_regex(r"[a-z]+( [a-z]+){2,6}\.")
+    requests = {1: [1, 504, 3458, 282, 253, 1694, 30], 2: [1, 28, 29, 30, 28, 29, 30, 28]}
+    for sampling in (SamplingSettings(temperature=0.0, grammar=grammar),
+                     SamplingSettings(temperature=0.9, seed=5, grammar=grammar, repetition_penalty=1.3)):
+        reference = plain(executor, requests, 10, sampling)
+        out, counts = speculated(executor, requests, 10, reference, 0.6, sampling, seed=4)
+        assert out == reference
+        assert max(counts) > 2

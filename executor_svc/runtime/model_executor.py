@@ -27,6 +27,7 @@ from executor_svc.runtime.distributed import free_init_method, init_group, spawn
 from executor_svc.runtime.model_runner import LaunchedForward, ModelRunner, PreparedInput, rank_device, worker_main
 from executor_svc.runtime.registry import resolve_model
 from executor_svc.sample.sampler import SamplerOutput
+from executor_svc.spec.draft import check_draft_options
 
 
 def read_chat_template(folder: Path) -> str:
@@ -44,6 +45,7 @@ class ModelExecutor(TableExecutor):
         super().__init__()
         self.options = options = options or ExecutorOptions()
         self.folder = resolve_model(options.model)
+        check_draft_options(options)
         self.workers = []
         if options.tensor_parallel_size > 1:
             init_method = free_init_method()

@@ -139,18 +139,25 @@ def _vocabulary(path: Path) -> tuple[object, object] | None:
     return (data.get("model") or {}).get("vocab"), added
 
 
-def build_draft(options: ExecutorOptions, target_folder: Path, target: nn.Module, backend: AttentionBackend,
-                device: torch.device, dtype: torch.dtype, kernels: KernelChoice | None,
-                max_model_len: int) -> DraftModel | None:
-    """The draft model the options ask for, loaded (None: no speculative flag)."""
+def check_draft_options(options: ExecutorOptions) -> bool:
+    """Whether the options ask for a draft model; refused before any model or worker starts where it cannot run."""
     if options.speculative_model and options.speculative_draft_layers:
         raise UnsupportedModel("give --speculative-model or --speculative-draft-layers, not both")
     if not (options.speculative_model or options.speculative_draft_layers):
-        return None
+        return False
     if options.tensor_parallel_size > 1:
         raise UnsupportedModel("a draft model runs with tensor-parallel size 1 only; serve without "
                                "--speculative-model/--speculative-draft-layers (n-gram proposals from the scheduler "
                                "still work)")
+    return True
+
+
+def build_draft(options: ExecutorOptions, target_folder: Path, target: nn.Module, backend: AttentionBackend,
+                device: torch.device, dtype: torch.dtype, kernels: KernelChoice | None,
+                max_model_len: int) -> DraftModel | None:
+    """The draft model the options ask for, loaded (None: no speculative flag)."""
+    if not check_draft_options(options):
+        return None
     if options.speculative_draft_layers:
         return early_exit_draft(options.model, target, options.speculative_draft_layers)
     folder = resolve_model(options.speculative_model)
