@@ -57,6 +57,7 @@ def run_step(scheduler: Scheduler, planner: Planner,
         return []
     plan, ordered = planner.build(seqs, is_prefill, scheduler.drain_released())
     cached = plan.cached_requests
+    assert len(cached.draft_token_ids) == sum(cached.num_draft_tokens), "the plan's proposals do not add up"
     drafts_of = {}
     ids = iter(cached.draft_token_ids)
     for seq_id, k in zip(cached.request_ids, cached.num_draft_tokens or [0] * len(cached.request_ids), strict=True):

@@ -324,3 +324,15 @@ def test_held_in_flight_decodes_wait_when_a_sequence_would_propose() -> None:
     run_all(scheduler, planner)
     assert b.num_completion_tokens == 12
     assert_all_blocks_free(scheduler.block_manager)
+
+
+def test_one_sequence_a_step_keeps_each_plans_proposals_consistent() -> None:
+    """max_num_seqs 1: each step proposes for the running sequences but schedules one; every plan's proposal ids
+    add up to its counts (the oracle checks) and outputs stay exact."""
+    scheduler = make(k=3, max_num_seqs=1)
+    seqs = [add(scheduler, p, max_tokens=12) for p in PROMPTS[:3]]
+    run_all(scheduler)
+    for seq, prompt in zip(seqs, PROMPTS, strict=False):
+        assert seq.completion_token_ids == reference(prompt, 12)
+    assert scheduler.speculator.counters.num_drafts > 0
+    assert_all_blocks_free(scheduler.block_manager)

@@ -53,7 +53,8 @@ class Planner:
             draft_ids: list[int] = []
             if any(drafts):  # verification: the proposals follow each row's last token
                 for seq in cached_seqs:
-                    draft_ids += seq.draft_token_ids
+                    if seq.num_draft_tokens:
+                        draft_ids += seq.draft_token_ids
             else:
                 drafts = []
                 if not is_prefill and max(scheduled) > 1:  # multi-step decode: one fed token, then the executor's own

@@ -200,7 +200,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        seq.num_draft_tokens = 0
+        seq.num_draft_tokens, seq.draft_token_ids = 0, []
         self._release(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

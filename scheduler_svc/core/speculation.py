@@ -95,6 +95,7 @@ class Speculator:
         ngram = self.method == "ngram"
         for seq in running:
             seq.num_draft_tokens = 0
+            seq.draft_token_ids = []
             tokens = seq.token_ids
             if seq.final_token_pending:
                 continue
