@@ -266,10 +266,17 @@ class Replayer:
         c = plan.cached_requests
         passes = recorded.num_passes if recorded is not None else None
         steps = c.num_decode_steps or [1] * len(c.request_ids)
-        for request_id, computed, scheduled, n in zip(c.request_ids, c.num_computed_tokens, c.num_scheduled_tokens,
-                                                      steps, strict=True):
-            end = computed + scheduled
+        # A verification row (k proposals) computes its last token and the proposals, and samples what the recorded
+        # executor says it did (num_sampled_tokens, in result order after the new requests).
+        drafts = c.num_draft_tokens or [0] * len(c.request_ids)
+        sampled = recorded.num_sampled_tokens if recorded is not None else []
+        rows_before = len(rows)
+        for i, (request_id, computed, scheduled, n, k) in enumerate(zip(
+                c.request_ids, c.num_computed_tokens, c.num_scheduled_tokens, steps, drafts, strict=True)):
+            end = computed + scheduled - k
             samples = end == lengths.get(request_id)  # one it does not hold: the executor refuses the plan
+            if k:
+                n = sampled[rows_before + i] if sampled else 1
             rows.append((request_id, end, (n if passes is None else min(n, passes)) if samples else 0))
         for request_id, _, count in rows:
             if request_id in lengths:

@@ -73,6 +73,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--max-lora-rank", positive_int, 16, "highest LoRA adapter rank served")
     add("--runtime-lora", boolean, False, "allow loading and unloading LoRA adapters while serving (the "
         "LoadLoraAdapter and UnloadLoraAdapter RPCs; one rank only)")
+    add("--speculative-model", str, None, "draft model for speculative decoding, an embedded name or a local "
+        "Hugging Face folder with the served model's tokenizer (its own KV cache shares the blocks)")
+    add("--speculative-draft-layers", positive_int, None, "draft model for speculative decoding made of the served "
+        "model's first N decoder layers, its final norm and LM head (an early exit: no weights or KV of its own)")
     add("--tls-cert", str, "", "PEM certificate chain (with --tls-key: serve TLS)")
     add("--tls-key", str, "", "PEM private key of --tls-cert")
     add("--tls-ca", str, "", "PEM CA: only a scheduler with a client certificate it signed may connect (mutual TLS)")
@@ -97,6 +101,8 @@ def options_from_args(args: argparse.Namespace) -> ExecutorOptions:
         lora_modules=_merged(args.lora_modules),
         max_lora_rank=args.max_lora_rank,
         runtime_lora=args.runtime_lora,
+        speculative_model=args.speculative_model,
+        speculative_draft_layers=args.speculative_draft_layers,
     )
 
 

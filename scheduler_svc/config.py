@@ -19,7 +19,13 @@ from common.flags import (
     positive_int,
 )
 from scheduler_svc.api.kv_events_config import kv_events_flag
-from scheduler_svc.core.scheduler import POLICY_NAMES
+from scheduler_svc.core.scheduler_config import (
+    DEFAULT_NGRAM_SIZE,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    POLICY_NAMES,
+    SPECULATIVE_METHODS,
+    SchedulerConfig,
+)
 from scheduler_svc.engine.recorder import DEFAULT_MAX_FILE_BYTES
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -84,6 +90,19 @@ class ServiceConfig:
     record_text: bool = False
     # A recording file's size before the next one begins, in bytes.
     record_max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    # Speculative decoding (docs/scheduler.md): "ngram" proposes from each request's own tokens, "draft" has the
+    # executor's draft model propose; None: off. The rest are None unless given (``SchedulerConfig``'s defaults).
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
+    ngram_min: int | None = None
+    ngram_max: int | None = None
+    speculative_disable_by_batch_size: int | None = None
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler core's share of these flags (ValueError where they contradict each other)."""
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.num_scheduler_steps,
+                               self.scheduling_policy, self.max_loras, self.speculative, self.num_speculative_tokens,
+                               self.ngram_min, self.ngram_max, self.speculative_disable_by_batch_size)
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -148,9 +167,27 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--record-text", boolean, "keep the tokenizer and chat template in the recording, so that its token ids "
         "read as text")
     add("--record-max-file-bytes", byte_size, "size of a recording file before the next one begins, e.g. 256M")
+    add("--speculative", str, "speculative decoding: 'ngram' proposes the tokens that followed the last occurrence of "
+        "a request's latest n tokens in its own context; 'draft' has the executor's draft model propose (the executor "
+        "needs --speculative-model); outputs stay exactly those without it (absent: off)",
+        choices=SPECULATIVE_METHODS)
+    add("--num-speculative-tokens", positive_int, f"with --speculative, the most tokens proposed per request per step "
+        f"(absent: {DEFAULT_NUM_SPECULATIVE_TOKENS})")
+    add("--ngram-min", positive_int, f"with --speculative ngram, the shortest suffix matched (vLLM's "
+        f"prompt_lookup_min; absent: --ngram-max, or {DEFAULT_NGRAM_SIZE})")
+    add("--ngram-max", positive_int, f"with --speculative ngram, the longest suffix matched, tried first (vLLM's "
+        f"prompt_lookup_max; absent: --ngram-min, or {DEFAULT_NGRAM_SIZE})")
+    add("--speculative-disable-by-batch-size", positive_int, "with --speculative, propose nothing while more "
+        "requests than this run (a large batch is bound by compute, where a proposed token costs what a decoded one "
+        "does; absent: never off)")
     return parser
 
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ServiceConfig:
-    args = build_parser(os.environ if env is None else env).parse_args(argv)
-    return ServiceConfig(**vars(args))
+    parser = build_parser(os.environ if env is None else env)
+    config = ServiceConfig(**vars(parser.parse_args(argv)))
+    try:
+        config.scheduler_config()
+    except ValueError as e:
+        parser.error(str(e).replace("_", "-"))
+    return config

@@ -35,7 +35,12 @@ def workloads(draw):
         ),
         min_size=1, max_size=12,
     ))
-    return block_size, num_blocks, budget, max_num_seqs, prefixes, requests
+    # Speculation off, n-gram proposals (any 1-gram matches: many rejected), or a shadow draft model that misses
+    # one context in ``miss_every``; with k proposals at most per step.
+    speculation = draw(st.sampled_from([None, "ngram", "draft"]))
+    k = draw(st.integers(1, 5))
+    miss_every = draw(st.integers(1, 4))
+    return block_size, num_blocks, budget, max_num_seqs, prefixes, requests, (speculation, k, miss_every)
 
 
 def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
@@ -61,6 +66,10 @@ def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
         assert list(executor.kv[block_id * bs:(block_id + 1) * bs]) == block.token_ids, "a hash names stale KV"
     assert all(block_id in bm.hash_to_block_ids.get(h, ()) for h, block_id in bm.named.items()), \
         "nano-vLLM's name for a prefix is not one of its registered copies"
+    for seq in engine.scheduler.running:
+        if not seq.verifying and seq.block_table and len(seq.token_ids) - 1 == seq.num_cached_tokens \
+                and engine.config.speculative and engine.config.num_scheduler_steps == 1:
+            assert len(seq.block_table) == -(-seq.num_cached_tokens // bs), "a rejected proposal's block is held"
 
 
 @pytest.mark.parametrize("policy", ["nano-vllm", "mixed"])
@@ -69,11 +78,16 @@ def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_engine_matches_sequential_reference(overlap, num_steps, policy, workload):
-    """Under either policy: mixed steps (decodes beside prefill chunks, prefix hits, one chunked prompt, preemption)
-    give every request the sequential reference's tokens."""
-    block_size, num_blocks, budget, max_num_seqs, prefixes, requests = workload
-    executor = ShadowExecutor(num_blocks, block_size, VOCAB, (EOS,), max_model_len=4096)
-    engine = Engine(executor, SchedulerConfig(max_num_seqs, budget, num_steps, policy), overlap=overlap)
+    """Under either policy: mixed steps (decodes beside prefill chunks, prefix hits, one chunked prompt, preemption),
+    with speculation on or off, give every request the sequential reference's tokens; rejected proposals leave no
+    slot, block or hash behind."""
+    block_size, num_blocks, budget, max_num_seqs, prefixes, requests, (speculation, k, miss_every) = workload
+    executor = ShadowExecutor(num_blocks, block_size, VOCAB, (EOS,), max_model_len=4096,
+                              draft_miss_every=miss_every if speculation == "draft" else None)
+    ngram = dict(ngram_min=1, ngram_max=3) if speculation == "ngram" else {}
+    config = SchedulerConfig(max_num_seqs, budget, num_steps, policy, speculative=speculation,
+                             num_speculative_tokens=k if speculation else None, **ngram)
+    engine = Engine(executor, config, overlap=overlap)
     pending = []
     for prefix_choice, tail, max_tokens, ignore_eos, arrival in requests:
         prompt = (prefixes[prefix_choice] if prefix_choice < len(prefixes) else []) + tail

@@ -37,8 +37,8 @@ class RecordingScheduler(Scheduler):
         super().__init__(*args)
         self.steps: list[Step] = []
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        seqs, is_prefill = super().schedule()
+    def schedule(self, propose: bool = True) -> tuple[list[Sequence], bool]:
+        seqs, is_prefill = super().schedule(propose)
         self.steps.append(([(seq.seq_id, seq.num_scheduled_tokens) for seq in seqs], is_prefill))
         return seqs, is_prefill
 

@@ -135,3 +135,16 @@ def test_an_altered_executor_diverges_at_the_request_step_and_position_it_altere
     d = diverged.divergence
     assert (diverged.request_id, d.step_id, d.position) == (new.request_id, step_id, len(new.token_ids))
     assert (d.recorded, d.replayed) == altered.altered
+
+
+def test_a_session_with_speculation_replays_identically(tmp_path: Path):
+    """n-gram proposals (many rejected) through chunked prefill, preemption, a restart and a resume: each
+    verification's tokens are attributed to their request as the recorded executor sampled them."""
+    config = dict(speculative="ngram", ngram_min=1, ngram_max=2, num_speculative_tokens=3)
+    outputs, stats = record_session(RestartingExecutor(shadow, {12}), tmp_path, REGEX, TOKENIZER_VOCAB_SIZE, **config)
+    assert all(outputs) and stats.num_spec_drafts > 0
+    assert any(p.cached_requests.num_draft_tokens for p in plans(tmp_path))
+    report = replay(tmp_path, shadow_executor(recorded(tmp_path)))
+    assert report.identical, (report.issues, report.diverged)
+    assert report.num_restarts == 1 and len(report.requests) >= 10
+    assert sum(r.num_tokens for r in report.requests.values()) >= sum(map(len, outputs))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
@@ -20,6 +20,8 @@ from common.step import SamplingSettings, StepPlan
 
 INVALID = "INVALID_ARGUMENT"
 PRECONDITION = "FAILED_PRECONDITION"
+# A request's planned counts while a verification step of it runs: how many proposals it accepts is not known yet.
+UNKNOWN = -1
 
 
 class PlanError(ValueError):
@@ -56,17 +58,24 @@ class RequestState:
     planned_len: int = 0
     # The adapter its tokens run through (``NewRequest.lora_id``; 0: the base model).
     lora_id: int = 0
+    # Tokens at the start of the context whose KV the executor's draft model holds (``executor_svc/spec``).
+    draft_computed: int = 0
 
 
 @dataclass(slots=True)
 class ScheduledChunk:
     """The tokens ``[start, start + num_tokens)`` of ``state`` computed this step; a decode chunk
-    with ``num_steps`` > 1 then decodes that many tokens back to back (multi-step decode)."""
+    with ``num_steps`` > 1 then decodes that many tokens back to back (multi-step decode).
+
+    A verification chunk (``num_drafts`` > 0) is the request's last token then ``num_drafts`` proposals, which are
+    not among its tokens: ``drafts`` holds them, or is None until the executor's draft model proposes them."""
 
     state: RequestState
     start: int
     num_tokens: int
     num_steps: int = 1
+    num_drafts: int = 0
+    drafts: list[int] | None = None
 
     @property
     def end(self) -> int:
@@ -77,6 +86,12 @@ class ScheduledChunk:
         """True when this chunk reaches the last token, so its logits are sampled. Applied while the step before
         it runs, a decode chunk ends one past the last token known: the one that step is sampling."""
         return self.start + self.num_tokens >= len(self.state.token_ids)  # read per row each step: no self.end
+
+    def input_tokens(self) -> list[int]:
+        """The tokens this chunk computes: its request's, then its proposals."""
+        if self.num_drafts:
+            return [*self.state.token_ids[self.start : self.start + 1], *self.drafts]
+        return self.state.token_ids[self.start : self.end]
 
 
 class RequestTable:
@@ -91,6 +106,9 @@ class RequestTable:
         self.lora_ids: Container[int] = frozenset()
         # Held while a plan is checked and applied, so that ``retire_lora`` sees every request it admits.
         self._lock = threading.Lock()
+        # Whether this executor verifies speculative proposals, and proposes its own (a draft model).
+        self.verifies_drafts = False
+        self.has_draft_model = False
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -144,11 +162,20 @@ class RequestTable:
         columns = (cached.request_ids, cached.num_computed_tokens, cached.num_scheduled_tokens, cached.num_new_blocks)
         # Validated: with num_decode_steps there are no new requests and one entry per cached one.
         steps = cached.num_decode_steps or repeat(1)
-        for request_id, computed, scheduled, n_new, num_steps in zip(*columns, steps, strict=False):
+        drafts = cached.num_draft_tokens or repeat(0)
+        draft_ids = cached.draft_token_ids
+        at = 0
+        for request_id, computed, scheduled, n_new, num_steps, k in zip(*columns, steps, drafts, strict=False):
             state = requests[request_id]
             if n_new:
                 state.block_table += new_block_ids[offset : offset + n_new]
                 offset += n_new
+            if k:  # a verification: how many tokens it gives is known once it ran (``record_sampled``)
+                proposals = draft_ids[at : at + k] if draft_ids else None
+                at += k
+                chunks.append(ScheduledChunk(state, computed, scheduled, 1, k, proposals))
+                state.planned_computed = state.planned_len = UNKNOWN
+                continue
             chunks.append(ScheduledChunk(state, computed, scheduled, num_steps))
             end = computed + scheduled
             if end == state.planned_len:  # it samples, num_steps tokens
@@ -157,14 +184,36 @@ class RequestTable:
             state.planned_computed = end
         return chunks
 
-    def record_sampled(self, chunks: list[ScheduledChunk], token_ids: list[int]) -> None:
-        """Advance each request past its chunk and append the token sampled for it."""
+    def record_sampled(self, chunks: list[ScheduledChunk], token_ids: list[int],
+                       num_sampled: Sequence[int] = ()) -> None:
+        """Advance each request past its chunk and append the token sampled for it; with ``num_sampled``
+        (``StepResult.num_sampled_tokens``) each chunk has that many tokens in ``token_ids``."""
+        if num_sampled:
+            self._record_verified(chunks, token_ids, num_sampled)
+            return
         for chunk, token_id in zip(chunks, token_ids, strict=True):
             state = chunk.state
             end = chunk.start + chunk.num_tokens
             if end == len(state.token_ids):
                 state.token_ids.append(token_id)
             state.num_computed_tokens = end
+
+    def _record_verified(self, chunks: list[ScheduledChunk], token_ids: list[int], num_sampled: Sequence[int]) -> None:
+        """``record_sampled`` for a plan with proposals: a verification chunk's request gains its accepted proposals
+        and one token of the executor's own, has computed up to that last one, and keeps only the blocks of its
+        computed tokens (the scheduler frees the rest: ``StepResult.num_sampled_tokens``)."""
+        at = 0
+        for chunk, n in zip(chunks, num_sampled, strict=True):
+            state = chunk.state
+            if not chunk.num_drafts:
+                self.record_sampled([chunk], token_ids[at : at + 1])
+                at += n
+                continue
+            state.token_ids += token_ids[at : at + n]
+            at += n
+            state.num_computed_tokens = computed = chunk.start + n
+            del state.block_table[-(-computed // self.block_size) :]
+            state.planned_computed, state.planned_len = computed, len(state.token_ids)
 
     def _check_blocks(self, request_id: int, block_ids, needed_tokens: int, table_len: int) -> None:
         bad = next((b for b in block_ids if b >= self.num_blocks), None)
@@ -236,14 +285,18 @@ class RequestTable:
             cached.new_block_ids
         ):
             raise PlanError(INVALID, "cached_requests columns have different lengths")
+        if cached.num_draft_tokens:
+            self._validate_drafts(plan)
         steps = cached.num_decode_steps
         if steps:
             self._validate_multi_step(plan, steps)
         new_block_ids = cached.new_block_ids
         requests, block_size, max_model_len = self.requests, self.block_size, self.max_model_len
         offset = 0
-        rows = zip(cached.request_ids, *columns, steps or repeat(1, len(cached.request_ids)), strict=True)
-        for rid, computed, scheduled, n_new, num_steps in rows:
+        n = len(cached.request_ids)
+        rows = zip(cached.request_ids, *columns, steps or repeat(1, n), cached.num_draft_tokens or repeat(0, n),
+                   strict=True)
+        for rid, computed, scheduled, n_new, num_steps, k in rows:
             if rid in seen:
                 raise PlanError(INVALID, f"request {rid} is named twice among the plan's new and cached requests")
             if rid in dropped:
@@ -252,13 +305,20 @@ class RequestTable:
             if state is None:
                 raise PlanError(PRECONDITION, f"cached request {rid} is unknown to this executor")
             seen.add(rid)
+            if state.planned_computed == UNKNOWN:
+                raise PlanError(PRECONDITION, f"request {rid}: the verification step before has not returned; plan it "
+                                              "once its tokens are known")
+            if k and (scheduled != 1 + k or computed + 1 != state.planned_len):
+                raise PlanError(INVALID, f"request {rid}: verifying {k} proposals schedules its last token and them "
+                                         f"({1 + k} tokens from {state.planned_len - 1}), not {scheduled} from "
+                                         f"{computed}")
             if computed != state.planned_computed:
                 raise PlanError(
                     PRECONDITION,
                     f"request {rid}: plan says {computed} tokens computed, executor has "
                     f"{state.planned_computed}",
                 )
-            if scheduled < 1 or computed + scheduled > state.planned_len:
+            if scheduled < 1 or computed + scheduled - k > state.planned_len:  # proposals come after its tokens
                 raise PlanError(
                     INVALID, f"request {rid}: cannot schedule {scheduled} tokens after {computed} computed"
                 )
@@ -273,6 +333,25 @@ class RequestTable:
             if n_new or len(state.block_table) * block_size < end:
                 self._check_blocks(rid, new_block_ids[offset : offset + n_new], end, len(state.block_table) + n_new)
                 offset += n_new
+
+    def _validate_drafts(self, plan: StepPlan) -> None:
+        """The proposal columns: one count per cached request, the ids all given (or none: the draft model's)."""
+        cached = plan.cached_requests
+        counts, ids = cached.num_draft_tokens, cached.draft_token_ids
+        if not self.verifies_drafts:
+            raise PlanError(PRECONDITION, "this executor does not verify speculative proposals")
+        if cached.num_decode_steps:
+            raise PlanError(INVALID, "a plan has num_decode_steps or num_draft_tokens, not both")
+        if len(counts) != len(cached.request_ids):
+            raise PlanError(INVALID, "num_draft_tokens needs one entry per cached request")
+        if ids and len(ids) != sum(counts):
+            raise PlanError(INVALID, f"draft_token_ids has {len(ids)} ids, num_draft_tokens sums to {sum(counts)}")
+        if not ids and any(counts) and not self.has_draft_model:
+            raise PlanError(PRECONDITION, "the plan leaves proposals to a draft model; this executor has none "
+                                          "(ExecutorInfo.draft_model_id is empty)")
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise PlanError(INVALID, f"draft token id {bad} is outside the vocabulary")
 
     @staticmethod
     def _validate_multi_step(plan: StepPlan, steps: list[int]) -> None:

@@ -19,7 +19,8 @@ from common.step import ExecutorInfo, StepPlan, StepResult, TokenLogprobs
 from executor_svc.core.request_table import RequestTable, ScheduledChunk
 
 # Computes and samples one token per chunk, in order (0 for a chunk that does not sample), from the input
-# the executor packed for them ahead (None, as ``run_forward_passes`` passes: packed now).
+# the executor packed for them ahead (None, as ``run_forward_passes`` passes: packed now); a verification chunk
+# (``ScheduledChunk.num_drafts``) gets its accepted proposals and one more, counted in ``num_sampled_tokens``.
 ForwardPass = Callable[[list[ScheduledChunk], object | None], StepResult]
 
 
@@ -89,7 +90,7 @@ def run_forward_passes(table: RequestTable, chunks: list[ScheduledChunk], forwar
         return StepResult()
     if all(chunk.num_steps == 1 for chunk in chunks):
         output = forward(chunks, None)
-        table.record_sampled(chunks, output.token_ids)
+        table.record_sampled(chunks, output.token_ids, output.num_sampled_tokens)
         return output
     return run_multi_step(table, chunks, Synchronous(forward), lambda: False)
 
@@ -269,10 +270,11 @@ class TableExecutor(Executor, ABC):
             launched, prepared.launched = prepared.launched, None  # its device buffers go once finished
             output = self.finish(self.launch(prepared.chunks, prepared.inputs) if launched is None else launched)
             following = self._following(prepared)
-            if following is not None and self.fills_ahead(following.inputs):
+            # After a verification a request's tokens are not one per chunk: the next step takes them recorded.
+            if following is not None and self.fills_ahead(following.inputs) and not output.num_sampled_tokens:
                 following.launched = self.launch(following.chunks, following.inputs, output.token_ids)
                 following = None
-            self.table.record_sampled(prepared.chunks, output.token_ids)
+            self.table.record_sampled(prepared.chunks, output.token_ids, output.num_sampled_tokens)
         else:
             inputs, launched, prepared.inputs, prepared.launched = prepared.inputs, prepared.launched, None, None
             output = run_multi_step(self.table, prepared.chunks, self, lambda: self._is_cut(prepared), inputs, launched,
@@ -333,7 +335,8 @@ class TableExecutor(Executor, ABC):
 
     @abstractmethod
     def forward(self, chunks: list[ScheduledChunk], inputs: object | None = None) -> StepResult:
-        """Compute and sample one token per chunk, in order (0 for a chunk short of its end): a ``ForwardPass``."""
+        """Compute and sample one token per chunk, in order (0 for a chunk short of its end), a verification chunk's
+        accepted proposals and one more: a ``ForwardPass``."""
 
     def launch(self, chunks: list[ScheduledChunk], inputs: object | None = None,
                sampled_before: list[int] | None = None) -> object:

@@ -6,6 +6,14 @@ table, a prefix-cache hit on the wrong content, a chunk at the wrong offset or
 a lost token after preemption all change the context it reads, and so the
 tokens it returns. ``reference_generate`` is the same function run on a plain
 token list: what a correct scheduler must reproduce.
+
+It verifies speculative proposals as the model executor does: a verification
+chunk's last token and proposals go into their slots, each proposal is accepted
+while it equals the token the context before it gives, and the first one that
+does not (or the token after the last) is its own; the slots of rejected
+proposals are emptied, so a scheduler that counted them as computed reads a
+wrong context. With ``draft_miss_every`` it also has a "draft model": it
+proposes the true next tokens except where a hash of the context says miss.
 """
 
 from __future__ import annotations
@@ -26,6 +34,14 @@ def next_token(context: np.ndarray, vocab_size: int, seed: int | None) -> int:
     """A deterministic function of every token of the context (and the request's seed)."""
     h = xxhash.xxh64(context.astype(np.int64).tobytes(), seed=seed or 0)
     return h.intdigest() % vocab_size
+
+
+def draft_token(context: list[int], vocab_size: int, seed: int | None, miss_every: int) -> int:
+    """The shadow draft model's proposal after ``context``: ``next_token``, except in about one in ``miss_every``
+    contexts (by a second hash), where it proposes the token after that one."""
+    true = next_token(np.array(context), vocab_size, seed)
+    miss = xxhash.xxh64(np.array(context, dtype=np.int64).tobytes(), seed=1).intdigest() % miss_every == 0
+    return (true + 1) % vocab_size if miss else true
 
 
 def reference_generate(
@@ -62,9 +78,15 @@ class ShadowExecutor(TableExecutor):
         max_model_len: int = 4096,
         tokenizer_json: str = "",
         chat_template: str = "",
+        draft_miss_every: int | None = None,
     ) -> None:
         super().__init__()
+        if draft_miss_every is not None and draft_miss_every < 1:
+            raise ValueError(f"draft_miss_every must be >= 1, got {draft_miss_every}")
         self.table = RequestTable(num_blocks, block_size, vocab_size, max_model_len)
+        self.table.verifies_drafts = True
+        self.table.has_draft_model = draft_miss_every is not None
+        self.draft_miss_every = draft_miss_every
         self.kv = np.full(num_blocks * block_size, EMPTY_SLOT, dtype=np.int64)
         self.info = ExecutorInfo(
             instance_id=uuid.uuid4().hex,
@@ -81,6 +103,7 @@ class ShadowExecutor(TableExecutor):
             tokenizer_json=tokenizer_json,
             chat_template=chat_template,
             attention_backend="shadow",
+            draft_model_id="" if draft_miss_every is None else f"shadow-draft-miss-1-in-{draft_miss_every}",
         )
 
     def _slots(self, block_table: list[int], start: int, end: int) -> np.ndarray:
@@ -91,15 +114,45 @@ class ShadowExecutor(TableExecutor):
     def forward(self, chunks: list[ScheduledChunk], inputs: object | None = None) -> StepResult:
         """Write each chunk's tokens into its KV slots, then derive each sampled token from the KV read back."""
         for chunk in chunks:
-            state = chunk.state
-            self.kv[self._slots(state.block_table, chunk.start, chunk.end)] = state.token_ids[
-                chunk.start : chunk.end
-            ]
-        token_ids = []
+            if chunk.num_drafts and chunk.drafts is None:
+                chunk.drafts = self.propose(chunk)
+            self.kv[self._slots(chunk.state.block_table, chunk.start, chunk.end)] = chunk.input_tokens()
+        token_ids: list[int] = []
+        counts: list[int] = []
+        rejected = []
         for chunk in chunks:
-            if not chunk.samples:
-                token_ids.append(0)
-                continue
-            context = self.kv[self._slots(chunk.state.block_table, 0, chunk.end)]
-            token_ids.append(next_token(context, self.info.vocab_size, chunk.state.sampling.seed))
-        return StepResult(token_ids)
+            sampled = self._verify(chunk) if chunk.num_drafts else [self._sample(chunk, chunk.end)]
+            token_ids += sampled
+            counts.append(len(sampled))
+            if len(sampled) <= chunk.num_drafts:
+                rejected.append(self._slots(chunk.state.block_table, chunk.start + len(sampled), chunk.end))
+        for slots in rejected:
+            self.kv[slots] = EMPTY_SLOT
+        verified = any(chunk.num_drafts for chunk in chunks)
+        return StepResult(token_ids, num_sampled_tokens=counts if verified else [])
+
+    def _sample(self, chunk: ScheduledChunk, end: int) -> int:
+        """The token after the first ``end`` tokens of the chunk's context, read back from the KV (0 for a chunk
+        short of its request's end)."""
+        if not chunk.samples:
+            return 0
+        context = self.kv[self._slots(chunk.state.block_table, 0, end)]
+        return next_token(context, self.info.vocab_size, chunk.state.sampling.seed)
+
+    def _verify(self, chunk: ScheduledChunk) -> list[int]:
+        """The proposals the context accepts, in order, then the context's own next token."""
+        out = []
+        for j, draft in enumerate([*chunk.drafts, None]):
+            token = self._sample(chunk, chunk.start + 1 + j)
+            out.append(token)
+            if token != draft:
+                break
+        return out
+
+    def propose(self, chunk: ScheduledChunk) -> list[int]:
+        """The draft model's ``num_drafts`` proposals after the chunk's last token."""
+        context = chunk.state.token_ids[: chunk.start + 1]
+        seed = chunk.state.sampling.seed
+        for _ in range(chunk.num_drafts):
+            context.append(draft_token(context, self.info.vocab_size, seed, self.draft_miss_every))
+        return context[chunk.start + 1 :]

@@ -114,6 +114,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="longest prompt + completion in tokens (default: %(default)s)")
     parser.add_argument("--eos-token-ids", type=lambda s: [int(t) for t in s.split(",") if t], default=[0],
                         help="comma-separated EOS token ids (default: 0)")
+    parser.add_argument("--draft-miss-every", type=int,
+                        help="give the shadow executor a draft model whose proposal is wrong after about one context "
+                             "in this many (default: no draft model)")
     parser.add_argument("--tokenizer-json", type=Path, help="tokenizer.json to hand the scheduler (default: none)")
     parser.add_argument("--chat-template", type=Path, help="Jinja chat template file (default: none)")
     mode = parser.add_mutually_exclusive_group()
@@ -139,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         executor = EchoExecutor(model_free_info(args, "echo", tokenizer_json, chat_template))
     else:
         executor = ShadowExecutor(args.num_blocks, args.block_size, args.vocab_size, tuple(args.eos_token_ids),
-                                  args.max_model_len, tokenizer_json, chat_template)
+                                  args.max_model_len, tokenizer_json, chat_template, args.draft_miss_every)
     serve(executor, args.host, args.port, tls=TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca),
           yield_helpers=args.yield_cpu)
 

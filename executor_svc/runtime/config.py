@@ -150,6 +150,10 @@ class ExecutorOptions:
     max_lora_rank: int = 16
     # Whether adapters may be loaded and unloaded while serving (LoadLoraAdapter, UnloadLoraAdapter).
     runtime_lora: bool = False
+    # Speculative decoding's draft model (``executor_svc/spec/draft.py``): a model of its own (an embedded name or
+    # a folder with the same tokenizer), or the served model's first N decoder layers; None: none.
+    speculative_model: str | None = None
+    speculative_draft_layers: int | None = None
 
     @property
     def lora_enabled(self) -> bool:

@@ -26,6 +26,8 @@ from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.distributed import free_init_method, init_group, spawn_workers, tp_size
 from executor_svc.runtime.model_runner import LaunchedForward, ModelRunner, PreparedInput, rank_device, worker_main
 from executor_svc.runtime.registry import resolve_model
+from executor_svc.sample.sampler import SamplerOutput
+from executor_svc.spec.draft import check_draft_options
 
 
 def read_chat_template(folder: Path) -> str:
@@ -43,6 +45,7 @@ class ModelExecutor(TableExecutor):
         super().__init__()
         self.options = options = options or ExecutorOptions()
         self.folder = resolve_model(options.model)
+        check_draft_options(options)
         self.workers = []
         if options.tensor_parallel_size > 1:
             init_method = free_init_method()
@@ -53,6 +56,8 @@ class ModelExecutor(TableExecutor):
         self.prepares_ahead = runner.device.type != "cpu"
         config = runner.config
         self.table = RequestTable(runner.num_blocks, runner.block_size, config.vocab_size, runner.max_model_len)
+        self.table.verifies_drafts = True
+        self.table.has_draft_model = runner.draft is not None
         if runner.lora is not None:
             self.table.lora_ids = runner.lora.ids
         tokenizer = self.folder / "tokenizer.json"
@@ -75,6 +80,7 @@ class ModelExecutor(TableExecutor):
             lora_adapters=self.lora_adapters(),
             max_lora_rank=options.max_lora_rank if runner.lora is not None else 0,
             runtime_lora=options.runtime_lora,
+            draft_model_id=runner.draft.model_id if runner.draft is not None else "",
         )
 
     def lora_adapters(self) -> tuple[LoraAdapterInfo, ...]:
@@ -115,7 +121,9 @@ class ModelExecutor(TableExecutor):
                             "--lora-modules at start", "FAILED_PRECONDITION")
         return self.runner.lora
 
-    def pack(self, chunks: list[ScheduledChunk], before: list[ScheduledChunk] | None = None) -> PreparedInput:
+    def pack(self, chunks: list[ScheduledChunk], before: list[ScheduledChunk] | None = None) -> PreparedInput | None:
+        if any(chunk.num_drafts for chunk in chunks):
+            return None  # packed at launch, once the draft model has proposed and the step before is recorded
         prepared = self.runner.prepare(chunks)
         prepared.model_input.link(before)
         return prepared
@@ -135,6 +143,8 @@ class ModelExecutor(TableExecutor):
         """The sampled tokens of a launched forward pass: 0, and no logprobs, for a chunk short of its end."""
         sampled, prompt_logprobs, forward_ms, sample_ms = self.runner.finish(launched)
         chunks = launched.chunks
+        if sampled.counts:
+            return self._verified(chunks, sampled, StepResult([], [], forward_ms, sample_ms, prompt_logprobs))
         if len(sampled.token_ids) == len(chunks):  # every chunk sampled (a decode step): no walk over the chunks
             return StepResult(list(sampled.token_ids), list(sampled.logprobs), forward_ms, sample_ms, prompt_logprobs)
         token_ids = iter(sampled.token_ids)
@@ -143,6 +153,21 @@ class ModelExecutor(TableExecutor):
         if sampled.logprobs:
             logprobs = iter(sampled.logprobs)
             output.logprobs = [next(logprobs) if chunk.samples else None for chunk in chunks]
+        return output
+
+    @staticmethod
+    def _verified(chunks: list[ScheduledChunk], sampled: SamplerOutput, output: StepResult) -> StepResult:
+        """``finish`` for a step that verified proposals: each chunk's tokens (a 0 for one short of its end), and
+        how many (``StepResult.num_sampled_tokens``)."""
+        counts = iter(sampled.counts)
+        at = 0
+        for chunk in chunks:
+            n = next(counts) if chunk.samples else 0
+            output.token_ids += sampled.token_ids[at : at + n] if n else [0]
+            if sampled.logprobs:
+                output.logprobs += sampled.logprobs[at : at + n] if n else [None]
+            output.num_sampled_tokens.append(max(n, 1))
+            at += n
         return output
 
     def forward(self, chunks: list[ScheduledChunk], inputs: PreparedInput | None = None) -> StepResult:

@@ -131,7 +131,7 @@ def prepare_input(chunks: list[ScheduledChunk], block_size: int, prompt_rows: li
     starts = torch.tensor([c.start for c in packed])
     ends = starts + num_tokens
     block_tables = pad_block_tables([c.state.block_table for c in packed])
-    token_ids = list(itertools.chain.from_iterable(c.state.token_ids[c.start : c.end] for c in packed))
+    token_ids = list(itertools.chain.from_iterable(c.input_tokens() for c in packed))
     pending = _pending_tokens(packed, token_ids) if len(token_ids) < int(num_tokens.sum()) else []
     input_ids = torch.tensor(token_ids, dtype=torch.int64)
     is_decode = bool((num_tokens == 1).all())
@@ -146,8 +146,7 @@ def prepare_input(chunks: list[ScheduledChunk], block_size: int, prompt_rows: li
     # Each chunk's first row and token count, in the chunks' order.
     first_rows = cu_q[:-1] if order is None else cu_q[:-1][_inverse(order)]
     lengths = num_tokens if order is None else torch.tensor([c.num_tokens for c in chunks])
-    samples = torch.tensor([c.samples for c in chunks])
-    logits_indices = (first_rows + lengths - 1)[samples]
+    logits_indices = _logits_rows(chunks, first_rows, lengths)
     scored = torch.tensor(prompt_rows, dtype=torch.int64)
     if order is not None and len(scored):
         scored = _packed_rows(scored, lengths, first_rows)
@@ -162,6 +161,18 @@ def prepare_input(chunks: list[ScheduledChunk], block_size: int, prompt_rows: li
             meta.mixed = MixedSplit(d, decode, prefill)
     lora_ids = _lora_ids(packed, num_tokens)
     return ModelInput(input_ids, positions, meta, logits_indices, scored, pending, lora_ids=lora_ids)
+
+
+def _logits_rows(chunks: list[ScheduledChunk], first_rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The packed rows whose logits are sampled, in the chunks' order: the last of each chunk that samples, and
+    every row of a verification chunk (its last token, then each proposal: ``executor_svc/spec``)."""
+    samples = torch.tensor([c.samples for c in chunks])
+    if not any(c.num_drafts for c in chunks):
+        return (first_rows + lengths - 1)[samples]
+    counts = torch.tensor([1 + c.num_drafts for c in chunks]) * samples
+    ends = torch.repeat_interleave(first_rows + lengths, counts)
+    back = torch.repeat_interleave(torch.cumsum(counts, 0), counts) - torch.arange(int(counts.sum()))
+    return ends - back
 
 
 def _lora_ids(packed: list[ScheduledChunk], num_tokens: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -25,6 +25,7 @@ from executor_svc.cpu import decode_stack as cpu_decode_stack
 from executor_svc.cpu import probe as kernel_probe
 from executor_svc.cpu.choice import ALL_C
 from executor_svc.cpu.malloc import keep_heap_memory
+from executor_svc.layers.linear import prepack_for_cpu
 from executor_svc.lora.manager import LoraManager
 from executor_svc.runtime.config import DEFAULT_CPU_KV_CACHE_BYTES, ExecutorOptions, ModelConfig, UnsupportedModel
 from executor_svc.runtime.distributed import all_reduce_min, broadcast_object, init_group, tp_rank, tp_size
@@ -33,6 +34,8 @@ from executor_svc.runtime.model_input import ModelInput, prepare_input
 from executor_svc.sample.constraints import GrammarConstraints
 from executor_svc.sample.prompt_logprobs import ScoredRun, prompt_logprobs, score_rows
 from executor_svc.sample.sampler import Sampler, SamplerOutput
+from executor_svc.spec.draft import build_draft
+from executor_svc.spec.verify import verify
 
 log = logging.getLogger("nanoserve.executor")
 
@@ -83,12 +86,19 @@ class ModelRunner:
         kernels_cache = kernel_probe.choice_cache(self._kernel_shape()) if on_cpu else None
         known = kernel_probe.agreed(kernel_probe.known_choice(options.cpu_kernels, kernels_cache)) if on_cpu else ALL_C
         self.model = load_model(folder, self.config, self.backend, self.device, self.dtype, known)
+        self.draft = build_draft(options, Path(folder), self.model, self.backend, self.device, self.dtype, known,
+                                 self.max_model_len)
         self.graphs = None  # before the CUDA memory profile, whose forward runs eagerly
         self.num_blocks = self._allocate_kv_cache()
         self.kernels = ALL_C
         if on_cpu:
             self.kernels = kernel_probe.settle(self.model, self.backend, known, options.cpu_kernels, kernels_cache,
                                                self.dtype)
+            if self.draft is not None and self.draft.own_cache:
+                if known is None:  # loaded dense for the measuring: its weights get the copies the choice reads
+                    prepack_for_cpu(self.draft.model, c_kernel=self.kernels.uses("linear", "c"),
+                                    torch_copy=self.kernels.uses("linear", "torch"))
+                kernel_probe.install(self.draft.model, self.backend, self.kernels)
             # after the cache and the packed weights, whose addresses it keeps
             if options.cpu_decode_stack and cpu_decode_stack.attach(self.model, self.backend, self.dtype):
                 log.info("CPU decode steps run the decoder layers in the C stack (with torch projections where "
@@ -113,7 +123,8 @@ class ModelRunner:
     def _block_bytes(self) -> int:
         c = self.config
         per_token = 2 * c.num_layers * (c.num_kv_heads // tp_size()) * c.head_dim * self.dtype.itemsize
-        return per_token * self.block_size
+        draft = self.draft.block_bytes(self.block_size, self.dtype) if self.draft is not None else 0
+        return per_token * self.block_size + draft
 
     def _kv_budget(self) -> int:
         if self.options.kv_cache_memory:
@@ -144,6 +155,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        if self.draft is not None:
+            self.draft.attach_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
 
     def _allocate_kv_cache(self) -> int:
         num_blocks = all_reduce_min(self._kv_budget() // self._block_bytes(), self.device)
@@ -161,6 +174,8 @@ class ModelRunner:
         hidden = self.graphs.run(inp) if self.graphs is not None and not inp.meta.is_prefill else None
         if hidden is None:
             hidden = self.model(inp.input_ids, inp.positions, inp.meta)
+        if self.draft is not None:
+            self.draft.mirror(inp)
         rows = torch.cat([inp.logits_indices, inp.prompt_rows]) if len(inp.prompt_rows) else inp.logits_indices
         return self.model.compute_logits(hidden[rows])
 
@@ -174,6 +189,8 @@ class ModelRunner:
             hidden = self.model(inp.input_ids, inp.positions, inp.meta)
         finally:
             self.lora.end()
+        if self.draft is not None:
+            self.draft.mirror(inp)
         rows = torch.cat([inp.logits_indices, inp.prompt_rows]) if len(inp.prompt_rows) else inp.logits_indices
         return self.model.compute_logits(hidden[rows])
 
@@ -187,6 +204,8 @@ class ModelRunner:
         """Rank 0: the forward pass started (on a GPU it is queued, not waited for); the step before's tokens are
         recorded, or given as ``sampled_before`` (``ModelInput.fill_pending``)."""
         started = time.perf_counter()
+        if prepared is None and self.draft is not None:
+            self.draft.propose(chunks, self.block_size, self.device)
         model_input, runs = prepared or self.prepare(chunks)
         model_input.fill_pending(sampled_before)
         if tp_size() > 1:
@@ -209,11 +228,17 @@ class ModelRunner:
         scored = prompt_logprobs(logits[num_sampled:], runs) if runs else []
         logits = logits[:num_sampled]
         sampled = [c for c in launched.chunks if c.samples]
-        states = [c.state for c in sampled]
-        constrained = self.constraints.mask(logits, states)
-        output = self.sampler(logits, [s.sampling for s in states], [c.end for c in sampled], states)
-        if constrained:
-            self.constraints.advance(states, constrained, output.token_ids)
+        if any(c.num_drafts for c in sampled):
+            verified = verify(logits, sampled, self.sampler, self.constraints)
+            output = SamplerOutput([t for tokens in verified.token_ids for t in tokens],
+                                   [e for entries in verified.logprobs for e in entries],
+                                   [len(tokens) for tokens in verified.token_ids])
+        else:
+            states = [c.state for c in sampled]
+            constrained = self.constraints.mask(logits, states)
+            output = self.sampler(logits, [s.sampling for s in states], [c.end for c in sampled], states)
+            if constrained:
+                self.constraints.advance(states, constrained, output.token_ids)
         t2 = time.perf_counter()
         return output, scored, (t1 - launched.started) * 1e3, (t2 - t1) * 1e3
 

@@ -49,6 +49,8 @@ class TokenCounts:
         self.slots = dict(zip(ids.tolist(), range(n), strict=True))
         self.totals = completion.tolist()
         self.num_tokens = len(token_ids)
+        # Slots from here on were added by ``update``, one per token first seen: ``forget`` may take them back.
+        self.num_initial = n
 
     def update(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Count the tokens appended to ``token_ids`` (completion tokens all); the distinct ids and their counts."""
@@ -66,6 +68,19 @@ class TokenCounts:
         self.num_tokens = len(token_ids)
         n = len(self.totals)
         return self.ids[:n], self.counts[:n]
+
+
+    def forget(self, token_ids: list[int]) -> None:
+        """Uncount ``token_ids``, the last tokens counted (proposals verification rejected, or accepted ones the
+        request records after), last first, so that a slot a token opened goes with it."""
+        for token_id in reversed(token_ids):
+            slot = self.slots[token_id]
+            self.totals[slot] -= 1
+            self.counts[slot] = self.totals[slot]
+            if self.totals[slot] == 0 and slot == len(self.totals) - 1 and slot >= self.num_initial:
+                del self.slots[token_id]
+                self.totals.pop()
+        self.num_tokens -= len(token_ids)
 
 
 def apply_logits_processors(

@@ -25,7 +25,7 @@ sampling settings, and are the same for greedy and sampled rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xxhash
@@ -44,6 +44,8 @@ class SamplerOutput:
     # Shaped like StepResult.logprobs: one entry per row (None for rows that did
     # not ask) when any row asked, otherwise no entries at all.
     logprobs: list[TokenLogprobs | None]
+    # With rows that verified proposals (``executor_svc/spec/verify.py``): each row's number of tokens, in order.
+    counts: list[int] = field(default_factory=list)
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:

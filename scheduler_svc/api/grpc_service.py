@@ -38,7 +38,6 @@ from scheduler_svc.api.vllm_engine import servicer as vllm_engine
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.core.errors import InvalidRequest, RequestFailed
 from scheduler_svc.core.outputs import RequestOutput
-from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.core.tokenizer import ModelTokenizer
 from scheduler_svc.engine.admission import QueueLimits
 from scheduler_svc.engine.backoff import Backoff
@@ -65,9 +64,7 @@ ACCELERATOR_GIL_SWITCH_INTERVAL_S = 0.0005
 def connect_engine(executor: Executor, config: ServiceConfig) -> Engine:
     """Handshake with a reset executor: a new scheduler never inherits another one's requests."""
     executor.reset()
-    return Engine(executor, SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                            config.num_scheduler_steps, config.scheduling_policy, config.max_loras),
-                  overlap=config.overlap, step_timeout_s=config.step_timeout)
+    return Engine(executor, config.scheduler_config(), overlap=config.overlap, step_timeout_s=config.step_timeout)
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):

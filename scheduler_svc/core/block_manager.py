@@ -240,6 +240,17 @@ class BlockManager:
             table.append(self._take_free_block())
         return True
 
+    def trim(self, seq: Sequence, num_blocks: int) -> None:
+        """Cut ``seq``'s block table to its first ``num_blocks`` blocks (a verification's rejected proposals left
+        the rest empty): they were taken fresh and never hashed, and are free again at once."""
+        table = seq.block_table
+        while len(table) > num_blocks:
+            block = self.blocks[table.pop()]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.hash == NO_HASH
+            self.used_block_ids.remove(block.block_id)
+            self.free_block_ids.append(block.block_id)
+
     def deallocate(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]

@@ -8,26 +8,29 @@ fit, the step's one chunked prefill), so decodes delay a prompt only while ``max
 with a prefill chunk is a prefill step to the executor, which runs its decode rows through decode attention and its
 chunks through prefill attention in one forward pass (``executor_svc/attention/base.py``); a step of decodes alone
 is a decode step, and only such a step decodes more than one token per sequence (multi-step), so a
-waiting prompt never waits for a whole window. Budgets, preemption by recompute and block accounting are the
+waiting prompt never waits for a whole window; rows verifying proposals (``core.speculation``) are single steps, and
+prefill chunks sit beside them. Budgets, preemption by recompute and block accounting are the
 seed's.
 """
 
 from __future__ import annotations
 
-from scheduler_svc.core.scheduler import POLICY_NAMES, Scheduler
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.scheduler_config import POLICY_NAMES
 from scheduler_svc.core.sequence import Sequence
 
 
 class MixedScheduler(Scheduler):
     """``Scheduler`` with decodes and prefill chunks in one step."""
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
+    def schedule(self, propose: bool = True) -> tuple[list[Sequence], bool]:
         num_steps = 1 if self.waiting else self.num_scheduler_steps
-        scheduled = self._schedule_decodes(num_steps, self.max_num_seqs, prefill_may_follow=True)
+        scheduled = self._schedule_decodes(num_steps, self.max_num_seqs, prefill_may_follow=True, propose=propose)
         num_decodes = len(scheduled)
         decode_tokens = sum(seq.num_scheduled_tokens for seq in scheduled)
         # A multi-step decode is a step of its own: it preempted what now waits (nothing waited when it began).
-        if decode_tokens == num_decodes:
+        # Verification rows (1 + k tokens each) are single steps: prefill chunks join them in the budget left.
+        if decode_tokens == num_decodes + sum(seq.num_draft_tokens for seq in scheduled):
             self._schedule_prefills(scheduled, self.max_num_batched_tokens - decode_tokens, self.max_num_seqs)
         # Settled in plan order: nano-vLLM's prefill order is not this policy's to keep.
         self._prefill_head = None

@@ -14,7 +14,7 @@ class Planner:
     """Remembers which requests the executor holds and how many of their blocks it has.
 
     A sequence the executor does not hold is sent whole; one it holds sends
-    only its new block ids and this step's token count. Released sequences
+    only its new block ids and this step's token count (and its proposals). Released sequences
     (finished, aborted, preempted) are listed once so the executor drops them.
     """
 
@@ -49,12 +49,28 @@ class Planner:
                         sent[seq.seq_id] += n_new
             scheduled = [seq.num_scheduled_tokens for seq in cached_seqs]
             decode_steps: list[int] = []
-            if not is_prefill and max(scheduled) > 1:  # multi-step decode: one fed token, then the executor's own
-                decode_steps, scheduled = scheduled, [1] * len(scheduled)
+            drafts = [seq.num_draft_tokens for seq in cached_seqs]
+            draft_ids: list[int] = []
+            if any(drafts):  # verification: the proposals follow each row's last token
+                for seq in cached_seqs:
+                    if seq.num_draft_tokens:
+                        draft_ids += seq.draft_token_ids
+            else:
+                drafts = []
+                if not is_prefill and max(scheduled) > 1:  # multi-step decode: one fed token, then the executor's own
+                    decode_steps, scheduled = scheduled, [1] * len(scheduled)
             plan.cached_requests = CachedRequests([seq.seq_id for seq in cached_seqs],
                                                   [seq.num_cached_tokens for seq in cached_seqs], scheduled,
-                                                  num_new_blocks, new_block_ids, decode_steps)
+                                                  num_new_blocks, new_block_ids, decode_steps, drafts, draft_ids)
         return plan, new_seqs + cached_seqs
+
+    def tables_cut(self, seqs: list[Sequence]) -> None:
+        """A verification's result came: the executor cut the block tables of these rows to their computed tokens'
+        blocks, as the scheduler did (``core.verification``)."""
+        sent = self.num_blocks_sent
+        for seq in seqs:
+            if seq.seq_id in sent:
+                sent[seq.seq_id] = min(sent[seq.seq_id], len(seq.block_table))
 
     def unbook(self, plan: StepPlan) -> list[int]:
         """The last plan built was dropped by the executor, none of it applied: what it sent counts as unsent.

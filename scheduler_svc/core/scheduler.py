@@ -4,47 +4,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass
 from typing import Any
 
 from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.scheduler_config import POLICY_NAMES as POLICY_NAMES
+from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.sequence import PENDING, FinishReason, Sequence, SequenceStatus, max_kv_blocks
+from scheduler_svc.core.speculation import Speculator
 from scheduler_svc.core.step_record import StepRecord, TokenOutput, in_schedule_order, shorten
 from scheduler_svc.core.stop_rules import StopRule
-
-# --scheduling-policy's names; ``core.mixed.POLICIES`` maps each to its scheduler.
-POLICY_NAMES = ("nano-vllm", "mixed")
-
-
-@dataclass
-class SchedulerConfig:
-    """Per-step budgets (vLLM's names) and the policy. The defaults are nano-vLLM's exact semantics (one decode step
-    per plan, its policy), which the seed tests and the differential against it rely on; the service's serving
-    defaults (``scheduler_svc.config.ServiceConfig``: 8 steps per plan, overlap) are set by ``connect_engine``."""
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    # Decode tokens per sequence per plan (vLLM's multi-step scheduling): the executor feeds each
-    # sampled token into the next forward pass itself, so the scheduling, the RPC and the plan are
-    # paid once per this many decode steps. Stops (EOS, stop strings) are seen after the whole plan.
-    num_scheduler_steps: int = 1
-    # "nano-vllm": prefill first, never mixed with decode (the seed's); "mixed": decodes first, prefill chunks fill
-    # the rest of the budget in the same step (``core.mixed``).
-    policy: str = "nano-vllm"
-    # The most distinct LoRA adapters in one step (the base model not counted); None: no bound.
-    max_loras: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICY_NAMES:
-            raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
-        if self.num_scheduler_steps < 1:
-            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_loras is not None and self.max_loras < 1:
-            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+from scheduler_svc.core.verification import settle_verification
 
 
 class Scheduler:
@@ -60,7 +29,8 @@ class Scheduler:
     tokens (``BlockManager``). A decode step computes
     up to ``num_scheduler_steps`` tokens per sequence, never more than the
     ``max_decode_steps`` of any sequence in it, nor past a sequence's
-    max_tokens or the model's length.
+    max_tokens or the model's length. With speculation, a decode row may verify
+    proposed tokens instead (``core.speculation``, ``core.verification``).
     """
 
     def __init__(
@@ -89,6 +59,7 @@ class Scheduler:
         self.num_prefix_hit_tokens = 0
         # The sequence the last prefill scheduled first: ``advance`` finds it in the plan's order.
         self._prefill_head: Sequence | None = None
+        self.speculator = Speculator(config) if config.speculative else None
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -103,15 +74,18 @@ class Scheduler:
                 f"{self.block_manager.num_blocks}; shorten the prompt or max_tokens"
             )
         seq.stop_rule = StopRule.of(seq.params, seq.num_prompt_tokens, self.eos_token_ids, self.max_model_len)
+        if self.speculator is not None:
+            self.speculator.attach(seq)
         self.waiting.append(seq)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Return this step's sequences and whether the step is a prefill."""
+    def schedule(self, propose: bool = True) -> tuple[list[Sequence], bool]:
+        """Return this step's sequences and whether the step is a prefill; with speculation, ``propose`` False
+        (a plan booked on a window in flight) proposes nothing."""
         scheduled = self._schedule_prefills([], self.max_num_batched_tokens, self.max_num_seqs)
         if scheduled:
             self._prefill_head = scheduled[0]
             return scheduled, True
-        return self._schedule_decodes(self.num_scheduler_steps, self.max_num_seqs), False
+        return self._schedule_decodes(self.num_scheduler_steps, self.max_num_seqs, propose=propose), False
 
     def _schedule_prefills(self, scheduled: list[Sequence], token_budget: int, seq_budget: int) -> list[Sequence]:
         """Prefill FIFO from the head of ``waiting`` into ``scheduled`` within the budgets; only the first prefill
@@ -161,7 +135,8 @@ class Scheduler:
         step, so admitting a sequence keeps a step within ``max_loras`` unless its adapter is among them."""
         return {seq.lora_id for seq in (*self.running, *scheduled) if seq.lora_id}
 
-    def _schedule_decodes(self, num_steps: int, seq_budget: int, prefill_may_follow: bool = False) -> list[Sequence]:
+    def _schedule_decodes(self, num_steps: int, seq_budget: int, prefill_may_follow: bool = False,
+                          propose: bool = True) -> list[Sequence]:
         """Decode the running sequences, ``num_steps`` tokens each at most; when a block cannot be appended, the
         tail of ``running`` is preempted (or the sequence itself, when alone). Nothing to decode and nothing held is
         an error unless a prefill may follow in the same step (the mixed policy)."""
@@ -171,17 +146,26 @@ class Scheduler:
         # that needs more calls into the block manager (which counts, takes, or says none are free).
         block_manager, block_size, running = self.block_manager, self.block_size, self.running
         max_model_len = self.max_model_len
+        hold_in_flight = False
+        if self.speculator is not None and running:
+            hold_in_flight, proposed = self.speculator.propose(running, seq_budget, self.max_num_batched_tokens,
+                                                               propose)
+            if proposed:  # a plan with proposals is one decode step
+                num_steps = 1
         if num_steps > 1 and running:  # one step for all: a sequence that stopped earlier would wait for the rest
             num_steps = min(num_steps, min(seq.max_decode_steps for seq in running))
         held: list[Sequence] = []
         steps = 1
         while running and len(scheduled) < seq_budget:
             seq = running.popleft()
-            if seq.final_token_pending:
+            if seq.final_token_pending or seq.verifying or hold_in_flight and seq.token_ids[-1] == PENDING:
                 held.append(seq)
                 continue
             num_tokens = len(seq.token_ids)
-            if num_steps > 1:
+            if seq.num_draft_tokens:
+                self._reserve_drafts(seq)
+                needs_blocks = len(seq.block_table) * block_size < num_tokens
+            elif num_steps > 1:
                 left = seq.params.max_tokens - (num_tokens - seq.num_prompt_tokens)
                 steps = min(num_steps, left, max_model_len - num_tokens)
                 # KV is written for positions num_tokens - 1 .. num_tokens + steps - 2.
@@ -196,7 +180,7 @@ class Scheduler:
                     self.preempt(seq)
                     break
             else:
-                seq.num_scheduled_tokens = steps
+                seq.num_scheduled_tokens = steps + seq.num_draft_tokens
                 scheduled.append(seq)
         if not scheduled and not held and not prefill_may_follow:
             raise RuntimeError("nothing can be scheduled: a sequence needs more KV blocks than exist")
@@ -204,8 +188,19 @@ class Scheduler:
         running.extendleft(reversed(scheduled))
         return scheduled
 
+    def _reserve_drafts(self, seq: Sequence) -> None:
+        """Take the blocks for ``seq``'s proposals' KV, as many of them as the free blocks hold: a proposal never
+        preempts a sequence (its token may well be rejected)."""
+        block_manager, num_tokens = self.block_manager, len(seq.token_ids)
+        room = (len(seq.block_table) + block_manager.num_free_blocks) * self.block_size - num_tokens
+        drafts = seq.num_draft_tokens = max(0, min(seq.num_draft_tokens, room))
+        del seq.draft_token_ids[drafts:]
+        if drafts:
+            block_manager.append_blocks(seq, num_tokens + drafts)
+
     def preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        seq.num_draft_tokens, seq.draft_token_ids = 0, []
         self._release(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -222,13 +217,22 @@ class Scheduler:
         while this one runs. ``settle`` fills the slots.
         """
         starts, counts, slots = [], [], []
+        drafts = [] if self.speculator is not None else None
         for seq in seqs:
             start, count = seq.num_cached_tokens, seq.num_scheduled_tokens
             seq.num_cached_tokens = start + count
             seq.num_scheduled_tokens = 0
             tokens = seq.token_ids
             slot = -1
-            if not is_prefill or start + count == len(tokens):
+            if drafts is not None:
+                drafts.append(seq.num_draft_tokens)
+            if seq.num_draft_tokens:  # verifying: held until its result says how many of the slots it keeps
+                slot = len(tokens)
+                tokens.extend([PENDING] * count)
+                seq.verifying = True
+                seq.num_draft_tokens = 0
+                seq.draft_token_ids = []
+            elif not is_prefill or start + count == len(tokens):
                 slot = len(tokens)
                 if is_prefill or count == 1:
                     tokens.append(PENDING)
@@ -243,13 +247,14 @@ class Scheduler:
             slots.append(slot)
         # The plan lists a prefill's continued chunk, scheduled first, after its new requests.
         first = len(seqs) - 1 if is_prefill and len(seqs) > 1 and seqs[-1] is self._prefill_head else 0
-        return StepRecord(seqs, starts, counts, slots, is_prefill, first)
+        return StepRecord(seqs, starts, counts, slots, is_prefill, first, drafts if drafts and any(drafts) else None)
 
     def settle(self, record: StepRecord, token_ids: list[int], logprobs: Collection[Any] = (),
-               num_passes: int | None = None) -> list[TokenOutput]:
+               num_passes: int | None = None, num_sampled: list[int] | None = None) -> list[TokenOutput]:
         """Put a step's tokens in place; return what each sequence gained. ``logprobs``, when the
         executor sent them, are parallel to ``token_ids`` and passed through; ``num_passes``, when the
-        executor cut a multi-step decode short, is how many decode steps of it ran.
+        executor cut a multi-step decode short, is how many decode steps of it ran; ``num_sampled``, for a step
+        with proposals, how many tokens each row sampled (``core.verification``).
 
         This runs for every scheduled sequence every step, so the per-sequence work is inlined:
         blocks are hashed only when the step filled one (their tokens are all known by now) or a
@@ -258,6 +263,8 @@ class Scheduler:
         order they were scheduled, as nano-vLLM's postprocess takes them, which the prefix cache's
         names and the free list's order follow.
         """
+        if record.drafts is not None:
+            return settle_verification(self, record, token_ids, logprobs, num_sampled or [])
         if num_passes is not None:
             record = shorten(record, num_passes)
         if record.first:
@@ -311,7 +318,7 @@ class Scheduler:
             if not seq.is_finished:
                 seq.num_cached_tokens = start
                 del seq.token_ids[slot:]
-                seq.final_token_pending = False
+                seq.final_token_pending = seq.verifying = False
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End ``seq`` wherever it is (finished, stop string, abort) and free its blocks."""
@@ -372,4 +379,5 @@ def _drop_pending(seq: Sequence) -> None:
     tokens = seq.token_ids
     while tokens[-1] == PENDING:
         tokens.pop()
-    seq.final_token_pending = False
+    seq.final_token_pending = seq.verifying = False
+    seq.num_draft_tokens = 0

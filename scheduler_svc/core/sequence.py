@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from scheduler_svc.core.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from scheduler_svc.core.speculation import SequenceSpeculation
     from scheduler_svc.core.stop_rules import StopRule
 
 # Stands in a sequence's token list for a token its in-flight step has not returned yet.
@@ -76,6 +77,15 @@ class Sequence:
         self.max_decode_steps: float = math.inf
         # When its completion ends on its tokens (``stop_rules``): set by the scheduler that queues it.
         self.stop_rule: StopRule | None = None
+        # Speculative decoding (``core.speculation``): whether its request may speculate at all (False for the
+        # choices of n > 1), its proposer state once queued where it may, the proposals the scheduler chose for the
+        # coming step (their ids: empty for the executor's draft model), and whether a verification is in flight
+        # (it is held until its result: the next plan starts where verification ended).
+        self.speculate = True
+        self.speculation: SequenceSpeculation | None = None
+        self.num_draft_tokens = 0
+        self.draft_token_ids: list[int] = []
+        self.verifying = False
 
     def __len__(self) -> int:
         return len(self.token_ids)

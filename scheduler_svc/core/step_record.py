@@ -26,7 +26,8 @@ class TokenOutput:
 class StepRecord:
     """A step booked by ``advance``, waiting for its tokens in ``settle``: per sequence, the first
     token it computes, how many, and where its first sampled token goes (-1: dropped, an unfinished
-    chunk). A decode sequence samples one token per computed token (more than one in multi-step).
+    chunk). A decode sequence samples one token per computed token (more than one in multi-step), or, verifying k
+    proposals, computes k + 1 and samples 1 ..= k + 1.
     Rows are in the plan's order; ``first`` is the row scheduled first (a prefill's continued chunk, which
     the plan lists after its new requests)."""
 
@@ -36,6 +37,8 @@ class StepRecord:
     slots: list[int]
     is_prefill: bool
     first: int = 0
+    # Per row, the proposals it verifies (``core.verification``); None for a step without any.
+    drafts: list[int] | None = None
 
 
 def in_schedule_order(record: StepRecord, token_ids: list[int],

@@ -30,20 +30,9 @@ from scheduler_svc.core.scheduler import SchedulerConfig, StepRecord, TokenOutpu
 from scheduler_svc.core.sequence import FinishReason, Sequence
 from scheduler_svc.core.validation import ModelLimits, check_request
 from scheduler_svc.engine.adapters import Adapters
+from scheduler_svc.engine.checks import ExecutorRestarted, IncompatibleExecutor, StepMismatch, check_draft_model
 from scheduler_svc.engine.kv_events import KvEventLog
 from scheduler_svc.engine.window import Window
-
-
-class ExecutorRestarted(RuntimeError):
-    """The executor answered with a new instance id: its KV cache is gone."""
-
-
-class IncompatibleExecutor(RuntimeError):
-    """The executor came back serving another model or vocabulary; requests cannot carry over."""
-
-
-class StepMismatch(RuntimeError):
-    """A result answered another plan than the one awaited: the stream lost its order."""
 
 
 @dataclass
@@ -111,6 +100,7 @@ class Engine:
         self._in_flight: Launched | None = None
         self.config = config or SchedulerConfig()
         self.info = executor.get_info()
+        check_draft_model(self.config, self.info)
         self.scheduler = POLICIES[self.config.policy](
             self.config,
             BlockManager(self.info.num_blocks, self.info.block_size),
@@ -142,15 +132,17 @@ class Engine:
         return self.enqueue(token_ids, params, lora=lora)
 
     def enqueue(self, token_ids: list[int], params: SamplingParams, resumed: list[int] | None = None,
-                lora: str | None = None) -> Sequence:
+                lora: str | None = None, speculate: bool = True) -> Sequence:
         """Queue a request already checked (``validation``) against this executor's limits; ``resumed`` completion
-        tokens count as generated (a stream another scheduler started).
+        tokens count as generated (a stream another scheduler started); ``speculate``: whether it may speculate
+        (``core.speculation``: not a choice of n > 1).
 
         The cache may have shrunk since (a restarted executor), or the adapter gone: then InvalidRequest still.
         """
         tokens = [*token_ids, *(resumed or ())]
         seq = Sequence(next(self._seq_ids), tokens, params, self.info.block_size, len(token_ids),
                        self.adapters.lora_id(lora))
+        seq.speculate = speculate
         try:
             self.scheduler.add(seq)
         except ValueError as e:
@@ -248,7 +240,7 @@ class Engine:
         if self.scheduler.is_finished():
             return None
         t0 = time.perf_counter()
-        seqs, is_prefill = self.scheduler.schedule()
+        seqs, is_prefill = self.scheduler.schedule(after_whole is None)
         if not seqs:  # every running sequence awaits its final token from the step in flight
             return None
         if is_prefill:
@@ -308,7 +300,11 @@ class Engine:
         ahead = self._in_flight
         if num_passes is not None and ahead is not None and ahead.plan.after_whole_step_id == launched.plan.step_id:
             self._unbook(ahead)
-        outputs = self.scheduler.settle(launched.record, result.token_ids, result.logprobs, num_passes)
+        record = launched.record
+        outputs = self.scheduler.settle(record, result.token_ids, result.logprobs, num_passes,
+                                        result.num_sampled_tokens)
+        if record.drafts is not None:
+            self.planner.tables_cut([seq for seq, drafts in zip(record.seqs, record.drafts, strict=True) if drafts])
         counts = launched.record.counts  # a cut window computed at most num_passes tokens of each sequence
         self.on_step(sum(counts) if num_passes is None else sum(min(c, num_passes) for c in counts),
                      result.forward_ms / 1e3)
@@ -350,6 +346,10 @@ class Engine:
                 f"the executor now serves {info.model_id!r} (vocab {info.vocab_size}), "
                 f"not {old.model_id!r} (vocab {old.vocab_size}); restart the scheduler to switch models"
             )
+        try:
+            check_draft_model(self.config, info)
+        except ValueError as e:
+            raise IncompatibleExecutor(str(e)) from e
         self._abandon_in_flight()
         self.executor.reset()
         if info.instance_id != old.instance_id:

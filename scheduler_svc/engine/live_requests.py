@@ -73,7 +73,7 @@ class LiveRequests:
         params = prepared.params.for_choice(index)
         resumed = prepared.resumed_token_ids
         processor = OutputProcessor(tokenizer, prepared.prompt_token_ids, params, index, resumed)
-        seq = engine.enqueue(prepared.prompt_token_ids, params, resumed, prepared.lora)
+        seq = engine.enqueue(prepared.prompt_token_ids, params, resumed, prepared.lora, prepared.params.n == 1)
         seq.max_decode_steps = handle.tokens_per_read
         active = Active(handle, seq, processor)
         self.by_handle.setdefault(handle, []).append(active)

@@ -53,6 +53,13 @@ COUNTERS: tuple[tuple[str, str, Callable[[LoopStats], float]], ...] = (
     ("num_preemptions", "Sequences preempted (to be recomputed) for want of KV blocks.", lambda s: s.num_preemptions),
     ("executor_restarts", "Recoveries onto a new executor instance.", lambda s: s.num_executor_restarts),
 )
+# vLLM's speculative-decoding counters, only while --speculative is on.
+SPEC_COUNTERS: tuple[tuple[str, str, Callable[[LoopStats], float]], ...] = (
+    ("spec_decode_num_drafts", "Verifications of proposed tokens (one per sequence per step).",
+     lambda s: s.num_spec_drafts),
+    ("spec_decode_num_draft_tokens", "Tokens proposed.", lambda s: s.num_spec_draft_tokens),
+    ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", lambda s: s.num_spec_accepted_tokens),
+)
 FINISHED: tuple[tuple[FinishReason, Callable[[LoopStats], int]], ...] = (
     (FinishReason.STOP, lambda s: s.num_finished_stop),
     (FinishReason.LENGTH, lambda s: s.num_finished_length),
@@ -144,10 +151,12 @@ class Metrics:
             gauge = GaugeMetricFamily(PREFIX + name, documentation, labels=LABELS)
             gauge.add_metric(labels, value(stats))
             yield gauge
-        for name, documentation, value in COUNTERS:
+        for name, documentation, value in (*COUNTERS, *(SPEC_COUNTERS if stats.speculative else ())):
             counter = CounterMetricFamily(PREFIX + name, documentation, labels=LABELS)
             counter.add_metric(labels, value(stats))
             yield counter
+        if stats.speculative:
+            yield accepted_per_position(stats, labels)
         success = CounterMetricFamily(PREFIX + "request_success", "Choices ended, by finish reason.",
                                       labels=[*LABELS, "finished_reason"])
         for reason, count in FINISHED:
@@ -166,6 +175,17 @@ def lora_requests_info(stats: LoopStats) -> GaugeMetricFamily:
                               labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
     gauge.add_metric([str(stats.max_loras), stats.running_lora_adapters, stats.waiting_lora_adapters], time.time())
     return gauge
+
+
+def accepted_per_position(stats: LoopStats, labels: list[str]) -> CounterMetricFamily:
+    """vLLM's per-position acceptance: accepted tokens by their position in the proposal (label ``position``, 0
+    first); divided by ``spec_decode_num_drafts`` it is the acceptance rate at each position."""
+    counter = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                  "Proposed tokens accepted, by position in the proposal.",
+                                  labels=[*LABELS, "position"])
+    for position, count in enumerate(stats.spec_accepted_per_position):
+        counter.add_metric([*labels, str(position)], count)
+    return counter
 
 
 def new_registry() -> CollectorRegistry:

@@ -26,7 +26,15 @@ class LoopStats:
     num_aborted: int = 0
     num_prefix_cache_hit_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding (``core.speculation``): verifications, tokens proposed and accepted, and their ratio.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
     # The rest are not in GetStats' message, only in the metrics.
+    # Whether speculation is on, and the accepted tokens by their position in the proposal (0 first).
+    speculative: bool = False
+    spec_accepted_per_position: tuple[int, ...] = ()
     num_prefix_cache_query_tokens: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
@@ -59,7 +67,20 @@ class LoopStats:
             num_executor_restarts=engine.num_restarts,
             executor_up=executor_up,
             **lora_labels(engine),
+            **spec_counts(engine),
         )
+
+
+def spec_counts(engine: Engine) -> dict[str, object]:
+    """The ``LoopStats`` speculative-decoding fields, where speculation is on."""
+    speculator = engine.scheduler.speculator
+    if speculator is None:
+        return {}
+    counters = speculator.counters
+    return dict(num_spec_drafts=counters.num_drafts, num_spec_draft_tokens=counters.num_draft_tokens,
+                num_spec_accepted_tokens=counters.num_accepted_tokens,
+                spec_acceptance_rate=speculator.acceptance_rate, speculative=True,
+                spec_accepted_per_position=tuple(counters.accepted_per_position))
 
 
 def lora_labels(engine: Engine) -> dict[str, object]:

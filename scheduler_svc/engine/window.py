@@ -31,7 +31,7 @@ class Window:
 
     @staticmethod
     def is_window(is_prefill: bool, record: StepRecord) -> bool:
-        return not is_prefill and any(count > 1 for count in record.counts)
+        return not is_prefill and record.drafts is None and any(count > 1 for count in record.counts)
 
     def cut_for_loop(self) -> None:
         """The loop has work to do before the next plan: the window in flight stops after its current pass. Once
