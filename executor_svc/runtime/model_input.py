@@ -123,8 +123,12 @@ def prepare_input(chunks: list[ScheduledChunk], block_size: int, prompt_rows: li
     packed first, and ``logits_indices`` and the prompt rows point into that order, so the sampled tokens still come
     in the chunks' order. Packed while the step before still runs, a decode chunk's token is the one that step is
     sampling: it goes in ``pending`` for ``ModelInput.fill_pending``."""
-    if not prompt_rows and all(c.num_tokens == 1 for c in chunks):
-        return _decode_input(chunks, block_size)
+    if not prompt_rows and all(c.num_tokens == 1 + c.num_drafts for c in chunks):
+        if not any(c.num_drafts for c in chunks):
+            return _decode_input(chunks, block_size)
+        verification = _verification_input(chunks, block_size)
+        if verification is not None:
+            return verification
     order = _decodes_first(chunks)
     packed = chunks if order is None else [chunks[i] for i in order]
     num_tokens = torch.tensor([c.num_tokens for c in packed])
@@ -246,6 +250,28 @@ def _decode_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInput:
     return ModelInput(torch.tensor(token_ids, dtype=torch.int64), torch.from_numpy(starts), meta,
                       torch.from_numpy(samples), torch.empty(0, dtype=torch.int64), pending,
                       lora_ids=_lora_ids(chunks))
+
+
+def _verification_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInput | None:
+    """``prepare_input`` for decode and verification chunks: a verification chunk's 1 + k tokens run as 1 + k decode
+    rows on its block table, row j attending to the context up to its own position (each layer stores every row's
+    KV before any row attends). The step then runs as decode (the C decode stack on a CPU, where a prefill-shaped
+    pass of a few rows costs twice a decode step: ``bench.spec``), and each row's logits are those plain decoding
+    computes at its position. None when a token is still being sampled by the step before."""
+    token_ids = list(itertools.chain.from_iterable(c.input_tokens() for c in chunks))
+    rows = np.fromiter((c.num_tokens for c in chunks), np.int64, count=len(chunks))
+    if len(token_ids) != int(rows.sum()):
+        return None
+    seq = np.repeat(np.arange(len(chunks)), rows)
+    offsets = np.arange(len(token_ids)) - np.repeat(np.cumsum(rows) - rows, rows)
+    positions = np.repeat(np.fromiter((c.start for c in chunks), np.int64, count=len(chunks)), rows) + offsets
+    tables = pad_block_tables([c.state.block_table for c in chunks])
+    slots = tables.numpy()[seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    samples = np.repeat(np.fromiter((c.samples for c in chunks), np.bool_, count=len(chunks)), rows)
+    meta = AttentionMetadata(False, torch.from_numpy(slots), tables[torch.from_numpy(seq)],
+                             context_lens=torch.from_numpy((positions + 1).astype(np.int32)))
+    return ModelInput(torch.tensor(token_ids, dtype=torch.int64), torch.from_numpy(positions), meta,
+                      torch.from_numpy(np.flatnonzero(samples)), lora_ids=_lora_ids(chunks, torch.from_numpy(rows)))
 
 
 def _pending_tokens(chunks: list[ScheduledChunk], token_ids: list[int]) -> list[tuple[int, RequestState, int]]:
