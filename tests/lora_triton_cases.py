@@ -12,7 +12,7 @@ import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from executor_svc.lora.layers import LoraBatch, LoraStep, LoraWeights
+from executor_svc.lora.layers import LoraBatch, LoraStep, LoraWeights, block_diagonal_b
 from executor_svc.lora.triton_kernels import lora_add
 
 if not isinstance(tl.sum, InterpretedFunction):
@@ -55,8 +55,8 @@ def test_triton_update_matches_torch(dtype: torch.dtype, outputs: list[int], in_
     if weights.step.batch.slots:
         weights.add(x, expected)
     got = y.clone()
-    a, b, _ = weights.factors
-    lora_add(x, got, a, b, slots.to(torch.int32))
+    a, bs, _, _ = weights.factors
+    lora_add(x, got, a, block_diagonal_b(bs), slots.to(torch.int32))
     base = slots < 0
     assert torch.equal(got[base], y[base])  # the base model's rows are left exactly alone
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2

@@ -2,19 +2,22 @@
 
 Each loaded adapter has a slot; a projection keeps every slot's factors stacked: A [slots, in, width], where ``width``
 is the packed shards (3 for qkv, 2 for gate-up, else 1) times ``--max-lora-rank`` (a lower rank is padded with zeros),
-and B [slots, width, out], block-diagonal over the shards, with the adapter's scaling multiplied in once at load. The
-base projection runs once over all rows; the step's adapter rows then go one of two ways, sorted out once per step for
-every projection (``LoraBatch``):
+and each shard's B [slots, max rank, shard's out], with the adapter's scaling multiplied in once at load (a packed
+projection's B kept whole would be block-diagonal: mostly zeros to multiply and stream). The base projection runs
+once over all rows; the step's adapter rows then go one of two ways, sorted out once per step for every projection
+(``LoraBatch``):
 
 - runs of at least ``MIN_RUN`` consecutive rows of one adapter (a prefill chunk is one request's): each run through
-  views, multiplied by its adapter's A, then by each targeted shard's block of B alone (no zero block multiplied, no
-  padded rank), and added in place, with no gathering or scattering, which cost more than these GEMMs at prefill's
-  row counts;
+  views, multiplied by its adapter's A, then by each targeted shard's B at the adapter's own rank, and added in place,
+  with no gathering or scattering, which cost more than these GEMMs at prefill's row counts;
 - the other rows (decode rows, where adapters interleave): gathered into one segment per adapter ([adapters, rows,
-  in]), multiplied in two batched GEMMs and added to their rows: five calls whatever the adapters, fewer than a call
-  per adapter and shard, which costs more than B's zero blocks at decode's row counts.
+  in]), multiplied by the segments' As in one batched GEMM and by each shard's Bs in another, and added to their
+  rows: a few calls whatever the adapters, fewer than a call per adapter and shard, which cost more at decode's row
+  counts.
 
-A row of the base model is in no run or segment: its output is the base projection's, bit for bit.
+On CUDA the Triton kernels (``triton_kernels``) take every row at once, through the block-diagonal B
+(``block_diagonal_b``), kept beside the shards' there. A row of the base model is in no run or segment: its output
+is the base projection's, bit for bit.
 
 Tensor parallelism shards as the projection does: a column-parallel projection keeps this rank's rows of B (each
 packed shard's), a row-parallel one this rank's columns of A, and its partial update is summed by the projection's
@@ -127,7 +130,7 @@ class LoraStep:
             self.batch = batch
 
 
-# One targeted shard of a slot, for the runs: (its columns of the shrunk rows, its block of B, its output columns).
+# One targeted shard of a slot, for the runs: (its columns of the shrunk rows, its B, its output columns).
 Block = tuple[slice, torch.Tensor, slice]
 
 
@@ -143,30 +146,31 @@ class LoraWeights:
         self.max_rank = max_rank
         self.row_parallel = row_parallel
         self.width = len(outputs) * max_rank
-        out = sum(size for _, size in outputs)
-        # (A, B, each slot's targeted blocks of B), replaced whole (never resized in place) when a slot is added, so
-        # a forward reads one consistent set.
-        self.factors: tuple[torch.Tensor, torch.Tensor, dict[int, list[Block]]] = (
+        # (A [slots, in, width]; B per shard, [slots, max_rank, size] each; the block-diagonal B [slots, width, out]
+        # that the Triton kernels read, on CUDA only; each slot's targeted blocks, for the runs), replaced whole
+        # (never resized in place) when a slot is added, so that a forward reads one consistent set.
+        self.factors: tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None, dict[int, list[Block]]] = (
             torch.zeros(0, in_features, self.width, dtype=dtype, device=device),
-            torch.zeros(0, self.width, out, dtype=dtype, device=device), {})
+            [torch.zeros(0, max_rank, size, dtype=dtype, device=device) for _, size in outputs], None, {})
         # Slots holding factors for this projection: a step whose adapters all skip it adds nothing here.
         self.slots: set[int] = set()
-        # Each such slot's targeted shards: (first column of the shrunk rows, rank, output offset, output size).
-        self._spans: dict[int, list[tuple[int, int, int, int]]] = {}
+        # Each such slot's targeted shards: (shard, rank).
+        self._ranks: dict[int, list[tuple[int, int]]] = {}
 
     def install(self, slot: int, shards: list[tuple[torch.Tensor, torch.Tensor] | None], scaling: float = 1.0
                 ) -> None:
         """Put one adapter's full-size (A, B) per packed shard (None: not targeted) into ``slot``, B times
         ``scaling``."""
-        a_all, b_all, _ = self.factors
+        a_all, b_all, _, _ = self.factors
         if slot >= a_all.shape[0]:
             grow = slot + 1 - a_all.shape[0]
             a_all = torch.cat([a_all, a_all.new_zeros(grow, *a_all.shape[1:])])
-            b_all = torch.cat([b_all, b_all.new_zeros(grow, *b_all.shape[1:])])
+            b_all = [torch.cat([b, b.new_zeros(grow, *b.shape[1:])]) for b in b_all]
         a_all[slot].zero_()
-        b_all[slot].zero_()
-        spans = []
-        for i, ((offset, size), pair) in enumerate(zip(self.outputs, shards, strict=True)):
+        for b in b_all:
+            b[slot].zero_()
+        ranks = []
+        for i, ((_, size), pair) in enumerate(zip(self.outputs, shards, strict=True)):
             if pair is None:
                 continue
             a, b = pair
@@ -175,21 +179,21 @@ class LoraWeights:
                 a = a.narrow(1, tp_rank() * self.in_features, self.in_features)
             else:
                 b = b.narrow(0, tp_rank() * size, size)
-            first = i * self.max_rank
-            a_all[slot, :, first : first + rank].copy_(a.t())
-            b_all[slot, first : first + rank, offset : offset + size].copy_(b.t().float() * scaling)
-            spans.append((first, rank, offset, size))
-        if spans:
-            self._spans[slot] = spans
+            a_all[slot, :, i * self.max_rank : i * self.max_rank + rank].copy_(a.t())
+            b_all[i][slot, :rank].copy_(b.t().float() * scaling)
+            ranks.append((i, rank))
+        if ranks:
+            self._ranks[slot] = ranks
             self.slots.add(slot)
         else:
-            self._spans.pop(slot, None)
+            self._ranks.pop(slot, None)
             self.slots.discard(slot)
-        # Views of this B (reallocated above when it grew) for every slot.
-        blocks = {s: [(slice(first, first + rank), b_all[s, first : first + rank, offset : offset + size],
-                       slice(offset, offset + size)) for first, rank, offset, size in held]
-                  for s, held in self._spans.items()}
-        self.factors = (a_all, b_all, blocks)
+        # Views of these Bs (reallocated above when they grew) for every slot.
+        blocks = {s: [(slice(i * self.max_rank, i * self.max_rank + rank), b_all[i][s, :rank],
+                       slice(self.outputs[i][0], sum(self.outputs[i]))) for i, rank in held]
+                  for s, held in self._ranks.items()}
+        block_diagonal = block_diagonal_b(b_all) if a_all.device.type == "cuda" else None
+        self.factors = (a_all, b_all, block_diagonal, blocks)
 
     def remove(self, slot: int) -> None:
         """Zero ``slot``'s factors (no request uses it any more)."""
@@ -202,24 +206,42 @@ class LoraWeights:
         batch = self.step.batch
         if self.slots.isdisjoint(batch.slots):
             return
-        a, b, blocks = self.factors
+        a, bs, block_diagonal, blocks = self.factors
         x, y = x.reshape(-1, self.in_features), y.view(-1, y.shape[-1])
         if batch.kernel is not None:
-            batch.kernel(x, y, a, b, batch.device_slots)
+            batch.kernel(x, y, a, block_diagonal, batch.device_slots)
             return
         for start, end, slot in batch.runs:
             targeted = blocks.get(slot)
             if targeted is None:
                 continue
             shrunk, rows = torch.mm(x[start:end], a[slot]), y[start:end]
-            for columns, block, outputs in targeted:
-                rows[:, outputs].addmm_(shrunk[:, columns], block)
+            for columns, b, outputs in targeted:
+                rows[:, outputs].addmm_(shrunk[:, columns], b)
         if batch.gather is None:
             return
         if not batch.every_slot or a.shape[0] != batch.num_segments:
-            a, b = a.index_select(0, batch.slot_index), b.index_select(0, batch.slot_index)
+            a, bs = a.index_select(0, batch.slot_index), [b.index_select(0, batch.slot_index) for b in bs]
         segments = x.index_select(0, batch.gather).view(batch.num_segments, batch.length, -1)
-        products = torch.bmm(torch.bmm(segments, a), b).view(-1, b.shape[-1])
+        shrunk = torch.bmm(segments, a)
+        if len(bs) == 1:
+            products = torch.bmm(shrunk, bs[0])
+        else:  # each shard's columns of the shrunk rows by its own B: none of a packed B's zero blocks
+            rank = self.max_rank
+            products = torch.cat([torch.bmm(shrunk[:, :, i * rank : (i + 1) * rank], b) for i, b in enumerate(bs)],
+                                 dim=2)
+        products = products.view(-1, y.shape[-1])
         if batch.kept is not None:
             products = products.index_select(0, batch.kept)
         y.index_add_(0, batch.targets, products)
+
+
+def block_diagonal_b(bs: list[torch.Tensor]) -> torch.Tensor:
+    """The shards' Bs ([slots, rank, size] each) as one B [slots, shards * rank, out], zero off the diagonal."""
+    slots, rank = bs[0].shape[:2]
+    packed = bs[0].new_zeros(slots, len(bs) * rank, sum(b.shape[2] for b in bs))
+    offset = 0
+    for i, b in enumerate(bs):
+        packed[:, i * rank : (i + 1) * rank, offset : offset + b.shape[2]] = b
+        offset += b.shape[2]
+    return packed
