@@ -2,8 +2,12 @@
 the same executor in the same run (in-process: the scheduler Engine and the ModelExecutor, CPU, the embedded model).
 
 The adapters are random rank-``--rank`` factors on every projection (q, k, v, o, gate, up, down), written in PEFT's
-format at start-up. Rounds alternate between the two peers (``--repeats``; in reverse every other round) and each
-peer's figure is the median of its rounds' seconds; the target is adapters <= 1.3x the base model's time on the CPU.
+format at start-up. A round of each peer runs first, not counted, so that neither pays for first use (the heap, the
+KV cache's pages, the adapters' paths); then rounds alternate between the two peers (``--repeats``; in reverse every
+other round). Every round draws prompts of its own (W1's lengths, new ids; the two peers of a round share them): the
+one engine serves every round, and a round must not find an earlier one's blocks in its prefix cache. Each peer's
+figure is the median of its rounds' seconds, with their spread, and the ratio of each round's pair; the target is
+adapters <= 1.3x the base model's time on the CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from bench.common import WARMUP_PROMPT, WORKLOADS, Workload, print_table, progress, write_json  # noqa: E402
+from common.heap import freeze_startup_heap  # noqa: E402
+from executor_svc.cpu.kernels import cpuinfo  # noqa: E402
 from executor_svc.lora.adapter import PROJECTIONS, projection_shape  # noqa: E402
 from executor_svc.runtime.config import ExecutorOptions, ModelConfig  # noqa: E402
 from executor_svc.runtime.model_executor import ModelExecutor  # noqa: E402
@@ -84,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     count = args.num_requests or len(workload.prompts)
     workload = replace(workload, prompts=workload.prompts[:count], max_tokens=[
         min(n, args.max_tokens or n) for n in workload.max_tokens[:count]])
+    load_before = load_average()
     folder = resolve_model(args.model)
     config = ModelConfig.from_folder(folder)
     with tempfile.TemporaryDirectory() as root:
@@ -95,22 +102,44 @@ def main(argv: list[str] | None = None) -> None:
         engine = Engine(ModelExecutor(options), SchedulerConfig(num_scheduler_steps=8, max_loras=NUM_ADAPTERS))
         for name in (None, *adapters):
             engine.generate([WARMUP_PROMPT], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), [name])
+        freeze_startup_heap()  # as bench.throughput's in-process peer and both services do once built
+        for peer in PEERS:
+            run(engine, peer, workload.redrawn(0))
         seconds: dict[str, list[float]] = {peer: [] for peer in PEERS}
         cpu: dict[str, list[float]] = {peer: [] for peer in PEERS}
         for round_ in range(args.repeats):
             for peer in PEERS if round_ % 2 == 0 else reversed(PEERS):
-                wall, used = run(engine, peer, workload)
+                wall, used = run(engine, peer, workload.redrawn(round_ + 1))
                 seconds[peer].append(wall)
                 cpu[peer].append(used)
+    report(args, workload, seconds, cpu, load_before)
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages: above the threads used, other work shared the CPU."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def report(args: argparse.Namespace, workload: Workload, seconds: dict[str, list[float]],
+           cpu: dict[str, list[float]], load_before: str) -> None:
+    """The medians, each peer's fastest and slowest rounds (the spread) and the rounds' own ratios."""
     median = {peer: statistics.median(times) for peer, times in seconds.items()}
     median_cpu = {peer: statistics.median(times) for peer, times in cpu.items()}
+    paired = [adapters / base for base, adapters in zip(seconds["base"], seconds["adapters"], strict=True)]
     tokens = sum(workload.max_tokens)
-    print_table(["peer", "seconds", "tok/s", "x base", "CPU seconds", "x base (CPU)"],
-                [[peer, median[peer], tokens / median[peer], median[peer] / median["base"], median_cpu[peer],
-                  median_cpu[peer] / median_cpu["base"]] for peer in PEERS])
+    cpu_name = cpuinfo("model name").partition(":")[2].strip() or "CPU not named"
+    print(f"{cpu_name}, {torch.get_num_threads()} threads, {args.dtype}; load average {load_before} at the start, "
+          f"{load_average()} at the end")
+    print_table(["peer", "seconds", "rounds' spread (s)", "tok/s", "x base", "CPU seconds", "x base (CPU)"],
+                [[peer, median[peer], f"{min(seconds[peer]):.2f}-{max(seconds[peer]):.2f}", tokens / median[peer],
+                  median[peer] / median["base"], median_cpu[peer], median_cpu[peer] / median_cpu["base"]]
+                 for peer in PEERS])
+    print("rounds' adapters / base:", ", ".join(f"{ratio:.2f}x" for ratio in paired),
+          f"(median {statistics.median(paired):.2f}x)")
     write_json(args.json, {"seconds": seconds, "cpu_seconds": cpu, "ratio": median["adapters"] / median["base"],
-                           "cpu_ratio": median_cpu["adapters"] / median_cpu["base"], "rank": args.rank,
-                           "threads": torch.get_num_threads(), "dtype": args.dtype, "workload": args.workload})
+                           "cpu_ratio": median_cpu["adapters"] / median_cpu["base"], "paired_ratios": paired,
+                           "rank": args.rank, "threads": torch.get_num_threads(), "dtype": args.dtype,
+                           "workload": args.workload, "cpu": cpu_name})
 
 
 if __name__ == "__main__":

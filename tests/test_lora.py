@@ -14,6 +14,8 @@ import torch
 from common.executor import LoraRefused
 from common.step import StepPlan, StepResult
 from executor_svc.cpu.decode_stack import CpuDecodeStack
+from executor_svc.lora.layers import LoraStep
+from executor_svc.models.llama import LlamaMLP
 from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.model_executor import ModelExecutor
 from scheduler_svc.core.sampling import SamplingParams
@@ -214,3 +216,22 @@ def test_decode_steps_with_adapters_keep_the_c_decode_stack(family: Family, monk
     outputs, reference = mixed_batch(family, Engine(family.executor(cpu_kernels="c")))
     assert outputs == reference
     assert any(adapted) == (family.base.name == "llama")
+
+
+def test_a_prefill_in_row_chunks_gives_each_row_its_adapter(family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prefill's MLP runs in row chunks on the CPU (``LlamaMLP.CPU_CHUNK_BYTES``); chunks of 7 rows here cut
+    the prompts' runs of one adapter apart, and each chunk's update must take its own rows' adapters."""
+    executor = family.executor()
+    mlp = executor.runner.model.model.layers[0].mlp
+    monkeypatch.setattr(LlamaMLP, "CPU_CHUNK_BYTES", 7 * sum(mlp.gate_up_proj.shard_sizes) * 4)
+    windows = []
+    rows = LoraStep.rows
+
+    def recorded(self: LoraStep, start: int, end: int):
+        windows.append((start, end))
+        return rows(self, start, end)
+
+    monkeypatch.setattr(LoraStep, "rows", recorded)
+    outputs, reference = mixed_batch(family, Engine(executor))
+    assert outputs == reference
+    assert (7, 14) in windows

@@ -29,7 +29,7 @@ def test_kernels_match_torch_under_the_interpreter() -> None:
 def test_kernels_compile_for_cuda(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, dtype: str) -> None:
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
-    pointers = {"slots_ptr": "*i32", "scales_ptr": "*fp32", "t_ptr": "*fp32"}
+    pointers = {"slots_ptr": "*i32", "t_ptr": "*fp32"}
     compile_for_hopper(kernels._shrink_kernel, pointers | {"x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}"},
                        {"BLOCK_K": 64, "BLOCK_W": 64})
     compile_for_hopper(kernels._expand_kernel, pointers | {"b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}"},

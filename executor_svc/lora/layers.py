@@ -1,14 +1,23 @@
 """The low-rank update of one projection for every row of a step at once, whatever adapter each row uses.
 
-Each loaded adapter has a slot; a projection keeps every slot's factors stacked: A [slots, in, width] and B [slots,
-width, out], where ``width`` is the packed shards (3 for qkv, 2 for gate-up, else 1) times ``--max-lora-rank`` (a
-lower rank is padded with zeros) and B is block-diagonal over the shards. The base projection runs once over all rows;
-then the step's adapter rows are gathered into one segment per adapter ([adapters, rows, in], ``LoraBatch``), each
-segment is multiplied by its own adapter's A, scaled, and by its B in two batched GEMMs, and the products are added
-to their rows. Where the adapter rows come in a few runs of consecutive rows (a prefill's chunks, each one request's),
-each run is updated in place through views instead, without the gathering and scattering that cost more than the
-GEMMs at prefill's row counts. A row of the base model is in no segment or run: its output is the base
-projection's, bit for bit.
+Each loaded adapter has a slot; a projection keeps every slot's factors stacked: A [slots, in, width], where ``width``
+is the packed shards (3 for qkv, 2 for gate-up, else 1) times ``--max-lora-rank`` (a lower rank is padded with zeros),
+and each shard's B [slots, max rank, shard's out], with the adapter's scaling multiplied in once at load (a packed
+projection's B kept whole would be block-diagonal: mostly zeros to multiply and stream). The base projection runs
+once over all rows; the step's adapter rows then go one of two ways, sorted out once per step for every projection
+(``LoraBatch``):
+
+- runs of at least ``MIN_RUN`` consecutive rows of one adapter (a prefill chunk is one request's): each run through
+  views, multiplied by its adapter's A, then by each targeted shard's B at the adapter's own rank, and added in place,
+  with no gathering or scattering, which cost more than these GEMMs at prefill's row counts;
+- the other rows (decode rows, where adapters interleave): gathered into one segment per adapter ([adapters, rows,
+  in]), multiplied by the segments' As in one batched GEMM and by each shard's Bs in another, and added to their
+  rows: a few calls whatever the adapters, fewer than a call per adapter and shard, which cost more at decode's row
+  counts.
+
+On CUDA the Triton kernels (``triton_kernels``) take every row at once, through the block-diagonal B
+(``block_diagonal_b``), kept beside the shards' there. A row of the base model is in no run or segment: its output
+is the base projection's, bit for bit.
 
 Tensor parallelism shards as the projection does: a column-parallel projection keeps this rank's rows of B (each
 packed shard's), a row-parallel one this rank's columns of A, and its partial update is summed by the projection's
@@ -17,60 +26,78 @@ all-reduce with the rest.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
 from executor_svc.runtime.distributed import tp_rank
 
+# The shortest run of one adapter's consecutive rows updated through views; shorter ones join the gathered segments.
+MIN_RUN = 8
+
 
 class LoraBatch:
-    """One step's adapter rows as runs of consecutive rows (``runs``), or else as segments: ``gather`` [adapters, rows]
-    (short segments padded with row 0, whose products are dropped), the rows each product goes to (``targets``, and
-    which products those are: ``kept``, None when none is padding), the segments' slots (``slot_index``;
-    ``every_slot``: slots 0.. in order, whose factors need no gathering) and their adapters' scalings [adapters, 1,
-    1]."""
+    """One step's adapter rows, from each row's slot (``row_slots``, -1: the base model): the ``runs`` updated through
+    views, (start, end, slot) each, and the rest as segments: ``gather`` [adapters, rows] (short segments padded with
+    their first row, whose extra products are dropped), the rows each product goes to (``targets``, and which products
+    those are: ``kept``, None when none is padding), the segments' slots (``slot_index``; ``every_slot``: slots 0..
+    in order, whose factors need no gathering); ``gather`` is None when every adapter row is in a run."""
 
-    def __init__(self, row_slots: torch.Tensor, scalings: dict[int, float], num_slots: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        slots = sorted({int(s) for s in row_slots.unique().tolist()} - {-1})
-        self.slots = slots
-        self.runs = _runs(row_slots, scalings, len(slots))
-        rows = [torch.nonzero(row_slots == slot).flatten() for slot in slots]
-        length = max((len(r) for r in rows), default=0)
-        gather = torch.zeros(len(slots), length, dtype=torch.int64)
-        for i, r in enumerate(rows):
-            gather[i, : len(r)] = r
-        counts = torch.tensor([len(r) for r in rows])
-        valid = (torch.arange(length)[None, :] < counts[:, None]).flatten()
-        self.gather = gather.flatten().to(device)
-        self.targets = self.gather[valid.to(device)]
-        self.kept = None if bool(valid.all()) else torch.nonzero(valid).flatten().to(device)
-        self.slot_index = torch.tensor(slots, device=device)
-        self.every_slot = slots == list(range(num_slots))
-        self.scales = torch.tensor([scalings[s] for s in slots], dtype=dtype, device=device).view(-1, 1, 1)
-        self.length = length
-        # On CUDA with Triton: its kernels, which take each row's slot and every slot's scaling instead.
+    def __init__(self, row_slots: torch.Tensor, num_slots: int, device: torch.device) -> None:
+        self.row_slots, self.num_slots, self.device = row_slots, num_slots, device
+        self.slots = {int(s) for s in row_slots.unique().tolist()} - {-1}
+        self._windows: dict[tuple[int, int], LoraBatch] = {}
+        # On CUDA with Triton: its kernels, which take each row's slot instead.
         self.kernel = cuda_kernel() if device.type == "cuda" else None
         if self.kernel is not None:
-            self.row_slots = row_slots.to(device=device, dtype=torch.int32)
-            self.slot_scales = torch.tensor([scalings.get(s, 0.0) for s in range(num_slots)], dtype=torch.float32,
-                                            device=device)
+            self.device_slots = row_slots.to(device=device, dtype=torch.int32)
+            self.runs, self.gather = [], None
+            return
+        self.runs, in_runs = _runs(row_slots)
+        rest = row_slots.masked_fill(in_runs, -1) if self.runs else row_slots
+        self._segments(rest, num_slots)
+
+    def _segments(self, row_slots: torch.Tensor, num_slots: int) -> None:
+        slots = sorted({int(s) for s in row_slots.unique().tolist()} - {-1})
+        if not slots:
+            self.gather = None
+            return
+        rows = [torch.nonzero(row_slots == slot).flatten() for slot in slots]
+        length = max(len(r) for r in rows)
+        gather = torch.empty(len(slots), length, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            gather[i, : len(r)] = r
+            gather[i, len(r) :] = r[0]
+        counts = torch.tensor([len(r) for r in rows])
+        valid = (torch.arange(length)[None, :] < counts[:, None]).flatten()
+        self.gather = gather.flatten().to(self.device)
+        self.targets = self.gather[valid.to(self.device)]
+        self.kept = None if bool(valid.all()) else torch.nonzero(valid).flatten().to(self.device)
+        self.slot_index = torch.tensor(slots, device=self.device)
+        self.every_slot = slots == list(range(num_slots))
+        self.num_segments, self.length = len(slots), length
+
+    def window(self, start: int, end: int) -> LoraBatch:
+        """Rows [start, end) alone, as a projection over just those rows sees them (``LlamaMLP``'s row chunks); the
+        same for every layer, so made once."""
+        key = start, end
+        if key not in self._windows:
+            self._windows[key] = LoraBatch(self.row_slots[start:end], self.num_slots, self.device)
+        return self._windows[key]
 
 
-def _runs(row_slots: torch.Tensor, scalings: dict[int, float], num_adapters: int
-          ) -> list[tuple[int, int, int, float]] | None:
-    """The adapter rows as (start, end, slot, scaling) runs of consecutive rows where they are few (a prefill's
-    chunks: each is one request's), updated in place through views; None where adapters interleave (decode rows),
-    which take the gathered segments."""
+def _runs(row_slots: torch.Tensor) -> tuple[list[tuple[int, int, int]], torch.Tensor]:
+    """The runs of at least ``MIN_RUN`` consecutive rows of one adapter, and a mask of their rows."""
     change = torch.nonzero(row_slots[1:] != row_slots[:-1]).flatten() + 1
     starts = [0, *change.tolist()]
-    if len(starts) > 2 * num_adapters + 1:
-        return None
     ends = [*starts[1:], len(row_slots)]
-    slots = row_slots[starts].tolist()
-    return [(start, end, slot, scalings[slot]) for start, end, slot in zip(starts, ends, slots, strict=True)
-            if slot >= 0]
+    runs = [(start, end, slot) for start, end, slot in zip(starts, ends, row_slots[starts].tolist(), strict=True)
+            if slot >= 0 and end - start >= MIN_RUN]
+    in_runs = torch.zeros(len(row_slots), dtype=torch.bool)
+    for start, end, _ in runs:
+        in_runs[start:end] = True
+    return runs, in_runs
 
 
 def cuda_kernel() -> Callable[..., None] | None:
@@ -89,6 +116,23 @@ class LoraStep:
     def __init__(self) -> None:
         self.batch: LoraBatch | None = None
 
+    @contextmanager
+    def rows(self, start: int, end: int) -> Iterator[None]:
+        """While the projections run over rows [start, end) of the step only (a chunk of them)."""
+        batch = self.batch
+        if batch is None:
+            yield
+            return
+        self.batch = batch.window(start, end)
+        try:
+            yield
+        finally:
+            self.batch = batch
+
+
+# One targeted shard of a slot, for the runs: (its columns of the shrunk rows, its B, its output columns).
+Block = tuple[slice, torch.Tensor, slice]
+
 
 class LoraWeights:
     """Every slot's factors for one projection. ``outputs``: (offset, size) of each packed shard in this rank's
@@ -102,23 +146,31 @@ class LoraWeights:
         self.max_rank = max_rank
         self.row_parallel = row_parallel
         self.width = len(outputs) * max_rank
-        out = sum(size for _, size in outputs)
-        # Replaced whole (never resized in place) when a slot is added, so a forward reads one consistent pair.
-        self.factors = (torch.zeros(0, in_features, self.width, dtype=dtype, device=device),
-                        torch.zeros(0, self.width, out, dtype=dtype, device=device))
+        # (A [slots, in, width]; B per shard, [slots, max_rank, size] each; the block-diagonal B [slots, width, out]
+        # that the Triton kernels read, on CUDA only; each slot's targeted blocks, for the runs), replaced whole
+        # (never resized in place) when a slot is added, so that a forward reads one consistent set.
+        self.factors: tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None, dict[int, list[Block]]] = (
+            torch.zeros(0, in_features, self.width, dtype=dtype, device=device),
+            [torch.zeros(0, max_rank, size, dtype=dtype, device=device) for _, size in outputs], None, {})
         # Slots holding factors for this projection: a step whose adapters all skip it adds nothing here.
         self.slots: set[int] = set()
+        # Each such slot's targeted shards: (shard, rank).
+        self._ranks: dict[int, list[tuple[int, int]]] = {}
 
-    def install(self, slot: int, shards: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        """Put one adapter's full-size (A, B) per packed shard (None: not targeted) into ``slot``."""
-        a_all, b_all = self.factors
+    def install(self, slot: int, shards: list[tuple[torch.Tensor, torch.Tensor] | None], scaling: float = 1.0
+                ) -> None:
+        """Put one adapter's full-size (A, B) per packed shard (None: not targeted) into ``slot``, B times
+        ``scaling``."""
+        a_all, b_all, _, _ = self.factors
         if slot >= a_all.shape[0]:
             grow = slot + 1 - a_all.shape[0]
             a_all = torch.cat([a_all, a_all.new_zeros(grow, *a_all.shape[1:])])
-            b_all = torch.cat([b_all, b_all.new_zeros(grow, *b_all.shape[1:])])
+            b_all = [torch.cat([b, b.new_zeros(grow, *b.shape[1:])]) for b in b_all]
         a_all[slot].zero_()
-        b_all[slot].zero_()
-        for i, ((offset, size), pair) in enumerate(zip(self.outputs, shards, strict=True)):
+        for b in b_all:
+            b[slot].zero_()
+        ranks = []
+        for i, ((_, size), pair) in enumerate(zip(self.outputs, shards, strict=True)):
             if pair is None:
                 continue
             a, b = pair
@@ -127,14 +179,21 @@ class LoraWeights:
                 a = a.narrow(1, tp_rank() * self.in_features, self.in_features)
             else:
                 b = b.narrow(0, tp_rank() * size, size)
-            first = i * self.max_rank
-            a_all[slot, :, first : first + rank].copy_(a.t())
-            b_all[slot, first : first + rank, offset : offset + size].copy_(b.t())
-        self.factors = (a_all, b_all)
-        if any(pair is not None for pair in shards):
+            a_all[slot, :, i * self.max_rank : i * self.max_rank + rank].copy_(a.t())
+            b_all[i][slot, :rank].copy_(b.t().float() * scaling)
+            ranks.append((i, rank))
+        if ranks:
+            self._ranks[slot] = ranks
             self.slots.add(slot)
         else:
+            self._ranks.pop(slot, None)
             self.slots.discard(slot)
+        # Views of these Bs (reallocated above when they grew) for every slot.
+        blocks = {s: [(slice(i * self.max_rank, i * self.max_rank + rank), b_all[i][s, :rank],
+                       slice(self.outputs[i][0], sum(self.outputs[i]))) for i, rank in held]
+                  for s, held in self._ranks.items()}
+        block_diagonal = block_diagonal_b(b_all) if a_all.device.type == "cuda" else None
+        self.factors = (a_all, b_all, block_diagonal, blocks)
 
     def remove(self, slot: int) -> None:
         """Zero ``slot``'s factors (no request uses it any more)."""
@@ -142,26 +201,47 @@ class LoraWeights:
             self.install(slot, [None] * len(self.outputs))
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """``y[rows] += scaling * (x[rows] A^T) B^T`` for each adapter's rows of the running step (``x`` [rows, in],
-        ``y`` [rows, out])."""
+        """``y[rows] += (x[rows] A) B`` for each adapter's rows of the running step (``x`` [rows, in], ``y`` [rows,
+        out]; the scaling is in B)."""
         batch = self.step.batch
-        if not any(slot in self.slots for slot in batch.slots):
+        if self.slots.isdisjoint(batch.slots):
             return
-        a, b = self.factors
+        a, bs, block_diagonal, blocks = self.factors
+        x, y = x.reshape(-1, self.in_features), y.view(-1, y.shape[-1])
         if batch.kernel is not None:
-            batch.kernel(x.reshape(-1, self.in_features), y.view(-1, y.shape[-1]), a, b, batch.row_slots,
-                         batch.slot_scales[: a.shape[0]])
+            batch.kernel(x, y, a, block_diagonal, batch.device_slots)
             return
-        if batch.runs is not None:
-            x2, y2 = x.reshape(-1, self.in_features), y.view(-1, y.shape[-1])
-            for start, end, slot, scaling in batch.runs:
-                y2[start:end].addmm_(torch.mm(x2[start:end], a[slot]).mul_(scaling), b[slot])
+        for start, end, slot in batch.runs:
+            targeted = blocks.get(slot)
+            if targeted is None:
+                continue
+            shrunk, rows = torch.mm(x[start:end], a[slot]), y[start:end]
+            for columns, b, outputs in targeted:
+                rows[:, outputs].addmm_(shrunk[:, columns], b)
+        if batch.gather is None:
             return
-        if not batch.every_slot or a.shape[0] != len(batch.slots):
-            a, b = a.index_select(0, batch.slot_index), b.index_select(0, batch.slot_index)
-        segments = x.reshape(-1, self.in_features).index_select(0, batch.gather)
-        shrunk = torch.bmm(segments.view(len(batch.slots), batch.length, -1), a).mul_(batch.scales)
-        products = torch.bmm(shrunk, b).view(-1, b.shape[-1])
+        if not batch.every_slot or a.shape[0] != batch.num_segments:
+            a, bs = a.index_select(0, batch.slot_index), [b.index_select(0, batch.slot_index) for b in bs]
+        segments = x.index_select(0, batch.gather).view(batch.num_segments, batch.length, -1)
+        shrunk = torch.bmm(segments, a)
+        if len(bs) == 1:
+            products = torch.bmm(shrunk, bs[0])
+        else:  # each shard's columns of the shrunk rows by its own B: none of a packed B's zero blocks
+            rank = self.max_rank
+            products = torch.cat([torch.bmm(shrunk[:, :, i * rank : (i + 1) * rank], b) for i, b in enumerate(bs)],
+                                 dim=2)
+        products = products.view(-1, y.shape[-1])
         if batch.kept is not None:
             products = products.index_select(0, batch.kept)
-        y.view(-1, y.shape[-1]).index_add_(0, batch.targets, products)
+        y.index_add_(0, batch.targets, products)
+
+
+def block_diagonal_b(bs: list[torch.Tensor]) -> torch.Tensor:
+    """The shards' Bs ([slots, rank, size] each) as one B [slots, shards * rank, out], zero off the diagonal."""
+    slots, rank = bs[0].shape[:2]
+    packed = bs[0].new_zeros(slots, len(bs) * rank, sum(b.shape[2] for b in bs))
+    offset = 0
+    for i, b in enumerate(bs):
+        packed[:, i * rank : (i + 1) * rank, offset : offset + b.shape[2]] = b
+        offset += b.shape[2]
+    return packed

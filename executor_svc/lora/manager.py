@@ -53,7 +53,6 @@ class LoraManager:
         model.model.lora_step = self.step
         self.adapters: dict[str, LoadedAdapter] = {}
         self._slots: dict[int, int] = {}  # lora id -> slot
-        self._scalings: dict[int, float] = {}  # slot -> scaling
         self._next_id = 1
         # Load and unload come from RPC threads while steps run on another.
         self._lock = threading.Lock()
@@ -74,7 +73,6 @@ class LoraManager:
             lora_id, self._next_id = self._next_id, self._next_id + 1
             slot = next(s for s in range(len(self._slots) + 1) if s not in self._slots.values())
             self._install(adapter, slot)
-            self._scalings[slot] = adapter.scaling
             self._slots[lora_id] = slot
             loaded = self.adapters[name] = LoadedAdapter(lora_id, name, adapter.path, adapter.rank)
         return loaded
@@ -86,7 +84,6 @@ class LoraManager:
             if loaded is None:
                 raise LoraError(f"adapter {name!r} is not loaded", "NOT_FOUND")
             slot = self._slots.pop(loaded.lora_id)
-            del self._scalings[slot]
             for weights in self.projections.values():
                 weights.remove(slot)
         return loaded
@@ -94,18 +91,18 @@ class LoraManager:
     def begin(self, lora_ids: torch.Tensor) -> None:
         """The step about to run has these adapter ids per row (0: the base model)."""
         with self._lock:
-            slots, scalings = dict(self._slots), dict(self._scalings)
+            slots = dict(self._slots)
             num_slots = max(slots.values(), default=-1) + 1
         unique, inverse = torch.unique(lora_ids, return_inverse=True)
         per_id = torch.tensor([slots.get(int(i), -1) for i in unique.tolist()], dtype=torch.int64)
-        self.step.batch = LoraBatch(per_id[inverse], scalings, num_slots, self.dtype, self.device)
+        self.step.batch = LoraBatch(per_id[inverse], num_slots, self.device)
 
     def end(self) -> None:
         self.step.batch = None
 
     def _install(self, adapter: LoraAdapter, slot: int) -> None:
         for (index, name), weights in self.projections.items():
-            weights.install(slot, [adapter.factors.get((index, shard)) for shard in SHARDS[name]])
+            weights.install(slot, [adapter.factors.get((index, shard)) for shard in SHARDS[name]], adapter.scaling)
 
 
 def _weights_for(linear: LinearBase, shape: tuple[int, int], step: LoraStep, max_rank: int, dtype: torch.dtype,

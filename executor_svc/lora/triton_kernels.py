@@ -1,9 +1,10 @@
 """The LoRA update in Triton, for CUDA: each row through its own adapter's factors, in two kernels.
 
-``shrink``: t[row] = scaling[slot] * x[row] A[slot] (A [slots, in, width]); ``expand``: y[row] += t[row] B[slot]
-(B [slots, width, out]); ``slot`` is the row's (-1: the base model, a row left alone). One program per row and tile,
-reading its adapter's factors through the row's slot (a gathered matrix-vector product, as decode rows need): rows of
-different adapters need no sorting into segments, and the two launches take the same time whatever the adapters.
+``shrink``: t[row] = x[row] A[slot] (A [slots, in, width]); ``expand``: y[row] += t[row] B[slot] (B [slots, width,
+out], the adapter's scaling multiplied in at load); ``slot`` is the row's (-1: the base model, a row left alone). One
+program per row and tile, reading its adapter's factors through the row's slot (a gathered matrix-vector product, as
+decode rows need): rows of different adapters need no sorting into segments, and the two launches take the same time
+whatever the adapters.
 Products are summed in float32 and added to y with one rounding.
 """
 
@@ -15,7 +16,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, slots_ptr, scales_ptr, t_ptr, in_features, width, stride_x, stride_as, stride_t,
+def _shrink_kernel(x_ptr, a_ptr, slots_ptr, t_ptr, in_features, width, stride_x, stride_as, stride_t,
                    BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
     row = tl.program_id(0)
     slot = tl.load(slots_ptr + row)
@@ -29,8 +30,7 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, scales_ptr, t_ptr, in_features, widt
         a_mask = (ks[:, None] < in_features) & (cols[None, :] < width)
         a = tl.load(a_ptr + slot * stride_as + ks[:, None] * width + cols[None, :], mask=a_mask, other=0.0)
         acc += tl.sum(x[:, None] * a.to(tl.float32), axis=0)
-    scale = tl.load(scales_ptr + slot)
-    tl.store(t_ptr + row * stride_t + cols, acc * scale, mask=cols < width)
+    tl.store(t_ptr + row * stride_t + cols, acc, mask=cols < width)
 
 
 @triton.jit
@@ -53,12 +53,11 @@ def _expand_kernel(t_ptr, b_ptr, slots_ptr, y_ptr, width, out_features, stride_t
     tl.store(y_ptr + row * stride_y + ns, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row_slots: torch.Tensor,
-             scales: torch.Tensor) -> None:
-    """``y[r] += scales[s] * (x[r] a[s]) b[s]`` for every row r whose slot s = ``row_slots[r]`` is not -1.
+def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row_slots: torch.Tensor) -> None:
+    """``y[r] += (x[r] a[s]) b[s]`` for every row r whose slot s = ``row_slots[r]`` is not -1.
 
     ``x`` [rows, in] and ``y`` [rows, out] with unit column stride; ``a`` [slots, in, width] and ``b`` [slots, width,
-    out] contiguous; ``row_slots`` int32 [rows]; ``scales`` float32 [slots]."""
+    out] contiguous; ``row_slots`` int32 [rows]."""
     rows, in_features = x.shape
     width, out_features = b.shape[1], b.shape[2]
     if rows == 0 or width == 0:
@@ -66,7 +65,7 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     t = torch.empty(rows, width, dtype=torch.float32, device=x.device)
     block_w = triton.next_power_of_2(min(width, 64))
     _shrink_kernel[(rows, triton.cdiv(width, block_w))](
-        x, a, row_slots, scales, t, in_features, width, x.stride(0), a.stride(0), t.stride(0),
+        x, a, row_slots, t, in_features, width, x.stride(0), a.stride(0), t.stride(0),
         BLOCK_K=64, BLOCK_W=block_w)
     _expand_kernel[(rows, triton.cdiv(out_features, 64))](
         t, b, row_slots, y, width, out_features, t.stride(0), b.stride(0), y.stride(0),

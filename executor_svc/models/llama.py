@@ -69,12 +69,19 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Row chunks would cut the step's rows apart from their adapters' (``lora.layers.LoraBatch``).
-        if x.device.type == "cpu" and not self.gate_up_proj.lora_active():
+        if x.device.type == "cpu":
             rows = max(1, self.CPU_CHUNK_BYTES // (sum(self.gate_up_proj.shard_sizes) * x.element_size()))
             if x.shape[0] > rows:
-                return torch.cat([self._mlp(part, x.shape[0]) for part in x.split(rows)])
+                return torch.cat([self._mlp_rows(x, start, rows) for start in range(0, x.shape[0], rows)])
         return self._mlp(x)
+
+    def _mlp_rows(self, x: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+        """Rows [start, start + rows) of ``x``, whose adapters' updates (``executor_svc/lora``) take those rows'."""
+        part = x[start : start + rows]
+        if not self.gate_up_proj.lora_active():
+            return self._mlp(part, x.shape[0])
+        with self.gate_up_proj.lora.step.rows(start, start + len(part)):
+            return self._mlp(part, x.shape[0])
 
     def _mlp(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x, rows), rows), rows)

@@ -180,8 +180,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     def _execute_with_adapters(self, inp: ModelInput) -> torch.Tensor:
-        """``execute`` for a step with adapter rows: eagerly (CUDA graphs hold no adapter update) and through the
-        layers (the CPU's C decode stack has none either)."""
+        """``execute`` for a step with adapter rows: eagerly (CUDA graphs hold no adapter update); on the CPU a
+        decode step runs the C decode stack with each projection called from Python, its update included."""
         if self.lora is None:
             raise ValueError("a step names LoRA adapters on an executor serving none")
         self.lora.begin(inp.lora_ids)
