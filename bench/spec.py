@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 from executor_svc.cpu.malloc import keep_heap_memory
 from executor_svc.cpu.openmp import set_wait_policy
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="decode steps per plan where nothing is verified (default: 8, the service's)")
     parser.add_argument("--repeats", type=int, default=1, help="alternating rounds per peer (default: 1)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--json")
+    parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     workload = WORKLOADS[args.workload]()
     batches = args.batch or DEFAULT_BATCHES[args.workload]
