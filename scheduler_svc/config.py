@@ -179,7 +179,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         f"prompt_lookup_max; absent: --ngram-min, or {DEFAULT_NGRAM_SIZE})")
     add("--speculative-disable-by-batch-size", positive_int, "with --speculative, propose nothing while more "
         "requests than this run (a large batch is bound by compute, where a proposed token costs what a decoded one "
-        "does; absent: never off)")
+        "does; absent: 4 on a CPU executor, never off on an accelerator)")
     return parser
 
 

@@ -85,8 +85,10 @@ def test_engine_matches_sequential_reference(overlap, num_steps, policy, workloa
     executor = ShadowExecutor(num_blocks, block_size, VOCAB, (EOS,), max_model_len=4096,
                               draft_miss_every=miss_every if speculation == "draft" else None)
     ngram = dict(ngram_min=1, ngram_max=3) if speculation == "ngram" else {}
+    # Proposals at every batch size (the shadow says it runs on a CPU, where they would stop above a few).
+    unbounded = dict(speculative_disable_by_batch_size=1 << 16) if speculation else {}
     config = SchedulerConfig(max_num_seqs, budget, num_steps, policy, speculative=speculation,
-                             num_speculative_tokens=k if speculation else None, **ngram)
+                             num_speculative_tokens=k if speculation else None, **ngram, **unbounded)
     engine = Engine(executor, config, overlap=overlap)
     pending = []
     for prefix_choice, tail, max_tokens, ignore_eos, arrival in requests:

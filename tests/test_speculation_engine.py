@@ -27,7 +27,7 @@ def spec_config(method: str, policy: str = "nano-vllm", steps: int = 1, **overri
     ngram = dict(ngram_min=1, ngram_max=3) if method == "ngram" else {}
     return SchedulerConfig(**{"max_num_seqs": 6, "max_num_batched_tokens": 24, "num_scheduler_steps": steps,
                               "policy": policy, "speculative": method, "num_speculative_tokens": 3, **ngram,
-                              **overrides})
+                              "speculative_disable_by_batch_size": 64, **overrides})
 
 
 def workload(seed: int = 7, n: int = 10) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -115,3 +115,29 @@ def test_a_restarted_executor_without_its_draft_model_is_incompatible() -> None:
     with pytest.raises(IncompatibleExecutor, match="draft model"):
         engine.recover()
     engine.abort(seq)
+
+
+def test_on_a_cpu_proposals_stop_above_a_few_sequences_unless_the_flag_says() -> None:
+    """A CPU step costs per row from a few rows on, so by default proposals are made only in small batches there;
+    an accelerator (or the flag) keeps them at any batch size."""
+    from dataclasses import replace
+
+    def drafts_while_running(executor: ShadowExecutor, **overrides: object) -> list[int]:
+        engine = Engine(executor, spec_config("ngram", **overrides))
+        for max_tokens in range(8, 32, 4):  # they end one after another: the batch shrinks
+            engine.add_request([1, 2] * 3, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        running = []
+        while engine.has_unfinished():
+            before = engine.scheduler.speculator.counters.num_drafts
+            engine.step()
+            if engine.scheduler.speculator.counters.num_drafts > before:
+                running.append(len(engine.scheduler.running))
+        assert_all_blocks_free(engine.block_manager)
+        return running
+
+    cpu = drafts_while_running(shadow(), speculative_disable_by_batch_size=None)
+    assert cpu and max(cpu) <= 4
+    assert max(drafts_while_running(shadow(), speculative_disable_by_batch_size=6)) == 6
+    accelerator = shadow()
+    accelerator.info = replace(accelerator.info, device="cuda:0")
+    assert max(drafts_while_running(accelerator, speculative_disable_by_batch_size=None)) == 6

@@ -13,7 +13,9 @@ from tests.test_metrics import parse, value
 from tests.test_scheduler_resume import generate, resumed
 from tests.test_service_options import VOCAB, run, shadow
 
-SPEC = {"draft": dict(speculative="draft"), "ngram": dict(speculative="ngram", ngram_min=1, ngram_max=2)}
+# Proposals at every batch size: the shadow says it runs on a CPU, where they would stop above a few sequences.
+SPEC = {"draft": dict(speculative="draft", speculative_disable_by_batch_size=64),
+        "ngram": dict(speculative="ngram", ngram_min=1, ngram_max=2, speculative_disable_by_batch_size=64)}
 
 
 def executor(method: str):

@@ -43,7 +43,8 @@ class SchedulerConfig:
     ngram_min: int | None = None
     ngram_max: int | None = None
     # No proposals while more sequences than this run (vLLM's disable_by_batch_size): a large batch is bound by
-    # compute, where every proposed token costs as much as a decoded one. None: never off.
+    # compute, where every proposed token costs as much as a decoded one. None: never off (the engine sets a CPU
+    # executor's default, ``engine.checks.CPU_SPECULATION_BATCH_LIMIT``).
     speculative_disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:

@@ -3,8 +3,16 @@ scheduler's flags need of it."""
 
 from __future__ import annotations
 
+from copy import copy
+
 from common.step import ExecutorInfo
 from scheduler_svc.core.scheduler_config import SchedulerConfig
+
+# On a CPU a step costs about as much per row from a few rows on as one decode row does alone (it is bound by
+# compute, not by reading the weights), so a proposal pays only in small batches: without
+# --speculative-disable-by-batch-size, an executor on a CPU gets no proposals while more sequences than this run
+# (docs/scheduler.md says where it was measured).
+CPU_SPECULATION_BATCH_LIMIT = 4
 
 
 class ExecutorRestarted(RuntimeError):
@@ -24,3 +32,13 @@ def check_draft_model(config: SchedulerConfig, info: ExecutorInfo) -> None:
     if config.speculative == "draft" and not info.draft_model_id:
         raise ValueError(f"--speculative draft needs an executor started with a draft model (--speculative-model), "
                          f"but executor {info.model_id!r} reports none; use --speculative ngram, or start it with one")
+
+
+def serving_config(config: SchedulerConfig, info: ExecutorInfo) -> SchedulerConfig:
+    """``config`` checked against this executor (``check_draft_model``; ValueError) and completed where the flags left
+    it open: speculation only in small batches on a CPU (``CPU_SPECULATION_BATCH_LIMIT``)."""
+    check_draft_model(config, info)
+    if config.speculative and config.speculative_disable_by_batch_size is None and info.on_cpu:
+        config = copy(config)  # checked whole once: ``replace`` would check the window it completed again
+        config.speculative_disable_by_batch_size = CPU_SPECULATION_BATCH_LIMIT
+    return config

@@ -30,7 +30,7 @@ from scheduler_svc.core.scheduler import SchedulerConfig, StepRecord, TokenOutpu
 from scheduler_svc.core.sequence import FinishReason, Sequence
 from scheduler_svc.core.validation import ModelLimits, check_request
 from scheduler_svc.engine.adapters import Adapters
-from scheduler_svc.engine.checks import ExecutorRestarted, IncompatibleExecutor, StepMismatch, check_draft_model
+from scheduler_svc.engine.checks import ExecutorRestarted, IncompatibleExecutor, StepMismatch, serving_config
 from scheduler_svc.engine.kv_events import KvEventLog
 from scheduler_svc.engine.window import Window
 
@@ -98,9 +98,8 @@ class Engine:
         # Runs the steps of an executor without a stream of its own (an in-process one), in order.
         self._worker: ThreadPoolExecutor | None = None
         self._in_flight: Launched | None = None
-        self.config = config or SchedulerConfig()
         self.info = executor.get_info()
-        check_draft_model(self.config, self.info)
+        self.config = serving_config(config or SchedulerConfig(), self.info)
         self.scheduler = POLICIES[self.config.policy](
             self.config,
             BlockManager(self.info.num_blocks, self.info.block_size),
@@ -347,7 +346,7 @@ class Engine:
                 f"not {old.model_id!r} (vocab {old.vocab_size}); restart the scheduler to switch models"
             )
         try:
-            check_draft_model(self.config, info)
+            serving_config(self.config, info)
         except ValueError as e:
             raise IncompatibleExecutor(str(e)) from e
         self._abandon_in_flight()
