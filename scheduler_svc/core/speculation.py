@@ -10,9 +10,11 @@ proposal would otherwise make use of), with prompt logprobs (a scoring request),
 processors (penalties, logit bias, min_tokens: their masks and scores depend on the position, which a verification
 shifts within one pass).
 
-The back-off: a sequence proposes ``draft_len`` tokens at most, starting at k; all accepted, it proposes one more next
-time (up to k); some, one more than were accepted; none, it stops proposing for 2, 4, 8 .. 64 of its tokens (doubling
-while its proposals keep failing). Above ``speculative_disable_by_batch_size`` running sequences nothing is proposed.
+The back-off: a sequence proposes ``draft_len`` tokens at most, starting at k (n-gram) or 1 (a draft model, whose
+proposals cost a pass each); all accepted, it proposes one more next time (up to k); otherwise one more than were
+accepted, and when none was, it stops proposing for 2, 4, 8 .. 64 of its tokens (doubling while its proposals keep
+failing), then tries one proposal. Above ``speculative_disable_by_batch_size`` running sequences nothing is proposed
+(on a CPU executor 4 by default: ``engine.checks``).
 
 Overlap and multi-step: a plan with proposals is one decode step (no window), and a sequence verifying is held until
 its result, since the next plan starts where verification ended. A sequence whose decode is in flight cannot propose
@@ -79,7 +81,8 @@ class Speculator:
         """Give a queued sequence its proposer state, where its request may speculate."""
         if seq.speculation is None and seq.speculate and speculation_allowed(seq.params):
             index = NgramIndex(*self.ngram_window) if self.method == "ngram" else None
-            seq.speculation = SequenceSpeculation(self.k, index)
+            # A draft model's proposals cost a pass each: its sequences start with one and earn more.
+            seq.speculation = SequenceSpeculation(self.k if index is not None else 1, index)
 
     def propose(self, running: deque[Sequence], seq_budget: int, token_budget: int,
                 may_propose: bool = True) -> tuple[bool, bool]:
@@ -149,8 +152,9 @@ class Speculator:
         if num_accepted == num_drafts:
             state.draft_len = min(self.k, state.draft_len + 1)
             state.misses = 0
-        elif num_accepted:
-            state.draft_len = num_accepted + 1
+            return
+        state.draft_len = num_accepted + 1  # after a miss, the next try is one proposal: a cheap probe
+        if num_accepted:
             state.misses = 0
         else:
             state.misses += 1
