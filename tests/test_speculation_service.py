@@ -26,12 +26,12 @@ def executor(method: str):
 @pytest.mark.parametrize("seed", [None, 7], ids=["greedy", "seeded"])
 def test_a_resumed_stream_with_speculation_gives_the_rest_of_the_undisturbed_tokens(method: str, seed: int | None):
     vocab = VOCAB if method == "draft" else 5
-    prompt, max_tokens = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 16
+    prompt, max_tokens = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 40
     request = token_request(prompt, max_tokens, ignore_eos=True)
     if seed is not None:
         request.sampling.seed, request.sampling.temperature = seed, 0.8
     expected = reference_generate(prompt, max_tokens, vocab, {0}, True, seed)
-    cuts = [0, 3, 9]
+    cuts = [0, 3, 21]
 
     async def work(stub):
         got = [await generate(stub, resumed(request, expected[:k])) for k in cuts]

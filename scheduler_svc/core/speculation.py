@@ -12,7 +12,7 @@ shifts within one pass).
 
 The back-off: a sequence proposes ``draft_len`` tokens at most, starting at k (n-gram) or 1 (a draft model, whose
 proposals cost a pass each); all accepted, it proposes one more next time (up to k); otherwise one more than were
-accepted, and when none was, it stops proposing for 2, 4, 8 .. 64 of its tokens (doubling while its proposals keep
+accepted, and when none was, it stops proposing for 8, 16, 32 .. 256 of its tokens (doubling while its proposals keep
 failing), then tries one proposal. Above ``speculative_disable_by_batch_size`` running sequences nothing is proposed
 (on a CPU executor 4 by default: ``engine.checks``).
 
@@ -35,7 +35,7 @@ from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.sequence import PENDING, Sequence
 
 # The most tokens of its own a sequence whose proposals keep failing waits before it proposes again.
-MAX_SKIP_TOKENS = 64
+MAX_SKIP_TOKENS = 256
 
 
 def speculation_allowed(params: SamplingParams) -> bool:
@@ -158,7 +158,7 @@ class Speculator:
             state.misses = 0
         else:
             state.misses += 1
-            state.skip_until = seq.num_completion_tokens + min(2**state.misses, MAX_SKIP_TOKENS)
+            state.skip_until = seq.num_completion_tokens + min(4 << state.misses, MAX_SKIP_TOKENS)
 
     @property
     def acceptance_rate(self) -> float:
