@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from executor_svc.cpu.malloc import keep_heap_memory
@@ -69,10 +70,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-scheduler-steps", type=int, default=8,
                         help="decode steps per plan where nothing is verified (default: 8, the service's)")
     parser.add_argument("--repeats", type=int, default=1, help="alternating rounds per peer (default: 1)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens (default: none)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     workload = WORKLOADS[args.workload]()
+    if args.max_tokens:
+        workload = replace(workload, max_tokens=[min(n, args.max_tokens) for n in workload.max_tokens])
     batches = args.batch or DEFAULT_BATCHES[args.workload]
     draft = {"speculative_draft_layers": args.draft_layers} if "draft" in args.peers else {}
     options = ExecutorOptions(model=args.model, dtype=args.dtype, kv_cache_memory=2 << 30,

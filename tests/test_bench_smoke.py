@@ -10,8 +10,20 @@ import sys
 import pytest
 import torch
 
-from bench import kernels, lora, mixed_attention, options, overhead, overlap, profile, random_model, serving, throughput
-from bench.common import w1, w2
+from bench import (
+    kernels,
+    lora,
+    mixed_attention,
+    options,
+    overhead,
+    overlap,
+    profile,
+    random_model,
+    serving,
+    spec,
+    throughput,
+)
+from bench.common import w1, w2, w6
 from executor_svc.cpu import kernels as cpu_kernels
 from executor_svc.cpu.choice import CLASSES, FAMILIES
 
@@ -30,6 +42,9 @@ def test_workloads_draw_as_benchmarks_md_defines():
     workload = w1()
     assert list(zip(workload.prompts, workload.max_tokens, strict=True)) == expected
     assert len(w2()) == 256 and all(100 <= len(p) <= 1024 for p in w2().prompts)
+    random.seed(0)
+    blocks = [[random.randint(0, 10000) for _ in range(48)] for _ in range(32)]
+    assert w6().prompts == [block * 4 for block in blocks] and w6().max_tokens == [128] * 32
 
 
 def test_overhead_writes_its_keys(tmp_path):
@@ -247,3 +262,12 @@ def test_lora_writes_its_keys(tmp_path):
     figures = json.loads(path.read_text())
     assert positive_finite(figures["ratio"]) and positive_finite(figures["cpu_ratio"])
     assert [len(figures["seconds"][peer]) for peer in lora.PEERS] == [1, 1]
+
+
+def test_spec_writes_its_keys(tmp_path):
+    path = tmp_path / "spec.json"
+    spec.main(["--batch", "1", "2", "--max-tokens", "32", "--draft-layers", "2", "--json", str(path)])
+    figures = json.loads(path.read_text())
+    for peer in spec.PEERS:
+        assert positive_finite(figures[f"{peer}_tok_s_b1"]) and positive_finite(figures[f"{peer}_tok_s_b2"])
+    assert figures["ngram_accept_len"] > 2  # W6 repeats its block: the model copies it and proposals are accepted

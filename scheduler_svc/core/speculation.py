@@ -4,11 +4,10 @@ A decode row with k proposals computes 1 + k tokens (its last token, then the pr
 the executor verifies them in one forward pass and samples 1 ..= k + 1 tokens (the proposals it accepts, then one of
 its own), and the scheduler gives back the slots and blocks of those it rejected (``core.verification``).
 
-Which sequences speculate: only those whose sampling the executor's verification keeps exact token for token and
-that can gain from it. Off for a request with n > 1 (its choices already share each forward pass, which is what a
-proposal would otherwise make use of), with prompt logprobs (a scoring request), with logprobs, a grammar, or logits
-processors (penalties, logit bias, min_tokens: their masks and scores depend on the position, which a verification
-shifts within one pass).
+Which sequences speculate: those that can gain from it. Off for a request with n > 1 (its choices already share each
+forward pass, which is what a proposal would otherwise make use of) and with prompt logprobs (a scoring request).
+Logprobs, a grammar and logits processors (penalties, logit bias, min_tokens) speculate: the executor samples each
+verified position with the context a plain decode would have there (docs/executor.md), so their tokens are exact.
 
 The back-off: a sequence proposes ``draft_len`` tokens at most, starting at k (n-gram) or 1 (a draft model, whose
 proposals cost a pass each); all accepted, it proposes one more next time (up to k); otherwise one more than were
@@ -40,9 +39,7 @@ MAX_SKIP_TOKENS = 256
 
 def speculation_allowed(params: SamplingParams) -> bool:
     """Whether a request's sequences may speculate (the module docstring says why not, where not)."""
-    settings = params.settings
-    return (params.n == 1 and params.prompt_logprobs is None and params.logprobs is None and params.grammar is None
-            and not settings.has_logits_processors)
+    return params.n == 1 and params.prompt_logprobs is None
 
 
 @dataclass(slots=True)
