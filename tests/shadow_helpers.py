@@ -9,7 +9,7 @@ from common.executor import Executor
 from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from scheduler_svc.core.sampling import SamplingParams
-from scheduler_svc.engine.engine import Engine, FinishedRequest
+from scheduler_svc.engine.engine import Engine, ExecutorRestarted, FinishedRequest
 from tests.conftest import EOS
 
 
@@ -62,6 +62,17 @@ class RecordingExecutor(Executor):
     @property
     def table(self):
         return self.inner.table
+
+
+def run_with_recovery(engine: Engine) -> None:
+    """Run every request to its end, recovering each time the executor is lost (nothing may be dropped), then send
+    the last finished ids."""
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except (ConnectionLost, ExecutorRestarted):
+            assert engine.recover() == []
+    engine.step()
 
 
 def expected(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:

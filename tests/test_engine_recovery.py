@@ -9,24 +9,15 @@ import pytest
 from executor_svc.fakes.shadow import ShadowExecutor
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
-from scheduler_svc.engine.engine import Engine, ExecutorRestarted, IncompatibleExecutor
+from scheduler_svc.engine.engine import Engine, IncompatibleExecutor
 from tests.conftest import EOS, assert_all_blocks_free
-from tests.shadow_helpers import ConnectionLost, RestartingExecutor, expected
+from tests.shadow_helpers import ConnectionLost, RestartingExecutor, expected, run_with_recovery
 
 
 def restarting_shadow(die_at: set[int], sizes: list[int]) -> RestartingExecutor:
     """Dies at the given steps and comes back as a fresh shadow executor of the next size (new instance id)."""
     left = list(sizes)
     return RestartingExecutor(lambda: ShadowExecutor(left.pop(0), 4, 50, (EOS,)), die_at)
-
-
-def run_with_recovery(engine: Engine) -> None:
-    while engine.has_unfinished():
-        try:
-            engine.step()
-        except (ConnectionLost, ExecutorRestarted):
-            assert engine.recover() == []
-    engine.step()
 
 
 @pytest.mark.parametrize("policy", ["nano-vllm", "mixed"])

@@ -11,9 +11,9 @@ import pytest
 from executor_svc.fakes.shadow import ShadowExecutor
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
-from scheduler_svc.engine.engine import Engine, ExecutorRestarted
+from scheduler_svc.engine.engine import Engine
 from tests.conftest import EOS, assert_all_blocks_free
-from tests.shadow_helpers import ConnectionLost, RestartingExecutor, expected
+from tests.shadow_helpers import ConnectionLost, RestartingExecutor, expected, run_with_recovery
 
 # A small vocabulary makes the shadow's tokens repeat, so n-gram proposals are sometimes right and sometimes not.
 VOCAB = 6
@@ -41,15 +41,6 @@ def workload(seed: int = 7, n: int = 10) -> tuple[list[list[int]], list[Sampling
     return prompts, params
 
 
-def run(engine: Engine) -> None:
-    while engine.has_unfinished():
-        try:
-            engine.step()
-        except (ConnectionLost, ExecutorRestarted):
-            assert engine.recover() == []
-    engine.step()
-
-
 def check(engine: Engine, executor: ShadowExecutor, prompts, params, seqs) -> None:
     for prompt, p, seq in zip(prompts, params, seqs, strict=True):
         assert seq.completion_token_ids == expected(engine, prompt, p)
@@ -66,7 +57,7 @@ def test_speculation_on_equals_off_token_for_token(method: str, policy: str, ove
     engine = Engine(executor, spec_config(method, policy, steps), overlap=overlap)
     prompts, params = workload()
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    run(engine)
+    run_with_recovery(engine)
     check(engine, executor, prompts, params, seqs)
     counters = engine.scheduler.speculator.counters
     assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
@@ -80,7 +71,7 @@ def test_speculation_survives_preemption_in_a_small_cache(method: str, policy: s
     engine = Engine(executor, spec_config(method, policy, 1), overlap=True)
     prompts, params = workload(seed=3, n=8)
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    run(engine)
+    run_with_recovery(engine)
     assert engine.scheduler.num_preemptions > 0
     check(engine, executor, prompts, params, seqs)
 
@@ -92,7 +83,7 @@ def test_speculation_survives_executor_restarts(method: str, die_at: set[int]) -
     engine = Engine(executor, spec_config(method, "mixed", 8), overlap=True)
     prompts, params = workload(seed=11, n=8)
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    run(engine)
+    run_with_recovery(engine)
     assert executor.restarts == len(die_at)
     check(engine, executor.inner, prompts, params, seqs)
 
