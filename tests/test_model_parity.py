@@ -121,8 +121,8 @@ def count_mixed_steps(engine: Engine) -> list[int]:
     count = [0]
     schedule = engine.scheduler.schedule
 
-    def counted() -> tuple[list, bool]:
-        seqs, is_prefill = schedule()
+    def counted(*args: bool) -> tuple[list, bool]:
+        seqs, is_prefill = schedule(*args)
         decoding = [s for s in seqs if s.num_cached_tokens >= s.num_prompt_tokens and s.num_scheduled_tokens == 1]
         count[0] += is_prefill and 0 < len(decoding) < len(seqs)
         return seqs, is_prefill
