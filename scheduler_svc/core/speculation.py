@@ -88,16 +88,15 @@ class Speculator:
         ``may_propose`` False (a plan booked on a window in flight) none. Returns whether the decodes in flight must
         be held, and whether anything was proposed: a sequence with a decode in flight cannot propose (its tokens
         are not known), and when one verifies or would propose, every decode in flight waits for its result."""
-        if self.disable_by_batch_size is not None and len(running) > self.disable_by_batch_size:
-            return False, False
+        disabled = self.disable_by_batch_size is not None and len(running) > self.disable_by_batch_size
         hold = False
         spare = initial = token_budget - min(len(running), seq_budget)
         ngram = self.method == "ngram"
-        for seq in running:
+        for seq in running:  # proposals of a step a sequence was left out of go too
             seq.num_draft_tokens = 0
             seq.draft_token_ids = []
             tokens = seq.token_ids
-            if seq.final_token_pending:
+            if disabled or seq.final_token_pending:
                 continue
             if tokens[-1] == PENDING:
                 hold = hold or self._would_propose(seq)
