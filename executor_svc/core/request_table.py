@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Container, Sequence
-from dataclasses import dataclass
-from itertools import repeat
+from dataclasses import dataclass, field
+from itertools import count, repeat
 from typing import Any
 
 from common.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
@@ -22,6 +22,8 @@ INVALID = "INVALID_ARGUMENT"
 PRECONDITION = "FAILED_PRECONDITION"
 # A request's planned counts while a verification step of it runs: how many proposals it accepts is not known yet.
 UNKNOWN = -1
+# Block-table versions: next() is atomic under the GIL, so states of executors on several threads never share one.
+TABLE_VERSIONS = count()
 
 
 class PlanError(ValueError):
@@ -58,6 +60,8 @@ class RequestState:
     planned_len: int = 0
     # The adapter its tokens run through (``NewRequest.lora_id``; 0: the base model).
     lora_id: int = 0
+    # Unique over every state and every change of its block table (``runtime.model_input.DecodeTables``).
+    table_version: int = field(default_factory=lambda: next(TABLE_VERSIONS))
     # Tokens at the start of the context whose KV the executor's draft model holds (``executor_svc/spec``).
     draft_computed: int = 0
 
@@ -169,6 +173,7 @@ class RequestTable:
             state = requests[request_id]
             if n_new:
                 state.block_table += new_block_ids[offset : offset + n_new]
+                state.table_version = next(TABLE_VERSIONS)
                 offset += n_new
             if k:  # a verification: how many tokens it gives is known once it ran (``record_sampled``)
                 proposals = draft_ids[at : at + k] if draft_ids else None
@@ -213,6 +218,7 @@ class RequestTable:
             at += n
             state.num_computed_tokens = computed = chunk.start + n
             del state.block_table[-(-computed // self.block_size) :]
+            state.table_version = next(TABLE_VERSIONS)
             state.planned_computed, state.planned_len = computed, len(state.token_ids)
 
     def _check_blocks(self, request_id: int, block_ids, needed_tokens: int, table_len: int) -> None:

@@ -34,7 +34,7 @@ from executor_svc.core.request_table import RequestTable, ScheduledChunk
 from executor_svc.core.step_pipeline import TableExecutor
 from executor_svc.cpu.kernels import kernel_library
 from executor_svc.fakes.shadow_server import model_free_info
-from executor_svc.runtime.model_input import ModelInput, prepare_input
+from executor_svc.runtime.model_input import DecodeTables, ModelInput, prepare_input
 from executor_svc.service import serve
 
 PR_SET_TIMERSLACK = 29
@@ -86,10 +86,11 @@ class SimulatedExecutor(TableExecutor):
         self.step_s = step_ms / 1e3
         self.table = RequestTable(info.num_blocks, info.block_size, info.vocab_size, info.max_model_len)
         self.token_id = next(t for t in range(1, info.vocab_size) if t not in info.eos_token_ids)
+        self.tables = DecodeTables()
         kernel_library()  # built now (once per machine), not in the first step's wait
 
     def pack(self, chunks: list[ScheduledChunk], before: list[ScheduledChunk] | None = None) -> ModelInput:
-        inputs = prepare_input(chunks, self.info.block_size)
+        inputs = prepare_input(chunks, self.info.block_size, tables=self.tables)
         inputs.link(before)
         return inputs
 

@@ -115,17 +115,54 @@ def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
     return torch.from_numpy(padded)
 
 
-def prepare_input(chunks: list[ScheduledChunk], block_size: int, prompt_rows: list[int] = ()) -> ModelInput:
+class DecodeTables:
+    """A decode step's padded block tables, made from the step before's: only rows whose table changed are written.
+
+    From one decode step to the next most requests keep their table (a request gains a block every ``block_size``
+    tokens), and rebuilding all of them was most of the executor's input preparation at 256 sequences and one step
+    per plan (W5 ``api``). A row is reused when its state's ``table_version`` and length are those it was written
+    with; versions are unique over all states, so a new request never matches an old one. The array handed out is
+    never written again: a step may still read it while the next is prepared.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # versions, lengths, padded table
+
+    def pad(self, states: list) -> torch.Tensor:
+        n = len(states)
+        versions = np.fromiter([s.table_version for s in states], np.int64, count=n)
+        lengths = np.fromiter([len(s.block_table) for s in states], np.int64, count=n)
+        last, width = self._last, int(lengths.max())
+        if last is None or len(last[0]) != n or last[2].shape[1] > width:
+            table = pad_block_tables([s.block_table for s in states]).numpy()
+        else:
+            old_versions, old_lengths, old = last
+            if old.shape[1] == width:
+                table = old.copy()
+            else:
+                table = np.full((n, width), -1, dtype=np.int32)
+                table[:, : old.shape[1]] = old
+            for i in np.flatnonzero((versions != old_versions) | (lengths != old_lengths)).tolist():
+                row = states[i].block_table
+                table[i, : len(row)] = row
+                table[i, len(row) :] = -1
+        self._last = (versions, lengths, table)
+        return torch.from_numpy(table)
+
+
+def prepare_input(chunks: list[ScheduledChunk], block_size: int, prompt_rows: list[int] = (),
+                  tables: DecodeTables | None = None) -> ModelInput:
     """Pack the chunks; a step where every chunk is one token runs as decode. ``prompt_rows`` (rows in the chunks'
     order) are also scored.
 
     A step with one-token chunks beside longer ones is mixed (``AttentionMetadata.mixed``): its one-token chunks are
     packed first, and ``logits_indices`` and the prompt rows point into that order, so the sampled tokens still come
     in the chunks' order. Packed while the step before still runs, a decode chunk's token is the one that step is
-    sampling: it goes in ``pending`` for ``ModelInput.fill_pending``."""
+    sampling: it goes in ``pending`` for ``ModelInput.fill_pending``. ``tables``: an executor's, to reuse the block
+    tables of its decode step before."""
     if not prompt_rows and all(c.num_tokens == 1 + c.num_drafts for c in chunks):
         if not any(c.num_drafts for c in chunks):
-            return _decode_input(chunks, block_size)
+            return _decode_input(chunks, block_size, tables)
         verification = _verification_input(chunks, block_size)
         if verification is not None:
             return verification
@@ -230,12 +267,14 @@ def _packed_rows(rows: torch.Tensor, lengths: torch.Tensor, first_rows: torch.Te
     return first_rows[chunk] + rows - starts[chunk]
 
 
-def _decode_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInput:
+def _decode_input(chunks: list[ScheduledChunk], block_size: int, tables: DecodeTables | None = None) -> ModelInput:
     """``prepare_input`` for one token per chunk, in numpy, cheaper than torch's small ops; what is left runs beside
     the step before (W5, ``bench.overlap``)."""
     n = len(chunks)
     starts = np.fromiter([c.start for c in chunks], np.int64, count=n)
-    block_tables = pad_block_tables([c.state.block_table for c in chunks])
+    states = [c.state for c in chunks]
+    block_tables = (pad_block_tables([s.block_table for s in states]) if tables is None
+                    else tables.pad(states))
     slots = block_tables.numpy()[np.arange(n), starts // block_size].astype(np.int64) * block_size + starts % block_size
     token_ids, pending = [0] * n, []
     for i, c in enumerate(chunks):  # one read of each token list: the step before may append to it meanwhile

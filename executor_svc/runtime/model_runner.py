@@ -30,7 +30,7 @@ from executor_svc.lora.manager import LoraManager
 from executor_svc.runtime.config import DEFAULT_CPU_KV_CACHE_BYTES, ExecutorOptions, ModelConfig, UnsupportedModel
 from executor_svc.runtime.distributed import all_reduce_min, broadcast_object, init_group, tp_rank, tp_size
 from executor_svc.runtime.loader import load_model
-from executor_svc.runtime.model_input import ModelInput, prepare_input
+from executor_svc.runtime.model_input import DecodeTables, ModelInput, prepare_input
 from executor_svc.sample.constraints import GrammarConstraints
 from executor_svc.sample.prompt_logprobs import ScoredRun, prompt_logprobs, score_rows
 from executor_svc.sample.sampler import Sampler, SamplerOutput
@@ -81,6 +81,7 @@ class ModelRunner:
                 f"max_position_embeddings {self.config.max_position_embeddings}"
             )
         self.block_size = options.block_size
+        self.tables = DecodeTables()  # the block tables of the decode step before, reused row by row
         self.backend = get_backend(options.attention_backend, self.device)
         on_cpu = self.device.type == "cpu"
         kernels_cache = kernel_probe.choice_cache(self._kernel_shape()) if on_cpu else None
@@ -197,7 +198,7 @@ class ModelRunner:
     def prepare(self, chunks: list[ScheduledChunk]) -> PreparedInput:
         """Rank 0: the step's packed input and the prompt-logprob runs it scores (``launch`` makes it if not given)."""
         rows, runs = score_rows(chunks, list(itertools.accumulate((c.num_tokens for c in chunks[:-1]), initial=0)))
-        return PreparedInput(prepare_input(chunks, self.block_size, rows), runs)
+        return PreparedInput(prepare_input(chunks, self.block_size, rows, self.tables), runs)
 
     def launch(self, chunks: list[ScheduledChunk], prepared: PreparedInput | None = None,
                sampled_before: list[int] | None = None) -> LaunchedForward:
