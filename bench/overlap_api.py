@@ -18,6 +18,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.common import HOST, Child, free_port
 from client.api import AsyncClient
@@ -47,10 +48,12 @@ class ApiRun:
 
 
 def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of every thread of process ``pid`` so far."""
+    """User + system CPU seconds of every thread of process ``pid`` and of its live children (the scheduler's API
+    process, with ``--api-process``) so far."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS + sum(process_cpu_s(int(child)) for child in children)
 
 
 def start_serving(children: list[tuple[str, int, list[str]]]) -> list[Child]:

@@ -73,6 +73,9 @@ class ServiceConfig:
     # Tokens a stream gathers before a message goes out (the first and the last go at once): vLLM's and SGLang's
     # --stream-interval.
     stream_interval: int = 1
+    # Serve the public gRPC API from a process of its own (``api.api_process``): the streams are written there, not
+    # beside the engine loop.
+    api_process: bool = True
     # With an executor on the CPU, this process's threads run in SCHED_IDLE so that none preempts its forward pass
     # (throughput first: a request's first token comes later).
     yield_cpu: bool = False
@@ -150,6 +153,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--stream-interval", positive_int, "tokens a stream gathers before they are sent (its first token and its "
         "end go at once): 1 sends each as it comes; more send fewer, larger messages, which costs this process "
         "less per token when it streams to many clients")
+    add("--api-process", boolean, "serve the public gRPC API from a process of its own, which writes the streams: "
+        "this process then spends its CPU on scheduling, not on a message per token (the HTTP API and the metrics "
+        "stay here)")
     add("--yield-cpu", boolean, "when the executor computes on the CPU, run this process's threads in SCHED_IDLE, so "
         "that they never preempt its forward pass on the cores they share: more offline throughput, a later first "
         "token (give the executor the same flag)")

@@ -60,8 +60,10 @@ async def session(stub, vocab: int, regex: str, logprobs: bool) -> list[list[int
                                    *(collect_stream(stub, r) for r in streamed))
     resumed = greedy(prompt(rng, vocab, 10), 9, ignore_eos=True)
     resumed.resume.completion_token_ids.extend(prompt(rng, vocab, 3))
-    second = [greedy(shared + prompt(rng, vocab, 5), 7, ignore_eos=True), resumed]  # a prefix hit
+    again = shared + prompt(rng, vocab, 5)
+    second = [greedy(again, 7, ignore_eos=True), resumed]  # a prefix hit, unless the first wave evicted it
     outputs += await asyncio.gather(*(stub.GenerateOnce(r) for r in second))
+    outputs.append(await stub.GenerateOnce(greedy(again, 7, ignore_eos=True)))  # a prefix hit whatever the timing
     return [list(o.token_ids) if isinstance(o, pb.GenerateResponse) else o for o in outputs]
 
 

@@ -260,9 +260,11 @@ class InProcess:
 async def in_process_scheduler(executor: Executor, **config: object) -> AsyncIterator[InProcess]:
     """A scheduler server in this process around ``executor``, and an aio stub to it; stopped on exit.
 
-    Its HTTP API is off unless ``http_port`` is given.
+    Its HTTP API is off unless ``http_port`` is given, and it serves gRPC itself unless ``api_process`` is given (the
+    stacks of real processes run the API process, as by default; ``test_api_process`` runs it here too).
     """
-    server = SchedulerServer(ServiceConfig(**{"host": HOST, "port": 0, "http_port": 0, **config}), executor)
+    server = SchedulerServer(ServiceConfig(**{"host": HOST, "port": 0, "http_port": 0, "api_process": False,
+                                              **config}), executor)
     await server.start()
     assert await server.connect()
     channel = grpc.aio.insecure_channel(f"{HOST}:{server.port}")

@@ -36,13 +36,15 @@ def test_a_port_in_use_stops_the_scheduler_with_one_line_naming_it(flag: str, na
         refused(scheduler_argv(**{"port": 0, "executor_target": f"{HOST}:{free_port()}", flag: port}), port, named)
 
 
-def test_a_grpc_port_in_use_releases_the_http_ports_bound_before_it():
+@pytest.mark.parametrize("api_process", [True, False])
+def test_a_grpc_port_in_use_releases_the_http_ports_bound_before_it(api_process: bool):
     http_port, metrics_port = free_port(), free_port()
     with socket.create_server((HOST, 0)) as busy:
-        config = ServiceConfig(host=HOST, port=busy.getsockname()[1], http_port=http_port, metrics_port=metrics_port)
+        config = ServiceConfig(host=HOST, port=busy.getsockname()[1], http_port=http_port, metrics_port=metrics_port,
+                               api_process=api_process)
 
         async def start() -> None:
-            service.SchedulerServer(config, echo())
+            await service.SchedulerServer(config, echo()).start()
 
         with pytest.raises(OSError, match=f"cannot bind {HOST}:{config.port}"):
             asyncio.run(start())

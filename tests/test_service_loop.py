@@ -14,7 +14,8 @@ from common.step import ExecutorInfo, StepPlan, StepResult, TokenLogprobs
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
-from scheduler_svc.api.frontend import Frontend, Generation, Outbox
+from scheduler_svc.api.frontend import Frontend, Generation
+from scheduler_svc.api.outbox import Outbox
 from scheduler_svc.core.errors import EngineFailure, RequestFailed
 from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.sequence import FinishReason

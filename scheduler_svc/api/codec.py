@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Iterator
 
 from common.step import ExecutorInfo, LoraAdapterInfo, TokenLogprobs
 from nanoserve.v1 import generation_pb2 as pb
@@ -47,6 +48,15 @@ def to_response(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateRes
         response.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                                          cached_prompt_tokens=u.cached_prompt_tokens))
     return response
+
+
+def responses(request_id: str, outputs: list[RequestOutput], one_choice: bool) -> Iterator[pb.GenerateResponse]:
+    """A batch of a stream's outputs as its responses: one per run of outputs of the same choice."""
+    if one_choice:
+        yield to_response(request_id, outputs)
+        return
+    for _, run in itertools.groupby(outputs, key=lambda output: output.index):
+        yield to_response(request_id, list(run))
 
 
 def model_info(info: ExecutorInfo, tokenizer: ModelTokenizer | None,

@@ -13,11 +13,12 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from common.step import LoraAdapterInfo
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.codec import model_info, scheduler_stats
+from scheduler_svc.api.outbox import Outbox
 from scheduler_svc.api.prepare import detokenize, prepare, public_error, tokenize
 from scheduler_svc.api.server_info import ServerInfo, server_info
 from scheduler_svc.core.errors import ExecutorUnavailable, InvalidRequest, RequestFailed
@@ -34,58 +35,6 @@ from scheduler_svc.engine.turn import Turn
 def public(error: RequestFailed) -> RequestFailed:
     """The error as a caller sees it: a refused engine field renamed to its GenerateRequest field."""
     return public_error(error) if isinstance(error, InvalidRequest) else error
-
-
-class Outbox:
-    """A request's outputs on their way to its reader, handed over all at once (event-loop thread only).
-
-    Lighter than an ``asyncio.Queue``: with it and ``codec.to_response``'s one-call message, the event loop spends
-    less CPU per step of streamed tokens, most of the rest being gRPC's own sending (W5 ``api``). A reader that falls
-    behind takes everything that arrived since its last read.
-    """
-
-    __slots__ = ("_outputs", "_waiter", "_interval", "_tokens", "_started", "_due")
-
-    def __init__(self, stream_interval: int | None = 1) -> None:
-        """``stream_interval``: tokens of one choice to gather before the reader gets them (``--stream-interval``);
-        a choice's first output, and any output that ends a choice or the request, go at once. None, for a reader
-        of whole completions (GenerateOnce, HTTP without ``stream``): only a choice's end or the request's failure
-        wakes it, not every token of a step."""
-        self._outputs: list[RequestOutput] = []
-        self._waiter: asyncio.Future[None] | None = None
-        self._interval = stream_interval if stream_interval is not None else math.inf
-        # Tokens gathered since the last take, by choice; an output without tokens counts as one.
-        self._tokens: dict[int, int] = {}
-        self._started: set[int] = set()  # the choices that were handed over before
-        self._due = False
-
-    @property
-    def interval(self) -> float:
-        """Tokens of one choice its reader takes at a time (inf: whole completions)."""
-        return self._interval
-
-    def put_nowait(self, output: RequestOutput) -> None:
-        self._outputs.append(output)
-        index = output.index
-        tokens = self._tokens[index] = self._tokens.get(index, 0) + (len(output.token_ids) or 1)
-        if not self._due:
-            self._due = (tokens >= self._interval or (index not in self._started and self._interval != math.inf)
-                         or output.finish_reason is not None or output.error is not None)
-        if self._due and self._waiter is not None:
-            waiter, self._waiter = self._waiter, None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def take(self) -> list[RequestOutput]:
-        """Every output since the last take, once they are due."""
-        while not self._due:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        outputs, self._outputs = self._outputs, []
-        self._started.update(self._tokens)
-        self._tokens.clear()
-        self._due = False
-        return outputs
 
 
 class Generation:
@@ -119,7 +68,7 @@ class Generation:
 
     def close(self) -> None:
         """Forget the request's id; one not finished (the caller went away, or it failed) is cancelled."""
-        self._frontend._forget(self._handle, cancel=bool(self.remaining))
+        self._frontend.forget(self._handle, cancel=bool(self.remaining))
 
     def __enter__(self) -> Generation:
         return self
@@ -198,15 +147,30 @@ class Frontend:
         """Validate (off the event loop: tokenizing and templating take time) and queue ``request``; its latency
         metrics count from now, as vLLM's count from a request's arrival. ``whole``: the caller reads each choice
         only once it ended, so its outputs wait for that."""
+        outbox: Outbox | None = None
+
+        def to_outbox(interval: float) -> Outbox:
+            nonlocal outbox
+            outbox = Outbox(interval)
+            return outbox
+
+        handle = await self.submit_to(request, whole, to_outbox)
+        return Generation(self, handle, outbox)
+
+    async def submit_to(self, request: pb.GenerateRequest, whole: bool, sink_of: Callable[[float], object]
+                        ) -> RequestHandle:
+        """``submit`` for any reader: ``sink_of(tokens a read takes)`` is what the engine loop's ``deliver`` hands the
+        request's outputs to (an ``Outbox``, or the API process's link). Forget the handle with ``forget``."""
         arrived_at, self.last_request_at = time.monotonic(), time.time()
         loop = self.ready()
         prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
-        outbox = Outbox(None if whole else prepared.stream_interval or self.stream_interval)
-        handle = loop.submit(prepared, outbox, arrived_at, outbox.interval)
+        interval = math.inf if whole else prepared.stream_interval or self.stream_interval
+        handle = loop.submit(prepared, sink_of(interval), arrived_at, interval)
         self.by_request_id.setdefault(prepared.request_id, set()).add(handle)
-        return Generation(self, handle, outbox)
+        return handle
 
-    def _forget(self, handle: RequestHandle, cancel: bool) -> None:
+    def forget(self, handle: RequestHandle, cancel: bool) -> None:
+        """Forget the request's id; ``cancel``: it did not finish (its caller went away, or it failed)."""
         handles = self.by_request_id[handle.prepared.request_id]
         handles.discard(handle)
         if not handles:

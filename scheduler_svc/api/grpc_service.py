@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import signal
 import sys
@@ -24,7 +23,9 @@ from common.step import ExecutorInfo
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from nanoserve.v1 import recording_pb2_grpc as rpb_grpc
-from scheduler_svc.api.codec import lora_card, to_response
+from scheduler_svc.api.api_link import ApiProcess, private_folder, remove_folder
+from scheduler_svc.api.codec import lora_card, responses, to_response
+from scheduler_svc.api.delivery import deliver_to_event_loop, link_deliver
 from scheduler_svc.api.frontend import Frontend, Generation
 from scheduler_svc.api.grpc_status import fail
 from scheduler_svc.api.http.app import create_app, create_metrics_app
@@ -37,13 +38,12 @@ from scheduler_svc.api.recording import RecordingControl, RecordingServicer
 from scheduler_svc.api.vllm_engine import servicer as vllm_engine
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.core.errors import InvalidRequest, RequestFailed
-from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.tokenizer import ModelTokenizer
 from scheduler_svc.engine.admission import QueueLimits
 from scheduler_svc.engine.backoff import Backoff
 from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.executor_client import RemoteExecutor
-from scheduler_svc.engine.loop import EngineLoop, RequestHandle
+from scheduler_svc.engine.loop import EngineLoop
 from scheduler_svc.engine.metrics import Metrics, new_registry
 from scheduler_svc.engine.recorder import Recorder, RecordingMetrics
 from scheduler_svc.engine.recording_executor import RecordingExecutor
@@ -100,12 +100,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 async for outputs in generation.batches():
                     if outputs[-1].drained:  # read by clients that resume: ABORT here means "try elsewhere"
                         context.set_trailing_metadata(DRAINED_METADATA)
-                    if one_choice:
-                        yield to_response(request_id, outputs)
-                        continue
-                    # One response per run of outputs of the same choice.
-                    for _, run in itertools.groupby(outputs, key=lambda output: output.index):
-                        yield to_response(request_id, list(run))
+                    for response in responses(request_id, outputs, one_choice):
+                        yield response
             except RequestFailed as e:
                 await self._fail(context, e)
 
@@ -163,21 +159,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return self.frontend.stats()
 
 
-def deliver_to_event_loop(aio_loop: asyncio.AbstractEventLoop, turn: Turn):
-    """The engine loop's ``deliver``: one thread hop per step, then, once the engine's turn is over, each output into
-    its caller's outbox."""
-
-    def dispatch(batch: list[tuple[RequestHandle, RequestOutput]]) -> None:
-        turn.give_way()
-        for handle, output in batch:
-            handle.sink.put_nowait(output)
-
-    def deliver(batch: list[tuple[RequestHandle, RequestOutput]]) -> None:
-        aio_loop.call_soon_threadsafe(dispatch, batch)
-
-    return deliver
-
-
 def executor_client(config: ServiceConfig, turn: Turn | None = None) -> RemoteExecutor:
     """The executor service at ``config.executor``, over TLS when an ``--executor-tls-*`` flag is set; ``turn``: the
     one the public API's readers give way to (``engine.turn``)."""
@@ -205,6 +186,9 @@ class SchedulerServer:
         self.servicer = GenerationServicer(self.frontend)
         self.health = health.aio.HealthServicer()
         self.tls = TLSConfig.from_flags(config.tls_cert, config.tls_key, config.tls_ca)
+        # With --api-process the public port is the API process's, and this server listens on a private socket.
+        self.api_folder = private_folder() if config.api_process else None
+        self.api: ApiProcess | None = None
         # The scheduler's metrics join the process' ones once the executor answered (they are labelled with its model).
         self.registry = new_registry()
         self.recorder = (Recorder(Path(config.record), config.record_text, config.record_max_file_bytes)
@@ -235,6 +219,8 @@ class SchedulerServer:
                 server.close()
             if self.kv_publisher is not None:
                 self.kv_publisher.close()
+            if self.api_folder is not None:
+                remove_folder(self.api_folder)
             raise
         self.executor = executor if executor is not None else executor_client(config, self.turn)
         # What the engine drives: the executor, recorded with --record.
@@ -258,7 +244,14 @@ class SchedulerServer:
         rpb_grpc.add_RecordingServicer_to_server(RecordingServicer(self.recording), server)
         reflection.enable_server_reflection((SERVICE_NAME, vllm_engine.SERVICE_NAME, RECORDING_SERVICE,
                                              health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        if self.api_folder is not None:
+            server.add_insecure_port(self.internal_target)
+            return server, 0
         return server, bind(server, config.host, config.port, self.tls)
+
+    @property
+    def internal_target(self) -> str:
+        return f"unix:{self.api_folder}/grpc.sock"
 
     async def _sync_health(self) -> None:
         """Publish the current status; serialized, and each update reads the latest state, so the last one wins."""
@@ -284,6 +277,18 @@ class SchedulerServer:
     async def start(self) -> None:
         await self._sync_health()
         await self.server.start()
+        if self.api_folder is not None:
+            self.api = ApiProcess(self.config, self.frontend, self.internal_target, self.api_folder)
+            try:
+                self.port = await self.api.start(self.stopping.set)
+            except OSError:
+                await self.server.stop(None)
+                for server in self.http_servers:
+                    server.close()
+                if self.kv_publisher is not None:
+                    self.kv_publisher.close()
+                remove_folder(self.api_folder)
+                raise
         for server in self.http_servers:
             server.start()
         http = f", HTTP on port {self.http.port}" if self.http is not None else ""
@@ -316,8 +321,9 @@ class SchedulerServer:
         aio_loop = asyncio.get_running_loop()
         limits = QueueLimits(self.config.max_queued_requests, self.config.max_queued_tokens)
         metrics = Metrics(info.model_id, info.max_model_len, lambda: self.loop.stats)
-        self.loop = EngineLoop(engine, tokenizer, deliver_to_event_loop(aio_loop, self.turn), limits, metrics,
-                               self._on_serving(aio_loop))
+        deliver = deliver_to_event_loop(aio_loop, self.turn)
+        self.loop = EngineLoop(engine, tokenizer, deliver if self.api is None else link_deliver(deliver), limits,
+                               metrics, self._on_serving(aio_loop))
         self.registry.register(metrics)
         if self.kv_publisher is not None:
             engine.block_manager.listen()
@@ -345,12 +351,16 @@ class SchedulerServer:
             await asyncio.to_thread(self.loop.stop, grace, grace + self.config.step_timeout)
         if self.recorder is not None:
             await asyncio.to_thread(self.recorder.stop, "shutdown")
+        if self.api is not None:
+            await self.api.stop(SERVER_STOP_GRACE_S)
         servers = [self.server.stop(SERVER_STOP_GRACE_S), *(s.stop(SERVER_STOP_GRACE_S) for s in self.http_servers)]
         await asyncio.gather(*servers)
         if isinstance(self.executor, RemoteExecutor):
             self.executor.close()
         if self.kv_publisher is not None:
             self.kv_publisher.close()
+        if self.api_folder is not None:
+            remove_folder(self.api_folder)
 
 
 def set_gil_switch_interval(info: ExecutorInfo) -> None:
@@ -375,9 +385,15 @@ async def serve(config: ServiceConfig) -> None:
         aio_loop.add_signal_handler(signum, scheduler.stopping.set)
     if await scheduler.connect():
         set_gil_switch_interval(scheduler.loop.info)
+        if scheduler.api is not None and not scheduler.loop.info.on_cpu:
+            scheduler.api.beside_accelerator()
         if config.yield_cpu and scheduler.loop.info.on_cpu:
             log.debug("%d threads yield the CPU to the executor's forward pass", yield_cpu(thread_ids()))
+            if scheduler.api is not None:
+                scheduler.api.yield_cpu()
         freeze_startup_heap()
         await scheduler.stopping.wait()
     log.info("scheduler stopping: %.0fs for the requests in flight", config.shutdown_grace)
     await scheduler.stop()
+    if scheduler.api is not None and scheduler.api.lost:
+        raise OSError(scheduler.api.lost)

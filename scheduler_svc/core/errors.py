@@ -19,6 +19,10 @@ class InvalidRequest(RequestFailed, ValueError):
         self.field = field
         self.reason = message
 
+    def __reduce__(self) -> tuple:
+        """Pickled by its two arguments (the API process reads it from the link, ``api.process_link``)."""
+        return type(self), (self.field, self.reason)
+
 
 class QueueFull(RequestFailed):
     """Too many requests or prompt tokens wait to be scheduled; the caller should retry later."""

@@ -1,0 +1,187 @@
+"""The scheduler's side of ``--api-process``: it starts the API process (``api.api_process``), takes the requests it
+sends in through the ``Frontend`` like any other caller's, and sends each step's outputs for all of them at once.
+
+Outputs go from the engine loop's thread straight onto the link (``delivery.link_deliver``): none passes through this
+process's event loop. Requests, closes and answers go through it. If the API process dies the scheduler stops: a
+server whose public port is gone serves nobody, and its supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc.api.api_process import ENV, Settings
+from scheduler_svc.api.frontend import Frontend, public
+from scheduler_svc.api.process_link import Frame, encode_outputs, pack, recv_frame
+from scheduler_svc.config import ServiceConfig
+from scheduler_svc.core.errors import RequestFailed
+from scheduler_svc.core.outputs import RequestOutput
+from scheduler_svc.engine.loop import RequestHandle
+
+log = logging.getLogger("nanoserve.scheduler")
+
+# How long the API process may take to start and bind the public port.
+START_TIMEOUT_S = 60.0
+ACCEPT_POLL_S = 0.1
+
+
+class RemoteSink:
+    """Where the engine loop delivers a request of the API process: the link, and the request's key on it."""
+
+    __slots__ = ("link", "key")
+
+    def __init__(self, link: ApiProcess, key: int) -> None:
+        self.link, self.key = link, key
+
+
+class ApiProcess:
+    """The API process, its link, and the requests it sent in, by key."""
+
+    def __init__(self, config: ServiceConfig, frontend: Frontend, internal_target: str, folder: str) -> None:
+        self.config, self.frontend = config, frontend
+        self.internal_target = internal_target
+        self.path = os.path.join(folder, "link.sock")
+        self.port = 0
+        self.handles: dict[int, RequestHandle] = {}
+        # Keys being submitted, and those of them whose caller went away meanwhile.
+        self._pending: set[int] = set()
+        self._closed_early: set[int] = set()
+        self._send_lock = threading.Lock()
+        self._stopping = False
+        # Set when the API process ended before the scheduler asked it to: the scheduler then exits with an error.
+        self.lost: str | None = None
+        self.process: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+
+    async def start(self, on_lost: Callable[[], None]) -> int:
+        """Start the API process and wait until it listens; its port (OSError when it cannot bind)."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(1)
+        listener.settimeout(ACCEPT_POLL_S)
+        c = self.config
+        settings = Settings(self.path, self.internal_target, c.host, c.port, c.max_message_bytes, c.stream_interval,
+                            c.log_level, c.tls_cert, c.tls_key, c.tls_ca, c.api_key)
+        env = {**os.environ, ENV: json.dumps(asdict(settings))}
+        self.process = subprocess.Popen([sys.executable, "-m", "scheduler_svc.api.api_process"], env=env)
+        try:
+            self.sock = await asyncio.to_thread(self._accept, listener)
+        finally:
+            listener.close()
+        first = await asyncio.to_thread(recv_frame, self.sock)
+        if first is None or first[0] != "listening":
+            raise OSError(first[1] if first else "the API process ended before it listened")
+        self.port = first[1]
+        aio_loop = asyncio.get_running_loop()
+        threading.Thread(target=self._read, args=(aio_loop, on_lost), name="api-link", daemon=True).start()
+        return self.port
+
+    def _accept(self, listener: socket.socket) -> socket.socket:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and self.process.poll() is None:
+            with contextlib.suppress(TimeoutError):
+                return listener.accept()[0]
+        raise OSError(f"the API process did not start (exit code {self.process.poll()})")
+
+    def send(self, frame: Frame) -> None:
+        """From any thread; a link already gone drops it (the reader thread tells of the loss)."""
+        data = pack(frame)
+        try:
+            with self._send_lock:
+                self.sock.sendall(data)
+        except OSError:
+            pass
+
+    def send_outputs(self, items: list[tuple[int, RequestOutput]]) -> None:
+        """One step's outputs of this link's requests (engine loop thread); failures as the public API names them."""
+        for _, output in items:
+            if output.error is not None:
+                output.error = public(output.error)
+        self.send(("outputs", encode_outputs(items)))
+
+    def _read(self, aio_loop: asyncio.AbstractEventLoop, on_lost: Callable[[], None]) -> None:
+        while (frame := recv_frame(self.sock)) is not None:
+            aio_loop.call_soon_threadsafe(self._on_frame, frame)
+        aio_loop.call_soon_threadsafe(self._lost, on_lost)
+
+    def _on_frame(self, frame: Frame) -> None:
+        kind, key = frame[0], frame[1]
+        if kind == "submit":
+            self._pending.add(key)
+            asyncio.ensure_future(self._submit(key, frame[2], frame[3]))
+        elif kind == "close":
+            if (handle := self.handles.pop(key, None)) is not None:
+                self.frontend.forget(handle, cancel=frame[2])
+            elif key in self._pending:
+                self._closed_early.add(key)
+
+    async def _submit(self, key: int, data: bytes, whole: bool) -> None:
+        try:
+            handle = await self.frontend.submit_to(pb.GenerateRequest.FromString(data), whole,
+                                                   lambda interval: RemoteSink(self, key))
+        except RequestFailed as e:
+            self.send(("failed", key, public(e)))
+            return
+        finally:
+            self._pending.discard(key)
+        if key in self._closed_early:
+            self._closed_early.discard(key)
+            self.frontend.forget(handle, cancel=True)
+            return
+        self.handles[key] = handle
+        self.send(("accepted", key, handle.prepared.request_id, handle.prepared.params.n))
+
+    def _lost(self, on_lost: Callable[[], None]) -> None:
+        """The API process is gone: its requests are cancelled (their callers went with it)."""
+        handles, self.handles = self.handles, {}
+        for handle in handles.values():
+            self.frontend.forget(handle, cancel=True)
+        if not self._stopping:
+            self.lost = f"the API process ended (exit code {self.process.wait()})"
+            log.error("%s; the scheduler stops", self.lost)
+            on_lost()
+
+    def yield_cpu(self) -> None:
+        self.send(("yield_cpu",))
+
+    def beside_accelerator(self) -> None:
+        """The executor is not on the CPU: the API process gives way to the engine loop (``api_process``)."""
+        self.send(("beside_accelerator",))
+
+    async def stop(self, grace_s: float) -> None:
+        """After the engine loop drained: the API process finishes its streams and ends."""
+        self._stopping = True
+        if self.process is None:
+            return
+        self.send(("stop", grace_s))
+        try:
+            await asyncio.to_thread(self.process.wait, grace_s + 10)
+        except subprocess.TimeoutExpired:
+            log.warning("the API process did not end; killing it")
+            self.process.kill()
+            await asyncio.to_thread(self.process.wait)
+        if self.sock is not None:
+            self.sock.close()
+
+
+def private_folder() -> str:
+    """A folder only this user can open, for the link's and the internal gRPC socket."""
+    return tempfile.mkdtemp(prefix="nanoserve-api-")
+
+
+def remove_folder(folder: str) -> None:
+    shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,76 @@
+"""The link between the scheduler service and its API process (``--api-process``): pickled frames, each after its
+length, over a Unix socket in a folder only this user can open.
+
+The API process sends ``("listening", port)`` once, then ``("submit", key, GenerateRequest bytes, whole)`` and
+``("close", key, cancel)`` (its caller is done; ``cancel``: before the request finished). The scheduler answers
+``("accepted", key, request_id, n)`` or ``("failed", key, error)``, sends each step's ``("outputs", items)`` for
+every request of the link at once, and ``("yield_cpu",)``, ``("beside_accelerator",)`` and ``("stop", grace_s)``. A
+decode step's plain token travels as ``(key, index, text, token_ids)``, anything else as ``(key, RequestOutput)``: a
+step of 256 streams then costs the engine loop tens of microseconds to send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import socket
+import struct
+
+from scheduler_svc.core.outputs import RequestOutput
+
+HEADER = struct.Struct("!I")
+PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+Frame = tuple
+
+
+def pack(frame: Frame) -> bytes:
+    data = pickle.dumps(frame, PROTOCOL)
+    return HEADER.pack(len(data)) + data
+
+
+def recv_frame(sock: socket.socket) -> Frame | None:
+    """The next frame from a blocking socket; None once the other side closed it."""
+    header = _recv_exactly(sock, HEADER.size)
+    if header is None:
+        return None
+    data = _recv_exactly(sock, HEADER.unpack(header)[0])
+    return None if data is None else pickle.loads(data)
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Frame | None:
+    """The next frame on an event loop; None once the other side closed the link."""
+    try:
+        header = await reader.readexactly(HEADER.size)
+        return pickle.loads(await reader.readexactly(HEADER.unpack(header)[0]))
+    except asyncio.IncompleteReadError:
+        return None
+
+
+def encode_outputs(items: list[tuple[int, RequestOutput]]) -> list[tuple]:
+    """Each (key, output) as the frame carries it: a plain token as a tuple of its fields."""
+    return [(key, output.index, output.text, output.token_ids) if _plain(output) else (key, output)
+            for key, output in items]
+
+
+def _plain(output: RequestOutput) -> bool:
+    return (output.finish_reason is None and output.error is None and not output.logprobs
+            and output.prompt_logprobs is None)
+
+
+def decode_output(item: tuple) -> tuple[int, RequestOutput]:
+    if len(item) == 2:
+        return item
+    key, index, text, token_ids = item
+    return key, RequestOutput(text, token_ids, index=index)

@@ -1,0 +1,233 @@
+"""``--api-process``: the public gRPC port served by a process of its own, which writes the streams.
+
+A caller must not be able to tell: the same tokens, finishes, usage and statuses as the scheduler serving its port
+itself; bad input refused with the field to fix while the rest goes on; callers that leave or are aborted free their
+blocks; every other method (unary, streaming, health, reflection) passed through with its status; the API key
+checked; a drain ends the streams with ABORT and the drained trailer; an API process that dies stops the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from common.channels import DRAINED_KEY
+from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
+from nanoserve.v1 import generation_pb2 as pb
+from nanoserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.service_fixtures import (
+    HOST,
+    assert_idle,
+    assert_idle_async,
+    executor_argv,
+    free_port,
+    in_process_scheduler,
+    running_stack,
+    token_request,
+)
+
+VOCAB = 50
+GENERATE = "/nanoserve.v1.Generation/Generate"
+
+
+def shadow() -> ShadowExecutor:
+    return ShadowExecutor(num_blocks=1024, block_size=4, vocab_size=VOCAB)
+
+
+def requests() -> list[tuple[str, pb.GenerateRequest]]:
+    """What a caller may ask, each with its own id so that both servers' answers compare as they are."""
+    plain = token_request([1, 2, 3], 12, ignore_eos=True)
+    gathered = token_request([4, 5], 10, ignore_eos=True)
+    gathered.stream_interval = 4
+    choices = token_request([6, 7, 8], 6, ignore_eos=True)
+    choices.sampling.n, choices.sampling.seed = 3, 11
+    stopped = token_request([9, 10], 40, stop_token_ids=[reference_generate([9, 10], 40, VOCAB, ignore_eos=True)[5]])
+    once = token_request([11, 12], 7, ignore_eos=True)
+    cases = [("stream", plain), ("stream", gathered), ("stream", choices), ("stream", stopped), ("once", once)]
+    for k, (_, request) in enumerate(cases):
+        request.request_id = f"r{k}"
+    return cases
+
+
+async def rest_of(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateResponse]:
+    """The responses after those read with ``read`` (a call is read one way only)."""
+    responses = []
+    while (response := await call.read()) != grpc.aio.EOF:
+        responses.append(response)
+    return responses
+
+
+async def answers(stub: pb_grpc.GenerationStub) -> list:
+    """Each request's answer as a caller reads it: per choice, its tokens, finish and usage; and the first
+    response's id (a stream's pieces depend on timing, what they add up to does not)."""
+    out = []
+    for kind, request in requests():
+        responses = ([r async for r in stub.Generate(request)] if kind == "stream"
+                     else [await stub.GenerateOnce(request)])
+        by_choice: dict[int, list] = {}
+        for r in responses:
+            choice = by_choice.setdefault(r.index, [[], None, None])
+            choice[0] += r.token_ids
+            if r.finish_reason:
+                choice[1], choice[2] = r.finish_reason, r.usage
+        out.append((responses[0].request_id, sorted(by_choice.items())))
+        if request.stream_interval > 1:  # the first token alone, then at least four at a time but the finish
+            lengths = [len(r.token_ids) for r in responses]
+            assert lengths[0] == 1 and min(lengths[1:-1], default=4) >= 4 and len(lengths) < 10, lengths
+    return out
+
+
+def test_answers_through_the_api_process_are_the_schedulers_own():
+    async def run(api_process: bool) -> list:
+        async with in_process_scheduler(shadow(), api_process=api_process) as s:
+            got = await answers(s.stub)
+            await assert_idle_async(s.stub)
+            return got
+
+    through = asyncio.run(run(True))
+    assert through == asyncio.run(run(False))
+    plain_tokens = through[0][1][0][1][0]
+    assert plain_tokens == reference_generate([1, 2, 3], 12, VOCAB, ignore_eos=True)
+    assert [len(choices) for _, choices in through] == [1, 1, 3, 1, 1]
+    assert through[3][1][0][1][1] == pb.FINISH_REASON_STOP
+
+
+def test_bad_requests_name_the_field_and_lose_nothing_in_flight():
+    async def run() -> None:
+        async with in_process_scheduler(shadow(), api_process=True) as s:
+            long = s.stub.Generate(token_request([1, 2], 200, ignore_eos=True))
+            first = await long.read()
+            errors = []
+            try:
+                [r async for r in s.stub.Generate(token_request([], 5))]
+            except grpc.aio.AioRpcError as e:
+                errors.append((e.code(), e.details()))
+            once = token_request([1], 3)
+            once.sampling.n = 2
+            try:
+                await s.stub.GenerateOnce(once)
+            except grpc.aio.AioRpcError as e:
+                errors.append((e.code(), e.details()))
+            raw = grpc.aio.insecure_channel(f"{HOST}:{s.server.port}")
+            try:
+                [r async for r in raw.unary_stream(GENERATE)(b"\xff\xff\xff")]
+            except grpc.aio.AioRpcError as e:
+                errors.append((e.code(), e.details()))
+            await raw.close()
+            rest = await rest_of(long)
+            tokens = [t for r in [first, *rest] for t in r.token_ids]
+            assert tokens == reference_generate([1, 2], 200, VOCAB, ignore_eos=True)
+            assert [code for code, _ in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+            assert errors[0][1].startswith("tokens.token_ids")
+            assert errors[1][1].startswith("sampling.n")
+            assert errors[2][1].startswith("not a GenerateRequest")
+            await assert_idle_async(s.stub)
+
+    asyncio.run(run())
+
+
+def test_callers_that_leave_or_are_aborted_free_their_blocks():
+    async def run() -> None:
+        async with in_process_scheduler(shadow(), api_process=True) as s:
+            left = s.stub.Generate(token_request([1, 2], 3000, ignore_eos=True))
+            await left.read()
+            left.cancel()
+            aborted_request = token_request([3, 4], 3000, ignore_eos=True)
+            aborted_request.request_id = "to-abort"
+            aborted = s.stub.Generate(aborted_request)
+            await aborted.read()
+            answer = await s.stub.Abort(pb.AbortRequest(request_ids=["to-abort", "unknown"]))
+            rest = await rest_of(aborted)
+            assert list(answer.aborted_request_ids) == ["to-abort"]
+            assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
+            stats = await assert_idle_async(s.stub)
+            assert stats.num_aborted == 2
+
+    asyncio.run(run())
+
+
+def test_every_other_method_passes_through_with_its_status():
+    async def run(api_process: bool) -> list:
+        async with in_process_scheduler(shadow(), api_process=api_process) as s:
+            channel = grpc.aio.insecure_channel(f"{HOST}:{s.server.port}")
+            info = await s.stub.GetModelInfo(pb.GetModelInfoRequest())
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            services = sorted([service.name async for answer in reflection
+                               for service in answer.list_services_response.service])
+            try:
+                await s.stub.Tokenize(pb.TokenizeRequest(text="no tokenizer here"))
+                refused = None
+            except grpc.aio.AioRpcError as e:
+                refused = (e.code(), e.details())
+            await channel.close()
+            return [info.model_id, info.vocab_size, health.status, services, refused]
+
+    through = asyncio.run(run(True))
+    assert through == asyncio.run(run(False))
+    assert through[2] == health_pb2.HealthCheckResponse.SERVING
+    assert "nanoserve.v1.Generation" in through[3]
+    assert through[4] is not None
+
+
+def test_the_api_key_is_checked_on_every_call():
+    async def run() -> None:
+        async with in_process_scheduler(shadow(), api_process=True, api_key="sesame") as s:
+            for call in (lambda md: s.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=md),
+                         lambda md: s.stub.GenerateOnce(token_request([1], 2), metadata=md)):
+                try:
+                    await call(())
+                    raise AssertionError("a call without the key was answered")
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+                await call((("authorization", "Bearer sesame"),))
+            channel = grpc.aio.insecure_channel(f"{HOST}:{s.server.port}")
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            await channel.close()
+
+    asyncio.run(run())
+
+
+def test_a_drain_ends_streams_with_abort_and_the_drained_trailer():
+    async def run() -> None:
+        async with in_process_scheduler(shadow(), api_process=True, shutdown_grace=0) as s:
+            call = s.stub.Generate(token_request([1, 2], 3000, ignore_eos=True))
+            await call.read()
+            stopping = asyncio.ensure_future(s.server.stop())
+            rest = await rest_of(call)
+            trailer = dict(await call.trailing_metadata())
+            await stopping
+            assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
+            assert trailer.get(DRAINED_KEY) == "true"
+            assert s.server.api.process.poll() == 0
+
+    asyncio.run(run())
+
+
+def api_process_pid(scheduler_pid: int) -> int:
+    children = Path(f"/proc/{scheduler_pid}/task/{scheduler_pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def test_the_scheduler_stops_when_its_api_process_dies(tmp_path: Path):
+    port = free_port()
+    with running_stack(executor_argv("shadow", port, {}), tmp_path, executor_port=port, api_process="on") as s:
+        response = s.stub.GenerateOnce(token_request([1, 2], 3), timeout=10)
+        assert len(response.token_ids) == 3
+        assert_idle(s.stub)
+        os.kill(api_process_pid(s.scheduler.pid), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while s.scheduler.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert s.scheduler.returncode == 1
+        assert "the API process ended" in s.logs()
