@@ -172,6 +172,12 @@ def running_stack(
             stop_process(executor)
 
 
+def api_process_pid(scheduler_pid: int) -> int:
+    """The scheduler's API process (``--api-process``, the default)."""
+    (child,) = Path(f"/proc/{scheduler_pid}/task/{scheduler_pid}/children").read_text().split()
+    return int(child)
+
+
 def assert_idle(stub: pb_grpc.GenerationStub, timeout_s: float = IDLE_TIMEOUT_S) -> pb.SchedulerStats:
     """Wait for the scheduler to settle, then assert no request is left and every KV block is free."""
     deadline = time.monotonic() + timeout_s

@@ -24,6 +24,7 @@ from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.service_fixtures import (
     HOST,
+    api_process_pid,
     assert_idle,
     assert_idle_async,
     executor_argv,
@@ -211,12 +212,6 @@ def test_a_drain_ends_streams_with_abort_and_the_drained_trailer():
             assert s.server.api.process.poll() == 0
 
     asyncio.run(run())
-
-
-def api_process_pid(scheduler_pid: int) -> int:
-    children = Path(f"/proc/{scheduler_pid}/task/{scheduler_pid}/children").read_text().split()
-    assert len(children) == 1, children
-    return int(children[0])
 
 
 def test_the_scheduler_stops_when_its_api_process_dies(tmp_path: Path):

@@ -73,14 +73,16 @@ def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
 
 
 @pytest.mark.parametrize("policy", ["nano-vllm", "mixed"])
-@pytest.mark.parametrize(("overlap", "num_steps"), [(False, 1), (True, 1), (False, 5), (True, 3)],
-                         ids=["sync", "overlap", "multi-step", "multi-step-overlap"])
+@pytest.mark.parametrize(("overlap", "num_steps", "ahead"),
+                         [(False, 1, False), (True, 1, False), (True, 1, True), (False, 5, False), (True, 3, True)],
+                         ids=["sync", "overlap", "overlap-ahead", "multi-step", "multi-step-overlap-ahead"])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
-def test_engine_matches_sequential_reference(overlap, num_steps, policy, workload):
+def test_engine_matches_sequential_reference(overlap, num_steps, ahead, policy, workload):
     """Under either policy: mixed steps (decodes beside prefill chunks, prefix hits, one chunked prompt, preemption),
     with speculation on or off, give every request the sequential reference's tokens; rejected proposals leave no
-    slot, block or hash behind."""
+    slot, block or hash behind. ``ahead``: after each step the next plan is launched before anything else, as the
+    engine loop does when the outputs cannot change it (``Engine.launch_ahead``), unless a request arrives next."""
     block_size, num_blocks, budget, max_num_seqs, prefixes, requests, (speculation, k, miss_every) = workload
     executor = ShadowExecutor(num_blocks, block_size, VOCAB, (EOS,), max_model_len=4096,
                               draft_miss_every=miss_every if speculation == "draft" else None)
@@ -106,6 +108,8 @@ def test_engine_matches_sequential_reference(overlap, num_steps, policy, workloa
         engine.step()
         check_invariants(engine, executor)
         step += 1
+        if ahead and not any(p[0] <= step for p in pending):
+            engine.launch_ahead()
         assert step < MAX_STEPS, f"no progress after {step} steps: {len(engine.scheduler.waiting)} waiting, " \
             f"{len(engine.scheduler.running)} running"
     engine.step()

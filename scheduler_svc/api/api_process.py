@@ -27,7 +27,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from common.channels import DRAINED_KEY, message_size_options, server_options
-from common.cpu_yield import thread_ids, yield_cpu
+from common.cpu_yield import give_way, thread_ids, yield_cpu
 from common.security import ApiKeyInterceptor, TLSConfig, bind
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.codec import responses, to_response
@@ -44,10 +44,6 @@ ENV = "NANOSERVE_API_PROCESS_SETTINGS"
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 GENERATE, GENERATE_ONCE = f"/{SERVICE}/Generate", f"/{SERVICE}/GenerateOnce"
 DRAINED_METADATA = ((DRAINED_KEY, "true"),)
-# Beside an accelerator this process yields a shared core to the scheduler's engine loop, which the device waits for
-# between steps; streams it falls behind on carry several tokens a message (``Outbox``), which costs it less. 19 made
-# gRPC take in new calls too late at 2 ms steps (W5 ``api``).
-ACCELERATOR_NICE = 10
 
 
 @dataclass(frozen=True)
@@ -115,7 +111,7 @@ class Link:
             elif kind == "yield_cpu":
                 yield_cpu(thread_ids())
             elif kind == "beside_accelerator":
-                os.nice(ACCELERATOR_NICE)
+                give_way(thread_ids())
             elif kind == "stop":
                 self.stop_grace_s = frame[1]
                 return

@@ -98,6 +98,8 @@ class Engine:
         # Runs the steps of an executor without a stream of its own (an in-process one), in order.
         self._worker: ThreadPoolExecutor | None = None
         self._in_flight: Launched | None = None
+        # A step launched by ``launch_ahead``, after ``_in_flight``: the next ``step`` only collects.
+        self._ahead: Launched | None = None
         self.info = executor.get_info()
         self.config = serving_config(config or SchedulerConfig(), self.info)
         self.scheduler = POLICIES[self.config.policy](
@@ -173,7 +175,7 @@ class Engine:
         self.window.cut()
 
     def has_unfinished(self) -> bool:
-        return self._in_flight is not None or not self.scheduler.is_finished()
+        return self._in_flight is not None or self._ahead is not None or not self.scheduler.is_finished()
 
     def nothing_to_schedule(self) -> bool:
         """No request waits or runs (a step may still be in flight, or drops wait to be sent)."""
@@ -197,6 +199,9 @@ class Engine:
             return self._collect(launched)
         if self._submit is None:
             self._submit = self._submitter()
+        if self._ahead is not None:
+            current, self._in_flight, self._ahead = self._in_flight, self._ahead, None
+            return self._collect(current)
         if self._in_flight is not None and self._in_flight.dropped:
             self._collect_dropped(self._in_flight)
             self._in_flight = None
@@ -215,6 +220,18 @@ class Engine:
             return outputs
         self._in_flight = self._launch(self._submit)
         return self._collect(current)
+
+    def launch_ahead(self) -> bool:
+        """Launch the next step now, before the caller processes the tokens ``step`` just returned, when nothing it
+        does with them can change the next plan (``EngineLoop`` says when); the next ``step`` then only collects.
+        The plan is on its way while the outputs are turned into text and sent, instead of after (W5 ``api``: at one
+        step per plan that work sat between each result and the plan after next). Only between two plain steps of
+        an overlapping engine: a window's booking decides its own next plan."""
+        current = self._in_flight
+        if not self.overlap or current is None or current.window or current.dropped or self._ahead is not None:
+            return False
+        self._ahead = self._launch(self._submit)
+        return self._ahead is not None
 
     def _submitter(self) -> Submit:
         """The executor's own ordered stream when it has one, else one worker thread (which keeps order).
@@ -374,7 +391,7 @@ class Engine:
         is not safe to reset meanwhile, so the worker's queue is let end. An executor with its own stream is not
         waited for: its reset cancels the stream, and a hung step would otherwise cost a second step timeout.
         """
-        self._in_flight = None
+        self._in_flight = self._ahead = None
         if self._worker is not None:
             wait([self._worker.submit(lambda: None)], timeout=self.step_timeout_s)
 

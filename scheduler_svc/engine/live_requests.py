@@ -59,6 +59,15 @@ class LiveRequests:
         # Prompts of the requests whose first token is out (once per request, as usage counts them), tokens sent.
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # Admitted choices whose outputs may end their sequence (stop strings), and requests whose other choices
+        # start once their outputs come: while both are 0, processing outputs never changes the next plan.
+        self._stop_string_choices = 0
+        self._pending_requests = 0
+
+    @property
+    def outputs_leave_plans_alone(self) -> bool:
+        """Processing a step's outputs cannot change the plan after it (``EngineLoop._launch_ahead``)."""
+        return not (self._stop_string_choices or self._pending_requests)
 
     def handle_of(self, seq: Sequence) -> RequestHandle:
         """The request an admitted choice belongs to."""
@@ -78,12 +87,15 @@ class LiveRequests:
         active = Active(handle, seq, processor)
         self.by_handle.setdefault(handle, []).append(active)
         self.by_seq_id[seq.seq_id] = active
+        self._stop_string_choices += bool(params.stop)
         if index == 0:
             handle.pending_choices = list(range(1, prepared.params.n))
+            self._pending_requests += bool(handle.pending_choices)
 
     def start_pending(self, engine: Engine, handle: RequestHandle, tokenizer: ModelTokenizer | None) -> None:
         """Choice 0's prompt is computed: the other choices start, and hit its blocks in the prefix cache."""
         pending, handle.pending_choices = handle.pending_choices, []
+        self._pending_requests -= 1
         for index in pending:
             self.start(engine, handle, index, tokenizer)
         engine.cut_for_queued()
@@ -143,6 +155,7 @@ class LiveRequests:
             del self.by_handle[handle]
         seq = active.seq
         del self.by_seq_id[seq.seq_id]
+        self._stop_string_choices -= bool(seq.params.stop)
         self.finished[reason] += 1
         self.dequeue(handle)
         queued_s = None if seq.scheduled_at is None else seq.scheduled_at - handle.queued_at
@@ -169,6 +182,7 @@ class LiveRequests:
                 self.finished[FinishReason.ABORT] += 1
                 self.observer.finished(ended_s, None, len(handle.prepared.prompt_token_ids), 0)
             handle.pending_choices = []
+            self._pending_requests -= 1
             self.by_handle.pop(handle, None)
 
     def refuse(self, handle: RequestHandle) -> None:

@@ -158,27 +158,51 @@ class EngineLoop(EngineCalls):
                 self._requests.emit(handle, RequestOutput(error=e))
 
     def _step(self) -> None:
-        """Engine steps: one, then, once every request finished, what is left for the executor (idle means empty)."""
+        """Engine steps: one, then, once every request finished, what is left for the executor (idle means empty).
+        When the step's outputs cannot change the next plan and nothing waits for the loop, the plan after the one
+        in flight goes out before they are processed, and the loop collects it before it takes other work."""
         while (outputs := self._executor_step()) is not None:
+            ahead = self._launch_ahead()
             self._requests.process(self.engine, outputs, self.tokenizer)
+            if ahead is None:  # the launch failed: the loop waits for the executor
+                return
+            if ahead:
+                self._publish()
+                continue
             if not (self._has_work() and self.engine.nothing_to_schedule()):
                 return
             self._deliver()  # what is left changes no output: at most the step in flight, then the drops
+
+    def _launch_ahead(self) -> bool | None:
+        """``Engine.launch_ahead`` unless requests, calls or a drain wait (they go first) or the outputs may change
+        the next plan (a stop string ends a sequence, a request's other choices start); None when it failed (a
+        failed step's handling)."""
+        waiting = self._inbox or self._calls or self._drain_deadline is not None
+        if waiting or not self._requests.outputs_leave_plans_alone:
+            return False
+        try:
+            return self.engine.launch_ahead()
+        except Exception as e:  # as in ``_executor_step``
+            self._step_failed(e)
+            return None
 
     def _executor_step(self) -> list[TokenOutput] | None:
         """``Engine.step``; None when the executor failed it (the loop then waits for the executor)."""
         try:
             outputs = self.engine.step()
         except Exception as e:  # gone, restarted, past --step-timeout, or it refused the plan
-            reason = describe_failure(e)
-            log.warning("executor step failed (%s); %d requests wait for it to come back", reason, len(self._requests))
-            if self.supervisor.step_failed(time.monotonic()):
-                log.error("the executor failed the same work repeatedly; failing the requests in flight")
-                self._requests.end_all(self.engine, EngineFailure(f"the executor keeps failing this work ({reason}); "
-                                                                   "retry the request"))
+            self._step_failed(e)
             return None
         self.supervisor.step_succeeded()
         return outputs
+
+    def _step_failed(self, e: Exception) -> None:
+        reason = describe_failure(e)
+        log.warning("executor step failed (%s); %d requests wait for it to come back", reason, len(self._requests))
+        if self.supervisor.step_failed(time.monotonic()):
+            log.error("the executor failed the same work repeatedly; failing the requests in flight")
+            self._requests.end_all(self.engine, EngineFailure(f"the executor keeps failing this work ({reason}); "
+                                                               "retry the request"))
 
     def _probe(self) -> None:
         """Idle: is the executor still there, and still the same instance?"""
