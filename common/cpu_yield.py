@@ -11,7 +11,7 @@ docs/benchmarks-history.md.
 
 Only processes of one CPU group (cgroup) compete this way: a scheduler in another container than its executor's
 yields only to its own threads. A thread put in SCHED_IDLE cannot go back without CAP_SYS_NICE, and threads it
-starts are idle too.
+starts are idle too. ``give_way`` is the milder form for the public API's process beside an accelerator (SCHED_BATCH).
 """
 
 from __future__ import annotations
@@ -36,14 +36,7 @@ def yield_cpu(tids: Iterable[int]) -> int:
     if not hasattr(os, "SCHED_IDLE"):
         log.info("no SCHED_IDLE here: helper threads keep their priority")
         return 0
-    done = 0
-    for tid in tids:
-        try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            done += 1
-        except ProcessLookupError:  # the thread ended meanwhile
-            continue
-    return done
+    return _set_policy(tids, os.SCHED_IDLE)
 
 
 def give_way(tids: Iterable[int]) -> int:
@@ -53,10 +46,14 @@ def give_way(tids: Iterable[int]) -> int:
     steps the streams it slowed then starved new calls for seconds; SCHED_BATCH never did)."""
     if not hasattr(os, "SCHED_BATCH"):
         return 0
+    return _set_policy(tids, os.SCHED_BATCH)
+
+
+def _set_policy(tids: Iterable[int], policy: int) -> int:
     done = 0
     for tid in tids:
         try:
-            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
             done += 1
         except ProcessLookupError:  # the thread ended meanwhile
             continue

@@ -26,41 +26,14 @@ from scheduler_svc.core.errors import InvalidRequest
 from scheduler_svc.core.mixed import POLICIES
 from scheduler_svc.core.planner import Planner
 from scheduler_svc.core.sampling import SamplingParams
-from scheduler_svc.core.scheduler import SchedulerConfig, StepRecord, TokenOutput
+from scheduler_svc.core.scheduler import SchedulerConfig, TokenOutput
 from scheduler_svc.core.sequence import FinishReason, Sequence
 from scheduler_svc.core.validation import ModelLimits, check_request
 from scheduler_svc.engine.adapters import Adapters
 from scheduler_svc.engine.checks import ExecutorRestarted, IncompatibleExecutor, StepMismatch, serving_config
 from scheduler_svc.engine.kv_events import KvEventLog
+from scheduler_svc.engine.launched import Launched, StepTimings
 from scheduler_svc.engine.window import Window
-
-
-@dataclass
-class StepTimings:
-    """Wall seconds of each phase of the last step: what the split costs per step."""
-
-    schedule_s: float = 0.0
-    plan_s: float = 0.0
-    execute_s: float = 0.0
-    postprocess_s: float = 0.0
-
-
-@dataclass(slots=True)
-class Launched:
-    """A step sent to the executor: its booking and its result (a future while it runs)."""
-
-    record: StepRecord
-    plan: StepPlan
-    # A decode of more than one step per sequence: the executor can cut it short.
-    window: bool
-    result: Future[StepResult] | StepResult
-    schedule_s: float
-    plan_s: float
-    # Time spent handing the plan over: the whole call for a synchronous executor.
-    send_s: float
-    # Booked on a window that was cut: the executor drops it, and its booking is given back.
-    dropped: bool = False
-
 
 Submit = Callable[[StepPlan], Future[StepResult]]
 # Told each collected step's computed tokens and the executor's forward seconds (the engine loop's metrics).

@@ -10,16 +10,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
-from scheduler_svc.core.errors import CacheTooSmall, EngineFailure, ExecutorUnavailable, InvalidRequest
+from scheduler_svc.core.errors import EngineFailure, ExecutorUnavailable, InvalidRequest
 from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.tokenizer import ModelTokenizer
 from scheduler_svc.engine.admission import Admission, QueueLimits
 from scheduler_svc.engine.calls import EngineCalls
-from scheduler_svc.engine.engine import Engine, IncompatibleExecutor, TokenOutput
+from scheduler_svc.engine.engine import Engine, TokenOutput
 from scheduler_svc.engine.executor_client import describe_failure
 from scheduler_svc.engine.live_requests import LiveRequests, RequestHandle
+from scheduler_svc.engine.outages import probe, recover
 from scheduler_svc.engine.stats import LoopObserver, LoopStats
 from scheduler_svc.engine.supervision import Supervisor
 
@@ -27,6 +29,7 @@ log = logging.getLogger("nanoserve.scheduler")
 
 Deliver = Callable[[list[tuple[RequestHandle, RequestOutput]]], None]
 OnServing = Callable[[bool], None]
+T = TypeVar("T")
 
 
 class EngineLoop(EngineCalls):
@@ -109,11 +112,12 @@ class EngineLoop(EngineCalls):
                     self._deliver()
                 now = time.monotonic()
                 if supervisor.retry_due(now):
-                    self._recover()
+                    recover(self.engine, self._requests, supervisor)
+                    self.info = self.engine.info
                 elif supervisor.serving and self._has_work():
                     self._step()
                 elif supervisor.probe_due(now):
-                    self._probe()
+                    probe(self.engine, supervisor)
             except Exception as e:  # a bug in the loop: answer every caller, then start over on a reset executor
                 log.exception("engine loop failed: %s", e)
                 self._requests.end_all(self.engine, EngineFailure(f"internal scheduler error ({type(e).__name__}); "
@@ -175,67 +179,29 @@ class EngineLoop(EngineCalls):
 
     def _launch_ahead(self) -> bool | None:
         """``Engine.launch_ahead`` unless requests, calls or a drain wait (they go first) or the outputs may change
-        the next plan (a stop string ends a sequence, a request's other choices start); None when it failed (a
-        failed step's handling)."""
-        waiting = self._inbox or self._calls or self._drain_deadline is not None
-        if waiting or not self._requests.outputs_leave_plans_alone:
+        the next plan (a stop string ends a sequence, a request's other choices start); None if the executor failed."""
+        if self._inbox or self._calls or self._drain_deadline is not None:
             return False
-        try:
-            return self.engine.launch_ahead()
-        except Exception as e:  # as in ``_executor_step``
-            self._step_failed(e)
-            return None
+        return self._requests.outputs_leave_plans_alone and self._executor_call(self.engine.launch_ahead)
 
     def _executor_step(self) -> list[TokenOutput] | None:
         """``Engine.step``; None when the executor failed it (the loop then waits for the executor)."""
-        try:
-            outputs = self.engine.step()
-        except Exception as e:  # gone, restarted, past --step-timeout, or it refused the plan
-            self._step_failed(e)
-            return None
-        self.supervisor.step_succeeded()
+        outputs = self._executor_call(self.engine.step)
+        if outputs is not None:
+            self.supervisor.step_succeeded()
         return outputs
 
-    def _step_failed(self, e: Exception) -> None:
-        reason = describe_failure(e)
-        log.warning("executor step failed (%s); %d requests wait for it to come back", reason, len(self._requests))
-        if self.supervisor.step_failed(time.monotonic()):
-            log.error("the executor failed the same work repeatedly; failing the requests in flight")
-            self._requests.end_all(self.engine, EngineFailure(f"the executor keeps failing this work ({reason}); "
-                                                               "retry the request"))
-
-    def _probe(self) -> None:
-        """Idle: is the executor still there, and still the same instance?"""
+    def _executor_call(self, call: Callable[[], T]) -> T | None:
         try:
-            if not self.engine.probe():
-                log.warning("executor restarted while idle")
-                self.supervisor.go_down(time.monotonic())
-        except Exception as e:  # gone or hung: as if a step had failed
-            log.warning("executor unreachable while idle (%s)", describe_failure(e))
-            self.supervisor.go_down(time.monotonic())
-
-    def _recover(self) -> None:
-        """One attempt to carry on with the executor: handshake, reset, requeue every request for recompute."""
-        try:
-            dropped = self.engine.recover()
-        except IncompatibleExecutor as e:
-            reason = f"{e}; requests cannot carry over"
-            if self.supervisor.recovered_incompatible(time.monotonic(), reason):
-                log.error("%s; requests fail with UNAVAILABLE until the right executor is back", e)
-            self._requests.end_all(self.engine, ExecutorUnavailable(reason))
-            return
-        except Exception as e:  # the executor is still down, or hung: retry later
-            delay = self.supervisor.recovery_failed(time.monotonic())
-            log.warning("executor not back (%s); retrying in %.1fs", describe_failure(e), delay)
-            return
-        self.supervisor.recovered(time.monotonic())
-        self.info = self.engine.info
-        too_small = CacheTooSmall(f"the restarted executor's KV cache ({self.info.num_blocks} blocks) is too small "
-                                  "for this request; retry with a shorter prompt or max_tokens")
-        for handle in {self._requests.handle_of(seq): None for seq in dropped}:
-            self._requests.fail(self.engine, handle, too_small)
-        log.info("executor instance %s is back: %d requests resume by recompute, %d too large for it",
-                 self.info.instance_id, len(self._requests), len(dropped))
+            return call()
+        except Exception as e:  # gone, restarted, past --step-timeout, or it refused the plan
+            reason = describe_failure(e)
+            log.warning("executor step failed (%s); %d requests wait for it to come back", reason, len(self._requests))
+            if self.supervisor.step_failed(time.monotonic()):
+                log.error("the executor failed the same work repeatedly; failing the requests in flight")
+                self._requests.end_all(self.engine, EngineFailure(f"the executor keeps failing this work ({reason}); "
+                                                                   "retry the request"))
+            return None
 
     def _shutdown(self) -> None:
         """The grace period is over: abort what is left, tell the executor to drop it, answer each caller."""
