@@ -22,7 +22,8 @@ plan, postprocess, its wait for the result and its CPU time, and (in-process, wh
 long the accelerator sat idle between two steps (its step N+1 is launched as soon as N's tokens are back, before
 they are recorded and N's result is built and handed over) and the executor's ``prepare`` half (apply the plan,
 pack the input), which runs while the step before is on the device. For ``api`` and ``floor`` the scheduler's CPU is
-its whole process's (the streams and gRPC included) and the clients' is shown beside it.
+its whole process's and its API process's (the streams and gRPC included) and the clients' is shown beside it;
+``NANOSERVE_API_PROCESS=off`` in the environment runs ``api`` without the API process.
 """
 
 from __future__ import annotations
