@@ -69,8 +69,21 @@ def _plain(output: RequestOutput) -> bool:
             and output.prompt_logprobs is None)
 
 
-def decode_output(item: tuple) -> tuple[int, RequestOutput]:
+class PlainToken:
+    """A plain token's output as the API process reads it: what ``RequestOutput`` says of one, made in half its time
+    (building ``RequestOutput``s was the largest of the API process's own costs per token in a W5 ``api`` profile)."""
+
+    __slots__ = ("index", "text", "token_ids")
+    logprobs = ()
+    finish_reason = usage = error = prompt_logprobs = matched_stop = None
+    drained = False
+
+    def __init__(self, index: int, text: str, token_ids: list[int]) -> None:
+        self.index, self.text, self.token_ids = index, text, token_ids
+
+
+def decode_output(item: tuple) -> tuple[int, RequestOutput | PlainToken]:
     if len(item) == 2:
         return item
     key, index, text, token_ids = item
-    return key, RequestOutput(text, token_ids, index=index)
+    return key, PlainToken(index, text, token_ids)
