@@ -100,11 +100,8 @@ class ApiProcess:
     def send(self, frame: Frame) -> None:
         """From any thread; a link already gone drops it (the reader thread tells of the loss)."""
         data = pack(frame)
-        try:
-            with self._send_lock:
-                self.sock.sendall(data)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), self._send_lock:
+            self.sock.sendall(data)
 
     def send_outputs(self, items: list[tuple[int, RequestOutput]]) -> None:
         """One step's outputs of this link's requests (engine loop thread); failures as the public API names them."""
