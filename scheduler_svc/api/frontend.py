@@ -147,15 +147,8 @@ class Frontend:
         """Validate (off the event loop: tokenizing and templating take time) and queue ``request``; its latency
         metrics count from now, as vLLM's count from a request's arrival. ``whole``: the caller reads each choice
         only once it ended, so its outputs wait for that."""
-        outbox: Outbox | None = None
-
-        def to_outbox(interval: float) -> Outbox:
-            nonlocal outbox
-            outbox = Outbox(interval)
-            return outbox
-
-        handle = await self.submit_to(request, whole, to_outbox)
-        return Generation(self, handle, outbox)
+        handle = await self.submit_to(request, whole, Outbox)
+        return Generation(self, handle, handle.sink)
 
     async def submit_to(self, request: pb.GenerateRequest, whole: bool, sink_of: Callable[[float], object]
                         ) -> RequestHandle:
