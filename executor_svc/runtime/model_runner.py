@@ -24,6 +24,7 @@ from executor_svc.core.request_table import RequestState, ScheduledChunk
 from executor_svc.cpu import decode_stack as cpu_decode_stack
 from executor_svc.cpu import probe as kernel_probe
 from executor_svc.cpu.choice import ALL_C
+from executor_svc.cpu.huge_pages import zeros_on_huge_pages
 from executor_svc.cpu.malloc import keep_heap_memory
 from executor_svc.layers.linear import prepack_for_cpu
 from executor_svc.lora.manager import LoraManager
@@ -153,7 +154,10 @@ class ModelRunner:
     def _attach_kv_cache(self, num_blocks: int) -> None:
         c = self.config
         shape = (2, c.num_layers, num_blocks, self.block_size, c.num_kv_heads // tp_size(), c.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            self.kv_cache = zeros_on_huge_pages(shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         if self.draft is not None:
