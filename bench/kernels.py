@@ -5,8 +5,8 @@
   peer is the executor's torch path (oneDNN with weights in its own layout, ``onednn_copy``; ``F.linear``
   where that has none, as for bfloat16 on a CPU without native bfloat16; ``--dense-torch``: always ``F.linear``).
 - ``decode_attention``: one layer of paged decode for 64 requests of context 32-512 (9 query and 3 KV
-  heads of 64, block size 16, in a cache much larger than the CPU's caches); the peer is the ``torch``
-  attention backend.
+  heads of 64, block size 16, in a cache much larger than the CPU's caches, each call on blocks the call before
+  did not read, as the layers of a step do); the peer is the ``torch`` attention backend.
 - ``prefill_attention``: one layer of causal prefill of ``--rows`` tokens in prompts of up to 128, nothing
   cached; the peer is the ``torch`` backend (SDPA per request).
 - ``rms_norm``, ``silu_and_mul``, ``rotary``: one call at ``--rows`` rows; the peer is the layer's torch code.
@@ -21,6 +21,7 @@ kernel's. Then the table the executor itself chooses by on this machine for W1's
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -97,12 +98,16 @@ def decode_attention_peers(dtype: torch.dtype) -> Callable[[int], Peers]:
     def at(rows: int) -> Peers:
         lengths = torch.randint(32, 513, (rows,), generator=gen).tolist()
         width = -(-max(lengths) // BLOCK_SIZE)
-        tables = torch.randperm(num_blocks, generator=gen)[: rows * width].view(rows, width).int()
-        meta = AttentionMetadata(False, torch.full((rows,), -1), tables, context_lens=torch.tensor(lengths).int())
+        # Each call reads blocks of its own, as each of 30 layers does: the same blocks twice would come from L3.
+        blocks = torch.randperm(num_blocks, generator=gen)[: num_blocks // (rows * width) * rows * width]
+        metas = itertools.cycle([
+            AttentionMetadata(False, torch.full((rows,), -1), tables.view(rows, width).int(),
+                              context_lens=torch.tensor(lengths).int())
+            for tables in blocks.split(rows * width)])
         q = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(dtype)
         kernel, reference = CpuAttention(), TorchAttention()
-        return (lambda: kernel.decode(q, k_cache, v_cache, meta, HEAD_DIM**-0.5),
-                lambda: reference.decode(q, k_cache, v_cache, meta, HEAD_DIM**-0.5))
+        return (lambda: kernel.decode(q, k_cache, v_cache, next(metas), HEAD_DIM**-0.5),
+                lambda: reference.decode(q, k_cache, v_cache, next(metas), HEAD_DIM**-0.5))
 
     return at
 
