@@ -57,6 +57,9 @@ class Chunk:
 
     @classmethod
     def from_proto(cls, response: pb.GenerateResponse) -> Chunk:
+        if not (response.finish_reason or response.logprobs or response.prompt_logprobs):
+            # most of a stream: tokens without logprobs, not the last chunk (read per token at many streams, W5 api)
+            return cls(response.request_id, response.text, list(response.token_ids), [], None, None, response.index)
         return cls(
             request_id=response.request_id,
             text=response.text,

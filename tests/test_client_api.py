@@ -133,3 +133,18 @@ def test_async_client_matches_the_sync_one(echo_server: EchoServer) -> None:
     assert chat.usage.completion_tokens == 2
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in error.message
     assert health == "SERVING" and info.model_id == "echo"
+
+
+def test_a_chunk_reads_every_field_whichever_path_it_takes() -> None:
+    from client.results import Chunk, TokenLogprob, Usage
+    from nanoserve.v1 import generation_pb2 as pb
+
+    middle = pb.GenerateResponse(request_id="r", index=2, text="ab", token_ids=[5, 6])
+    assert Chunk.from_proto(middle) == Chunk("r", "ab", [5, 6], [], None, None, 2, [])
+    scored = pb.GenerateResponse(request_id="r", text="a", token_ids=[5], logprobs=[pb.TokenLogprob(
+        token_id=5, logprob=-0.5, top=[pb.Logprob(token_id=5, logprob=-0.5)])])
+    assert Chunk.from_proto(scored).logprobs == [TokenLogprob(5, -0.5, [(5, -0.5)])]
+    last = pb.GenerateResponse(request_id="r", token_ids=[7], finish_reason=pb.FINISH_REASON_LENGTH,
+                               usage=pb.Usage(prompt_tokens=3, completion_tokens=4))
+    chunk = Chunk.from_proto(last)
+    assert (chunk.token_ids, chunk.finish_reason, chunk.usage) == ([7], "length", Usage(3, 4, 0))
