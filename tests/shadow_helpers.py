@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Collection
+
+import numpy as np
 
 from common.executor import Executor
 from common.step import ExecutorInfo, StepPlan, StepResult
-from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
+from executor_svc.fakes.shadow import HIT, ShadowExecutor, next_token, reference_generate
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.engine.engine import Engine, ExecutorRestarted, FinishedRequest
 from tests.conftest import EOS
@@ -86,3 +89,14 @@ def assert_matches_reference(engine: Engine, prompts: list[list[int]], params: l
                              outputs: list[FinishedRequest]) -> None:
     for i, (prompt, p, out) in enumerate(zip(prompts, params, outputs, strict=True)):
         assert out.token_ids == expected(engine, prompt, p), f"request {i} diverged from the sequential reference"
+
+
+def shadow_prompt_logprobs(prompt: list[int], vocab: int, top: int) -> list[tuple[float, list[int]]]:
+    """What the shadow's model gives each prompt token from the second on: (its logprob, the top ids)."""
+    hit, miss = math.log(HIT), math.log((1 - HIT) / (vocab - 1))
+    out = []
+    for p in range(1, len(prompt)):
+        likeliest = next_token(np.array(prompt[:p]), vocab, None)
+        top_ids = [likeliest, *(t for t in range(vocab) if t != likeliest)][:top]
+        out.append((hit if prompt[p] == likeliest else miss, top_ids))
+    return out

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -33,6 +34,7 @@ from tests.service_fixtures import (
     running_stack,
     token_request,
 )
+from tests.shadow_helpers import shadow_prompt_logprobs
 
 VOCAB = 50
 GENERATE = "/nanoserve.v1.Generation/Generate"
@@ -98,6 +100,27 @@ def test_answers_through_the_api_process_are_the_schedulers_own():
     assert plain_tokens == reference_generate([1, 2, 3], 12, VOCAB, ignore_eos=True)
     assert [len(choices) for _, choices in through] == [1, 1, 3, 1, 1]
     assert through[3][1][0][1][1] == pb.FINISH_REASON_STOP
+
+
+def test_prompt_logprobs_come_with_the_first_response_on_either_path():
+    prompt = [3, 8, 1, 4, 4, 9, 2]
+
+    async def run(api_process: bool) -> list[pb.GenerateResponse]:
+        request = token_request(prompt, 3, ignore_eos=True)
+        request.prompt_logprobs = 2
+        async with in_process_scheduler(shadow(), api_process=api_process) as s:
+            responses = [r async for r in s.stub.Generate(request)]
+            await assert_idle_async(s.stub)
+            return responses
+
+    for api_process in (True, False):
+        responses = asyncio.run(run(api_process))
+        expected = shadow_prompt_logprobs(prompt, VOCAB, 2)
+        scored = responses[0].prompt_logprobs
+        assert [lp.logprob for lp in scored] == pytest.approx([logprob for logprob, _ in expected])  # float32 here
+        assert [[t.token_id for t in lp.top] for lp in scored] == [top for _, top in expected]
+        assert [lp.token_id for lp in responses[0].prompt_logprobs] == prompt[1:]
+        assert not any(r.prompt_logprobs for r in responses[1:])
 
 
 def test_bad_requests_name_the_field_and_lose_nothing_in_flight():

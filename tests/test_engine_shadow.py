@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import grpc
+import numpy as np
 import pytest
 
 from common.step import CachedRequests, NewRequest, StepPlan, StepResult
 from executor_svc.core.request_table import PlanError
-from executor_svc.fakes.shadow import ShadowExecutor
+from executor_svc.fakes.shadow import HIT, ShadowExecutor, next_token
 from executor_svc.service import build_server
 from nanoserve.v1 import executor_pb2 as pb
 from nanoserve.v1 import executor_pb2_grpc as pb_grpc
@@ -18,7 +20,7 @@ from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.executor_client import RemoteExecutor
 from tests.conftest import EOS
-from tests.shadow_helpers import RecordingExecutor, assert_matches_reference, expected
+from tests.shadow_helpers import RecordingExecutor, assert_matches_reference, expected, shadow_prompt_logprobs
 
 
 def random_prompts(rng: random.Random, n: int, prefix_len: int = 0, lo: int = 1, hi: int = 20) -> list[list[int]]:
@@ -390,4 +392,21 @@ def test_mixed_policy_preempting_beside_a_chunked_prompt_still_finishes():
     assert engine.scheduler.num_preemptions > 0
     assert [first.completion_token_ids, second.completion_token_ids] == \
         [expected(engine, prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("top", [0, 3])
+def test_prompt_logprobs_across_prefill_chunks_are_those_of_the_prompt(top: int) -> None:
+    engine, _ = recording_engine(max_num_batched_tokens=8)
+    rng = random.Random(7)
+    prompts = random_prompts(rng, 3, lo=12, hi=20)
+    prompts[1][5] = next_token(np.array(prompts[1][:5]), 50, None)  # one prompt token the model predicts
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=top)
+    seqs = [engine.add_request(prompt, params) for prompt in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        got = [(lp.logprob, list(lp.top_token_ids)) for lp in seq.prompt_logprobs]
+        assert got == shadow_prompt_logprobs(prompt, 50, top)
+    assert seqs[1].prompt_logprobs[4].logprob == pytest.approx(math.log(HIT))
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

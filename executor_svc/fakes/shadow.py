@@ -14,20 +14,27 @@ does not (or the token after the last) is its own; the slots of rejected
 proposals are emptied, so a scheduler that counted them as computed reads a
 wrong context. With ``draft_miss_every`` it also has a "draft model": it
 proposes the true next tokens except where a hash of the context says miss.
+
+Prompt logprobs come from the same reading: its model gives ``next_token`` of the context probability ``HIT`` and
+the rest of the vocabulary equal shares, and it scores the rows the model executor scores.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import uuid
 
 import numpy as np
 import xxhash
 
-from common.step import ExecutorInfo, StepResult
+from common.step import ExecutorInfo, PromptLogprobs, StepResult, TokenLogprobs
 from executor_svc.core.request_table import RequestTable, ScheduledChunk
 from executor_svc.core.step_pipeline import TableExecutor
 
 EMPTY_SLOT = -1
+# The probability the shadow's model gives its own next token (the rest is spread evenly over the vocabulary).
+HIT = 0.9
 
 
 def next_token(context: np.ndarray, vocab_size: int, seed: int | None) -> int:
@@ -129,7 +136,27 @@ class ShadowExecutor(TableExecutor):
         for slots in rejected:
             self.kv[slots] = EMPTY_SLOT
         verified = any(chunk.num_drafts for chunk in chunks)
-        return StepResult(token_ids, num_sampled_tokens=counts if verified else [])
+        scored = [run for chunk in chunks if (run := self._score_prompt(chunk)) is not None]
+        return StepResult(token_ids, num_sampled_tokens=counts if verified else [], prompt_logprobs=scored)
+
+    def _score_prompt(self, chunk: ScheduledChunk) -> PromptLogprobs | None:
+        """Prompt logprobs as the model executor scores them (the rows of a prefill chunk whose next token is a
+        prompt token), under the shadow's model: ``next_token`` of the context read back from the KV has
+        probability ``HIT``, every other token the rest in equal parts, so a wrong context shows in the values."""
+        state, vocab = chunk.state, self.info.vocab_size
+        num_top, end = state.sampling.num_prompt_logprobs, min(chunk.end, state.num_prompt_tokens - 1)
+        if num_top is None or chunk.start >= end:
+            return None
+        hit, miss = math.log(HIT), math.log((1 - HIT) / (vocab - 1))
+        entries = []
+        for position in range(chunk.start, end):
+            context = self.kv[self._slots(state.block_table, 0, position + 1)]
+            likeliest = next_token(context, vocab, state.sampling.seed)
+            others = itertools.islice((t for t in range(vocab) if t != likeliest), max(0, min(num_top, vocab) - 1))
+            top = [likeliest, *others][:num_top]
+            entries.append(TokenLogprobs(hit if state.token_ids[position + 1] == likeliest else miss, top,
+                                         [hit if t == likeliest else miss for t in top]))
+        return PromptLogprobs(state.request_id, chunk.start + 1, entries)
 
     def _sample(self, chunk: ScheduledChunk, end: int) -> int:
         """The token after the first ``end`` tokens of the chunk's context, read back from the KV (0 for a chunk
