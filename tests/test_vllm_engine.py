@@ -49,9 +49,10 @@ def gate() -> GatedExecutor:
     return GatedExecutor(ScoringExecutor(echo()))
 
 
-@pytest.fixture(scope="module")
-def served(gate: GatedExecutor) -> Iterator[Hosted]:
-    with hosted(gate) as h:
+@pytest.fixture(scope="module", params=[False, True], ids=["in-process", "api-process"])
+def served(gate: GatedExecutor, request: pytest.FixtureRequest) -> Iterator[Hosted]:
+    """The scheduler's own VllmEngine, and the API process's (Generate written there, everything else proxied)."""
+    with hosted(gate, api_process=request.param) as h:
         yield h
 
 

@@ -20,13 +20,17 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
+
+from smg_grpc_proto import vllm_engine_pb2 as vllm
 
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.api_process import ENV, Settings
 from scheduler_svc.api.frontend import Frontend, public
 from scheduler_svc.api.process_link import Frame, encode_outputs, pack, recv_frame
+from scheduler_svc.api.vllm_engine.responses import ResponseWriter
+from scheduler_svc.api.vllm_engine.servicer import submit_generate
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.core.errors import RequestFailed
 from scheduler_svc.core.outputs import RequestOutput
@@ -117,19 +121,26 @@ class ApiProcess:
 
     def _on_frame(self, frame: Frame) -> None:
         kind, key = frame[0], frame[1]
-        if kind == "submit":
+        if kind in ("submit", "submit_vllm"):
             self._pending.add(key)
-            asyncio.ensure_future(self._submit(key, frame[2], frame[3]))
+            asyncio.ensure_future(self._submit(key, kind, frame[2], frame[3]))
         elif kind == "close":
             if (handle := self.handles.pop(key, None)) is not None:
                 self.frontend.forget(handle, cancel=frame[2])
             elif key in self._pending:
                 self._closed_early.add(key)
 
-    async def _submit(self, key: int, data: bytes, whole: bool) -> None:
+    async def _submit(self, key: int, kind: str, data: bytes, whole: bool) -> None:
+        """A nanoserve Generate (``submit``) or a VllmEngine one (``submit_vllm``: translated here, and its answer
+        carries what the API process's ``ResponseWriter`` needs)."""
+        def submit(request: pb.GenerateRequest, whole: bool) -> Awaitable[RequestHandle]:
+            return self.frontend.submit_to(request, whole, lambda interval: RemoteSink(self, key))
+
         try:
-            handle = await self.frontend.submit_to(pb.GenerateRequest.FromString(data), whole,
-                                                   lambda interval: RemoteSink(self, key))
+            if kind == "submit":
+                handle = await submit(pb.GenerateRequest.FromString(data), whole)
+            else:
+                handle = await submit_generate(self.frontend, vllm.GenerateRequest.FromString(data), submit)
         except RequestFailed as e:
             self.send(("failed", key, public(e)))
             return
@@ -140,7 +151,8 @@ class ApiProcess:
             self.frontend.forget(handle, cancel=True)
             return
         self.handles[key] = handle
-        self.send(("accepted", key, handle.prepared.request_id, handle.prepared.params.n))
+        reading = () if kind == "submit" else (ResponseWriter.reading(handle.prepared),)
+        self.send(("accepted", key, handle.prepared.request_id, handle.prepared.params.n, *reading))
 
     def _lost(self, on_lost: Callable[[], None]) -> None:
         """The API process is gone: its requests are cancelled (their callers went with it)."""

@@ -4,8 +4,9 @@ Writing a message per token to every stream costs a Python process about as much
 scheduler's process it shares the GIL with the engine loop, which an accelerator waits for between steps (W5
 ``api``). Here the streams are written by another process, as vLLM's API servers and SGLang's tokenizer manager write
 theirs: the scheduler sends each step's outputs for every stream at once over a Unix socket (``api.process_link``),
-and this process turns them into responses. Generate and GenerateOnce are answered here; every other call is passed
-on to the scheduler's internal socket (``api.grpc_proxy``). The HTTP API and the metrics port stay in the scheduler.
+and this process turns them into responses. Generate and GenerateOnce, and VllmEngine's Generate (through the proxy a
+gateway's stream paid a second gRPC hop a message), are answered here; every other call is passed on to the scheduler's
+internal socket (``api.grpc_proxy``). The HTTP API and the metrics port stay in the scheduler.
 
 The scheduler starts it (``api.api_link.ApiProcess``) with its settings in ``NANOSERVE_API_PROCESS_SETTINGS`` (JSON)
 and stops it with a frame; it ends as well when the scheduler's end of the link closes. SIGINT and SIGTERM are left
@@ -18,13 +19,15 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
+from smg_grpc_proto import vllm_engine_pb2 as vllm
 
 from common.channels import DRAINED_KEY, message_size_options, server_options
 from common.cpu_yield import give_way, thread_ids, yield_cpu
@@ -35,6 +38,8 @@ from scheduler_svc.api.grpc_proxy import GrpcProxy
 from scheduler_svc.api.grpc_status import fail
 from scheduler_svc.api.outbox import Outbox
 from scheduler_svc.api.process_link import Frame, decode_output, pack, read_frame
+from scheduler_svc.api.vllm_engine.requests import vllm_error
+from scheduler_svc.api.vllm_engine.responses import ResponseWriter
 from scheduler_svc.core.errors import InvalidRequest, RequestFailed
 from scheduler_svc.core.outputs import RequestOutput
 
@@ -43,6 +48,7 @@ log = logging.getLogger("nanoserve.api")
 ENV = "NANOSERVE_API_PROCESS_SETTINGS"
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 GENERATE, GENERATE_ONCE = f"/{SERVICE}/Generate", f"/{SERVICE}/GenerateOnce"
+VLLM_GENERATE = f"/{vllm.DESCRIPTOR.services_by_name['VllmEngine'].full_name}/Generate"
 DRAINED_METADATA = ((DRAINED_KEY, "true"),)
 
 
@@ -68,7 +74,8 @@ class Call:
 
     def __init__(self, interval: float) -> None:
         self.outbox = Outbox(interval)
-        self.accepted: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
+        # (request id, n) and, for VllmEngine, its ResponseWriter's reading of the request
+        self.accepted: asyncio.Future[tuple] = asyncio.get_running_loop().create_future()
 
 
 class Link:
@@ -83,10 +90,11 @@ class Link:
     def send(self, frame: Frame) -> None:
         self.writer.write(pack(frame))
 
-    def submit(self, data: bytes, interval: float, whole: bool) -> tuple[int, Call]:
+    def submit(self, kind: str, data: bytes, interval: float, whole: bool) -> tuple[int, Call]:
+        """``kind``: "submit" (nanoserve's GenerateRequest) or "submit_vllm" (VllmEngine's)."""
         key = next(self._keys)
         call = self.calls[key] = Call(interval)
-        self.send(("submit", key, data, whole))
+        self.send((kind, key, data, whole))
         return key, call
 
     def close(self, key: int, cancel: bool) -> None:
@@ -104,7 +112,7 @@ class Link:
                     if (call := calls.get(key)) is not None:
                         call.outbox.put_nowait(output)
             elif kind == "accepted":
-                self._settle(frame[1], lambda future, f=frame: future.set_result((f[2], f[3])))
+                self._settle(frame[1], lambda future, f=frame: future.set_result(f[2:]))
             elif kind == "failed":
                 self._settle(frame[1], lambda future, f=frame: future.set_exception(f[2]))
                 self.calls.pop(frame[1], None)
@@ -122,6 +130,15 @@ class Link:
             settle(call.accepted)
 
 
+def _same(error: RequestFailed) -> RequestFailed:
+    return error
+
+
+def vllm_failure(error: RequestFailed) -> RequestFailed:
+    """A refusal in the middle of a VllmEngine stream names the VllmEngine field, as in the scheduler's servicer."""
+    return vllm_error(error) if isinstance(error, InvalidRequest) else error
+
+
 class ApiHandler(grpc.GenericRpcHandler):
     """Generate and GenerateOnce from the link; every other method through the proxy."""
 
@@ -134,6 +151,9 @@ class ApiHandler(grpc.GenericRpcHandler):
         if details.method == GENERATE:
             return grpc.unary_stream_rpc_method_handler(
                 self.generate, response_serializer=pb.GenerateResponse.SerializeToString)
+        if details.method == VLLM_GENERATE:
+            return grpc.unary_stream_rpc_method_handler(
+                self.vllm_generate, response_serializer=vllm.GenerateResponse.SerializeToString)
         if details.method == GENERATE_ONCE:
             return grpc.unary_unary_rpc_method_handler(
                 self.generate_once, response_serializer=pb.GenerateResponse.SerializeToString)
@@ -145,19 +165,19 @@ class ApiHandler(grpc.GenericRpcHandler):
         except DecodeError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a GenerateRequest: {e}")
 
-    async def _batches(self, data: bytes, whole: bool, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[tuple[str, int, list[RequestOutput]]]:
-        """As ``Generation.batches``: (request id, n, outputs) until every choice ended; failures as statuses."""
-        request = await self._parse(data, context)
-        interval = float("inf") if whole else request.stream_interval or self.stream_interval
-        key, call = self.link.submit(data, interval, whole)
+    async def _outputs(self, kind: str, data: bytes, whole: bool, interval: float,
+                       context: grpc.aio.ServicerContext, failure: Callable[[RequestFailed], RequestFailed] = _same
+                       ) -> AsyncIterator[tuple[tuple, list[RequestOutput]]]:
+        """As ``Generation.batches``: what the scheduler answered when it took the request, and each batch of
+        outputs until every choice ended; a failure ends the call with the status of ``failure(error)``."""
+        key, call = self.link.submit(kind, data, interval, whole)
         remaining = 1
         try:
             try:
-                request_id, n = await call.accepted
+                accepted = await call.accepted
             except RequestFailed as e:
                 await fail(context, e)
-            remaining = n
+            remaining = accepted[1]
             while remaining:
                 outputs = await call.outbox.take()
                 error = outputs[-1].error
@@ -165,17 +185,37 @@ class ApiHandler(grpc.GenericRpcHandler):
                     outputs.pop()
                 if outputs:
                     remaining -= sum(output.finish_reason is not None for output in outputs)
-                    yield request_id, n, outputs
+                    yield accepted, outputs
                 if error is not None:
-                    await fail(context, error)
+                    await fail(context, failure(error))
         finally:
             self.link.close(key, cancel=bool(remaining))
 
+    async def _interval(self, data: bytes, context: grpc.aio.ServicerContext) -> float:
+        """Tokens a read of a nanoserve Generate stream takes (its request parsed here: bad bytes end the call)."""
+        return (await self._parse(data, context)).stream_interval or self.stream_interval
+
     async def generate(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        async for request_id, n, outputs in self._batches(data, False, context):
+        interval = await self._interval(data, context)
+        async for (request_id, n), outputs in self._outputs("submit", data, False, interval, context):
             if outputs[-1].drained:  # read by clients that resume: ABORT here means "try elsewhere"
                 context.set_trailing_metadata(DRAINED_METADATA)
             for response in responses(request_id, outputs, n == 1):
+                yield response
+
+    async def vllm_generate(self, data: bytes, context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[vllm.GenerateResponse]:
+        """VllmEngine's Generate, as ``vllm_engine.servicer`` answers it: translated in the scheduler, written here."""
+        try:
+            request = vllm.GenerateRequest.FromString(data)
+        except DecodeError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not the RPC's message: {e}")
+        interval = self.stream_interval if request.stream else math.inf
+        writer = None
+        async for accepted, outputs in self._outputs("submit_vllm", data, not request.stream, interval, context,
+                                                     vllm_failure):
+            writer = writer or ResponseWriter(accepted[2][0], request.stream, *accepted[2][1:])
+            for response in writer.responses(outputs):
                 yield response
 
     async def generate_once(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
@@ -183,7 +223,8 @@ class ApiHandler(grpc.GenericRpcHandler):
         if request.sampling.n > 1:
             message = f"GenerateOnce returns one completion; stream {request.sampling.n} choices with Generate"
             await fail(context, InvalidRequest("sampling.n", message))
-        batches = [(request_id, batch) async for request_id, _, batch in self._batches(data, True, context)]
+        batches = [(accepted[0], batch) async for accepted, batch in self._outputs("submit", data, True, math.inf,
+                                                                                    context)]
         return to_response(batches[0][0], [output for _, batch in batches for output in batch])
 
 

@@ -47,18 +47,28 @@ def input_logprobs(prompt_ids: list[int], logprobs: list[TokenLogprobs], with_to
 class ResponseWriter:
     """One Generate call: its outputs, batch by batch, as the responses to send."""
 
-    def __init__(self, prepared: PreparedRequest, stream: bool) -> None:
-        self.prompt_ids = prepared.prompt_token_ids
+    def __init__(self, prompt_ids: list[int], stream: bool, with_logprobs: bool, with_top: bool,
+                 with_prompt_top: bool) -> None:
+        self.prompt_ids = prompt_ids
         self.stream = stream
-        params = prepared.params
-        self.with_logprobs = params.logprobs is not None
-        self.with_top = bool(params.logprobs)
-        self.with_prompt_top = bool(params.prompt_logprobs)
+        self.with_logprobs, self.with_top, self.with_prompt_top = with_logprobs, with_top, with_prompt_top
         self.input_logprobs: vllm.InputLogProbs | None = None
         # Per choice: every token so far, and its logprobs (when asked); the choices that sent a chunk.
         self.tokens: dict[int, list[int]] = defaultdict(list)
         self.logprobs: dict[int, list[TokenLogprobs]] = defaultdict(list)
         self.chunked: set[int] = set()
+
+    @staticmethod
+    def reading(prepared: PreparedRequest) -> tuple[list[int], bool, bool, bool]:
+        """What a writer needs of the request besides ``stream`` (the API process gets it over the link)."""
+        params = prepared.params
+        return (prepared.prompt_token_ids, params.logprobs is not None, bool(params.logprobs),
+                bool(params.prompt_logprobs))
+
+    @classmethod
+    def of(cls, prepared: PreparedRequest, stream: bool) -> ResponseWriter:
+        prompt_ids, with_logprobs, with_top, with_prompt_top = cls.reading(prepared)
+        return cls(prompt_ids, stream, with_logprobs, with_top, with_prompt_top)
 
     def responses(self, outputs: list[RequestOutput]) -> list[vllm.GenerateResponse]:
         """A batch of outputs (several choices, in order) as chunks and completes."""

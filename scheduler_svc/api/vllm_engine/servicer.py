@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 from smg_grpc_proto import vllm_engine_pb2 as vllm
 from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
 from smg_grpc_proto.generated import common_pb2 as common
 
+from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.frontend import Frontend, Generation
 from scheduler_svc.api.grpc_status import fail
 from scheduler_svc.api.malformed import MalformedRequest
@@ -26,12 +28,24 @@ from scheduler_svc.api.vllm_engine.requests import generate_request, vllm_error
 from scheduler_svc.api.vllm_engine.responses import ResponseWriter
 from scheduler_svc.core.errors import InvalidRequest, RequestFailed
 
+T = TypeVar("T")
 SERVICE_NAME = vllm.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 NOT_SERVED = {
     "Embed": "Embed is not supported: nanoserve serves generative models; use Generate",
     "StartProfile": "profiling is not supported by nanoserve (its executor's timings are in /metrics)",
     "StopProfile": "profiling is not supported by nanoserve (its executor's timings are in /metrics)",
 }
+
+
+async def submit_generate(frontend: Frontend, request: vllm.GenerateRequest,
+                          submit: Callable[[pb.GenerateRequest, bool], Awaitable[T]]) -> T:
+    """``submit(request as nanoserve's, whole)``; an InvalidRequest names the VllmEngine field (RequestFailed: the
+    frontend's other refusals). Generate's own and the API process's (``api.api_link``)."""
+    constraint = request.sampling_params.WhichOneof("constraint")
+    try:
+        return await submit(generate_request(request, frontend.ready().info.max_model_len), not request.stream)
+    except InvalidRequest as e:
+        raise vllm_error(e, constraint) from None
 
 
 class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
@@ -55,19 +69,15 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
     async def _submit(self, request: vllm.GenerateRequest, context: grpc.aio.ServicerContext) -> Generation:
         await self._refuse_malformed(request, context)
         await self._ready(context)
-        constraint = request.sampling_params.WhichOneof("constraint")
         try:
-            translated = generate_request(request, self.frontend.ready().info.max_model_len)
-            return await self.frontend.submit(translated, whole=not request.stream)
-        except InvalidRequest as e:
-            await fail(context, vllm_error(e, constraint))
+            return await submit_generate(self.frontend, request, self.frontend.submit)
         except RequestFailed as e:
             await fail(context, e)
 
     async def Generate(self, request: vllm.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[vllm.GenerateResponse]:
         with await self._submit(request, context) as generation:
-            writer = ResponseWriter(generation.prepared, request.stream)
+            writer = ResponseWriter.of(generation.prepared, request.stream)
             try:
                 async for outputs in generation.batches():
                     for response in writer.responses(outputs):
