@@ -11,9 +11,10 @@ pipelined, or ``--num-scheduler-steps``) driving the executor in a child process
 ``in-process``, the same Engine configuration driving the same executor object directly (both Engines in this
 process, at the GIL switch interval the scheduler service sets beside an accelerator); ``api``, the split as
 deployed: the scheduler service at its default flags in front of the same executor (both child processes), with
-``--batch`` clients streaming through the public API (``bench.overlap_api``); ``floor``, the same clients streaming
-from ``bench.stream_floor``, gRPC Python sending one token per stream per step and nothing else: what any one
-Python process pays to serve the streams.
+``--batch`` clients streaming through the public API (``bench.overlap_api``); ``api_vllm``, the same with the clients
+streaming the gateways' ``VllmEngine/Generate``, as a gateway in front of the scheduler does; ``floor``, the same
+clients streaming from ``bench.stream_floor``, gRPC Python sending one token per stream per step and nothing else:
+what any one Python process pays to serve the streams.
 Each batch prefills its sequences first (untimed), then times ``--steps`` decode steps of ``--batch`` sequences of
 context ``--context`` after ``--warmup`` more.
 
@@ -57,9 +58,9 @@ from scheduler_svc.engine.engine import Engine
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
-PEERS = ("split", "in-process", "api", "floor")
+PEERS = ("split", "in-process", "api", "api_vllm", "floor")
 # Peers timed through the public API, from clients in this process.
-API_PEERS = ("api", "floor")
+API_PEERS = ("api", "api_vllm", "floor")
 # What nanoserve-scheduler runs with when given no flags.
 DEFAULTS = ServiceConfig()
 
@@ -224,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         timed: dict[tuple[str, int], list[Phases]] = {run: [] for run in runs}
         try:
             start = {"api": lambda: ApiPeer.scheduler(flags, args.stream_interval),
+                     "api_vllm": lambda: ApiPeer.scheduler(flags, args.stream_interval, protocol="vllm"),
                      "floor": lambda: ApiPeer.floor(args.step_ms)}
             for peer in API_PEERS:
                 if peer in peers:

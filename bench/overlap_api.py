@@ -17,8 +17,12 @@ import os
 import random
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from smg_grpc_proto import vllm_engine_pb2 as vllm
+from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
 
 from bench.common import HOST, Child, free_port
 from client.api import AsyncClient
@@ -72,17 +76,20 @@ def start_serving(children: list[tuple[str, int, list[str]]]) -> list[Child]:
 class ApiPeer:
     """Child processes that serve the public API on ``port``, the last of them being the one that streams."""
 
-    def __init__(self, port: int, children: list[Child], tail_factor: int = TAIL_FACTOR) -> None:
+    def __init__(self, port: int, children: list[Child], tail_factor: int = TAIL_FACTOR,
+                 protocol: str = "nanoserve") -> None:
         self.port = port
         self.children = children
         self.server = children[-1]
         self.tail_factor = tail_factor
+        # "nanoserve": the clients stream nanoserve.v1's Generate; "vllm": the gateways' VllmEngine/Generate
+        self.protocol = protocol
 
     @classmethod
     def scheduler(cls, executor_flags: list[str], stream_interval: int = 1,
-                  scheduler_flags: tuple[str, ...] = ()) -> ApiPeer:
+                  scheduler_flags: tuple[str, ...] = (), protocol: str = "nanoserve") -> ApiPeer:
         """The scheduler service at its default flags (but ``--stream-interval`` and ``scheduler_flags``) in front of
-        a simulated executor with ``executor_flags``."""
+        a simulated executor with ``executor_flags``, its clients speaking ``protocol``."""
         executor_port, port = free_port(), free_port()
         return cls(port, start_serving([
             ("api's simulated executor", executor_port, [
@@ -91,7 +98,7 @@ class ApiPeer:
                 "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--host", HOST, "--port", str(port),
                 "--http-port", "0", "--log-level", "WARNING", "--stream-interval", str(stream_interval),
                 *scheduler_flags]),
-        ]))
+        ]), protocol=protocol)
 
     @classmethod
     def floor(cls, step_ms: float) -> ApiPeer:
@@ -119,11 +126,16 @@ class ApiPeer:
             max_tokens = warmup + steps * (1 + self.tail_factor)
             counts = [0] * batch  # tokens each stream has read
 
+            def chunks(prompt: list[int]) -> AsyncIterator[list[int]]:
+                if self.protocol == "vllm":
+                    return vllm_chunks(engine, prompt, max_tokens)
+                return (chunk.token_ids async for chunk in client.stream(
+                    token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
             async def stream(index: int, prompt: list[int]) -> int:
-                async for chunk in client.stream(token_ids=prompt, max_tokens=max_tokens, temperature=0.0,
-                                                 ignore_eos=True):
+                async for token_ids in chunks(prompt):
                     before = counts[index]
-                    counts[index] += len(chunk.token_ids)
+                    counts[index] += len(token_ids)
                     for mark in marks:
                         if before < mark <= counts[index]:
                             reached[mark] += 1
@@ -131,7 +143,8 @@ class ApiPeer:
                                 events[mark].set()
                 return counts[index]
 
-            before = await client.stats()
+            before = await client.stats()  # the client's channel is open from here on
+            engine = vllm_grpc.VllmEngineStub(client.channel)
             tasks = [asyncio.create_task(stream(index, prompt)) for index, prompt in enumerate(prompts)]
             window = []
             try:
@@ -163,3 +176,14 @@ class ApiPeer:
     def close(self) -> None:
         for child in reversed(self.children):
             child.stop()
+
+
+async def vllm_chunks(engine: vllm_grpc.VllmEngineStub, prompt: list[int], max_tokens: int
+                      ) -> AsyncIterator[list[int]]:
+    """The token ids of each chunk of a greedy VllmEngine stream, as a gateway reads them."""
+    request = vllm.GenerateRequest(tokenized=vllm.TokenizedInput(input_ids=prompt), stream=True,
+                                   sampling_params=vllm.SamplingParams(temperature=0, ignore_eos=True,
+                                                                       max_tokens=max_tokens))
+    async for response in engine.Generate(request):
+        if response.HasField("chunk"):
+            yield list(response.chunk.token_ids)
