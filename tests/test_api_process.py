@@ -81,9 +81,10 @@ async def answers(stub: pb_grpc.GenerationStub) -> list:
             if r.finish_reason:
                 choice[1], choice[2] = r.finish_reason, r.usage
         out.append((responses[0].request_id, sorted(by_choice.items())))
-        if request.stream_interval > 1:  # the first token alone, then at least four at a time but the finish
+        if request.stream_interval > 1:  # at least four at a time but the first and the finish
             lengths = [len(r.token_ids) for r in responses]
-            assert lengths[0] == 1 and min(lengths[1:-1], default=4) >= 4 and len(lengths) < 10, lengths
+            # (the first goes as soon as it is written: alone, or with those a late first write found waiting)
+            assert min(lengths[1:-1], default=4) >= 4 and len(lengths) < 10, lengths
     return out
 
 
