@@ -140,7 +140,7 @@ def vllm_failure(error: RequestFailed) -> RequestFailed:
 
 
 class ApiHandler(grpc.GenericRpcHandler):
-    """Generate and GenerateOnce from the link; every other method through the proxy."""
+    """Generate, GenerateOnce and VllmEngine's Generate from the link; every other method through the proxy."""
 
     def __init__(self, link: Link, proxy: GrpcProxy, stream_interval: int) -> None:
         self.link = link
@@ -214,7 +214,9 @@ class ApiHandler(grpc.GenericRpcHandler):
         writer = None
         async for accepted, outputs in self._outputs("submit_vllm", data, not request.stream, interval, context,
                                                      vllm_failure):
-            writer = writer or ResponseWriter(accepted[2][0], request.stream, *accepted[2][1:])
+            if writer is None:
+                prompt_ids, *asked = accepted[2]  # ResponseWriter.reading, done in the scheduler
+                writer = ResponseWriter(prompt_ids, request.stream, *asked)
             for response in writer.responses(outputs):
                 yield response
 
