@@ -293,3 +293,11 @@ async def assert_idle_async(stub: pb_grpc.GenerationStub, timeout_s: float = IDL
     assert stats.num_waiting == 0 and stats.num_running == 0, f"requests left behind: {stats}"
     assert stats.num_free_blocks == stats.num_blocks, f"KV blocks still held: {stats}"
     return stats
+
+
+async def rest_of(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateResponse]:
+    """A stream's responses after those already read with ``read`` (a call is read one way only)."""
+    responses = []
+    while (response := await call.read()) != grpc.aio.EOF:
+        responses.append(response)
+    return responses

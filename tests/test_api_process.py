@@ -31,6 +31,7 @@ from tests.service_fixtures import (
     executor_argv,
     free_port,
     in_process_scheduler,
+    rest_of,
     running_stack,
     token_request,
 )
@@ -57,14 +58,6 @@ def requests() -> list[tuple[str, pb.GenerateRequest]]:
     for k, (_, request) in enumerate(cases):
         request.request_id = f"r{k}"
     return cases
-
-
-async def rest_of(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateResponse]:
-    """The responses after those read with ``read`` (a call is read one way only)."""
-    responses = []
-    while (response := await call.read()) != grpc.aio.EOF:
-        responses.append(response)
-    return responses
 
 
 async def answers(stub: pb_grpc.GenerationStub) -> list:

@@ -46,26 +46,15 @@ def settled(pid: int, check, timeout_s: float = 10.0) -> dict[int, int]:
     return found
 
 
-def test_yield_cpu_puts_the_given_threads_in_sched_idle_and_no_other():
+@pytest.mark.parametrize(("put", "policy"), [(yield_cpu, os.SCHED_IDLE), (give_way, os.SCHED_BATCH)],
+                         ids=["yield_cpu-idle", "give_way-batch"])
+def test_the_given_threads_and_no_other_change_class(put, policy: int):
     stop = threading.Event()
     helper = threading.Thread(target=stop.wait)
     helper.start()
     try:
-        assert yield_cpu([helper.native_id]) == 1
-        assert os.sched_getscheduler(helper.native_id) == os.SCHED_IDLE
-        assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
-    finally:
-        stop.set()
-        helper.join()
-
-
-def test_give_way_puts_the_given_threads_in_sched_batch_and_no_other():
-    stop = threading.Event()
-    helper = threading.Thread(target=stop.wait)
-    helper.start()
-    try:
-        assert give_way([helper.native_id]) == 1
-        assert os.sched_getscheduler(helper.native_id) == os.SCHED_BATCH
+        assert put([helper.native_id]) == 1
+        assert os.sched_getscheduler(helper.native_id) == policy
         assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
     finally:
         stop.set()

@@ -21,7 +21,15 @@ from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.core.request_table import PlanError
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import generation_pb2 as pb
-from tests.service_fixtures import HOST, InProcess, assert_idle_async, in_process_scheduler, stream, token_request
+from tests.service_fixtures import (
+    HOST,
+    InProcess,
+    assert_idle_async,
+    in_process_scheduler,
+    rest_of,
+    stream,
+    token_request,
+)
 
 VOCAB = 50
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -96,13 +104,6 @@ async def tokens_of(call: grpc.aio.UnaryStreamCall, first: list[int]) -> list[in
     while (response := await call.read()) != grpc.aio.EOF:
         tokens.extend(response.token_ids)
     return tokens
-
-
-async def responses_of(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateResponse]:
-    responses = []
-    while (response := await call.read()) != grpc.aio.EOF:
-        responses.append(response)
-    return responses
 
 
 @contextlib.asynccontextmanager
@@ -258,7 +259,7 @@ def test_shutdown_lets_requests_in_flight_finish_and_refuses_new_ones():
             await wait_health(s, NOT_SERVING)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await s.stub.GenerateOnce(token_request([1, 2], 3))
-            rest = await responses_of(call)
+            rest = await rest_of(call)
             await stopping
             return refused.value, rest
 
@@ -278,7 +279,7 @@ def test_shutdown_aborts_what_is_left_when_the_grace_period_ends():
             executor.down = True
             started = time.monotonic()
             await s.server.stop()
-            return await responses_of(call), time.monotonic() - started
+            return await rest_of(call), time.monotonic() - started
 
     rest, elapsed = asyncio.run(run())
     assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT and rest[-1].usage.prompt_tokens == 3
