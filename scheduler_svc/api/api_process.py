@@ -31,6 +31,7 @@ from smg_grpc_proto import vllm_engine_pb2 as vllm
 
 from common.channels import DRAINED_KEY, message_size_options, server_options
 from common.cpu_yield import give_way, thread_ids, yield_cpu
+from common.heap import freeze_startup_heap
 from common.security import ApiKeyInterceptor, TLSConfig, bind
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.codec import responses, to_response
@@ -246,6 +247,7 @@ async def serve(settings: Settings) -> None:
         return
     await server.start()
     link.send(("listening", port))
+    freeze_startup_heap()
     await link.run()
     await server.stop(link.stop_grace_s or 0)
     await channel.close()
