@@ -250,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                 api.close()
     results = {run: Phases.median(runs_of) for run, runs_of in timed.items()}
     print(f"W5: decode steps of context {args.context}, simulated accelerator of {args.step_ms:g} ms per step, "
-          f"scheduler at its default flags (overlap {'on' if DEFAULTS.overlap else 'off'}), median of "
+          f"scheduler at its default flags (overlap {'off' if DEFAULTS.overlap is False else 'on'}), median of "
           f"{args.repeats} runs of {args.steps} steps (us per decode step)")
     rows = []
     for (peer, batch), p in results.items():

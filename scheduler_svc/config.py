@@ -56,8 +56,10 @@ class ServiceConfig:
     executor_tls_cert: str = ""
     executor_tls_key: str = ""
     api_key: str = ""
-    # Keep one step in flight: schedule step N+1 while the executor runs step N (``--overlap off`` to stop).
-    overlap: bool = True
+    # Keep one step in flight: schedule step N+1 while the executor runs step N. None: on beside an accelerator, off
+    # where the executor computes on the CPU, whose step the scheduler's work cannot hide behind and where an arrival
+    # would wait for the step queued ahead too (W3: docs/benchmarks-history.md).
+    overlap: bool | None = None
     # The most decode steps per plan (multi-step scheduling): the executor feeds its own tokens in between. A plan
     # takes no more than any of its requests' readers take at a time (1 for a token-by-token stream), and an arrival
     # cuts one short. Plans are pipelined across windows (``Engine``), so 8 serves the CPU and an accelerator alike:
@@ -140,7 +142,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--executor-tls-cert", str, "PEM client certificate for an executor that requires mutual TLS")
     add("--executor-tls-key", str, "PEM private key of --executor-tls-cert")
     add("--api-key", str, "clients must send 'authorization: Bearer <key>'; prefer the environment", secret=True)
-    add("--overlap", boolean, "schedule step N+1 while the executor runs step N ('--overlap off': one step at a time)")
+    add("--overlap", boolean, "schedule step N+1 while the executor runs step N ('--overlap off': one step at a time; "
+        "default: on beside an accelerator, off with an executor on the CPU)")
     add("--num-scheduler-steps", positive_int, "the most decode steps per plan: the scheduling and the RPC are paid "
         "once per plan, and EOS and stop strings are seen only between plans. A plan computes no more steps than any "
         "of its requests' readers take tokens at a time (a stream's interval; whole completions: no limit), and a new "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -11,6 +12,7 @@ from common.step import ExecutorInfo
 from executor_svc.fakes.shadow import ShadowExecutor
 from scheduler_svc.api.grpc_service import ACCELERATOR_GIL_SWITCH_INTERVAL_S, connect_engine, set_gil_switch_interval
 from scheduler_svc.config import ServiceConfig, parse_config
+from scheduler_svc.core.sampling import SamplingParams
 
 
 def test_defaults():
@@ -78,12 +80,30 @@ def test_bad_timeouts_and_bounds_are_refused(argv: list[str]):
     assert e.value.code == 2
 
 
-def test_overlap_is_on_by_default_and_off_turns_it_off():
-    assert ServiceConfig().overlap is True
-    assert parse_config([], env={}).overlap is True
+def test_overlap_is_left_to_the_executor_unless_a_flag_says():
+    assert ServiceConfig().overlap is None
+    assert parse_config([], env={}).overlap is None
     assert parse_config(["--overlap", "off"], env={}).overlap is False
     assert parse_config([], env={"NANOSERVE_OVERLAP": "off"}).overlap is False
     assert parse_config(["--overlap"], env={"NANOSERVE_OVERLAP": "off"}).overlap is True
+
+
+@pytest.mark.parametrize(("device", "flag", "overlap"), [("cpu", None, False), ("cuda:0", None, True),
+                                                         ("simulated", None, True), ("cpu", "on", True),
+                                                         ("cuda:0", "off", False)])
+def test_overlap_by_default_only_beside_an_accelerator(device: str, flag: str | None, overlap: bool):
+    """On the CPU the executor's step leaves the scheduler's work nothing to hide behind, and a step queued ahead
+    would hold an arrival's prefill back by a whole step: the engine keeps a step in flight only beside an
+    accelerator, unless --overlap says."""
+    executor = ShadowExecutor(16, 4, 50, (0,))
+    executor.info = replace(executor.info, device=device)
+    config = parse_config(["--overlap", flag] if flag else [], env={})
+    engine = connect_engine(executor, config)
+    assert engine.overlap is overlap
+    seq = engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(seq.completion_token_ids) == 4 and engine.block_manager.num_free_blocks == 16
 
 
 @pytest.mark.parametrize(("device", "shorter"), [("cpu", False), ("cuda:0", True), ("simulated", True)],

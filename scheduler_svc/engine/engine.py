@@ -60,11 +60,11 @@ class Engine:
     flags (``api.grpc_service.connect_engine``), as bench.overlap's in-process peer does."""
 
     def __init__(
-        self, executor: Executor, config: SchedulerConfig | None = None, overlap: bool = False,
+        self, executor: Executor, config: SchedulerConfig | None = None, overlap: bool | None = False,
         step_timeout_s: float | None = None,
     ) -> None:
+        """``overlap`` None: on beside an accelerator, off where the executor computes on the CPU (``--overlap``)."""
         self.executor = executor
-        self.overlap = overlap
         # Bounds the wait for a step in flight (a synchronous executor bounds its own calls).
         self.step_timeout_s = step_timeout_s
         self._submit: Submit | None = None
@@ -74,6 +74,7 @@ class Engine:
         # A step launched by ``launch_ahead``, after ``_in_flight``: the next ``step`` only collects.
         self._ahead: Launched | None = None
         self.info = executor.get_info()
+        self.overlap = not self.info.on_cpu if overlap is None else overlap
         self.config = serving_config(config or SchedulerConfig(), self.info)
         self.scheduler = POLICIES[self.config.policy](
             self.config,
