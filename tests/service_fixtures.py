@@ -267,10 +267,13 @@ async def in_process_scheduler(executor: Executor, **config: object) -> AsyncIte
     """A scheduler server in this process around ``executor``, and an aio stub to it; stopped on exit.
 
     Its HTTP API is off unless ``http_port`` is given, and it serves gRPC itself unless ``api_process`` is given (the
-    stacks of real processes run the API process, as by default; ``test_api_process`` runs it here too).
+    stacks of real processes run the API process, as by default; ``test_api_process`` runs it here too). It keeps a
+    step in flight unless ``overlap`` is given, as beside an accelerator, whatever the executor's device: the paths
+    overlap adds (plans booked ahead, windows cut under them) are what these tests exercise; the stacks of real
+    processes run the CPU's default, one step at a time.
     """
     server = SchedulerServer(ServiceConfig(**{"host": HOST, "port": 0, "http_port": 0, "api_process": False,
-                                              **config}), executor)
+                                              "overlap": True, **config}), executor)
     await server.start()
     assert await server.connect()
     channel = grpc.aio.insecure_channel(f"{HOST}:{server.port}")

@@ -216,9 +216,10 @@ def test_an_abort_cuts_the_window_in_flight_and_is_answered_after_the_pass_in_pr
             answer = asyncio.ensure_future(s.stub.GenerateOnce(whole))
             rest = asyncio.ensure_future(s.stub.GenerateOnce(other)) if beside else None
             await asyncio.to_thread(executor.window_started.wait, 10)
-            while beside and not any(len(p.cached_requests.request_ids) == 2 and p.after_whole_step_id is not None
-                                     for p in executor.plans):
-                await asyncio.sleep(0.01)  # until a window of both is booked on one of both
+            async with asyncio.timeout(10):
+                while beside and not any(len(p.cached_requests.request_ids) == 2 and p.after_whole_step_id is not None
+                                         for p in executor.plans):
+                    await asyncio.sleep(0.01)  # until a window of both is booked on one of both
             passes_before = executor.num_passes
             aborted = await s.stub.Abort(pb.AbortRequest(request_ids=["whole"]))
             done = await answer
