@@ -54,6 +54,7 @@ from scheduler_svc.api.grpc_service import connect_engine, executor_client, set_
 from scheduler_svc.config import ServiceConfig
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.sequence import Sequence as SchedulerSequence
+from scheduler_svc.engine.checks import serving_overlap
 from scheduler_svc.engine.engine import Engine
 
 BLOCK_SIZE = 16
@@ -249,8 +250,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
             for api in apis.values():
                 api.close()
     results = {run: Phases.median(runs_of) for run, runs_of in timed.items()}
+    overlap = "on" if serving_overlap(DEFAULTS.overlap, on_cpu=False) else "off"
     print(f"W5: decode steps of context {args.context}, simulated accelerator of {args.step_ms:g} ms per step, "
-          f"scheduler at its default flags (overlap {'off' if DEFAULTS.overlap is False else 'on'}), median of "
+          f"scheduler at its default flags (overlap {overlap}), median of "
           f"{args.repeats} runs of {args.steps} steps (us per decode step)")
     rows = []
     for (peer, batch), p in results.items():

@@ -34,6 +34,12 @@ def check_draft_model(config: SchedulerConfig, info: ExecutorInfo) -> None:
                          f"but executor {info.model_id!r} reports none; use --speculative ngram, or start it with one")
 
 
+def serving_overlap(overlap: bool | None, on_cpu: bool) -> bool:
+    """``--overlap``, or where it is unset: on beside an accelerator, off where the executor computes on the CPU, whose
+    step the scheduler's work cannot hide behind and where a step queued ahead holds an arrival's prefill back."""
+    return not on_cpu if overlap is None else overlap
+
+
 def serving_config(config: SchedulerConfig, info: ExecutorInfo) -> SchedulerConfig:
     """``config`` checked against this executor (``check_draft_model``; ValueError) and completed where the flags left
     it open: speculation only in small batches on a CPU (``CPU_SPECULATION_BATCH_LIMIT``)."""

@@ -30,7 +30,13 @@ from scheduler_svc.core.scheduler import SchedulerConfig, TokenOutput
 from scheduler_svc.core.sequence import FinishReason, Sequence
 from scheduler_svc.core.validation import ModelLimits, check_request
 from scheduler_svc.engine.adapters import Adapters
-from scheduler_svc.engine.checks import ExecutorRestarted, IncompatibleExecutor, StepMismatch, serving_config
+from scheduler_svc.engine.checks import (
+    ExecutorRestarted,
+    IncompatibleExecutor,
+    StepMismatch,
+    serving_config,
+    serving_overlap,
+)
 from scheduler_svc.engine.kv_events import KvEventLog
 from scheduler_svc.engine.launched import Launched, StepTimings
 from scheduler_svc.engine.window import Window
@@ -63,7 +69,7 @@ class Engine:
         self, executor: Executor, config: SchedulerConfig | None = None, overlap: bool | None = False,
         step_timeout_s: float | None = None,
     ) -> None:
-        """``overlap`` None: on beside an accelerator, off where the executor computes on the CPU (``--overlap``)."""
+        """``overlap`` None: as ``checks.serving_overlap`` decides for this executor."""
         self.executor = executor
         # Bounds the wait for a step in flight (a synchronous executor bounds its own calls).
         self.step_timeout_s = step_timeout_s
@@ -74,7 +80,7 @@ class Engine:
         # A step launched by ``launch_ahead``, after ``_in_flight``: the next ``step`` only collects.
         self._ahead: Launched | None = None
         self.info = executor.get_info()
-        self.overlap = not self.info.on_cpu if overlap is None else overlap
+        self.overlap = serving_overlap(overlap, self.info.on_cpu)
         self.config = serving_config(config or SchedulerConfig(), self.info)
         self.scheduler = POLICIES[self.config.policy](
             self.config,
