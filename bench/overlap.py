@@ -12,7 +12,8 @@ pipelined, or ``--num-scheduler-steps``) driving the executor in a child process
 process, at the GIL switch interval the scheduler service sets beside an accelerator); ``api``, the split as
 deployed: the scheduler service at its default flags in front of the same executor (both child processes), with
 ``--batch`` clients streaming through the public API (``bench.overlap_api``); ``api_vllm``, the same with the clients
-streaming the gateways' ``VllmEngine/Generate``, as a gateway in front of the scheduler does; ``floor``, the same
+streaming the gateways' ``VllmEngine/Generate``, as a gateway in front of the scheduler does; ``api_http``, the same
+with the clients streaming the OpenAI API's ``/v1/completions``; ``floor``, the same
 clients streaming from ``bench.stream_floor``, gRPC Python sending one token per stream per step and nothing else:
 what any one Python process pays to serve the streams.
 Each batch prefills its sequences first (untimed), then times ``--steps`` decode steps of ``--batch`` sequences of
@@ -23,7 +24,8 @@ plan, postprocess, its wait for the result and its CPU time, and (in-process, wh
 long the accelerator sat idle between two steps (its step N+1 is launched as soon as N's tokens are back, before
 they are recorded and N's result is built and handed over) and the executor's ``prepare`` half (apply the plan,
 pack the input), which runs while the step before is on the device. For ``api`` and ``floor`` the scheduler's CPU is
-its whole process's and its API process's (the streams and gRPC included) and the clients' is shown beside it;
+its whole process's and its API process's (the streams and gRPC included), the clients' is shown beside it, and so is
+the scheduler's process alone (where the engine loop holds the GIL: a core at most);
 ``NANOSERVE_API_PROCESS=off`` in the environment runs ``api`` without the API process.
 """
 
@@ -59,9 +61,9 @@ from scheduler_svc.engine.engine import Engine
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
-PEERS = ("split", "in-process", "api", "api_vllm", "floor")
+PEERS = ("split", "in-process", "api", "api_vllm", "api_http", "floor")
 # Peers timed through the public API, from clients in this process.
-API_PEERS = ("api", "api_vllm", "floor")
+API_PEERS = ("api", "api_vllm", "api_http", "floor")
 # What nanoserve-scheduler runs with when given no flags.
 DEFAULTS = ServiceConfig()
 
@@ -81,12 +83,13 @@ class Phases:
     idle_us: float = 0.0
     prepare_us: float = 0.0
     client_cpu_us: float = 0.0
+    own_cpu_us: float = 0.0
 
     @staticmethod
     def of_api(run: ApiRun) -> Phases:
         per_step = 1e6 / run.steps
         return Phases(run.wall_s * per_step, 0.0, 0.0, 0.0, run.scheduler_cpu_s * per_step,
-                      client_cpu_us=run.client_cpu_s * per_step)
+                      client_cpu_us=run.client_cpu_s * per_step, own_cpu_us=run.own_cpu_s * per_step)
 
     @staticmethod
     def median(runs: list[Phases]) -> Phases:
@@ -227,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         try:
             start = {"api": lambda: ApiPeer.scheduler(flags, args.stream_interval),
                      "api_vllm": lambda: ApiPeer.scheduler(flags, args.stream_interval, protocol="vllm"),
+                     "api_http": lambda: ApiPeer.scheduler(flags, args.stream_interval, protocol="http"),
                      "floor": lambda: ApiPeer.floor(args.step_ms)}
             for peer in API_PEERS:
                 if peer in peers:
@@ -259,9 +263,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         phases = ["-"] * 3 if peer in API_PEERS else [p.schedule_us, p.postprocess_us, p.wait_us]
         executor = [p.idle_us, p.prepare_us] if peer == "in-process" else ["-", "-"]
         rows.append([batch, peer, efficiency(args.step_ms, p), 1e6 / p.wall_us, p.wall_us, *phases, p.cpu_us,
-                     *executor, p.client_cpu_us if peer in API_PEERS else "-"])
+                     *executor, *([p.client_cpu_us, p.own_cpu_us] if peer in API_PEERS else ["-", "-"])])
     print_table(["batch", "executor", "efficiency", "steps/s", "wall", "schedule+plan", "postprocess",
-                 "wait for result", "scheduler CPU", "accelerator idle", "prepare (beside)", "clients' CPU"], rows)
+                 "wait for result", "scheduler CPU", "accelerator idle", "prepare (beside)", "clients' CPU",
+                 "scheduler process alone"], rows)
     figures = figures_of(results, args)
     write_json(args.json, figures)
     return figures
@@ -286,6 +291,7 @@ def figures_of(results: dict[tuple[str, int], Phases], args: argparse.Namespace)
         figures[f"{prefix}_cpu_us_b{batch}"] = p.cpu_us
         if peer in API_PEERS:
             figures[f"{prefix}_client_cpu_us_b{batch}"] = p.client_cpu_us
+            figures[f"{prefix}_own_cpu_us_b{batch}"] = p.own_cpu_us
             continue
         figures[f"{prefix}_schedule_us_b{batch}"] = p.schedule_us
         figures[f"{prefix}_postprocess_us_b{batch}"] = p.postprocess_us

@@ -1,7 +1,8 @@
 """W5's ``api`` peer: the split as a deployment runs it, with the public API in front.
 
 The scheduler service runs as a child process at its default flags, in front of its own simulated executor, and
-``batch`` clients stream from it through ``client.api.AsyncClient`` in this process, one sequence each. The
+``batch`` clients stream from it through ``client.api.AsyncClient`` in this process, one sequence each (``api_http``:
+through ``/v1/completions``, each on a plain socket that parses only the token ids of each event). The
 scheduler counts the decode steps (``GetStats.num_steps``) between the moment every stream has ``warmup`` tokens
 and the moment every stream has ``warmup + steps``. Its CPU time over the same window, every thread of it (the
 engine loop, the streams, gRPC's own), is read from /proc; the clients' from this thread. The other peers
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import sys
@@ -49,15 +51,22 @@ class ApiRun:
     steps: int
     scheduler_cpu_s: float
     client_cpu_s: float
+    # The scheduler's process alone, without its API process: the share the engine loop's GIL is held
+    own_cpu_s: float = 0.0
+
+
+def own_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of every thread of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of every thread of process ``pid`` and of its live children (the scheduler's API
-    process, with ``--api-process``) so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    """``own_cpu_s`` of process ``pid`` and of its live children (the scheduler's API process, with
+    ``--api-process``)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS + sum(process_cpu_s(int(child)) for child in children)
+    return own_cpu_s(pid) + sum(process_cpu_s(int(child)) for child in children)
 
 
 def start_serving(children: list[tuple[str, int, list[str]]]) -> list[Child]:
@@ -77,12 +86,13 @@ class ApiPeer:
     """Child processes that serve the public API on ``port``, the last of them being the one that streams."""
 
     def __init__(self, port: int, children: list[Child], tail_factor: int = TAIL_FACTOR,
-                 protocol: str = "nanoserve") -> None:
-        self.port = port
+                 protocol: str = "nanoserve", http_port: int = 0) -> None:
+        self.port, self.http_port = port, http_port
         self.children = children
         self.server = children[-1]
         self.tail_factor = tail_factor
-        # "nanoserve": the clients stream nanoserve.v1's Generate; "vllm": the gateways' VllmEngine/Generate
+        # "nanoserve": the clients stream nanoserve.v1's Generate; "vllm": the gateways' VllmEngine/Generate; "http":
+        # the OpenAI API's /v1/completions
         self.protocol = protocol
 
     @classmethod
@@ -91,6 +101,9 @@ class ApiPeer:
         """The scheduler service at its default flags (but ``--stream-interval`` and ``scheduler_flags``) in front of
         a simulated executor with ``executor_flags``, its clients speaking ``protocol``."""
         executor_port, port = free_port(), free_port()
+        http_port = free_port() if protocol == "http" else 0
+        if http_port:
+            scheduler_flags = (*scheduler_flags, "--http-port", str(http_port))
         return cls(port, start_serving([
             ("api's simulated executor", executor_port, [
                 "-m", "executor_svc.fakes.simulated", "--host", HOST, "--port", str(executor_port), *executor_flags]),
@@ -98,7 +111,7 @@ class ApiPeer:
                 "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--host", HOST, "--port", str(port),
                 "--http-port", "0", "--log-level", "WARNING", "--stream-interval", str(stream_interval),
                 *scheduler_flags]),
-        ]), protocol=protocol)
+        ]), protocol=protocol, http_port=http_port)
 
     @classmethod
     def floor(cls, step_ms: float) -> ApiPeer:
@@ -129,6 +142,8 @@ class ApiPeer:
             def chunks(prompt: list[int]) -> AsyncIterator[list[int]]:
                 if self.protocol == "vllm":
                     return vllm_chunks(engine, prompt, max_tokens)
+                if self.protocol == "http":
+                    return http_chunks(self.http_port, model, prompt, max_tokens)
                 return (chunk.token_ids async for chunk in client.stream(
                     token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
@@ -145,6 +160,7 @@ class ApiPeer:
 
             before = await client.stats()  # the client's channel is open from here on
             engine = vllm_grpc.VllmEngineStub(client.channel)
+            model = (await client.model_info()).model_id if self.protocol == "http" else ""
             tasks = [asyncio.create_task(stream(index, prompt)) for index, prompt in enumerate(prompts)]
             window = []
             try:
@@ -158,8 +174,9 @@ class ApiPeer:
                         raise RuntimeError(f"batch {batch}: a stream ended after {ended} of its {max_tokens} tokens "
                                            f"while {len(behind)} had fewer than {mark} (the fewest {min(behind)})")
                     stats = await client.stats()
-                    window.append((time.perf_counter(), stats.num_steps, process_cpu_s(self.server.process.pid),
-                                   time.thread_time()))
+                    pid = self.server.process.pid
+                    window.append((time.perf_counter(), stats.num_steps, process_cpu_s(pid), time.thread_time(),
+                                   own_cpu_s(pid)))
             finally:
                 for task in tasks:
                     task.cancel()
@@ -170,8 +187,8 @@ class ApiPeer:
                 after = await client.stats()
         if after.num_preemptions != before.num_preemptions:
             raise RuntimeError("a sequence was preempted: the executor's KV cache is too small for the batch")
-        (t0, s0, c0, k0), (t1, s1, c1, k1) = window
-        return ApiRun(t1 - t0, s1 - s0, c1 - c0, k1 - k0)
+        (t0, s0, c0, k0, o0), (t1, s1, c1, k1, o1) = window
+        return ApiRun(t1 - t0, s1 - s0, c1 - c0, k1 - k0, o1 - o0)
 
     def close(self) -> None:
         for child in reversed(self.children):
@@ -187,3 +204,27 @@ async def vllm_chunks(engine: vllm_grpc.VllmEngineStub, prompt: list[int], max_t
     async for response in engine.Generate(request):
         if response.HasField("chunk"):
             yield list(response.chunk.token_ids)
+
+
+async def http_chunks(port: int, model: str, prompt: list[int], max_tokens: int) -> AsyncIterator[list[int]]:
+    """The token ids of each event of a greedy ``/v1/completions`` stream. HTTP/1.0, so the events come without
+    chunked framing; only the token ids are parsed, so the clients take less of the CPU than the server's JSON."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                       "stream": True, "return_token_ids": True}).encode()
+    reader, writer = await asyncio.open_connection(HOST, port)
+    writer.write(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                 % len(body) + body)
+    try:
+        head, _, rest = (await reader.readuntil(b"\r\n\r\n")).partition(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"/v1/completions answered {head.splitlines()[0].decode()}: {await reader.read()}")
+        buffer = rest
+        while data := await reader.read(1 << 16):
+            buffer += data
+            *events, buffer = buffer.split(b"\n\n")
+            for event in events:
+                start = event.find(b'"token_ids":[')
+                if start >= 0:
+                    yield json.loads(event[start + 12: event.index(b"]", start) + 1])
+    finally:
+        writer.close()

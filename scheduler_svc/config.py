@@ -156,9 +156,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--stream-interval", positive_int, "tokens a stream gathers before they are sent (its first token and its "
         "end go at once): 1 sends each as it comes; more send fewer, larger messages, which costs this process "
         "less per token when it streams to many clients")
-    add("--api-process", boolean, "serve the public gRPC API from a process of its own, which writes the streams: "
-        "this process then spends its CPU on scheduling, not on a message per token (the HTTP API and the metrics "
-        "stay here)")
+    add("--api-process", boolean, "serve the public gRPC API, and the HTTP API's completions, from a process of its "
+        "own, which writes the streams: this process then spends its CPU on scheduling, not on a message per token "
+        "(the metrics port stays here)")
     add("--yield-cpu", boolean, "when the executor computes on the CPU, run this process's threads in SCHED_IDLE, so "
         "that they never preempt its forward pass on the cores they share: more offline throughput, a later first "
         "token (give the executor the same flag)")

@@ -48,14 +48,15 @@ class Hosted:
 
 @contextlib.contextmanager
 def hosted(executor: Executor, **config: object) -> Iterator[Hosted]:
-    """``in_process_scheduler`` with its HTTP API on a free port, run on a thread of its own until exit."""
+    """``in_process_scheduler`` with its HTTP API on a free port, run on a thread of its own until exit; the API
+    process serves it, as by default, unless ``api_process=False``."""
     port = free_port()
     started = threading.Event()
     state: dict[str, object] = {}
 
     async def main() -> None:
         try:
-            async with in_process_scheduler(executor, http_port=port, **config) as s:
+            async with in_process_scheduler(executor, http_port=port, **{"api_process": True, **config}) as s:
                 state.update(server=s.server, loop=asyncio.get_running_loop(), stop=asyncio.Event())
                 started.set()
                 await state["stop"].wait()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from common.replay_cli import recorded_executor
 from common.step import ExecutorInfo
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.engine.stats import LoopStats
-from tests.service_fixtures import assert_idle_async, collect, in_process_scheduler, token_request
+from tests.service_fixtures import GatedExecutor, assert_idle_async, collect, in_process_scheduler, token_request
 
 # Small steps and a small cache: prompts are chunked, and the requests in flight together do not fit.
 SESSION_CONFIG = {"max_num_batched_tokens": 16, "max_num_seqs": 6}
@@ -24,6 +25,10 @@ SESSION_CONFIG = {"max_num_batched_tokens": 16, "max_num_seqs": 6}
 # blocks a loaded machine spread their arrivals and the session once recorded no preemption.
 NUM_BLOCKS = 20
 BLOCK_SIZE = 4
+# The session's first wave: its requests' sequences (the n = 3 request counts one while it waits); how long the first
+# step waits for them at most.
+FIRST_WAVE = 6
+FIRST_WAVE_TIMEOUT_S = 10.0
 
 
 def prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
@@ -79,9 +84,22 @@ def record_session(executor: Executor, directory: Path, regex: str, vocab: int, 
                    **config: object) -> tuple[list[list[int]], LoopStats]:
     """Run the session with ``--record directory``; its outputs and the engine loop's counters."""
 
+    gate = GatedExecutor(executor)
+
     async def main():
-        async with in_process_scheduler(executor, record=str(directory), **SESSION_CONFIG, **config) as s:
-            outputs = await session(s.stub, vocab, regex, logprobs)
+        async with in_process_scheduler(gate, record=str(directory), **SESSION_CONFIG, **config) as s:
+            # The first step waits until the first wave is in: on a loaded machine its arrivals spread, and a prompt
+            # that ended before the next one came preempted nothing (the session once recorded no preemption).
+            gate.open.clear()
+            running = asyncio.ensure_future(session(s.stub, vocab, regex, logprobs))
+            deadline = time.monotonic() + FIRST_WAVE_TIMEOUT_S
+            while not running.done() and time.monotonic() < deadline:
+                stats = s.server.loop.stats
+                if stats.num_waiting + stats.num_running >= FIRST_WAVE:
+                    break
+                await asyncio.sleep(0.005)
+            gate.open.set()
+            outputs = await running
             await assert_idle_async(s.stub)
             return outputs, s.server.loop.stats
 

@@ -4,17 +4,20 @@ A caller must not be able to tell: the same tokens, finishes, usage and statuses
 itself; bad input refused with the field to fix while the rest goes on; callers that leave or are aborted free their
 blocks; every other method (unary, streaming, health, reflection) passed through with its status; the API key
 checked; a drain ends the streams with ABORT and the drained trailer; an API process that dies stops the scheduler.
+Its HTTP port answers the completions itself and passes every other route on, unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -23,6 +26,7 @@ from common.channels import DRAINED_KEY
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.http_fixtures import hosted
 from tests.service_fixtures import (
     HOST,
     api_process_pid,
@@ -243,3 +247,41 @@ def test_the_scheduler_stops_when_its_api_process_dies(tmp_path: Path):
             time.sleep(0.1)
         assert s.scheduler.returncode == 1
         assert "the API process ended" in s.logs()
+
+
+def test_http_routes_not_answered_here_pass_through_with_status_headers_and_body():
+    """Completions are answered by the API process; every other route reaches the scheduler's app unchanged, as
+    without it: methods, query strings, bodies, statuses, headers, errors naming the field."""
+    answers_of: dict[bool, list] = {}
+    for api_process in (True, False):
+        with hosted(shadow(), api_process=api_process) as h:
+            with httpx.Client(base_url=h.url, timeout=30) as http:
+                model = http.get("/v1/models").json()["data"][0]["id"]
+                body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                        "return_token_ids": True}
+                streamed = http.post("/v1/completions", json={**body, "stream": True})
+                events = [line for line in streamed.text.splitlines() if line.startswith("data: {")]
+                tokens = [t for event in events for choice in json.loads(event[6:])["choices"]
+                          for t in choice.get("token_ids") or []]
+                metrics = http.get("/metrics")
+                answers = [
+                    tokens,
+                    http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"],
+                    (streamed.status_code, streamed.headers["content-type"]),
+                    http.post("/detokenize", json={"tokens": [1, 2]}).status_code,
+                    http.post("/tokenize", json={"model": model}).json()["error"]["param"],
+                    http.get(f"/v1/models/{model}").json()["id"],
+                    http.get("/v1/models/nope?x=1").status_code,
+                    http.get("/v1/completions").status_code,
+                    http.get("/no/such/route").status_code,
+                    http.get("/health").status_code,
+                    (metrics.status_code, metrics.headers["content-type"], "nanoserve" in metrics.text),
+                    sorted(http.get("/openapi.json").json()["paths"])[:3],
+                ]
+            h.assert_idle()
+        answers_of[api_process] = answers
+    got = answers_of[True]
+    assert got[0] == got[1] == reference_generate([1, 2, 3], 5, VOCAB, ignore_eos=True)
+    assert got[2:10] == [(200, "text/event-stream; charset=utf-8"), 400, "prompt", got[5], 404, 405, 404, 200]
+    assert got[10][0] == 200 and got[10][1].startswith("text/plain") and got[10][2]
+    assert got == answers_of[False]

@@ -78,11 +78,12 @@ def test_overlap_writes_its_keys(tmp_path):
     assert figures["step_ms"] == 1
     for batch in (1, 4):
         for key in ("split_efficiency", "inprocess_efficiency", "inprocess_idle_us", "split_wait_us",
-                    "api_efficiency", "api_vllm_efficiency", "floor_efficiency", "api_client_cpu_us",
-                    "api_vllm_client_cpu_us", "floor_client_cpu_us"):
+                    "api_efficiency", "api_vllm_efficiency", "api_http_efficiency", "floor_efficiency",
+                    "api_client_cpu_us", "api_vllm_client_cpu_us", "api_http_client_cpu_us", "floor_client_cpu_us"):
             assert positive_finite(figures[f"{key}_b{batch}"]), key
-        for peer in ("api", "api_vllm", "floor"):
-            assert math.isfinite(figures[f"{peer}_cpu_us_b{batch}"]) and figures[f"{peer}_cpu_us_b{batch}"] >= 0
+        for peer in ("api", "api_vllm", "api_http", "floor"):
+            for cpu in ("cpu_us", "own_cpu_us"):
+                assert math.isfinite(figures[f"{peer}_{cpu}_b{batch}"]) and figures[f"{peer}_{cpu}_b{batch}"] >= 0
 
 
 def test_serving_on_a_shadow_stack_writes_its_keys(tmp_path):

@@ -26,10 +26,11 @@ MODEL = "echo"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
 
 
-@pytest.fixture(scope="module")
-def echo_api() -> Iterator[Hosted]:
-    """The echo executor (completion token i is prompt token i mod its length) with made-up logprobs."""
-    with hosted(LogprobExecutor(echo())) as h:
+@pytest.fixture(scope="module", params=[True, False], ids=["api-process", "in-scheduler"])
+def echo_api(request: pytest.FixtureRequest) -> Iterator[Hosted]:
+    """The echo executor (completion token i is prompt token i mod its length) with made-up logprobs; the routes
+    served by the API process (the default) and by the scheduler's own process (``--api-process off``)."""
+    with hosted(LogprobExecutor(echo()), api_process=request.param) as h:
         yield h
 
 

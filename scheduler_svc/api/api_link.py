@@ -55,9 +55,11 @@ class RemoteSink:
 class ApiProcess:
     """The API process, its link, and the requests it sent in, by key."""
 
-    def __init__(self, config: ServiceConfig, frontend: Frontend, internal_target: str, folder: str) -> None:
+    def __init__(self, config: ServiceConfig, frontend: Frontend, internal_target: str, internal_http: str,
+                 folder: str) -> None:
+        """``internal_http``: the scheduler's HTTP routes' socket, when the API process serves --http-port."""
         self.config, self.frontend = config, frontend
-        self.internal_target = internal_target
+        self.internal_target, self.internal_http = internal_target, internal_http
         self.path = os.path.join(folder, "link.sock")
         self.port = 0
         self.handles: dict[int, RequestHandle] = {}
@@ -71,15 +73,16 @@ class ApiProcess:
         self.process: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
 
-    async def start(self, on_lost: Callable[[], None]) -> int:
-        """Start the API process and wait until it listens; its port (OSError when it cannot bind)."""
+    async def start(self, on_lost: Callable[[], None]) -> tuple[int, int]:
+        """Start the API process and wait until it listens; its gRPC and HTTP ports (OSError when it cannot bind)."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.path)
         listener.listen(1)
         listener.settimeout(ACCEPT_POLL_S)
         c = self.config
         settings = Settings(self.path, self.internal_target, c.host, c.port, c.max_message_bytes, c.stream_interval,
-                            c.log_level, c.tls_cert, c.tls_key, c.tls_ca, c.api_key)
+                            c.log_level, c.tls_cert, c.tls_key, c.tls_ca, c.api_key,
+                            c.http_port if self.internal_http else 0, self.internal_http)
         env = {**os.environ, ENV: json.dumps(asdict(settings))}
         self.process = subprocess.Popen([sys.executable, "-m", "scheduler_svc.api.api_process"], env=env)
         try:
@@ -92,7 +95,7 @@ class ApiProcess:
         self.port = first[1]
         aio_loop = asyncio.get_running_loop()
         threading.Thread(target=self._read, args=(aio_loop, on_lost), name="api-link", daemon=True).start()
-        return self.port
+        return self.port, first[2]
 
     def _accept(self, listener: socket.socket) -> socket.socket:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -124,6 +127,8 @@ class ApiProcess:
         if kind in ("submit", "submit_vllm"):
             self._pending.add(key)
             asyncio.ensure_future(self._submit(key, kind, frame[2], frame[3]))
+        elif kind == "served":
+            self._served(key, frame[2])
         elif kind == "close":
             if (handle := self.handles.pop(key, None)) is not None:
                 self.frontend.forget(handle, cancel=frame[2])
@@ -153,6 +158,19 @@ class ApiProcess:
         self.handles[key] = handle
         reading = () if kind == "submit" else (ResponseWriter.reading(handle.prepared),)
         self.send(("accepted", key, handle.prepared.request_id, handle.prepared.params.n, *reading))
+
+    def _served(self, key: int, with_tokenizer: bool) -> None:
+        """What the HTTP routes' ``model`` may name now (the base model, the adapters loaded) and, when asked, the
+        handshake's tokenizer, which the API process's HTTP responses decode logprobs and echoes with."""
+        try:
+            info = self.frontend.ready().info
+        except RequestFailed as e:
+            self.send(("failed", key, public(e)))
+            return
+        tokenizer = ((info.tokenizer_json, info.chat_template, info.bos_token_id, tuple(info.eos_token_ids))
+                     if with_tokenizer and info.tokenizer_json else None)
+        adapters = frozenset(adapter.name for adapter in self.frontend.adapters())
+        self.send(("accepted", key, info.model_id, adapters, tokenizer))
 
     def _lost(self, on_lost: Callable[[], None]) -> None:
         """The API process is gone: its requests are cancelled (their callers went with it)."""

@@ -6,7 +6,8 @@ scheduler's process it shares the GIL with the engine loop, which an accelerator
 theirs: the scheduler sends each step's outputs for every stream at once over a Unix socket (``api.process_link``),
 and this process turns them into responses. Generate and GenerateOnce, and VllmEngine's Generate (through the proxy a
 gateway's stream paid a second gRPC hop a message), are answered here; every other call is passed on to the scheduler's
-internal socket (``api.grpc_proxy``). The HTTP API and the metrics port stay in the scheduler.
+internal socket (``api.grpc_proxy``). With --http-port the OpenAI HTTP API is served here too (``api.api_http``): its
+completion routes from the link, every other route passed on to the scheduler's. The metrics port stays there.
 
 The scheduler starts it (``api.api_link.ApiProcess``) with its settings in ``NANOSERVE_API_PROCESS_SETTINGS`` (JSON)
 and stops it with a frame; it ends as well when the scheduler's end of the link closes. SIGINT and SIGTERM are left
@@ -34,9 +35,11 @@ from common.cpu_yield import give_way, thread_ids, yield_cpu
 from common.heap import freeze_startup_heap
 from common.security import ApiKeyInterceptor, TLSConfig, bind
 from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc.api.api_http import Forwarder, LinkGenerating, LinkGeneration, create_api_app
 from scheduler_svc.api.codec import responses, to_response
 from scheduler_svc.api.grpc_proxy import GrpcProxy
 from scheduler_svc.api.grpc_status import fail
+from scheduler_svc.api.http.server import HttpServer
 from scheduler_svc.api.outbox import Outbox
 from scheduler_svc.api.process_link import Frame, decode_output, pack, read_frame
 from scheduler_svc.api.vllm_engine.requests import vllm_error
@@ -68,6 +71,9 @@ class Settings:
     tls_key: str = ""
     tls_ca: str = ""
     api_key: str = ""
+    # --http-port, served here, and the socket of the scheduler's HTTP routes (0 and "": no HTTP API)
+    http_port: int = 0
+    http_internal: str = ""
 
 
 class Call:
@@ -97,6 +103,14 @@ class Link:
         call = self.calls[key] = Call(interval)
         self.send((kind, key, data, whole))
         return key, call
+
+    def ask(self, kind: str, *args: object) -> asyncio.Future[tuple]:
+        """A question for the scheduler (``served``): its answer, or the RequestFailed it raised."""
+        key = next(self._keys)
+        call = self.calls[key] = Call(math.inf)
+        self.send((kind, key, *args))
+        call.accepted.add_done_callback(lambda _: self.calls.pop(key, None))
+        return call.accepted
 
     def close(self, key: int, cancel: bool) -> None:
         if self.calls.pop(key, None) is not None and not self.writer.is_closing():
@@ -172,25 +186,20 @@ class ApiHandler(grpc.GenericRpcHandler):
         """As ``Generation.batches``: what the scheduler answered when it took the request, and each batch of
         outputs until every choice ended; a failure ends the call with the status of ``failure(error)``."""
         key, call = self.link.submit(kind, data, interval, whole)
-        remaining = 1
+        generation = LinkGeneration(self.link, key, call, 1)
         try:
             try:
                 accepted = await call.accepted
             except RequestFailed as e:
                 await fail(context, e)
-            remaining = accepted[1]
-            while remaining:
-                outputs = await call.outbox.take()
-                error = outputs[-1].error
-                if error is not None:
-                    outputs.pop()
-                if outputs:
-                    remaining -= sum(output.finish_reason is not None for output in outputs)
+            generation.remaining = accepted[1]
+            try:
+                async for outputs in generation.batches():
                     yield accepted, outputs
-                if error is not None:
-                    await fail(context, failure(error))
+            except RequestFailed as e:
+                await fail(context, failure(e))
         finally:
-            self.link.close(key, cancel=bool(remaining))
+            generation.close()
 
     async def _interval(self, data: bytes, context: grpc.aio.ServicerContext) -> float:
         """Tokens a read of a nanoserve Generate stream takes (its request parsed here: bad bytes end the call)."""
@@ -239,17 +248,27 @@ async def serve(settings: Settings) -> None:
     server = grpc.aio.server(interceptors=interceptors, options=server_options(settings.max_message_bytes))
     server.add_generic_rpc_handlers([ApiHandler(link, GrpcProxy(channel), settings.stream_interval)])
     tls = TLSConfig.from_flags(settings.tls_cert, settings.tls_key, settings.tls_ca)
+    forwarder = Forwarder(settings.http_internal) if settings.http_port else None
     try:
         port = bind(server, settings.host, settings.port, tls)
+        http = None
+        if forwarder is not None:
+            app = create_api_app(LinkGenerating(link, settings.stream_interval), forwarder, settings.api_key)
+            http = HttpServer(app, settings.host, settings.http_port, tls)
     except OSError as e:
         link.send(("failed_to_listen", str(e)))
         await writer.drain()
         return
     await server.start()
-    link.send(("listening", port))
+    if http is not None:
+        http.start()
+    link.send(("listening", port, http.port if http is not None else 0))
     freeze_startup_heap()
     await link.run()
-    await server.stop(link.stop_grace_s or 0)
+    grace = link.stop_grace_s or 0
+    await asyncio.gather(server.stop(grace), *([http.stop(grace)] if http is not None else []))
+    if forwarder is not None:
+        await forwarder.close()
     await channel.close()
     writer.close()
 
@@ -259,6 +278,7 @@ def main() -> None:
         signal.signal(signum, signal.SIG_IGN)
     settings = Settings(**json.loads(os.environ.pop(ENV)))
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per route passed on, at INFO
     asyncio.run(serve(settings))
 
 

@@ -13,16 +13,15 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from common.step import LoraAdapterInfo
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.codec import model_info, scheduler_stats
-from scheduler_svc.api.outbox import Outbox
+from scheduler_svc.api.outbox import ChoicesReader, Outbox
 from scheduler_svc.api.prepare import detokenize, prepare, public_error, tokenize
 from scheduler_svc.api.server_info import ServerInfo, server_info
 from scheduler_svc.core.errors import ExecutorUnavailable, InvalidRequest, RequestFailed
-from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.tokenizer import ModelTokenizer
 from scheduler_svc.core.validation import ModelLimits
@@ -37,34 +36,22 @@ def public(error: RequestFailed) -> RequestFailed:
     return public_error(error) if isinstance(error, InvalidRequest) else error
 
 
-class Generation:
-    """One submitted request: its outputs until every choice finished; ``close`` when the caller is done."""
+class Generation(ChoicesReader):
+    """One submitted request: its outputs until every choice finished (``batches``); ``close`` when the caller is
+    done. Each piece waits for the engine's turn to end first (``engine.turn``)."""
 
     def __init__(self, frontend: Frontend, handle: RequestHandle, outbox: Outbox) -> None:
+        super().__init__(outbox, handle.prepared.params.n)
         self._frontend = frontend
         self._handle = handle
-        self._outbox = outbox
         self.prepared: PreparedRequest = handle.prepared
         self.request_id = handle.prepared.request_id
-        self.remaining = handle.prepared.params.n
 
-    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
-        """Everything produced since the last read, so a slow reader gets fewer, larger pieces; raises the
-        request's failure (always its last output: nothing of a failed request follows it) once what came before it
-        is read. Each piece waits for the engine's turn to end first (``engine.turn``)."""
-        turn = self._frontend.turn
-        while self.remaining:
-            turn.give_way()
-            outputs = await self._outbox.take()
-            turn.give_way()
-            error = outputs[-1].error
-            if error is not None:
-                outputs.pop()
-            if outputs:
-                self.remaining -= sum(output.finish_reason is not None for output in outputs)
-                yield outputs
-            if error is not None:
-                raise public(error)
+    def give_way(self) -> None:
+        self._frontend.turn.give_way()
+
+    def failure(self, error: Exception) -> Exception:
+        return public(error)
 
     def close(self) -> None:
         """Forget the request's id; one not finished (the caller went away, or it failed) is cancelled."""

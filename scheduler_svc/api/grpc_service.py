@@ -29,7 +29,7 @@ from scheduler_svc.api.delivery import deliver_to_event_loop, link_deliver
 from scheduler_svc.api.frontend import Frontend, Generation
 from scheduler_svc.api.grpc_status import fail
 from scheduler_svc.api.http.app import create_app, create_metrics_app
-from scheduler_svc.api.http.server import HttpServer
+from scheduler_svc.api.http.server import HttpServer, metrics_tls
 from scheduler_svc.api.kv_events_config import parse_kv_events_config
 from scheduler_svc.api.kv_zmq import ZmqKvPublisher
 from scheduler_svc.api.malformed import MalformedRequest, MalformedRequestInterceptor
@@ -167,12 +167,6 @@ def executor_client(config: ServiceConfig, turn: Turn | None = None) -> RemoteEx
     return RemoteExecutor(config.executor, step_timeout_s=config.step_timeout, credentials=credentials, turn=turn)
 
 
-def metrics_tls(tls: TLSConfig | None) -> TLSConfig | None:
-    """--metrics-port's TLS: the public API's certificate, but no client certificate required (the scrapers it is
-    for, such as the endpoint picker, have none to present)."""
-    return TLSConfig(tls.cert_file, tls.key_file) if tls is not None and tls.cert_file else None
-
-
 class SchedulerServer:
     """The gRPC server, the HTTP API and the metrics port beside it on the same event loop, their health, and the
     engine loop once the executor answered."""
@@ -188,6 +182,8 @@ class SchedulerServer:
         self.tls = TLSConfig.from_flags(config.tls_cert, config.tls_key, config.tls_ca)
         # With --api-process the public port is the API process's, and this server listens on a private socket.
         self.api_folder = private_folder() if config.api_process else None
+        # With it and --http-port, the HTTP routes the API process passes on listen on this socket.
+        self.internal_http = f"{self.api_folder}/http.sock" if self.api_folder and config.http_port else ""
         self.api: ApiProcess | None = None
         # The scheduler's metrics join the process' ones once the executor answered (they are labelled with its model).
         self.registry = new_registry()
@@ -204,9 +200,11 @@ class SchedulerServer:
         self.metrics_http: HttpServer | None = None
         self.kv_publisher: ZmqKvPublisher | None = None
         try:
-            if config.http_port:
-                app = create_app(self.frontend, self.is_serving, self.registry, config.api_key, self.recording)
-                self.http = HttpServer(app, config.host, config.http_port, self.tls)
+            if config.http_port:  # with --api-process, its public port is the API process's, which checks the key
+                key = "" if self.api_folder else config.api_key
+                app = create_app(self.frontend, self.is_serving, self.registry, key, self.recording)
+                self.http = (HttpServer(app, "", 0, None, unix_path=self.internal_http) if self.api_folder
+                             else HttpServer(app, config.host, config.http_port, self.tls))
             if config.metrics_port:
                 self.metrics_http = HttpServer(create_metrics_app(self.registry), config.host, config.metrics_port,
                                                metrics_tls(self.tls), "the metrics port")
@@ -278,9 +276,12 @@ class SchedulerServer:
         await self._sync_health()
         await self.server.start()
         if self.api_folder is not None:
-            self.api = ApiProcess(self.config, self.frontend, self.internal_target, self.api_folder)
+            self.api = ApiProcess(self.config, self.frontend, self.internal_target, self.internal_http,
+                                  self.api_folder)
             try:
-                self.port = await self.api.start(self.stopping.set)
+                self.port, http_port = await self.api.start(self.stopping.set)
+                if self.http is not None:
+                    self.http.port = http_port
             except OSError:
                 await self.server.stop(None)
                 for server in self.http_servers:

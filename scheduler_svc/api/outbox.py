@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import AsyncIterator
 
 from scheduler_svc.core.outputs import RequestOutput
 
@@ -59,3 +60,36 @@ class Outbox:
         self._tokens.clear()
         self._due = False
         return outputs
+
+
+class ChoicesReader:
+    """A request's outputs read from its ``Outbox`` until each of its ``remaining`` choices finished: the loop of
+    the scheduler's ``frontend.Generation`` and of the API process's ``api_http.LinkGeneration``."""
+
+    def __init__(self, outbox: Outbox, remaining: int) -> None:
+        self.outbox = outbox
+        self.remaining = remaining
+
+    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
+        """Everything produced since the last read, so a slow reader gets fewer, larger pieces; raises the
+        request's failure (always its last output: nothing of a failed request follows it) once what came before it
+        is read."""
+        while self.remaining:
+            self.give_way()
+            outputs = await self.outbox.take()
+            self.give_way()
+            error = outputs[-1].error
+            if error is not None:
+                outputs.pop()
+            if outputs:
+                self.remaining -= sum(output.finish_reason is not None for output in outputs)
+                yield outputs
+            if error is not None:
+                raise self.failure(error)
+
+    def give_way(self) -> None:
+        """Called around each wait for outputs."""
+
+    def failure(self, error: Exception) -> Exception:
+        """The exception ``batches`` raises for the request's failure."""
+        return error

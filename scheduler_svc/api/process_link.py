@@ -1,12 +1,13 @@
 """The link between the scheduler service and its API process (``--api-process``): pickled frames, each after its
 length, over a Unix socket in a folder only this user can open.
 
-The API process sends ``("listening", port)`` once, then ``("submit", key, GenerateRequest bytes, whole)`` and
-``("close", key, cancel)`` (its caller is done; ``cancel``: before the request finished). The scheduler answers
-``("accepted", key, request_id, n)`` or ``("failed", key, error)``, sends each step's ``("outputs", items)`` for
-every request of the link at once, and ``("yield_cpu",)``, ``("beside_accelerator",)`` and ``("stop", grace_s)``. A
-decode step's plain token travels as ``(key, index, text, token_ids)``, anything else as ``(key, RequestOutput)``: a
-step of 256 streams then costs the engine loop tens of microseconds to send.
+The API process sends ``("listening", port, http_port)`` once, then ``("submit", key, GenerateRequest bytes, whole)``
+and ``("close", key, cancel)`` (its caller is done; ``cancel``: before the request finished), and for its HTTP routes
+``("served", key, with_tokenizer)``. The scheduler answers ``("accepted", key, request_id, n)`` (to ``served``:
+``("accepted", key, model_id, adapter names, tokenizer or None)``) or ``("failed", key, error)``, sends each step's
+``("outputs", items)`` for every request of the link at once, and ``("yield_cpu",)``, ``("beside_accelerator",)``
+and ``("stop", grace_s)``. A decode step's plain token travels as ``(key, index, text, token_ids)``, anything else
+as ``(key, RequestOutput)``: a step of 256 streams then costs the engine loop tens of microseconds to send.
 """
 
 from __future__ import annotations

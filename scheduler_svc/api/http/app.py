@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -24,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.executor import LoraRefused
 from common.security import bearer_token
+from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.frontend import Frontend, Generation
 from scheduler_svc.api.http import responses, schemas, translate
 from scheduler_svc.api.http.admin import recording_router
@@ -104,17 +106,46 @@ def served_by(frontend: Frontend) -> Callable[[], translate.Served]:
     return lambda: translate.Served(frontend.ready().info.model_id, frozenset(a.name for a in frontend.adapters()))
 
 
-def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
+class Generating(Protocol):
+    """Where the generation routes send their requests: the scheduler's ``Frontend`` (``FrontendGenerating``), or
+    the API process's link (``api.api_http``), which writes the streams out of the scheduler's process."""
+
+    @property
+    def tokenizer(self) -> ModelTokenizer | None: ...
+
+    async def served(self) -> translate.Served: ...
+
+    async def submit(self, request: pb.GenerateRequest, whole: bool) -> Generation: ...
+
+
+class FrontendGenerating:
+    """``Generating`` in the scheduler's own process."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self._served = served_by(frontend)
+
+    @property
+    def tokenizer(self) -> ModelTokenizer | None:
+        return self.frontend.tokenizer
+
+    async def served(self) -> translate.Served:
+        return self._served()
+
+    async def submit(self, request: pb.GenerateRequest, whole: bool) -> Generation:
+        return await self.frontend.submit(request, whole)
+
+
+def generation_router(source: Generating) -> APIRouter:
+    """``/v1/chat/completions`` and ``/v1/completions``, answered from ``source``."""
     router = APIRouter()
-    started = int(time.time())
-    served_model = served_by(frontend)
 
     async def submit(t: translate.Translated) -> list[Generation]:
         """Every prompt's request, or none: one refused closes those already queued."""
         generations: list[Generation] = []
         try:
             for request in t.requests:
-                generations.append(await frontend.submit(request, whole=not t.stream))
+                generations.append(await source.submit(request, not t.stream))
         except BaseException as e:
             for generation in generations:
                 generation.close()
@@ -126,10 +157,10 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
     async def generate(request: Request, t: translate.Translated, chunks: Chunks, whole: Whole) -> Response:
         generations = await submit(t)
         if t.stream:
-            return GenerationStream(chunks(t, generations, frontend.tokenizer), generations)
+            return GenerationStream(chunks(t, generations, source.tokenizer), generations)
 
         async def answer() -> Response:
-            return json_response(await whole(t, generations, frontend.tokenizer))
+            return json_response(await whole(t, generations, source.tokenizer))
 
         try:
             return await unless_disconnected(request, answer())
@@ -139,13 +170,21 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
 
     @router.post("/v1/chat/completions", response_model=schemas.ChatCompletion, responses=STREAMED)
     async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
-        t = translate.chat_request(body, served_model())
+        t = translate.chat_request(body, await source.served())
         return await generate(request, t, responses.chat_chunks, responses.chat_completion)
 
     @router.post("/v1/completions", response_model=schemas.TextCompletion, responses=STREAMED)
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
-        t = translate.completion_request(body, served_model(), frontend.tokenizer)
+        t = translate.completion_request(body, await source.served(), source.tokenizer)
         return await generate(request, t, responses.completion_chunks, responses.completion)
+
+    return router
+
+
+def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
+    router = APIRouter()
+    started = int(time.time())
+    served_model = served_by(frontend)
 
     def model_cards() -> list[schemas.ModelCard]:
         """The base model, then each LoRA adapter, with the base model as its parent."""
@@ -241,6 +280,7 @@ def create_app(frontend: Frontend, serving: Callable[[], bool], registry: Collec
         """Not ready, draining, or a refused tokenize: fields named as OpenAI spells them."""
         return translate.api_error(error, {}).response()
 
+    app.include_router(generation_router(FrontendGenerating(frontend)), responses=ERRORS)
     app.include_router(routes(frontend, serving), responses=ERRORS)
     app.include_router(gateway_router(frontend, served_by(frontend)), responses=ERRORS)
     app.include_router(metrics_router(registry))

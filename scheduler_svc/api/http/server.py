@@ -1,4 +1,5 @@
-"""uvicorn on the scheduler's own event loop, beside the grpc.aio server: no extra process, no extra hop."""
+"""uvicorn on an event loop beside a grpc.aio server: the scheduler's, or the API process's (``api.api_http``), which
+then reaches the scheduler's on a Unix socket (``listen_unix``)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,20 @@ def listen(host: str, port: int, name: str = "the HTTP API") -> socket.socket:
     return sock
 
 
+def listen_unix(path: str) -> socket.socket:
+    """A listening Unix socket at ``path`` (in the API process's private folder)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    sock.listen()
+    return sock
+
+
+def metrics_tls(tls: TLSConfig | None) -> TLSConfig | None:
+    """--metrics-port's TLS: the public API's certificate, but no client certificate required (the scrapers it is
+    for, such as the endpoint picker, have none to present)."""
+    return TLSConfig(tls.cert_file, tls.key_file) if tls is not None and tls.cert_file else None
+
+
 def tls_options(tls: TLSConfig | None) -> dict[str, object]:
     """uvicorn's TLS settings for the gRPC server's certificate; its CA, when set, requires client certificates."""
     if tls is None:
@@ -56,9 +71,12 @@ def tls_options(tls: TLSConfig | None) -> dict[str, object]:
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int, tls: TLSConfig | None, name: str = "the HTTP API") -> None:
-        self.socket = listen(host, port, name)
-        self.port: int = self.socket.getsockname()[1]
+    """``app`` on ``host:port``, or with ``unix_path`` on a Unix socket (``host`` and ``port`` unused)."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, tls: TLSConfig | None, name: str = "the HTTP API",
+                 unix_path: str = "") -> None:
+        self.socket = listen_unix(unix_path) if unix_path else listen(host, port, name)
+        self.port: int = 0 if unix_path else self.socket.getsockname()[1]
         # No access log and uvicorn's own lines only from WARNING: the scheduler logs nothing per request at INFO.
         config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                                 **tls_options(tls))
@@ -69,7 +87,7 @@ class HttpServer:
             raise
         self.server = _Server(config)
         self.task: asyncio.Task[None] | None = None
-        if tls is None and not is_loopback(host):
+        if tls is None and not unix_path and not is_loopback(host):
             log.warning("serving plaintext HTTP on non-loopback %s: anyone on the network can reach it; set --tls-*",
                         host)
 

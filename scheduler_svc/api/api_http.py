@@ -1,0 +1,133 @@
+"""The OpenAI HTTP API in the API process: the completion routes answered from the link, every other route passed on.
+
+At hundreds of streams the SSE chunks of the completion routes cost the process that writes them a core (W5 over
+HTTP, docs/benchmarks-history.md); in the scheduler's process that core is the engine loop's, which an accelerator
+waits for. Here ``/v1/completions`` and ``/v1/chat/completions`` are translated and answered by the scheduler's own
+code (``http.app.generation_router``), their requests sent over the link as the gRPC streams' are; what a request's
+``model`` may name and the tokenizer come from the scheduler (the ``served`` question). Every other route (models,
+tokenize, LoRA, health, metrics, the gateways' probes, the OpenAPI document) is passed to the scheduler's HTTP app on
+a Unix socket in the private folder (``Forwarder``), which answers as it does without this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import httpx
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc.api.http import translate
+from scheduler_svc.api.http.app import ApiKeyMiddleware, generation_router
+from scheduler_svc.api.http.errors import ApiError, install_handlers
+from scheduler_svc.api.outbox import ChoicesReader
+from scheduler_svc.core.errors import RequestFailed
+from scheduler_svc.core.tokenizer import ModelTokenizer
+
+if TYPE_CHECKING:
+    from scheduler_svc.api.api_process import Call, Link
+
+# Headers that describe one connection, not the message: never passed on (RFC 9110, section 7.6.1).
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                        "transfer-encoding", "upgrade", "host", "content-length"})
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+class LinkGeneration(ChoicesReader):
+    """One request sent over the link, read as the routes read a ``frontend.Generation``."""
+
+    def __init__(self, link: Link, key: int, call: Call, n: int) -> None:
+        super().__init__(call.outbox, n)
+        self._link, self._key = link, key
+
+    def close(self) -> None:
+        """A request not finished (its caller went away, or it failed) is cancelled in the scheduler."""
+        self._link.close(self._key, cancel=bool(self.remaining))
+
+
+class LinkGenerating:
+    """``http.app.Generating`` over the link (event-loop thread only)."""
+
+    def __init__(self, link: Link, stream_interval: int) -> None:
+        self._link = link
+        self._stream_interval = stream_interval
+        self.tokenizer: ModelTokenizer | None = None
+        self._asked_tokenizer = False
+
+    async def served(self) -> translate.Served:
+        """Asked per request: adapters come and go through the routes passed on. The first answer after the
+        executor's handshake brings its tokenizer (the same for every executor the scheduler accepts after it)."""
+        model_id, adapters, tokenizer = await self._link.ask("served", not self._asked_tokenizer)
+        if not self._asked_tokenizer:
+            self._asked_tokenizer = True
+            self.tokenizer = await asyncio.to_thread(ModelTokenizer, *tokenizer) if tokenizer is not None else None
+        return translate.Served(model_id, adapters)
+
+    async def submit(self, request: pb.GenerateRequest, whole: bool) -> LinkGeneration:
+        interval = math.inf if whole else request.stream_interval or self._stream_interval
+        key, call = self._link.submit("submit", request.SerializeToString(), interval, whole)
+        try:
+            accepted = await call.accepted
+        except BaseException:
+            self._link.close(key, cancel=True)
+            raise
+        return LinkGeneration(self._link, key, call, accepted[1])
+
+
+class Forwarder:
+    """Passes a request on to the scheduler's HTTP app on its Unix socket, and its answer back as it comes."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path),
+                                        base_url="http://scheduler", timeout=None)
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+        router.add_api_route("/{path:path}", self.forward, methods=METHODS, include_in_schema=False)
+        return router
+
+    async def forward(self, request: Request) -> Response:
+        headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
+        query = request.scope["query_string"]
+        url = self.client.base_url.copy_with(raw_path=request.scope["raw_path"] + (b"?" + query if query else b""))
+        upstream = self.client.build_request(request.method, url, headers=headers, content=await request.body())
+        try:
+            response = await self.client.send(upstream, stream=True)
+        except httpx.TransportError as e:
+            raise ApiError(503, f"the scheduler did not answer: {e}") from e
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            finally:
+                await response.aclose()
+
+        answer = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in HOP_BY_HOP - {"content-length"}]
+        streamed = StreamingResponse(body(), status_code=response.status_code)
+        streamed.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in answer]
+        return streamed
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def create_api_app(source: LinkGenerating, forwarder: Forwarder, api_key: str) -> FastAPI:
+    """The public HTTP app of the API process. The OpenAPI document and its page are the scheduler's (passed on)."""
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    install_handlers(app)
+
+    @app.exception_handler(RequestFailed)
+    async def request_failed(request: Request, error: RequestFailed) -> Response:
+        """Not ready or draining: as the scheduler's own app answers."""
+        return translate.api_error(error, {}).response()
+
+    app.include_router(generation_router(source))
+    app.include_router(forwarder.router())
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app
