@@ -12,7 +12,8 @@ dir=${1:-.whl}
 py=.venv/bin/python
 [ -x "$py" ] || { echo "no .venv here: run 'make venv' first" >&2; exit 1; }
 packages=(grpcio grpcio-health-checking grpcio-reflection protobuf llguidance fastapi starlette uvicorn pydantic
-  pydantic-core typing-inspection annotated-types annotated-doc opentelemetry-api typing-extensions gguf)
+  pydantic-core typing-inspection annotated-types annotated-doc opentelemetry-api typing-extensions gguf httpx httpcore
+  h11)
 pins=()
 for name in "${packages[@]}"; do
   version=$("$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name") || {
