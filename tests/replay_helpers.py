@@ -25,8 +25,8 @@ SESSION_CONFIG = {"max_num_batched_tokens": 16, "max_num_seqs": 6}
 # blocks a loaded machine spread their arrivals and the session once recorded no preemption.
 NUM_BLOCKS = 20
 BLOCK_SIZE = 4
-# The session's first wave: its requests' sequences (the n = 3 request counts one while it waits); how long the first
-# step waits for them at most.
+# The session's first wave: its requests, submitted to the engine loop (which takes them all in before the step after
+# the one held); how long the first step waits for them at most.
 FIRST_WAVE = 6
 FIRST_WAVE_TIMEOUT_S = 10.0
 
@@ -93,10 +93,8 @@ def record_session(executor: Executor, directory: Path, regex: str, vocab: int, 
             gate.open.clear()
             running = asyncio.ensure_future(session(s.stub, vocab, regex, logprobs))
             deadline = time.monotonic() + FIRST_WAVE_TIMEOUT_S
-            while not running.done() and time.monotonic() < deadline:
-                stats = s.server.loop.stats
-                if stats.num_waiting + stats.num_running >= FIRST_WAVE:
-                    break
+            while (not running.done() and time.monotonic() < deadline
+                   and len(s.server.frontend.by_request_id) < FIRST_WAVE):
                 await asyncio.sleep(0.005)
             gate.open.set()
             outputs = await running

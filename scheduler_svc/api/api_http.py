@@ -22,10 +22,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.http import translate
-from scheduler_svc.api.http.app import ApiKeyMiddleware, generation_router
-from scheduler_svc.api.http.errors import ApiError, install_handlers
+from scheduler_svc.api.http.app import ApiKeyMiddleware, answer_failures, generation_router
+from scheduler_svc.api.http.errors import ApiError
 from scheduler_svc.api.outbox import ChoicesReader
-from scheduler_svc.core.errors import RequestFailed
 from scheduler_svc.core.tokenizer import ModelTokenizer
 
 if TYPE_CHECKING:
@@ -119,13 +118,7 @@ class Forwarder:
 def create_api_app(source: LinkGenerating, forwarder: Forwarder, api_key: str) -> FastAPI:
     """The public HTTP app of the API process. The OpenAPI document and its page are the scheduler's (passed on)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-    install_handlers(app)
-
-    @app.exception_handler(RequestFailed)
-    async def request_failed(request: Request, error: RequestFailed) -> Response:
-        """Not ready or draining: as the scheduler's own app answers."""
-        return translate.api_error(error, {}).response()
-
+    answer_failures(app)
     app.include_router(generation_router(source))
     app.include_router(forwarder.router())
     if api_key:

@@ -266,6 +266,16 @@ def create_metrics_app(registry: CollectorRegistry) -> FastAPI:
     return app
 
 
+def answer_failures(app: FastAPI) -> None:
+    """OpenAI's error shape for bad bodies (``install_handlers``) and for a ``RequestFailed`` a route let through:
+    not ready, draining, or a refused tokenize, with fields named as OpenAI spells them."""
+    install_handlers(app)
+
+    @app.exception_handler(RequestFailed)
+    async def request_failed(request: Request, error: RequestFailed) -> Response:
+        return translate.api_error(error, {}).response()
+
+
 def create_app(frontend: Frontend, serving: Callable[[], bool], registry: CollectorRegistry,
                api_key: str = "", recording: RecordingControl | None = None) -> FastAPI:
     """``serving``: what gRPC health would say (True: SERVING); ``registry``: what ``/metrics`` serves;
@@ -273,13 +283,7 @@ def create_app(frontend: Frontend, serving: Callable[[], bool], registry: Collec
     app = FastAPI(title="nanoserve", version=engine_version(), redoc_url=None,
                   description="The OpenAI-compatible API of a nanoserve scheduler, and what gateways probe.")
     app.openapi = without_validation_errors(app)
-    install_handlers(app)
-
-    @app.exception_handler(RequestFailed)
-    async def request_failed(request: Request, error: RequestFailed) -> Response:
-        """Not ready, draining, or a refused tokenize: fields named as OpenAI spells them."""
-        return translate.api_error(error, {}).response()
-
+    answer_failures(app)
     app.include_router(generation_router(FrontendGenerating(frontend)), responses=ERRORS)
     app.include_router(routes(frontend, serving), responses=ERRORS)
     app.include_router(gateway_router(frontend, served_by(frontend)), responses=ERRORS)
