@@ -68,13 +68,8 @@ class LinkGenerating:
 
     async def submit(self, request: pb.GenerateRequest, whole: bool) -> LinkGeneration:
         interval = math.inf if whole else request.stream_interval or self._stream_interval
-        key, call = self._link.submit("submit", request.SerializeToString(), interval, whole)
-        try:
-            accepted = await call.accepted
-        except BaseException:
-            self._link.close(key, cancel=True)
-            raise
-        return LinkGeneration(self._link, key, call, accepted[1])
+        _, generation = await self._link.start("submit", request.SerializeToString(), interval, whole)
+        return generation
 
 
 class Forwarder:

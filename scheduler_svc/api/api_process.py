@@ -104,6 +104,17 @@ class Link:
         self.send((kind, key, data, whole))
         return key, call
 
+    async def start(self, kind: str, data: bytes, interval: float, whole: bool) -> tuple[tuple, LinkGeneration]:
+        """``submit`` and wait for the scheduler to take the request: its answer (``accepted``'s fields) and the
+        request's outputs to read; raises the RequestFailed it was refused with. A caller gone meanwhile cancels it."""
+        key, call = self.submit(kind, data, interval, whole)
+        try:
+            accepted = await call.accepted
+        except BaseException:
+            self.close(key, cancel=True)
+            raise
+        return accepted, LinkGeneration(self, key, call, accepted[1])
+
     def ask(self, kind: str, *args: object) -> asyncio.Future[tuple]:
         """A question for the scheduler (``served``): its answer, or the RequestFailed it raised."""
         key = next(self._keys)
@@ -185,19 +196,15 @@ class ApiHandler(grpc.GenericRpcHandler):
                        ) -> AsyncIterator[tuple[tuple, list[RequestOutput]]]:
         """As ``Generation.batches``: what the scheduler answered when it took the request, and each batch of
         outputs until every choice ended; a failure ends the call with the status of ``failure(error)``."""
-        key, call = self.link.submit(kind, data, interval, whole)
-        generation = LinkGeneration(self.link, key, call, 1)
         try:
-            try:
-                accepted = await call.accepted
-            except RequestFailed as e:
-                await fail(context, e)
-            generation.remaining = accepted[1]
-            try:
-                async for outputs in generation.batches():
-                    yield accepted, outputs
-            except RequestFailed as e:
-                await fail(context, failure(e))
+            accepted, generation = await self.link.start(kind, data, interval, whole)
+        except RequestFailed as e:
+            await fail(context, e)
+        try:
+            async for outputs in generation.batches():
+                yield accepted, outputs
+        except RequestFailed as e:
+            await fail(context, failure(e))
         finally:
             generation.close()
 
