@@ -29,6 +29,8 @@ BLOCK_SIZE = 4
 # the one held); how long the first step waits for them at most.
 FIRST_WAVE = 6
 FIRST_WAVE_TIMEOUT_S = 10.0
+# The preempting pair's prompts take 8 blocks each, and 12 each with their completions: 16 of 20 blocks, then 24.
+PAIR_PROMPT, PAIR_COMPLETION = 30, 16
 
 
 def prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
@@ -98,10 +100,26 @@ def record_session(executor: Executor, directory: Path, regex: str, vocab: int, 
                 await asyncio.sleep(0.005)
             gate.open.set()
             outputs = await running
+            outputs += await preempting_pair(s, gate, vocab)
             await assert_idle_async(s.stub)
             return outputs, s.server.loop.stats
 
     return asyncio.run(main())
+
+
+async def preempting_pair(s, gate: GatedExecutor, vocab: int) -> list[list[int]]:
+    """Two requests whose prompts fit the cache together and whose completions do not, run side by side whatever the
+    timing: the first one's first step is held until both are in. The waves before preempt too, as a rule, but how
+    often depends on when their requests arrived (a loaded machine once recorded none)."""
+    rng = random.Random(4)
+    pair = [greedy(prompt(rng, vocab, PAIR_PROMPT), PAIR_COMPLETION, ignore_eos=True) for _ in range(2)]
+    gate.open.clear()
+    running = asyncio.gather(*(s.stub.GenerateOnce(r) for r in pair))
+    deadline = time.monotonic() + FIRST_WAVE_TIMEOUT_S
+    while len(s.server.frontend.by_request_id) < len(pair) and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    gate.open.set()
+    return [list(o.token_ids) for o in await running]
 
 
 def replay(recording: Path, executor: Executor) -> ReplayReport:
