@@ -17,7 +17,14 @@ from common.replay_cli import recorded_executor
 from common.step import ExecutorInfo
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.engine.stats import LoopStats
-from tests.service_fixtures import GatedExecutor, assert_idle_async, collect, in_process_scheduler, token_request
+from tests.service_fixtures import (
+    GatedExecutor,
+    InProcess,
+    assert_idle_async,
+    collect,
+    in_process_scheduler,
+    token_request,
+)
 
 # Small steps and a small cache: prompts are chunked, and the requests in flight together do not fit.
 SESSION_CONFIG = {"max_num_batched_tokens": 16, "max_num_seqs": 6}
@@ -26,9 +33,9 @@ SESSION_CONFIG = {"max_num_batched_tokens": 16, "max_num_seqs": 6}
 NUM_BLOCKS = 20
 BLOCK_SIZE = 4
 # The session's first wave: its requests, submitted to the engine loop (which takes them all in before the step after
-# the one held); how long the first step waits for them at most.
+# the one held); how long a held step waits for the requests it is held for, at most.
 FIRST_WAVE = 6
-FIRST_WAVE_TIMEOUT_S = 10.0
+HOLD_TIMEOUT_S = 10.0
 # The preempting pair's prompts take 8 blocks each, and 12 each with their completions: 16 of 20 blocks, then 24.
 PAIR_PROMPT, PAIR_COMPLETION = 30, 16
 
@@ -94,10 +101,7 @@ def record_session(executor: Executor, directory: Path, regex: str, vocab: int, 
             # that ended before the next one came preempted nothing (the session once recorded no preemption).
             gate.open.clear()
             running = asyncio.ensure_future(session(s.stub, vocab, regex, logprobs))
-            deadline = time.monotonic() + FIRST_WAVE_TIMEOUT_S
-            while (not running.done() and time.monotonic() < deadline
-                   and len(s.server.frontend.by_request_id) < FIRST_WAVE):
-                await asyncio.sleep(0.005)
+            await until_held(s, FIRST_WAVE, running)
             gate.open.set()
             outputs = await running
             outputs += await preempting_pair(s, gate, vocab)
@@ -107,7 +111,15 @@ def record_session(executor: Executor, directory: Path, regex: str, vocab: int, 
     return asyncio.run(main())
 
 
-async def preempting_pair(s, gate: GatedExecutor, vocab: int) -> list[list[int]]:
+async def until_held(s: InProcess, num_requests: int, running: asyncio.Future) -> None:
+    """Wait until the frontend holds ``num_requests`` requests (or ``running`` ends, or the timeout passes)."""
+    deadline = time.monotonic() + HOLD_TIMEOUT_S
+    while (not running.done() and time.monotonic() < deadline
+           and len(s.server.frontend.by_request_id) < num_requests):
+        await asyncio.sleep(0.005)
+
+
+async def preempting_pair(s: InProcess, gate: GatedExecutor, vocab: int) -> list[list[int]]:
     """Two requests whose prompts fit the cache together and whose completions do not, run side by side whatever the
     timing: the first one's first step is held until both are in. The waves before preempt too, as a rule, but how
     often depends on when their requests arrived (a loaded machine once recorded none)."""
@@ -115,9 +127,7 @@ async def preempting_pair(s, gate: GatedExecutor, vocab: int) -> list[list[int]]
     pair = [greedy(prompt(rng, vocab, PAIR_PROMPT), PAIR_COMPLETION, ignore_eos=True) for _ in range(2)]
     gate.open.clear()
     running = asyncio.gather(*(s.stub.GenerateOnce(r) for r in pair))
-    deadline = time.monotonic() + FIRST_WAVE_TIMEOUT_S
-    while len(s.server.frontend.by_request_id) < len(pair) and time.monotonic() < deadline:
-        await asyncio.sleep(0.005)
+    await until_held(s, len(pair), running)
     gate.open.set()
     return [list(o.token_ids) for o in await running]
 
