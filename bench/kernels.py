@@ -42,6 +42,7 @@ from executor_svc.attention.torch_backend import TorchAttention  # noqa: E402
 from executor_svc.cpu import fused as cpu_fused  # noqa: E402
 from executor_svc.cpu import kernels as cpu_kernels  # noqa: E402
 from executor_svc.cpu.choice import CLASSES, FAMILIES, KernelChoice  # noqa: E402
+from executor_svc.cpu.huge_pages import slices_on_huge_pages  # noqa: E402
 from executor_svc.cpu.probe import prefill_batch  # noqa: E402
 from executor_svc.layers.linear import PackedWeight, onednn_copy  # noqa: E402
 from executor_svc.layers.norm import RMSNorm  # noqa: E402
@@ -62,11 +63,13 @@ def linear_peers(dtype: torch.dtype, dense: bool = False) -> Callable[[int], Pee
     """``dense``: torch reads the dense weights through ``F.linear``, as the executor's bfloat16 did before it kept
     oneDNN's copy (A/B of that copy on a new CPU)."""
     shapes = LAYER_SHAPES * LAYERS + [(VOCAB, HIDDEN)]
+    dense_weights = [(torch.randn(n, k) / k**0.5).to(dtype) for n, k in shapes]
+    # one region on huge pages, in step order, as the executor packs them (prepack_for_cpu)
+    regions = slices_on_huge_pages([PackedWeight.packed_bytes(w) for w in dense_weights])
     weights = []
-    for n, k in progress(shapes, desc="packing weights"):
-        w = (torch.randn(n, k) / k**0.5).to(dtype)
+    for w, region in progress(list(zip(dense_weights, regions, strict=True)), desc="packing weights"):
         onednn = None if dense else onednn_copy(w)
-        weights.append((PackedWeight.pack(w), w if onednn is None else onednn))
+        weights.append((PackedWeight.pack(w, region), w if onednn is None else onednn))
 
     def torch_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if w.is_mkldnn:

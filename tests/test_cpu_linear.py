@@ -140,3 +140,22 @@ def test_a_transposed_weight_packs_as_its_values() -> None:
     weight = torch.randn(33, 20).t()  # not contiguous: packed from a contiguous copy
     x = torch.randn(3, 33)
     check(PackedWeight.pack(weight).linear(x, None), x, weight, None)
+
+
+def test_amx_tiles_and_onednn_take_turns_on_the_same_threads() -> None:
+    """On a CPU with AMX, the C kernel's tile GEMM and oneDNN's run on the same OpenMP threads, whose tile
+    configuration each sets: alternating them, each still gives its own results (the C kernel puts back the
+    configuration it found)."""
+    if not cpu_kernels.kernel_library().linear_amx_ready():
+        pytest.skip("this CPU or build has no AMX tiles")
+    weight = (torch.randn(960, 576) / 24).bfloat16()
+    packed, onednn = PackedWeight.pack(weight), linear.onednn_copy(weight)
+    if onednn is None:
+        pytest.skip("torch has no oneDNN here")
+    for rows in (1, 17, 64, 5, 33):
+        x = torch.randn(rows, 576).bfloat16()
+        ours = packed.linear(x, None)
+        theirs = torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
+        check(ours, x, weight, None)
+        check(theirs, x, weight, None)
+        assert torch.equal(packed.linear(x, None), ours)

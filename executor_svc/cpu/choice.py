@@ -1,7 +1,7 @@
 """Which CPU kernel, our C one or torch's, runs each kernel family at each shape class.
 
-The C kernels (``csrc/``) beat torch on the machine they were tuned on and lose on another: on a Xeon with
-AMX, oneDNN's bfloat16 GEMMs outrun the C linear kernel from 16 rows up. So the executor measures both at
+The C kernels (``csrc/``) beat torch on the machine they were tuned on and lose on another: on an AVX2-only
+Zen 3, MKL's float32 GEMM outruns the C linear kernel at prefill sizes. So the executor measures both at
 start-up (``probe.py``) for each family and class of row counts, caches the table per machine
 beside the kernel build, logs it once, and the layers ask it per call. ``--cpu-kernels`` forces a table
 (tests, or a user who measured otherwise). This module is plain data: no torch, no layers.

@@ -7,14 +7,14 @@ the same kernels in the same order with the same roundings, so its tokens are th
 kernel choice is C throughout (``tests/test_cpu_decode_stack.py``).
 
 It serves a decode step where the kernel choice has C for decode attention and RMSNorm at its row count.
-Where it has C for linear too, the whole stack is one call. Where it has torch (oneDNN's AMX GEMMs on a Xeon
-that has them), the four projections of each layer run in torch and the stack's C code between them in four
+Where it has C for linear too, the whole stack is one call. Where it has torch (oneDNN's GEMMs, where they won the
+machine's race), the four projections of each layer run in torch and the stack's C code between them in four
 calls (RMSNorm, then rotary with the KV store and attention, RMSNorm, SiLU-and-mul), still faster than the
-layers' path (W1 in-process with linear forced to torch from 9 rows, as a Xeon with AMX chose). SiLU-and-mul
-and rotary run C inside the stack whatever the choice says for them: torch wins those only at few rows, by
-the cost of the C call's wrapper, which the stack does not pay. It fits Llama and Qwen2 (q/k/v biases) on one
-rank with the ``cpu`` attention backend; Qwen3's q/k norms and biases after a row-parallel projection take the
-layers' path.
+layers' path (W1 in-process with linear forced to torch from 9 rows, as a Xeon with AMX chose before the AMX
+tile kernel). SiLU-and-mul and rotary run C inside the stack whatever the choice says for them: torch wins those
+only at few rows, by the cost of the C call's wrapper, which the stack does not pay. It fits Llama and Qwen2
+(q/k/v biases) on one rank with the ``cpu`` attention backend; Qwen3's q/k norms and biases after a row-parallel
+projection take the layers' path.
 A step with LoRA adapter rows takes the four-call form too, each projection through its module (its kernel choice,
 then its adapters' update, ``executor_svc/lora``).
 ``--cpu-decode-stack off`` turns it off.

@@ -10,8 +10,9 @@ into the layout of our C kernel (``executor_svc/cpu/csrc/linear.c``), and that c
 dense one unless the kernel choice asks for torch at some row count. Decode multiplies a few
 rows (one per sequence) by each weight, where torch's GEMMs run far below the machine's peak;
 the kernel streams each weight once per call with the arithmetic overlapping the stream: faster than
-torch at decode's row counts on an AVX-512 BF16 EPYC, and than torch's bfloat16 on an AVX2-only Zen 3,
-but slower than oneDNN's AMX GEMMs on a Xeon that has them, hence the choice measured per machine.
+torch at decode's row counts on an AVX-512 BF16 EPYC, than torch's bfloat16 on an AVX2-only Zen 3, and
+(through AMX tiles, ``linear_amx.c``) than oneDNN's AMX GEMMs on a Xeon that has them; the choice is still
+measured per machine. A model's packed weights lie in one region on huge pages, in the order a step reads them.
 Without a C compiler or AVX2, and where torch is chosen, weights go to oneDNN in its own layout, faster
 than ``F.linear`` at decode's sizes (float32, and bfloat16 where the CPU has it natively).
 """
@@ -29,6 +30,7 @@ from torch import nn
 
 from executor_svc.cpu import kernels as cpu_kernels
 from executor_svc.cpu.choice import ALL_C, KernelChoice
+from executor_svc.cpu.huge_pages import slices_on_huge_pages
 from executor_svc.runtime.distributed import all_reduce, divide, tp_rank, tp_size
 
 if TYPE_CHECKING:
@@ -49,19 +51,27 @@ class PackedWeight:
     k: int
     dtype: torch.dtype
 
-    @classmethod
-    def pack(cls, weight: torch.Tensor) -> PackedWeight:
+    @staticmethod
+    def packed_bytes(weight: torch.Tensor) -> int:
         if weight.dtype not in PACKED_DTYPES or weight.dim() != 2 or weight.device.type != "cpu":
             raise ValueError(f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} on {weight.device}")
-        library, bf16 = cpu_kernels.kernel_library(), weight.dtype == torch.bfloat16
-        weight = weight.contiguous()
         n, k = weight.shape
-        size = library.linear_packed_bytes(n, k, bf16)
-        buffer = torch.empty(size + 63, dtype=torch.uint8)
-        start = -buffer.data_ptr() % 64  # the kernel's aligned loads
-        data = buffer[start : start + size]
-        library.linear_pack(weight.data_ptr(), data.data_ptr(), n, k, bf16)
-        return cls(data, n, k, weight.dtype)
+        return cpu_kernels.kernel_library().linear_packed_bytes(n, k, weight.dtype == torch.bfloat16)
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, into: torch.Tensor | None = None) -> PackedWeight:
+        """``into``: the 64-byte aligned bytes to pack into (``packed_bytes`` of them), else new ones."""
+        size = cls.packed_bytes(weight)
+        if into is None:
+            buffer = torch.empty(size + 63, dtype=torch.uint8)
+            start = -buffer.data_ptr() % 64  # the kernel's aligned loads
+            into = buffer[start : start + size]
+        elif into.numel() != size or into.data_ptr() % 64:
+            raise ValueError(f"packing needs {size} bytes on a 64-byte boundary")
+        weight, bf16 = weight.contiguous(), weight.dtype == torch.bfloat16
+        n, k = weight.shape
+        cpu_kernels.kernel_library().linear_pack(weight.data_ptr(), into.data_ptr(), n, k, bf16)
+        return cls(into, n, k, weight.dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # Each reshape, cast or view costs a dispatch even when it changes nothing, and a decode step makes ~120
@@ -156,12 +166,13 @@ def prepack_for_cpu(
     c_kernel = packing_helps() if c_kernel is None else c_kernel and packing_helps()
     torch_copy = not c_kernel if torch_copy is None else torch_copy or not c_kernel
     holders = Counter(id(m.weight) for m in model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor))
-    for module in layers:
+    layers = [module for module in layers if module.weight.dtype in PACKED_DTYPES]
+    if c_kernel:  # all in one region on huge pages, in the order a step reads them
+        regions = slices_on_huge_pages([PackedWeight.packed_bytes(module.weight) for module in layers])
+    for i, module in enumerate(layers):
         weight = module.weight
-        if weight.dtype not in PACKED_DTYPES:
-            continue
         if c_kernel:
-            module.packed_weight = PackedWeight.pack(weight.detach())
+            module.packed_weight = PackedWeight.pack(weight.detach(), regions[i])
         if torch_copy:
             module.onednn_weight = onednn_copy(weight.detach())
         dense_read = torch_copy and module.onednn_weight is None

@@ -29,4 +29,16 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* 16 float32 rounded to bfloat16 in integers, as bf16_round: the low 16 bits of each lane hold the result. */
+static inline __m512i bf16_round_512(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+#endif
+
 #endif

@@ -7,6 +7,9 @@
 
 int linear_forward(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int64_t m,
                    int64_t n, int64_t k, int bf16, int num_threads);
+int linear_amx_ready(void);
+int linear_amx(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int64_t m, int64_t n,
+               int64_t k, int num_threads);
 void rms_norm(const void *x, int64_t x_stride, void *residual, const void *weight, void *out, int64_t rows, int dim,
               float eps, int bf16, int num_threads);
 void silu_and_mul(const void *x, void *out, int64_t rows, int d, int bf16, int num_threads);

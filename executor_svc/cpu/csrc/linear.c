@@ -105,12 +105,7 @@ LIN_INLINE void lin_store(const lin_args *a, int64_t row, int64_t col, __m512 v)
             const __m256i b = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)a->bias + col);
             v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
         }
-        /* nearest-even rounding in integers, NaN -> 0x7FC0 (as torch's round_to_nearest_even) */
-        const __m512i u = _mm512_castps_si512(v);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-        _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)a->y + row * a->n + col, mask, r);
+        _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)a->y + row * a->n + col, mask, bf16_round_512(v));
     } else {
         if (a->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, (const float *)a->bias + col));
         _mm512_mask_storeu_ps((float *)a->y + row * a->n + col, mask, v);
@@ -348,10 +343,18 @@ static void lin_range(const lin_args *a, int64_t p0, int64_t p1) {
 #endif
 #endif
 
-/* Returns 0, or 1 when the copy of an odd-shaped bfloat16 x could not be allocated (y is then not written). */
+/* Returns 0, or 1 when a copy of x could not be allocated (y is then not written). bfloat16 runs on AMX tiles
+ * where this build and the CPU have them (linear_amx.c), for every k that is a multiple of 32. */
 int linear_forward(const void *x, int64_t x_stride, const void *packed, const void *bias, void *y, int64_t m,
                    int64_t n, int64_t k, int bf16, int num_threads) {
     const int64_t np = lin_panels(n), ks = lin_ksteps(k, bf16);
+    int threads = num_threads < 1 ? 1 : num_threads;
+    if (threads > np) threads = (int)np;
+    if (m * n * k < LIN_MIN_PARALLEL) threads = 1;
+    if (bf16) {
+        const int amx = linear_amx(x, x_stride, packed, bias, y, m, n, k, threads);
+        if (amx >= 0) return amx;
+    }
     lin_args a = {x, x_stride, m, n, ks, packed, bias, y, bf16};
     uint32_t *padded = NULL;
     if (bf16 && ((k & 1) || (x_stride & 1))) {
@@ -369,9 +372,6 @@ int linear_forward(const void *x, int64_t x_stride, const void *packed, const vo
     } else if (bf16) {
         a.x_stride = x_stride / 2;
     }
-    int threads = num_threads < 1 ? 1 : num_threads;
-    if (threads > np) threads = (int)np;
-    if (m * n * k < LIN_MIN_PARALLEL) threads = 1;
     if (threads == 1) {
         lin_range(&a, 0, np);
     } else {
