@@ -4,6 +4,7 @@
   each layer its own weights so that they stream from memory as in the model) at ``--rows`` rows; the
   peer is the executor's torch path (oneDNN with weights in its own layout, ``onednn_copy``; ``F.linear``
   where that has none, as for bfloat16 on a CPU without native bfloat16; ``--dense-torch``: always ``F.linear``).
+  The packed weights lie in one region on huge pages, as the executor's; ``--small-pages``: each on its own.
 - ``decode_attention``: one layer of paged decode for 64 requests of context 32-512 (9 query and 3 KV
   heads of 64, block size 16, in a cache much larger than the CPU's caches, each call on blocks the call before
   did not read, as the layers of a step do); the peer is the ``torch`` attention backend.
@@ -59,13 +60,15 @@ LAYER_SHAPES = [(HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2
 Peers = tuple[Callable[[], object], Callable[[], object]]  # (kernel, torch)
 
 
-def linear_peers(dtype: torch.dtype, dense: bool = False) -> Callable[[int], Peers]:
+def linear_peers(dtype: torch.dtype, dense: bool = False, small_pages: bool = False) -> Callable[[int], Peers]:
     """``dense``: torch reads the dense weights through ``F.linear``, as the executor's bfloat16 did before it kept
-    oneDNN's copy (A/B of that copy on a new CPU)."""
+    oneDNN's copy (A/B of that copy on a new CPU). ``small_pages``: each packed weight in its own allocation, as
+    before the executor put them on huge pages (A/B of those)."""
     shapes = LAYER_SHAPES * LAYERS + [(VOCAB, HIDDEN)]
     dense_weights = [(torch.randn(n, k) / k**0.5).to(dtype) for n, k in shapes]
     # one region on huge pages, in step order, as the executor packs them (prepack_for_cpu)
-    regions = slices_on_huge_pages([PackedWeight.packed_bytes(w) for w in dense_weights])
+    regions = [None] * len(shapes) if small_pages else slices_on_huge_pages(
+        [PackedWeight.packed_bytes(w) for w in dense_weights])
     weights = []
     for w, region in progress(list(zip(dense_weights, regions, strict=True)), desc="packing weights"):
         onednn = None if dense else onednn_copy(w)
@@ -201,6 +204,9 @@ def main(argv: list[str] | None = None) -> None:
                              "is missing)")
     parser.add_argument("--dense-torch", action="store_true",
                         help="linear's torch peer: F.linear on the dense weights instead of oneDNN's copy")
+    parser.add_argument("--small-pages", action="store_true",
+                        help="linear: each packed weight in its own allocation (4 KiB pages) instead of one region "
+                             "on huge pages")
     parser.add_argument("--repeats", type=int, default=7, help="timings per peer and row count (median)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     rows_out, figures = [], {}
     for name in args.kernels:
-        peers_at = linear_peers(dtype, args.dense_torch) if name == "linear" else KERNELS[name](dtype)
+        peers_at = linear_peers(dtype, args.dense_torch, args.small_pages) if name == "linear" else KERNELS[name](dtype)
         for rows in progress(args.rows, desc=name):
             ours, theirs = peers_at(rows)
             calls = 3 if name == "linear" else 50
