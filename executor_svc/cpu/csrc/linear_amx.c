@@ -11,6 +11,9 @@
  * panels and walks it two panels at a time, the rows two tiles at a time: 4 float32 tiles of sums, 2 of x, 2 of
  * weights, the 8 AMX tiles. A pair of panels is read from memory for the first two row tiles and from L2 for
  * the others. Software prefetching made it slower: the hardware prefetcher follows the contiguous panels.
+ * Prefill's thousands of rows go in blocks of AMX_BLOCK_TILES row tiles, each block over all the thread's
+ * panels: x's rows then come from L2 rather than from further out (all rows at once ran slower from 2048 rows,
+ * blocks of 2 tiles slower at all row counts, blocks of 16 no better than all rows).
  *
  * The tiles' configuration is per thread and shared with oneDNN, which runs its AMX GEMMs on the same OpenMP
  * threads (torch's): each call saves the configuration it finds and puts it back, so neither sees the other's.
@@ -35,6 +38,7 @@
 #define AMX_ROWS 16              /* rows of a tile */
 #define AMX_K 32                 /* bfloat16 k of an x tile, 16 pairs of a weight tile */
 #define AMX_PANEL_STEP 1024      /* bytes of one panel's 16 k steps */
+#define AMX_BLOCK_TILES 8        /* row tiles a pass over the panels takes (an even number) */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -145,18 +149,21 @@ int linear_amx(const void *x, int64_t x_stride, const void *packed, const void *
         _tile_loadconfig(&config);
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        for (int64_t p = p0; p < p1; p += 2) {
-            const char *w0 = (const char *)packed + p * panel_bytes;
-            for (int64_t tile = 0; tile < tiles; tile += 2) {
-                amx_rows r = {.row0 = tile * AMX_ROWS};
-                for (int i = 0; i < 2; i++) {
-                    const int64_t ti = tile + i;
-                    const int is_padded = ti == tiles - 1 && padded != NULL;
-                    r.tile_x[i] = is_padded ? padded : rows_x + ti * AMX_ROWS * x_stride;
-                    r.tile_stride[i] = (is_padded ? k : x_stride) * 2;
-                    r.tile_rows[i] = ti >= tiles ? 0 : ti == tiles - 1 ? (int)tail : AMX_ROWS;
+        for (int64_t b0 = 0; b0 < tiles; b0 += AMX_BLOCK_TILES) {
+            const int64_t b1 = b0 + AMX_BLOCK_TILES < tiles ? b0 + AMX_BLOCK_TILES : tiles;
+            for (int64_t p = p0; p < p1; p += 2) {
+                const char *w0 = (const char *)packed + p * panel_bytes;
+                for (int64_t tile = b0; tile < b1; tile += 2) {
+                    amx_rows r = {.row0 = tile * AMX_ROWS};
+                    for (int i = 0; i < 2; i++) {
+                        const int64_t ti = tile + i;
+                        const int is_padded = ti == tiles - 1 && padded != NULL;
+                        r.tile_x[i] = is_padded ? padded : rows_x + ti * AMX_ROWS * x_stride;
+                        r.tile_stride[i] = (is_padded ? k : x_stride) * 2;
+                        r.tile_rows[i] = ti >= b1 ? 0 : ti == tiles - 1 ? (int)tail : AMX_ROWS;
+                    }
+                    amx_block(&r, w0, p + 1 < p1, panel_bytes, k_tiles, p * 16, n, bias, y);
                 }
-                amx_block(&r, w0, p + 1 < p1, panel_bytes, k_tiles, p * 16, n, bias, y);
             }
         }
         if (saved.palette)
