@@ -37,10 +37,10 @@ def decode_meta(slot_mapping: torch.Tensor, block_tables: torch.Tensor, ctx_lens
     )
 
 
-def cpu_kernel_builds() -> list[object]:
+def cpu_kernel_builds(without_amx: bool = False) -> list[object]:
     """pytest params of the CPU kernel builds to test: this machine's own and, on an AVX-512 machine, the AVX2
-    variant of the same sources, so that both instruction sets' kernels are tested wherever the suite runs (and on
-    a machine with AMX, the AVX-512 variant without it)."""
+    variant of the same sources, so that both instruction sets' kernels are tested wherever the suite runs.
+    ``without_amx``: on a machine with AMX, also the build without it (only the linear kernel has an AMX path)."""
     import pytest
 
     from executor_svc.cpu import kernels as cpu_kernels
@@ -50,7 +50,7 @@ def cpu_kernel_builds() -> list[object]:
     flags = cpu_kernels.cpuinfo("flags").split()
     if native is not None and {"avx512f", "avx2", "fma"} <= set(flags):
         builds.append(pytest.param(cpu_kernels.kernel_library(("-mno-avx512f",)), id="avx2"))
-    if native is not None and native.linear_amx_ready():
+    if without_amx and native is not None and native.linear_amx_ready():
         builds.append(pytest.param(cpu_kernels.kernel_library(("-mno-amx-tile",)), id="avx512"))
     return builds
 

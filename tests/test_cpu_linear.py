@@ -32,9 +32,10 @@ def seeded() -> None:
     torch.manual_seed(0)
 
 
-@pytest.fixture(params=cpu_kernel_builds())
+@pytest.fixture(params=cpu_kernel_builds(without_amx=True))
 def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ctypes.CDLL:
-    """Each kernel build to test (this machine's, and its AVX2 variant on an AVX-512 machine) as the library."""
+    """Each kernel build to test (this machine's, its AVX2 variant on an AVX-512 machine, its AVX-512 one without AMX
+    on a machine with AMX) as the library."""
     monkeypatch.setattr(cpu_kernels, "kernel_library", lambda *flags: request.param)
     return request.param
 
