@@ -145,8 +145,8 @@ def test_a_transposed_weight_packs_as_its_values() -> None:
 
 def test_amx_tiles_and_onednn_take_turns_on_the_same_threads() -> None:
     """On a CPU with AMX, the C kernel's tile GEMM and oneDNN's run on the same OpenMP threads, whose tile
-    configuration each sets: alternating them, each still gives its own results (the C kernel puts back the
-    configuration it found)."""
+    configuration each sets: alternating them at row counts that configure the tiles differently, each still gives
+    its own results."""
     if not cpu_kernels.kernel_library().linear_amx_ready():
         pytest.skip("this CPU or build has no AMX tiles")
     weight = (torch.randn(960, 576) / 24).bfloat16()

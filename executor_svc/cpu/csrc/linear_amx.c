@@ -134,9 +134,7 @@ int linear_amx(const void *x, int64_t x_stride, const void *packed, const void *
         for (int64_t r = 0; r < tail; r++)
             memcpy(padded + r * k, rows_x + ((tiles - 1) * AMX_ROWS + r) * x_stride, (size_t)k * 2);
     }
-    int threads = num_threads < 1 ? 1 : num_threads;
-    if (threads > panels) threads = (int)panels;
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(num_threads) /* as linear_forward chose them: at most one a panel */
     {
         amx_config saved __attribute__((aligned(64))), config __attribute__((aligned(64)));
         _tile_storeconfig(&saved);
