@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from executor_svc.fakes.shadow import ShadowExecutor
@@ -78,6 +78,10 @@ def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
                          ids=["sync", "overlap", "overlap-ahead", "multi-step", "multi-step-overlap-ahead"])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
+# Ten sequences verifying n-gram proposals take 20 tokens of a budget of 8: the mixed policy once scheduled a prompt's
+# chunk of -1 tokens in what was left.
+@example((4, 10, 8, 10, [[1]], [(0, [1], 1, False, 2), *[(0, [1], 3, False, 0)] * 4, *[(0, [1], 2, False, 0)] * 4,
+                                 (0, [2], 2, False, 0)], ("ngram", 1, 1)))
 def test_engine_matches_sequential_reference(overlap, num_steps, ahead, policy, workload):
     """Under either policy: mixed steps (decodes beside prefill chunks, prefix hits, one chunked prompt, preemption),
     with speculation on or off, give every request the sequential reference's tokens; rejected proposals leave no
