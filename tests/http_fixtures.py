@@ -60,6 +60,9 @@ def hosted(executor: Executor, **config: object) -> Iterator[Hosted]:
                 state.update(server=s.server, loop=asyncio.get_running_loop(), stop=asyncio.Event())
                 started.set()
                 await state["stop"].wait()
+        except BaseException as e:  # recorded before the waiting test wakes, so that it shows this error
+            state["error"] = e
+            raise
         finally:
             started.set()
 

@@ -6,9 +6,12 @@ Everything here is session-scoped: each model is built or converted once per run
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import pytest
 import torch
@@ -24,6 +27,8 @@ from executor_svc.runtime.registry import DEFAULT_MODEL, resolve_model  # noqa: 
 
 if TYPE_CHECKING:
     from executor_svc.runtime.model_runner import ModelRunner
+
+T = TypeVar("T")
 
 TINY_VOCAB = 512
 _TINY_COMMON = dict(
@@ -73,6 +78,23 @@ def tiny_model_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
 def smollm2_folder() -> Path:
     """The embedded SmolLM2-135M-Instruct, converted once into $NANOSERVE_CACHE (or ~/.cache/nanoserve)."""
     return resolve_model(DEFAULT_MODEL)
+
+
+def in_spinning_process(function: Callable[..., T], *args: object) -> T:
+    """``function(*args)`` in a fresh process whose OpenMP threads wait spinning, as by default.
+
+    The suite's processes wait passively (conftest.py), which suits its many small services sharing two cores (the
+    suite ran 12 % longer spinning briefly, as the executor does) but wakes the threads by a system call at each op:
+    a real model's float32 steps, hundreds of small ops each, run about twice as fast spinning (transformers'
+    greedy decoding of SmolLM2 52 against 117 ms a token on the 2-core VM). ``function`` must be importable by name
+    (a module-level function), its arguments and result picklable."""
+    saved = os.environ.pop("OMP_WAIT_POLICY", None)  # the child takes this process's environment as it starts
+    try:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(function, *args).result()
+    finally:
+        if saved is not None:
+            os.environ["OMP_WAIT_POLICY"] = saved
 
 
 def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool) -> list[list[int]]:

@@ -29,7 +29,13 @@ from executor_svc.runtime.model_input import ModelInput
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.engine.engine import Engine
-from tests.model_fixtures import TINY_VOCAB, hf_greedy, smollm2_folder, tiny_model_folders  # noqa: F401
+from tests.model_fixtures import (  # noqa: F401
+    TINY_VOCAB,
+    hf_greedy,
+    in_spinning_process,
+    smollm2_folder,
+    tiny_model_folders,
+)
 
 TEXT_PROMPTS = [
     "The capital of France is",
@@ -182,16 +188,21 @@ def parity(request: pytest.FixtureRequest, hf_references: dict[str, list[list[in
     family, cpu_kernels = request.param
     if family == "smollm2-135m-instruct":
         folder = request.getfixturevalue("smollm2_folder")
-        prompts, stop_at_eos = smollm2_prompts(folder), True
-        sizes = dict(block_size=16, chunk_budget=40, kv_bytes=256 << 20)
-    else:
-        folder = request.getfixturevalue("tiny_model_folders")[family]
-        prompts, stop_at_eos = random_prompts(len(family)), False
-        sizes = dict(block_size=8, chunk_budget=24, kv_bytes=16 << 20)
+        return in_spinning_process(smollm2_parity, folder, smollm2_prompts(folder))
+    folder = request.getfixturevalue("tiny_model_folders")[family]
+    prompts = random_prompts(len(family))
     if family not in hf_references:
-        hf_references[family] = hf_greedy(folder, prompts, MAX_NEW_TOKENS, stop_at_eos)
-    return run_parity(folder, prompts, hf_references[family], max_new_tokens=MAX_NEW_TOKENS, stop_at_eos=stop_at_eos,
-                      cpu_kernels=cpu_kernels, **sizes)
+        hf_references[family] = hf_greedy(folder, prompts, MAX_NEW_TOKENS, stop_at_eos=False)
+    return run_parity(folder, prompts, hf_references[family], max_new_tokens=MAX_NEW_TOKENS, stop_at_eos=False,
+                      cpu_kernels=cpu_kernels, block_size=8, chunk_budget=24, kv_bytes=16 << 20)
+
+
+def smollm2_parity(folder: Path, prompts: list[list[int]]) -> ParityRun:
+    """SmolLM2's reference and run, in a process of their own (``in_spinning_process``): hundreds of float32 steps
+    of a real model, each of many small ops."""
+    reference = hf_greedy(folder, prompts, MAX_NEW_TOKENS, stop_at_eos=True)
+    return run_parity(folder, prompts, reference, max_new_tokens=MAX_NEW_TOKENS, stop_at_eos=True, block_size=16,
+                      chunk_budget=40, kv_bytes=256 << 20)
 
 
 def test_continuous_batch_matches_hf(parity: ParityRun) -> None:

@@ -23,7 +23,7 @@ from nanoserve.v1 import generation_pb2 as gen_pb
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.engine.engine import Engine
-from tests.model_fixtures import TINY_VOCAB, smollm2_folder, tiny_model_folders  # noqa: F401
+from tests.model_fixtures import TINY_VOCAB, in_spinning_process, smollm2_folder, tiny_model_folders  # noqa: F401
 from tests.service_fixtures import assert_idle_async, in_process_scheduler
 
 EOS = 2  # SmolLM2's <|im_end|>
@@ -69,6 +69,12 @@ def hf_generate(model: AutoModelForCausalLM, case: Case, eos_token_ids: list[int
             **kwargs,
         )
     return out[0, len(case.prompt) :].tolist()
+
+
+def hf_generate_all(folder: Path, cases: list[Case], eos_token_ids: list[int] | None) -> list[list[int]]:
+    """``hf_generate`` of every case on the model in ``folder``."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return [hf_generate(model, case, eos_token_ids) for case in cases]
 
 
 def sampling_params(case: Case, ignore_eos: bool) -> SamplingParams:
@@ -142,8 +148,7 @@ def smollm2_cases(smollm2_folder: Path) -> tuple[list[Case], list[list[int]]]:  
     ]
     for case in cases:
         case.sampling.temperature = 0.0
-    model = AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32).eval()
-    reference = [hf_generate(model, case, [EOS]) for case in cases]
+    reference = in_spinning_process(hf_generate_all, smollm2_folder, cases, [EOS])
     assert reference[0][0] == paris and reference[5][0] != paris
     assert EOS not in reference[3][:16] and reference[3][-1] == EOS
     assert reference[4][-1] == PERIOD and PERIOD not in reference[4][:11]
@@ -182,8 +187,7 @@ def test_penalties_match_the_references_across_preemption(tiny_model_folders: di
     cases[4].hf = dict(repetition_penalty=1.3)
     for case in cases:
         case.sampling.temperature = 0.0
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    reference = [hf_generate(model, case, None) for case in cases]
+    reference = hf_generate_all(folder, cases, None)
 
     block_bytes = 2 * 2 * 2 * 16 * 4 * 8  # K and V, 2 layers, 2 KV heads of 16, float32, 8 tokens a block
     tokens, num_preemptions = engine_generate(
