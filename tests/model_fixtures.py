@@ -84,10 +84,10 @@ def in_spinning_process(function: Callable[..., T], *args: object) -> T:
     """``function(*args)`` in a fresh process whose OpenMP threads wait spinning, as by default.
 
     The suite's processes wait passively (conftest.py), which suits its many small services sharing two cores (the
-    suite ran 12 % longer spinning briefly, as the executor does) but wakes the threads by a system call at each op:
-    a real model's float32 steps, hundreds of small ops each, run about twice as fast spinning (transformers'
-    greedy decoding of SmolLM2 52 against 117 ms a token on the 2-core VM). ``function`` must be importable by name
-    (a module-level function), its arguments and result picklable."""
+    whole suite ran longer with the executor's brief spin) but wakes the threads by a system call at each op: a lone
+    real model's float32 steps, hundreds of small ops each, run about twice as fast spinning
+    (docs/benchmarks-history.md, "The suite's OpenMP wait"). ``function`` must be importable by name (a module-level
+    function), its arguments and result picklable."""
     saved = os.environ.pop("OMP_WAIT_POLICY", None)  # the child takes this process's environment as it starts
     try:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
