@@ -15,21 +15,29 @@ PROTOS = sorted((PROTO_DIR / "nanoserve" / "v1").glob("*.proto"))
 FIELD = re.compile(r"^\s*(optional |repeated )?[\w.]+ \w+ = \d+;")
 
 
-# The lines naming the versions of the generator that wrote a stub (grpcio-tools and its protobuf): the oldest
-# grpcio and protobuf the stub imports with, not part of the contract.
+# The lines naming the versions of the generator that wrote a stub (grpcio-tools and its protobuf, the latter
+# twice: in the header and as the runtime check's arguments): the oldest grpcio and protobuf the stub imports with,
+# not part of the contract.
 GRPC_VERSION = re.compile(r"GRPC_GENERATED_VERSION = '([\d.]+)'")
-PROTOBUF_VERSION = re.compile(r"# Protobuf Python Version: ([\d.]+)|Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),")
+PROTOBUF_VERSION = re.compile(r"# Protobuf Python Version: ([\d.]+)")
+PROTOBUF_RUNTIME_CHECK = re.compile(r"Domain\.PUBLIC,\s*\d+,\s*\d+,\s*\d+,")
 
 
 def without_generator_versions(stub: str) -> str:
-    return PROTOBUF_VERSION.sub("<protobuf version>", GRPC_VERSION.sub("<grpc version>", stub))
+    for line in (GRPC_VERSION, PROTOBUF_VERSION, PROTOBUF_RUNTIME_CHECK):
+        stub = line.sub("<generator version>", stub)
+    return stub
+
+
+def release(version: str) -> tuple[int, ...]:
+    return tuple(map(int, version.split(".")))
 
 
 def minimum(requirement: str) -> tuple[int, ...]:
     """The lowest version of ``requirement`` that pyproject.toml's dependencies allow."""
     found = re.search(rf'"{re.escape(requirement)}>=([\d.]+)"', (ROOT / "pyproject.toml").read_text())
     assert found, f"pyproject.toml names no minimum version of {requirement}"
-    return tuple(map(int, found.group(1).split(".")))
+    return release(found.group(1))
 
 
 def test_generated_stubs_match_the_proto_files(tmp_path: Path):
@@ -52,11 +60,9 @@ def test_the_committed_stubs_import_with_the_oldest_grpcio_and_protobuf_pyprojec
     must be at least those versions."""
     for stub in sorted((PROTO_DIR / "nanoserve" / "v1").glob("*_pb2*.py")):
         text = stub.read_text()
-        for found in GRPC_VERSION.finditer(text):
-            assert tuple(map(int, found.group(1).split("."))) <= minimum("grpcio"), stub.name
-        for found in PROTOBUF_VERSION.finditer(text):
-            version = found.group(1).split(".") if found.group(1) else found.groups()[1:]
-            assert tuple(map(int, version)) <= minimum("protobuf"), stub.name
+        for pattern, requirement in ((GRPC_VERSION, "grpcio"), (PROTOBUF_VERSION, "protobuf")):
+            for found in pattern.finditer(text):
+                assert release(found.group(1)) <= minimum(requirement), (stub.name, requirement)
 
 
 @pytest.mark.parametrize("proto", PROTOS, ids=lambda p: p.name)

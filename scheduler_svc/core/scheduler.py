@@ -96,8 +96,9 @@ class Scheduler:
         while self.waiting and len(scheduled) < seq_budget:
             seq = self.waiting[0]
             remaining = token_budget - num_batched_tokens
-            # none left: the mixed policy's verification rows (1 + k tokens each) may take more than the budget
-            if remaining <= 0 or seq.token_ids[-1] == PENDING:  # PENDING: preempted, a step in flight owes it
+            # Below zero when the mixed policy's verification rows (1 + k tokens each) took more than the budget;
+            # PENDING: preempted while a step in flight still owes it.
+            if remaining <= 0 or seq.token_ids[-1] == PENDING:
                 break
             if seq.lora_id and self.max_loras is not None and not seq.block_table:
                 adapters = self._adapters_running(scheduled) if adapters is None else adapters
