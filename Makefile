@@ -26,9 +26,13 @@ run: $(VENV)/.installed
 run-shadow: $(VENV)/.installed
 	$(PY) -m client.stack --shadow
 
+# The suite on TEST_WORKERS processes (CI's two cores), a test file each at a time, so that a module's fixtures
+# (a model converted, services started) are set up once: most tests wait on processes they start.
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The tests that run a model on the CPU, again under each kernel choice forced (NANOSERVE_CPU_KERNELS, see
 # docs/executor.md), so that the choice this machine measures cannot hide a failure of the kernels it did not choose.
