@@ -81,13 +81,17 @@ def smollm2_folder() -> Path:
 
 
 def in_spinning_process(function: Callable[..., T], *args: object) -> T:
-    """``function(*args)`` in a fresh process whose OpenMP threads wait spinning, as by default.
+    """``function(*args)`` in a fresh process whose OpenMP threads wait spinning, as by default, unless workers share
+    the cores.
 
     The suite's processes wait passively (conftest.py), which suits its many small services sharing two cores (the
     whole suite ran longer with the executor's brief spin) but wakes the threads by a system call at each op: a lone
     real model's float32 steps, hundreds of small ops each, run about twice as fast spinning
     (docs/benchmarks-history.md, "The suite's OpenMP wait"). ``function`` must be importable by name (a module-level
-    function), its arguments and result picklable."""
+    function), its arguments and result picklable. Where other pytest-xdist workers share the cores (``make test``),
+    spinning threads would spend their turns: ``function`` runs here, passively, instead."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        return function(*args)
     saved = os.environ.pop("OMP_WAIT_POLICY", None)  # the child takes this process's environment as it starts
     try:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
