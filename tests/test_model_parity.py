@@ -198,8 +198,8 @@ def parity(request: pytest.FixtureRequest, hf_references: dict[str, list[list[in
 
 
 def smollm2_parity(folder: Path, prompts: list[list[int]]) -> ParityRun:
-    """SmolLM2's reference and run, in a process of their own (``in_spinning_process``): hundreds of float32 steps
-    of a real model, each of many small ops."""
+    """SmolLM2's reference and run, for ``in_spinning_process``: hundreds of float32 steps of a real model, each of
+    many small ops."""
     reference = hf_greedy(folder, prompts, MAX_NEW_TOKENS, stop_at_eos=True)
     return run_parity(folder, prompts, reference, max_new_tokens=MAX_NEW_TOKENS, stop_at_eos=True, block_size=16,
                       chunk_budget=40, kv_bytes=256 << 20)

@@ -24,8 +24,8 @@ PROTOBUF_RUNTIME_CHECK = re.compile(r"Domain\.PUBLIC,\s*\d+,\s*\d+,\s*\d+,")
 
 
 def without_generator_versions(stub: str) -> str:
-    for line in (GRPC_VERSION, PROTOBUF_VERSION, PROTOBUF_RUNTIME_CHECK):
-        stub = line.sub("<generator version>", stub)
+    for pattern in (GRPC_VERSION, PROTOBUF_VERSION, PROTOBUF_RUNTIME_CHECK):
+        stub = pattern.sub("<generator version>", stub)
     return stub
 
 
