@@ -1,6 +1,7 @@
 """Where W1's in-process time goes: wall seconds per component of the model step, prefill and decode apart.
 
-Runs W1 (BENCHMARKS.md) through the scheduler Engine and the ModelExecutor in this process, as
+Runs W1 (BENCHMARKS.md; ``--workload w2``: W2's requests, whose prompts of up to 1,024 tokens show long prompts'
+prefill) through the scheduler Engine and the ModelExecutor in this process, as
 ``bench.throughput``'s ``inprocess`` peer does, with a timer around each component's Python entry point:
 the linear layers (``LinearBase.matmul``, LM head included), attention's store and compute, RMSNorm, the
 rotary embedding, SiLU-and-mul, the embedding and the sampler; a decode step the C decoder stack ran
@@ -28,7 +29,7 @@ from executor_svc.cpu.openmp import set_wait_policy
 set_wait_policy()
 keep_heap_memory()
 
-from bench.common import print_table, progress, w1, write_json  # noqa: E402
+from bench.common import WORKLOADS, print_table, progress, write_json  # noqa: E402
 from executor_svc.__main__ import cpu_kernels_flag  # noqa: E402
 from executor_svc.attention.cpu_backend import CpuAttention  # noqa: E402
 from executor_svc.attention.torch_backend import TorchAttention  # noqa: E402
@@ -136,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=ExecutorOptions.model,
                         help="embedded model name or local HF folder (python -m bench.random_model FOLDER --arch "
                              "smollm2-135m where the embedded one is missing)")
+    parser.add_argument("--workload", choices=["w1", "w2"], default="w1",
+                        help="w1, or W2's requests (prompts of 100-1024 tokens, temperature 0.6) on this machine")
     parser.add_argument("--num-requests", type=int, help="run only the first N requests")
     parser.add_argument("--cpu-decode-stack", choices=["on", "off"], default="on",
                         help="off: decode steps layer by layer, so that each family's share shows")
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the executor's --cpu-kernels (e.g. another machine's choice: linear:33+=torch)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    workload = w1().head(args.num_requests)
+    workload = WORKLOADS[args.workload]().head(args.num_requests)
     options = ExecutorOptions(model=args.model, dtype=args.dtype, kv_cache_memory=2 << 30, threads=args.threads,
                               max_model_len=workload.max_model_len, cpu_decode_stack=args.cpu_decode_stack == "on",
                               cpu_kernels=args.cpu_kernels)
@@ -160,9 +163,10 @@ def main(argv: list[str] | None = None) -> None:
         if decoder_stack is not None:
             timers.wrap_stack_parts(stack, decoder_stack)
         for prompt, limit in zip(workload.prompts, workload.max_tokens, strict=True):
-            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=limit, ignore_eos=True))
+            engine.add_request(prompt, SamplingParams(temperature=workload.temperature, max_tokens=limit,
+                                                      ignore_eos=True))
         start = time.perf_counter()
-        with progress(total=sum(workload.max_tokens), desc="W1", unit="tok") as bar:
+        with progress(total=sum(workload.max_tokens), desc=args.workload.upper(), unit="tok") as bar:
             while engine.has_unfinished():
                 bar.update(sum(len(o.token_ids) for o in engine.step()))
         total = time.perf_counter() - start
@@ -186,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
         for name, value in parts.items():
             rows.append(["decode", f"stack: {name}", value, 100 * value / total])
             figures[f"stack_{STACK_PARTS.get(name, 'python')}_s"] = value
-    print(f"W1, {args.dtype}, {args.threads} threads: {total:.2f} s, {figures['tok_s']:.1f} tok/s, "
-          f"{steps['prefill']} prefill and {steps['decode']} decode steps")
+    print(f"{args.workload.upper()}, {args.dtype}, {args.threads} threads: {total:.2f} s, "
+          f"{figures['tok_s']:.1f} tok/s, {steps['prefill']} prefill and {steps['decode']} decode steps")
     print_table(["phase", "component", "seconds", "% of run"], rows)
     write_json(args.json, figures)
 

@@ -81,9 +81,18 @@ def test_prefill_runs_the_kernel_where_it_applies_and_the_table_chooses_it(monke
     assert calls == [21]
     backend.kernels = KernelChoice.uniform("c").with_ways({("prefill_attention", "9-32"): "torch"})
     run_prefill(batch, backend, 0.125, torch.float32)
+    # The class is the step's longest context (40: "33+"), not its query rows (5: "2-8").
+    long_context = PagedBatch([40, 9], [3, 2], 4, 4, 2, 64)
+    backend.kernels = KernelChoice.uniform("c").with_ways({("prefill_attention", "33+"): "torch"})
+    torch.testing.assert_close(run_prefill(long_context, backend, 0.125, torch.float32), long_context.expected(0.125),
+                               atol=1e-4, rtol=1e-4)
+    assert calls == [21]
+    backend.kernels = KernelChoice.uniform("c").with_ways({("prefill_attention", "2-8"): "torch"})
+    run_prefill(long_context, backend, 0.125, torch.float32)
+    assert calls == [21, 5]
     half = PagedBatch([20, 9], [12, 9], 4, 4, 2, 64)
     out = run_prefill(half, CpuAttention(), 0.125, torch.float16)  # no kernel for float16
     small = PagedBatch([20, 9], [12, 9], 4, 4, 2, 16)
     run_prefill(small, CpuAttention(), 0.125, torch.float32)  # nor for head_dim 16
-    assert calls == [21]
+    assert calls == [21, 5]
     torch.testing.assert_close(out.float(), half.expected(0.125), atol=2e-3, rtol=2e-3)

@@ -3,7 +3,8 @@
 
 Decode is where a CPU step spends its attention time, and torch can only attend to a gathered copy of
 each request's context; the kernel reads keys and values in place through the block tables. torch's SDPA
-runs W1's prefill far below the machine's peak; the prefill kernel is faster there (``bench.kernels``). Keys and
+runs W1's short prompts far below the machine's peak; the prefill kernel is faster there, and torch's flash kernel
+on long ones where the CPU multiplies bfloat16 matrices natively (AMX: ``bench.kernels --prompt-tokens``). Keys and
 values go into the cache by a C copy too (``executor_svc/cpu/csrc/fused_ops.c``): torch's masked
 ``index_copy_`` took several ops a layer for a few kilobytes.
 """
@@ -31,8 +32,8 @@ def _rows_contiguous(x: torch.Tensor) -> bool:
 
 
 class CpuAttention(TorchAttention):
-    """``TorchAttention`` with decode and prefill in the compiled kernels for float32 and bfloat16, at the row
-    counts where the executor's kernel choice found them the faster."""
+    """``TorchAttention`` with decode and prefill in the compiled kernels for float32 and bfloat16, where the
+    executor's kernel choice found them the faster: decode by its rows, prefill by its longest context."""
 
     name = "cpu"
     kernels: KernelChoice = ALL_C
@@ -77,7 +78,7 @@ class CpuAttention(TorchAttention):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        chosen = self.kernels.use_c("prefill_attention", q.shape[0])
+        chosen = self.kernels.use_c("prefill_attention", meta.max_seqlen_k)
         if chosen and self.prefill_applies(q, k, v, k_cache, v_cache, meta):
             return self.kernel_prefill(q, k, v, k_cache, v_cache, meta, scale)
         return super().prefill(q, k, v, k_cache, v_cache, meta, scale)
@@ -94,7 +95,7 @@ class CpuAttention(TorchAttention):
     ) -> torch.Tensor:
         """Split from ``MIN_SPLIT_DECODES`` decode rows, or where the C prefill kernel would not take the whole step
         (torch's prefill attends request by request); else the whole step in the C prefill kernel."""
-        few = meta.mixed.num_decodes < MIN_SPLIT_DECODES and self.kernels.use_c("prefill_attention", q.shape[0])
+        few = meta.mixed.num_decodes < MIN_SPLIT_DECODES and self.kernels.use_c("prefill_attention", meta.max_seqlen_k)
         if few and self.prefill_applies(q, k, v, k_cache, v_cache, meta):
             return self.kernel_prefill(q, k, v, k_cache, v_cache, meta, scale)
         return super().mixed(q, k, v, k_cache, v_cache, meta, scale)

@@ -21,7 +21,9 @@ FAMILIES = ("linear", "decode_attention", "prefill_attention", "rms_norm", "silu
 CLASSES = ("1", "2-8", "9-32", "33+", "prefill")
 WAYS = ("c", "torch")
 # The rows each class is measured at. A call has as many rows as tokens: one per sequence in decode, so
-# more rows than a decode batch holds (max_num_seqs defaults to 256) come from a prefill.
+# more rows than a decode batch holds (max_num_seqs defaults to 256) come from a prefill. Prefill attention is
+# classed by its step's longest context instead (a prompt's cost grows with its length, whatever shares the step),
+# and measured on one prompt of that many tokens.
 PROBE_ROWS = {"1": 1, "2-8": 4, "9-32": 16, "33+": 64, "prefill": 512}
 PREFILL_ROWS = 257
 _BOUNDS = ((1, "1"), (8, "2-8"), (32, "9-32"), (PREFILL_ROWS - 1, "33+"))
@@ -52,6 +54,7 @@ class KernelChoice:
         return cls({f: dict.fromkeys(CLASSES, way) for f in FAMILIES}, source)
 
     def use_c(self, family: str, rows: int) -> bool:
+        """Whether the C kernel runs a call of ``rows`` (prefill attention: its longest context)."""
         return self._fast[family][min(rows, PREFILL_ROWS)]
 
     def uses(self, family: str, way: str) -> bool:

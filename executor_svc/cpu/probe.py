@@ -3,13 +3,13 @@
 Each family runs on the loaded model's own shapes at each class's probe rows. Linear passes over the
 model's own weights (the first gigabyte of them for the decode classes, since a decode step streams every
 weight from memory; one decoder layer's for prefill, which is compute-bound); decode attention reads layer 0
-of the real cache through random block tables, contexts of up to 512 tokens; prefill attention runs
-prompts of up to 128 tokens with nothing cached. C and torch take turns for
-``ROUNDS`` rounds and each keeps its fastest: a shared machine's noise only adds time, and a slow spell once
-made the medians of rounds pick the slower side at 64 rows, and the cache kept that table. Torch is chosen
-only when at least ``MARGIN`` faster, so two kernels within noise keep the C one and its numerics. The
-table is cached per machine (the key names the kernel build, which names the CPU's flags) and measured
-again only when something in the key changes.
+of the real cache through random block tables, contexts of up to 512 tokens; prefill attention runs one
+prompt of the class's length (``LONG_PROMPT_TOKENS`` for ``prefill``) with nothing cached (its classes are of a
+step's longest context). C and torch take turns for ``ROUNDS`` rounds and each keeps its fastest: a shared
+machine's noise only adds time, and a slow spell once made the medians of rounds pick the slower side at 64
+rows, and the cache kept that table. Torch is chosen only when at least ``MARGIN`` faster, so two kernels within
+noise keep the C one and its numerics. The table is cached per machine (the key names the kernel build, which
+names the CPU's flags) and measured again only when something in the key changes.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ MARGIN = 0.05
 MIN_SECONDS = 0.002  # timed calls per round: at least this long, so the timer's resolution does not count
 ATTENTION_CONTEXT = 512
 PREFILL_REQUEST_TOKENS = 128
+# Prefill attention's ``prefill`` class (contexts past 256 tokens) is raced on one prompt this long: where torch's
+# flash kernel wins, it wins by more the longer the prompt, and at 512 tokens the race came out either way.
+LONG_PROMPT_TOKENS = 1024
 PROBE_WEIGHT_BYTES = 1 << 30
 
 Calls = tuple[Callable[[], object], Callable[[], object]]  # (C kernel, torch)
@@ -109,7 +112,8 @@ def settle(model: nn.Module, backend: AttentionBackend, known: KernelChoice | No
     have = available(model, backend, dtype)
     choice = choice.with_ways({(f, c): "torch" for f in FAMILIES if f not in have for c in CLASSES})
     install(model, backend, choice)
-    log.info("CPU kernels for rows %s per call: %s (%s)", "/".join(CLASSES), choice.describe(), choice.source)
+    log.info("CPU kernels for rows %s per call (prefill attention: its longest context): %s (%s)", "/".join(CLASSES),
+             choice.describe(), choice.source)
     return choice
 
 
@@ -253,11 +257,12 @@ def _attention_probe(attention: nn.Module, backend: CpuAttention, dtype: torch.d
 
 
 def prefill_batch(
-    rows: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator
+    rows: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator,
+    prompt_tokens: int = PREFILL_REQUEST_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """q, k, v (views of one qkv projection, as the model hands them over) and metadata of a prefill of ``rows``
-    tokens, in requests of at most ``PREFILL_REQUEST_TOKENS`` with nothing cached: W1's prompts."""
-    lengths = [min(PREFILL_REQUEST_TOKENS, rows - start) for start in range(0, rows, PREFILL_REQUEST_TOKENS)]
+    tokens, in requests of at most ``prompt_tokens`` with nothing cached (by default W1's prompts)."""
+    lengths = [min(prompt_tokens, rows - start) for start in range(0, rows, prompt_tokens)]
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
@@ -270,8 +275,10 @@ def _prefill_attention_probe(attention: nn.Module, backend: CpuAttention, dtype:
     k_cache, v_cache, scale = attention.k_cache, attention.v_cache, attention.scale
     gen = torch.Generator().manual_seed(0)
 
-    def at(rows: int) -> Calls:
-        q, k, v, meta = prefill_batch(rows, attention.num_heads, attention.num_kv_heads, attention.head_dim, dtype, gen)
+    def at(tokens: int) -> Calls:  # one prompt: the class is of the longest context
+        tokens = LONG_PROMPT_TOKENS if tokens >= PREFILL_ROWS else tokens
+        q, k, v, meta = prefill_batch(tokens, attention.num_heads, attention.num_kv_heads, attention.head_dim, dtype,
+                                      gen, prompt_tokens=tokens)
         return (lambda: backend.kernel_prefill(q, k, v, k_cache, v_cache, meta, scale),
                 lambda: TorchAttention.prefill(backend, q, k, v, k_cache, v_cache, meta, scale))
 
