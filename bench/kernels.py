@@ -9,7 +9,7 @@
   heads of 64, block size 16, in a cache much larger than the CPU's caches, each call on blocks the call before
   did not read, as the layers of a step do); the peer is the ``torch`` attention backend.
 - ``prefill_attention``: one layer of causal prefill of ``--rows`` tokens in prompts of up to ``--prompt-tokens``
-  (default 128, W1's), nothing cached; the peer is the ``torch`` backend (SDPA per request).
+  (default 128), nothing cached; the peer is the ``torch`` backend (SDPA per request).
 - ``rms_norm``, ``silu_and_mul``, ``rotary``: one call at ``--rows`` rows; the peer is the layer's torch code.
 
 Each figure is the median of ``--repeats`` timings, peers taking turns; ``ratio`` is torch's time over the
@@ -44,7 +44,7 @@ from executor_svc.cpu import fused as cpu_fused  # noqa: E402
 from executor_svc.cpu import kernels as cpu_kernels  # noqa: E402
 from executor_svc.cpu.choice import CLASSES, FAMILIES, KernelChoice  # noqa: E402
 from executor_svc.cpu.huge_pages import slices_on_huge_pages  # noqa: E402
-from executor_svc.cpu.probe import PREFILL_REQUEST_TOKENS, prefill_batch  # noqa: E402
+from executor_svc.cpu.probe import prefill_batch  # noqa: E402
 from executor_svc.layers.linear import PackedWeight, onednn_copy  # noqa: E402
 from executor_svc.layers.norm import RMSNorm  # noqa: E402
 from executor_svc.layers.rotary import RotaryEmbedding, rotate_half  # noqa: E402
@@ -58,6 +58,7 @@ LAYER_SHAPES = [(HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2
                 (HIDDEN, INTERMEDIATE)]
 
 Peers = tuple[Callable[[], object], Callable[[], object]]  # (kernel, torch)
+PROMPT_TOKENS = 128  # prefill_attention's prompts unless --prompt-tokens
 
 
 def linear_peers(dtype: torch.dtype, dense: bool = False, small_pages: bool = False) -> Callable[[int], Peers]:
@@ -118,8 +119,7 @@ def decode_attention_peers(dtype: torch.dtype) -> Callable[[int], Peers]:
     return at
 
 
-def prefill_attention_peers(dtype: torch.dtype, prompt_tokens: int = PREFILL_REQUEST_TOKENS
-                            ) -> Callable[[int], Peers]:
+def prefill_attention_peers(dtype: torch.dtype, prompt_tokens: int = PROMPT_TOKENS) -> Callable[[int], Peers]:
     gen = torch.Generator().manual_seed(0)
     cache = torch.empty(1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)  # nothing cached: never read
 
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--small-pages", action="store_true",
                         help="linear: each packed weight in its own allocation (4 KiB pages) instead of one region "
                              "on huge pages")
-    parser.add_argument("--prompt-tokens", type=int, default=PREFILL_REQUEST_TOKENS,
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
                         help="prefill_attention: the longest prompt; --rows tokens are cut into prompts this long")
     parser.add_argument("--repeats", type=int, default=7, help="timings per peer and row count (median)")
     parser.add_argument("--json", type=Path)

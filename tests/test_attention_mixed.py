@@ -98,6 +98,26 @@ def test_cpu_backend_splits_from_enough_decode_rows(monkeypatch: pytest.MonkeyPa
         assert calls == [("kernel_decode", num_decodes), ("kernel_prefill", rows - num_decodes)]
 
 
+@pytest.mark.skipif(cpu_kernels.kernel_library() is None, reason="no C compiler for the CPU kernels")
+def test_cpu_backend_chooses_by_the_steps_longest_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few decode rows go whole through the C prefill kernel unless the table gives the step's longest context (a
+    decode row's 300 tokens: ``prefill``) to torch, whatever its 5 rows' class ("2-8")."""
+    calls: list[tuple[str, int]] = []
+    for name in ("kernel_decode", "kernel_prefill"):
+        kernel = getattr(CpuAttention, name)
+        monkeypatch.setattr(CpuAttention, name, lambda self, q, *rest, name=name, kernel=kernel: calls.append(
+            (name, q.shape[0])) or kernel(self, q, *rest))
+    step = MixedStep([(300, 1), (20, 4)], 16, 9, 3, 64, torch.float32)
+    backend = CpuAttention()
+    backend.kernels = KernelChoice.uniform("c").with_ways({("prefill_attention", "prefill"): "torch"})
+    assert_matches(step, step.run(backend, SCALE))
+    assert calls == [("kernel_decode", 1), ("kernel_prefill", 4)]  # split; the chunk's 20 tokens: "9-32", C
+    calls.clear()
+    backend.kernels = KernelChoice.uniform("c").with_ways({("prefill_attention", "2-8"): "torch"})
+    assert_matches(step, step.run(backend, SCALE))
+    assert calls == [("kernel_prefill", 5)]
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_flash_backend(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
     """bfloat16 over pages of 256 tokens: both halves in flash-attn (a stand-in with its semantics; the store is

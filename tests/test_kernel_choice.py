@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench import random_model
 from executor_svc.__main__ import build_parser
 from executor_svc.cpu import kernels as cpu_kernels
 from executor_svc.cpu import probe as kernel_probe
@@ -115,6 +116,28 @@ def test_an_executor_measures_once_logs_once_then_reads_its_cache(
     assert len(logged) == 2 and all(family in logged[0].getMessage() for family in FAMILIES)
     cached_file.write_text("{not json")
     assert tiny_runner(tiny_model_folders["llama"], "auto").kernels.source.startswith("measured in")
+
+
+@pytest.mark.skipif(not (cpu_kernels.kernel_library() and cpu_kernels.kernel_library().prefill_attention_supported(64)),
+                    reason="no C prefill attention kernel here")
+def test_prefill_attention_is_raced_on_one_prompt_of_each_class(
+    tmp_path: Path, own_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its classes are of a step's longest context: each is raced on one prompt of its probe length, ``prefill``
+    (past 256 tokens) on one of 1,024, where a long prompt's race is decided."""
+    seen: list[tuple[int, int]] = []
+    batch = kernel_probe.prefill_batch
+
+    def spy(rows: int, *args: object, prompt_tokens: int) -> object:
+        seen.append((rows, prompt_tokens))
+        return batch(rows, *args, prompt_tokens=prompt_tokens)
+
+    monkeypatch.setattr(kernel_probe, "prefill_batch", spy)
+    folder = random_model.save_random(tmp_path / "smollm2", torch.float32, arch="smollm2-135m", num_hidden_layers=1,
+                                      vocab_size=10240)
+    choice = tiny_runner(folder, "auto").kernels
+    assert seen == [(n, n) for n in (1, 4, 16, 64, 1024)]
+    assert set(choice.timings["prefill_attention"]) == set(CLASSES)
 
 
 @needs_kernels

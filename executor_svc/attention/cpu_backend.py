@@ -94,7 +94,8 @@ class CpuAttention(TorchAttention):
         scale: float,
     ) -> torch.Tensor:
         """Split from ``MIN_SPLIT_DECODES`` decode rows, or where the C prefill kernel would not take the whole step
-        (torch's prefill attends request by request); else the whole step in the C prefill kernel."""
+        (the kernel choice is torch's for its longest context, decode rows' included, or the kernel does not apply;
+        torch's prefill attends request by request); else the whole step in the C prefill kernel."""
         few = meta.mixed.num_decodes < MIN_SPLIT_DECODES and self.kernels.use_c("prefill_attention", meta.max_seqlen_k)
         if few and self.prefill_applies(q, k, v, k_cache, v_cache, meta):
             return self.kernel_prefill(q, k, v, k_cache, v_cache, meta, scale)

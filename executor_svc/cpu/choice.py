@@ -23,7 +23,7 @@ WAYS = ("c", "torch")
 # The rows each class is measured at. A call has as many rows as tokens: one per sequence in decode, so
 # more rows than a decode batch holds (max_num_seqs defaults to 256) come from a prefill. Prefill attention is
 # classed by its step's longest context instead (a prompt's cost grows with its length, whatever shares the step),
-# and measured on one prompt of that many tokens.
+# and measured on one prompt (``probe.PREFILL_ATTENTION_TOKENS``).
 PROBE_ROWS = {"1": 1, "2-8": 4, "9-32": 16, "33+": 64, "prefill": 512}
 PREFILL_ROWS = 257
 _BOUNDS = ((1, "1"), (8, "2-8"), (32, "9-32"), (PREFILL_ROWS - 1, "33+"))

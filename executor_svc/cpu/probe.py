@@ -4,7 +4,7 @@ Each family runs on the loaded model's own shapes at each class's probe rows. Li
 model's own weights (the first gigabyte of them for the decode classes, since a decode step streams every
 weight from memory; one decoder layer's for prefill, which is compute-bound); decode attention reads layer 0
 of the real cache through random block tables, contexts of up to 512 tokens; prefill attention runs one
-prompt of the class's length (``LONG_PROMPT_TOKENS`` for ``prefill``) with nothing cached (its classes are of a
+prompt of each class's length (``PREFILL_ATTENTION_TOKENS``) with nothing cached (its classes are of a
 step's longest context). C and torch take turns for ``ROUNDS`` rounds and each keeps its fastest: a shared
 machine's noise only adds time, and a slow spell once made the medians of rounds pick the slower side at 64
 rows, and the cache kept that table. Torch is chosen only when at least ``MARGIN`` faster, so two kernels within
@@ -45,10 +45,10 @@ ROUNDS = 5
 MARGIN = 0.05
 MIN_SECONDS = 0.002  # timed calls per round: at least this long, so the timer's resolution does not count
 ATTENTION_CONTEXT = 512
-PREFILL_REQUEST_TOKENS = 128
-# Prefill attention's ``prefill`` class (contexts past 256 tokens) is raced on one prompt this long: where torch's
-# flash kernel wins, it wins by more the longer the prompt, and at 512 tokens the race came out either way.
-LONG_PROMPT_TOKENS = 1024
+# Prefill attention is raced on one prompt per class, as long as the class's probe rows, but for ``prefill``
+# (contexts past 256 tokens): where torch's flash kernel wins, it wins by more the longer the prompt, and on one of
+# 512 tokens the race came out either way.
+PREFILL_ATTENTION_TOKENS = {**PROBE_ROWS, "prefill": 1024}
 PROBE_WEIGHT_BYTES = 1 << 30
 
 Calls = tuple[Callable[[], object], Callable[[], object]]  # (C kernel, torch)
@@ -149,7 +149,8 @@ def measure(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> 
         for klass in CLASSES:
             if family == "decode_attention" and klass == "prefill":
                 continue  # a decode batch past 256 sequences is rare: it takes the 33+ choice below
-            c_ms, torch_ms = race(*probe(PROBE_ROWS[klass]))
+            size = PREFILL_ATTENTION_TOKENS[klass] if family == "prefill_attention" else PROBE_ROWS[klass]
+            c_ms, torch_ms = race(*probe(size))
             timings[family][klass] = (c_ms, torch_ms)
             ways[family, klass] = "torch" if torch_ms < c_ms * (1 - MARGIN) else "c"
         if family == "decode_attention":
@@ -258,10 +259,10 @@ def _attention_probe(attention: nn.Module, backend: CpuAttention, dtype: torch.d
 
 def prefill_batch(
     rows: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator,
-    prompt_tokens: int = PREFILL_REQUEST_TOKENS,
+    prompt_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """q, k, v (views of one qkv projection, as the model hands them over) and metadata of a prefill of ``rows``
-    tokens, in requests of at most ``prompt_tokens`` with nothing cached (by default W1's prompts)."""
+    tokens, in requests of at most ``prompt_tokens`` with nothing cached."""
     lengths = [min(prompt_tokens, rows - start) for start in range(0, rows, prompt_tokens)]
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
@@ -276,7 +277,6 @@ def _prefill_attention_probe(attention: nn.Module, backend: CpuAttention, dtype:
     gen = torch.Generator().manual_seed(0)
 
     def at(tokens: int) -> Calls:  # one prompt: the class is of the longest context
-        tokens = LONG_PROMPT_TOKENS if tokens >= PREFILL_ROWS else tokens
         q, k, v, meta = prefill_batch(tokens, attention.num_heads, attention.num_kv_heads, attention.head_dim, dtype,
                                       gen, prompt_tokens=tokens)
         return (lambda: backend.kernel_prefill(q, k, v, k_cache, v_cache, meta, scale),
