@@ -31,7 +31,7 @@ from executor_svc.attention.torch_backend import TorchAttention
 from executor_svc.cpu import choice as kernel_choice
 from executor_svc.cpu import fused as cpu_fused
 from executor_svc.cpu import kernels as cpu_kernels
-from executor_svc.cpu.choice import CLASSES, FAMILIES, PREFILL_ROWS, PROBE_ROWS, KernelChoice
+from executor_svc.cpu.choice import CLASSES, FAMILIES, PREFILL_ROWS, PROBE_ROWS, KernelChoice, shape_class
 from executor_svc.layers.activation import SiluAndMul
 from executor_svc.layers.linear import LinearBase, cpu_linear_layers, drop_unused_copies, prepack_for_cpu
 from executor_svc.layers.norm import RMSNorm
@@ -149,8 +149,7 @@ def measure(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> 
         for klass in CLASSES:
             if family == "decode_attention" and klass == "prefill":
                 continue  # a decode batch past 256 sequences is rare: it takes the 33+ choice below
-            size = PREFILL_ATTENTION_TOKENS[klass] if family == "prefill_attention" else PROBE_ROWS[klass]
-            c_ms, torch_ms = race(*probe(size))
+            c_ms, torch_ms = race(*probe(PROBE_ROWS[klass]))
             timings[family][klass] = (c_ms, torch_ms)
             ways[family, klass] = "torch" if torch_ms < c_ms * (1 - MARGIN) else "c"
         if family == "decode_attention":
@@ -276,7 +275,8 @@ def _prefill_attention_probe(attention: nn.Module, backend: CpuAttention, dtype:
     k_cache, v_cache, scale = attention.k_cache, attention.v_cache, attention.scale
     gen = torch.Generator().manual_seed(0)
 
-    def at(tokens: int) -> Calls:  # one prompt: the class is of the longest context
+    def at(rows: int) -> Calls:  # one prompt: the class is of the longest context
+        tokens = PREFILL_ATTENTION_TOKENS[shape_class(rows)]
         q, k, v, meta = prefill_batch(tokens, attention.num_heads, attention.num_kv_heads, attention.head_dim, dtype,
                                       gen, prompt_tokens=tokens)
         return (lambda: backend.kernel_prefill(q, k, v, k_cache, v_cache, meta, scale),
