@@ -81,18 +81,40 @@ def test_prefill_runs_the_kernel_where_it_applies_and_the_table_chooses_it(monke
     assert calls == [21]
     backend.kernels = KernelChoice.uniform("c").with_ways({("prefill_attention", "9-32"): "torch"})
     run_prefill(batch, backend, 0.125, torch.float32)
-    # The class is the step's longest context (40: "33+"), not its query rows (5: "2-8").
+    # The class is the step's longest context (40: "33+"), not its query rows (5: "2-8"); the request whose own
+    # context (9) the C kernel takes still runs in it.
     long_context = PagedBatch([40, 9], [3, 2], 4, 4, 2, 64)
     backend.kernels = KernelChoice.uniform("c").with_ways({("prefill_attention", "33+"): "torch"})
     torch.testing.assert_close(run_prefill(long_context, backend, 0.125, torch.float32), long_context.expected(0.125),
                                atol=1e-4, rtol=1e-4)
-    assert calls == [21]
+    assert calls == [21, 2]
     backend.kernels = KernelChoice.uniform("c").with_ways({("prefill_attention", "2-8"): "torch"})
     run_prefill(long_context, backend, 0.125, torch.float32)
-    assert calls == [21, 5]
+    assert calls == [21, 2, 5]
     half = PagedBatch([20, 9], [12, 9], 4, 4, 2, 64)
     out = run_prefill(half, CpuAttention(), 0.125, torch.float16)  # no kernel for float16
     small = PagedBatch([20, 9], [12, 9], 4, 4, 2, 16)
     run_prefill(small, CpuAttention(), 0.125, torch.float32)  # nor for head_dim 16
-    assert calls == [21, 5]
+    assert calls == [21, 2, 5]
     torch.testing.assert_close(out.float(), half.expected(0.125), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_prompts_beside_a_long_one_keep_the_c_kernel(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """Where the longest context chooses torch, each run of short requests (cached prefixes among them) takes one C
+    call and the long ones go through torch, each into its own rows."""
+    calls: list[int] = []
+    kernel = CpuAttention.kernel_prefill
+    monkeypatch.setattr(CpuAttention, "kernel_prefill", lambda self, q, *rest: calls.append(q.shape[0]) or kernel(
+        self, q, *rest))
+    batch = PagedBatch([300, 20, 40, 5, 270, 64], [280, 20, 10, 5, 270, 1], 16, 9, 3, 64)
+    backend = CpuAttention()
+    backend.kernels = KernelChoice.uniform("c").with_ways({("prefill_attention", "prefill"): "torch"})
+    out = run_prefill(batch, backend, 0.125, dtype)
+    assert calls == [20 + 10 + 5, 1]
+    reference = run_prefill(batch, TorchAttention(), 0.125, dtype)
+    exact = batch.expected(0.125)
+    slack = 1e-3 if dtype == torch.bfloat16 else 1e-5
+    assert (out.float() - exact).abs().max() <= (reference.float() - exact).abs().max() + slack
+    long_rows = torch.cat([torch.arange(0, 280), torch.arange(315, 585)])
+    assert torch.equal(out[long_rows], reference[long_rows])  # torch's rows are torch's own

@@ -12,6 +12,7 @@ values go into the cache by a C copy too (``executor_svc/cpu/csrc/fused_ops.c``)
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import torch
 
@@ -29,6 +30,11 @@ MIN_SPLIT_DECODES = 16
 def _rows_contiguous(x: torch.Tensor) -> bool:
     """[tokens, heads, head_dim] with each token's heads packed, whatever the stride between tokens."""
     return (x.shape[2] == 1 or x.stride(2) == 1) and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
+
+
+def _prefix_sums(lengths: list[int]) -> torch.Tensor:
+    """[len(lengths) + 1] int32: 0, then the running sums, as ``cu_seqlens``."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
 
 
 class CpuAttention(TorchAttention):
@@ -78,10 +84,40 @@ class CpuAttention(TorchAttention):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        chosen = self.kernels.use_c("prefill_attention", meta.max_seqlen_k)
-        if chosen and self.prefill_applies(q, k, v, k_cache, v_cache, meta):
+        if not self.prefill_applies(q, k, v, k_cache, v_cache, meta):
+            return super().prefill(q, k, v, k_cache, v_cache, meta, scale)
+        if self.kernels.use_c("prefill_attention", meta.max_seqlen_k):
             return self.kernel_prefill(q, k, v, k_cache, v_cache, meta, scale)
-        return super().prefill(q, k, v, k_cache, v_cache, meta, scale)
+        return self._prefill_by_context(q, k, v, k_cache, v_cache, meta, scale)
+
+    def _prefill_by_context(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """A step whose longest context chose torch: each run of consecutive requests whose own contexts choose the
+        C kernel still goes through it in one call, on views of its rows, and torch attends the others one by one.
+        Otherwise a long prompt would send the short ones beside it through torch, a call each."""
+        cu_q, cu_k = meta.cu_seqlens_q.tolist(), meta.cu_seqlens_k.tolist()
+        short = [self.kernels.use_c("prefill_attention", cu_k[i + 1] - cu_k[i]) for i in range(len(cu_q) - 1)]
+        if not any(short):
+            return super().prefill(q, k, v, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
+        for in_c, run in itertools.groupby(range(len(short)), key=short.__getitem__):
+            requests = list(run)
+            if not in_c:
+                self.prefill_requests(q, k, v, k_cache, v_cache, meta, scale, requests, out)
+                continue
+            first, end = requests[0], requests[-1] + 1
+            rows = slice(cu_q[first], cu_q[end])
+            q_lens = [cu_q[i + 1] - cu_q[i] for i in requests]
+            k_lens = [cu_k[i + 1] - cu_k[i] for i in requests]
+            part = AttentionMetadata(
+                True, meta.slot_mapping[rows], meta.block_tables[first:end], cu_seqlens_q=_prefix_sums(q_lens),
+                cu_seqlens_k=_prefix_sums(k_lens), max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
+                has_cached_context=k_lens != q_lens,
+            )
+            self.kernel_prefill(q[rows], k[rows], v[rows], k_cache, v_cache, part, scale, out[rows])
+        return out
 
     def mixed(
         self,
@@ -95,7 +131,8 @@ class CpuAttention(TorchAttention):
     ) -> torch.Tensor:
         """Split from ``MIN_SPLIT_DECODES`` decode rows, or where the C prefill kernel would not take the whole step
         (the kernel choice is torch's for its longest context, decode rows' included, or the kernel does not apply;
-        torch's prefill attends request by request); else the whole step in the C prefill kernel."""
+        the prefill half then goes by its requests' contexts, ``prefill``); else the whole step in the C prefill
+        kernel."""
         few = meta.mixed.num_decodes < MIN_SPLIT_DECODES and self.kernels.use_c("prefill_attention", meta.max_seqlen_k)
         if few and self.prefill_applies(q, k, v, k_cache, v_cache, meta):
             return self.kernel_prefill(q, k, v, k_cache, v_cache, meta, scale)
@@ -113,12 +150,12 @@ class CpuAttention(TorchAttention):
 
     def kernel_prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float,
+        meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The C kernel's prefill, where ``prefill_applies``."""
+        """The C kernel's prefill, where ``prefill_applies``; into ``out`` (contiguous, q's shape) where given."""
         tables = contiguous_as(meta.block_tables, torch.int32)
         cu_q, cu_k = contiguous_as(meta.cu_seqlens_q, torch.int32), contiguous_as(meta.cu_seqlens_k, torch.int32)
-        out = torch.empty(q.shape, dtype=q.dtype)
+        out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
         _, num_heads, head_dim = q.shape
         num_kv_heads, block_size = k.shape[1], k_cache.shape[1] if k_cache.dim() == 4 else 1
         failed = self._prefill(

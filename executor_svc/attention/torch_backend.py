@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -128,10 +129,26 @@ class TorchAttention(SplitsMixed):
         scale: float,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
+        self.prefill_requests(q, k, v, k_cache, v_cache, meta, scale, range(len(meta.cu_seqlens_q) - 1), out)
+        return out
+
+    def prefill_requests(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        requests: Iterable[int],
+        out: torch.Tensor,
+    ) -> None:
+        """Attends the step's prefill ``requests`` (their indices in ``meta``) one by one into their rows of ``out``."""
         cu_q = meta.cu_seqlens_q.tolist()
         cu_k = meta.cu_seqlens_k.tolist()
         block_size = k_cache.shape[1]
-        for i in range(len(cu_q) - 1):
+        for i in requests:
             q_start, q_end = cu_q[i], cu_q[i + 1]
             q_len, ctx_len = q_end - q_start, cu_k[i + 1] - cu_k[i]
             if ctx_len == q_len:  # nothing cached for this request: its own k, v are the whole context
@@ -141,7 +158,6 @@ class TorchAttention(SplitsMixed):
                 ks = _gather_context(k_cache, block_ids, ctx_len).to(q.dtype)
                 vs = _gather_context(v_cache, block_ids, ctx_len).to(q.dtype)
             out[q_start:q_end] = _causal_attention(q[q_start:q_end], ks, vs, scale)
-        return out
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
