@@ -133,16 +133,8 @@ class TorchAttention(SplitsMixed):
         return out
 
     def prefill_requests(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        requests: Iterable[int],
-        out: torch.Tensor,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float, requests: Iterable[int], out: torch.Tensor,
     ) -> None:
         """Attends the step's prefill ``requests`` (their indices in ``meta``) one by one into their rows of ``out``."""
         cu_q = meta.cu_seqlens_q.tolist()
