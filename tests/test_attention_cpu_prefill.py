@@ -113,8 +113,11 @@ def test_short_prompts_beside_a_long_one_keep_the_c_kernel(monkeypatch: pytest.M
     out = run_prefill(batch, backend, 0.125, dtype)
     assert calls == [20 + 10 + 5, 1]
     reference = run_prefill(batch, TorchAttention(), 0.125, dtype)
+    whole_step_in_c = run_prefill(batch, CpuAttention(), 0.125, dtype)
     exact = batch.expected(0.125)
     slack = 1e-3 if dtype == torch.bfloat16 else 1e-5
     assert (out.float() - exact).abs().max() <= (reference.float() - exact).abs().max() + slack
     long_rows = torch.cat([torch.arange(0, 280), torch.arange(315, 585)])
+    short_rows = torch.cat([torch.arange(280, 315), torch.tensor([585])])
     assert torch.equal(out[long_rows], reference[long_rows])  # torch's rows are torch's own
+    assert torch.equal(out[short_rows], whole_step_in_c[short_rows])  # and the kernel's its own, in their places

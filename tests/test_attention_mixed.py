@@ -125,3 +125,22 @@ def test_flash_backend(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
     monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn())
     step = MixedStep(seeded(seed), 256, 9, 3, 64, torch.bfloat16, seed)
     assert_matches(step, step.run(FlashAttention(), SCALE, store=TorchAttention()))
+
+
+@pytest.mark.skipif(cpu_kernels.kernel_library() is None, reason="no C compiler for the CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_keeps_short_chunks_beside_a_long_one_in_c(monkeypatch: pytest.MonkeyPatch,
+                                                               dtype: torch.dtype) -> None:
+    """A split step whose prefill half holds a chunk past 256 tokens of context (``prefill``: torch here) still runs
+    the short chunks after it in one C call."""
+    calls: list[tuple[str, int]] = []
+    for name in ("kernel_decode", "kernel_prefill"):
+        kernel = getattr(CpuAttention, name)
+        monkeypatch.setattr(CpuAttention, name, lambda self, q, *rest, name=name, kernel=kernel: calls.append(
+            (name, q.shape[0])) or kernel(self, q, *rest))
+    requests = [(300, 280), (48, 16), (20, 20)] + [(40 + 7 * i, 1) for i in range(MIN_SPLIT_DECODES)]
+    step = MixedStep(requests, 16, 9, 3, 64, dtype)
+    backend = CpuAttention()
+    backend.kernels = KernelChoice.uniform("c").with_ways({("prefill_attention", "prefill"): "torch"})
+    assert_matches(step, step.run(backend, SCALE))
+    assert calls == [("kernel_decode", MIN_SPLIT_DECODES), ("kernel_prefill", 16 + 20)]

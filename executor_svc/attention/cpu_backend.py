@@ -39,7 +39,8 @@ def _prefix_sums(lengths: list[int]) -> torch.Tensor:
 
 class CpuAttention(TorchAttention):
     """``TorchAttention`` with decode and prefill in the compiled kernels for float32 and bfloat16, where the
-    executor's kernel choice found them the faster: decode by its rows, prefill by its longest context."""
+    executor's kernel choice found them the faster: decode by its rows, prefill by its longest context, then, where
+    that chooses torch, by each request's own."""
 
     name = "cpu"
     kernels: KernelChoice = ALL_C
@@ -101,7 +102,7 @@ class CpuAttention(TorchAttention):
         short = [self.kernels.use_c("prefill_attention", cu_k[i + 1] - cu_k[i]) for i in range(len(cu_q) - 1)]
         if not any(short):
             return super().prefill(q, k, v, k_cache, v_cache, meta, scale)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)  # contiguous, as kernel_prefill writes its runs' rows
         for in_c, run in itertools.groupby(range(len(short)), key=short.__getitem__):
             requests = list(run)
             if not in_c:
@@ -131,8 +132,8 @@ class CpuAttention(TorchAttention):
     ) -> torch.Tensor:
         """Split from ``MIN_SPLIT_DECODES`` decode rows, or where the C prefill kernel would not take the whole step
         (the kernel choice is torch's for its longest context, decode rows' included, or the kernel does not apply;
-        the prefill half then goes by its requests' contexts, ``prefill``); else the whole step in the C prefill
-        kernel."""
+        the prefill half then goes through ``prefill``, which splits it by request only where the half's longest
+        context chooses torch); else the whole step in the C prefill kernel."""
         few = meta.mixed.num_decodes < MIN_SPLIT_DECODES and self.kernels.use_c("prefill_attention", meta.max_seqlen_k)
         if few and self.prefill_applies(q, k, v, k_cache, v_cache, meta):
             return self.kernel_prefill(q, k, v, k_cache, v_cache, meta, scale)

@@ -23,7 +23,8 @@ WAYS = ("c", "torch")
 # The rows each class is measured at. A call has as many rows as tokens: one per sequence in decode, so
 # more rows than a decode batch holds (max_num_seqs defaults to 256) come from a prefill. Prefill attention is
 # classed by its step's longest context instead (a prompt's cost grows with its length, whatever shares the step),
-# and measured on one prompt (``probe.PREFILL_ATTENTION_TOKENS``).
+# then, where that chooses torch, by each request's own (``CpuAttention.prefill``), and measured on one prompt
+# (``probe.PREFILL_ATTENTION_TOKENS``).
 PROBE_ROWS = {"1": 1, "2-8": 4, "9-32": 16, "33+": 64, "prefill": 512}
 PREFILL_ROWS = 257
 _BOUNDS = ((1, "1"), (8, "2-8"), (32, "9-32"), (PREFILL_ROWS - 1, "33+"))
@@ -54,7 +55,7 @@ class KernelChoice:
         return cls({f: dict.fromkeys(CLASSES, way) for f in FAMILIES}, source)
 
     def use_c(self, family: str, rows: int) -> bool:
-        """Whether the C kernel runs a call of ``rows`` (prefill attention: its longest context)."""
+        """Whether the C kernel runs a call of ``rows`` (prefill attention: its longest context, or a request's)."""
         return self._fast[family][min(rows, PREFILL_ROWS)]
 
     def uses(self, family: str, way: str) -> bool:
