@@ -15,6 +15,7 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import jsonschema
 import lark
@@ -202,6 +203,20 @@ def test_fifty_schemas_regexes_choices_and_grammars_conform_with_multi_step_deco
         engine.step()
     engine.step()
     assert engine.scheduler.num_preemptions == 0, "the roomy cache holds every request at once"
+    assert_conforms(engine, tokenizer, cases, seqs)
+    assert_idle(engine, roomy_executor)
+
+
+def test_the_readmes_example_schema_gives_conforming_output(roomy_executor, tokenizer):
+    """``nanoserve generate --json-schema examples/person.schema.json`` (README): the file is a schema the scheduler
+    takes, and greedy output follows it."""
+    schema = json.loads((Path(__file__).parent.parent / "examples" / "person.schema.json").read_text())
+    cases = [Case(pb.StructuredOutput(json_schema=json.dumps(schema)), json_check(schema), 0.0, 0)]
+    engine = Engine(roomy_executor, SchedulerConfig())
+    seqs = add_requests(engine, tokenizer, cases)
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()
     assert_conforms(engine, tokenizer, cases, seqs)
     assert_idle(engine, roomy_executor)
 

@@ -1,6 +1,6 @@
 """HTTP errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, and the HTTP status table.
 
-``STATUS_OF`` is the HTTP twin of ``grpc_service.STATUS_OF`` (gRPC): every way a request fails, one status
+``STATUS_OF`` is the HTTP twin of ``grpc_status.STATUS_OF`` (gRPC): every way a request fails, one status
 each. Bad JSON, a bad field type, an unknown route or method come out in the same shape.
 """
 
