@@ -30,6 +30,11 @@ run-shadow: $(VENV)/.installed
 # (a model converted, services started) are set up once: most tests wait on processes they start.
 TEST_WORKERS ?= 2
 
+# The suite measures CPU kernel choices while it loads both cores, and a table raced so can pick the slower kernel
+# (executor_svc/cpu/probe.py): its executors keep a cache of their own, so that `make run` never reads one.
+TEST_CACHE ?= $(HOME)/.cache/nanoserve-test
+test test-kernels test-slow soak: export NANOSERVE_CACHE ?= $(TEST_CACHE)
+
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile

@@ -118,6 +118,27 @@ def test_an_executor_measures_once_logs_once_then_reads_its_cache(
     assert tiny_runner(tiny_model_folders["llama"], "auto").kernels.source.startswith("measured in")
 
 
+@needs_kernels
+@pytest.mark.parametrize("share", [0.4, 1.0])
+def test_a_race_kept_off_the_cpu_is_logged_with_the_file_to_delete(
+    tiny_model_folders: dict[str, Path], own_cache: Path, caplog: pytest.LogCaptureFixture,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch, share: float,
+) -> None:
+    """The race's threads' CPU time over its wall time (``BUSY_SHARE``) tells a measurement other processes crowded
+    out: logged, naming the cached table, and still used and cached (the next start reads it)."""
+    clock = kernel_probe.time.perf_counter
+    monkeypatch.setattr(kernel_probe.time, "process_time", lambda: clock() * torch.get_num_threads() * share)
+    caplog.set_level(logging.WARNING, logger="nanoserve.executor")
+    choice = tiny_runner(tiny_model_folders["llama"], "auto").kernels
+    [cached_file] = (own_cache / "kernels").glob("kernel-choice-*.json")
+    warnings = [r.getMessage() for r in caplog.records if "other processes held the CPU" in r.getMessage()]
+    if share < kernel_probe.BUSY_SHARE:
+        assert len(warnings) == 1 and "ran 40% of the time" in warnings[0] and str(cached_file) in warnings[0]
+    else:
+        assert warnings == []
+    assert load_cached(cached_file).table == choice.table
+
+
 @pytest.mark.skipif(not (cpu_kernels.kernel_library() and cpu_kernels.kernel_library().prefill_attention_supported(64)),
                     reason="no C prefill attention kernel here")
 def test_prefill_attention_is_raced_on_one_prompt_of_each_class(

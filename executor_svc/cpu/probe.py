@@ -9,7 +9,10 @@ step's longest context). C and torch take turns for ``ROUNDS`` rounds and each k
 machine's noise only adds time, and a slow spell once made the medians of rounds pick the slower side at 64
 rows, and the cache kept that table. Torch is chosen only when at least ``MARGIN`` faster, so two kernels within
 noise keep the C one and its numerics. The table is cached per machine (the key names the kernel build, which
-names the CPU's flags) and measured again only when something in the key changes.
+names the CPU's flags) and measured again only when something in the key changes. A race that other processes kept
+off the CPU (``BUSY_SHARE``) is logged as such: under the test suite's load one gave linear's ``prefill`` class to
+torch on a Xeon where the C kernel runs it twice as fast, and that table served every later start, so ``make test``
+measures into a cache of its own.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ ATTENTION_CONTEXT = 512
 # 512 tokens the race came out either way.
 PREFILL_ATTENTION_TOKENS = {**PROBE_ROWS, "prefill": 1024}
 PROBE_WEIGHT_BYTES = 1 << 30
+# Below this share of the race's wall time on the CPU (its threads' CPU time over wall time times threads; spinning
+# OpenMP threads count, so a quiet machine reads about 0.9), other processes took the cores: a 2-thread kernel waits
+# at its barrier whenever one thread is off the CPU, and the race can pick the slower side.
+BUSY_SHARE = 0.75
 
 Calls = tuple[Callable[[], object], Callable[[], object]]  # (C kernel, torch)
 Probe = Callable[[int], Calls]
@@ -99,6 +106,10 @@ def settle(model: nn.Module, backend: AttentionBackend, known: KernelChoice | No
         raced = probe_layers(model)
         prepack_for_cpu(model, c_kernel=True, torch_copy=True, layers=raced)
         measured = agreed(measure(model, backend, dtype))
+        if measured.cpu_share is not None and measured.cpu_share < BUSY_SHARE:
+            log.warning("the CPU kernel race ran while other processes held the CPU (its threads ran %.0f%% of the "
+                        "time): its table, cached in %s, may not be this machine's best; delete that file to measure "
+                        "again on a quiet machine", 100 * measured.cpu_share, cache)
         if tp_rank() == 0:
             try:
                 kernel_choice.save(cache, measured)
@@ -143,7 +154,7 @@ def available(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -
 
 def measure(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> KernelChoice:
     """Race every family with a C kernel at every class; the others are torch's."""
-    started, ways, timings = time.perf_counter(), {}, {}
+    started, cpu_started, ways, timings = time.perf_counter(), time.process_time(), {}, {}
     for family, probe in probes_for(model, backend, dtype).items():
         timings[family] = {}
         for klass in CLASSES:
@@ -155,7 +166,9 @@ def measure(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> 
         if family == "decode_attention":
             ways[family, "prefill"] = ways[family, "33+"]
     seconds = time.perf_counter() - started
-    return KernelChoice(KernelChoice.uniform("torch").with_ways(ways).table, f"measured in {seconds:.1f} s", timings)
+    share = (time.process_time() - cpu_started) / (seconds * torch.get_num_threads())
+    table = KernelChoice.uniform("torch").with_ways(ways).table
+    return KernelChoice(table, f"measured in {seconds:.1f} s", timings, cpu_share=share)
 
 
 def race(c_call: Callable[[], object], torch_call: Callable[[], object]) -> tuple[float, float]:
