@@ -39,13 +39,11 @@ def shape_class(rows: int) -> str:
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """``table[family][class]`` is ``"c"`` or ``"torch"``; ``timings[family][class]`` the (C, torch) ms measured;
-    ``cpu_share`` the share of the measurement's wall time its threads ran (None: not measured in this process)."""
+    """``table[family][class]`` is ``"c"`` or ``"torch"``; ``timings[family][class]`` the (C, torch) ms measured."""
 
     table: Mapping[str, Mapping[str, str]]
     source: str = "default"
     timings: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)
-    cpu_share: float | None = None
 
     def __post_init__(self) -> None:
         # Per call the layers index a tuple by rows instead of classifying: ~270 lookups per decode step.

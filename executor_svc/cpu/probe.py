@@ -105,11 +105,13 @@ def settle(model: nn.Module, backend: AttentionBackend, known: KernelChoice | No
     if choice is None:
         raced = probe_layers(model)
         prepack_for_cpu(model, c_kernel=True, torch_copy=True, layers=raced)
+        started, cpu_started = time.perf_counter(), time.process_time()
         measured = agreed(measure(model, backend, dtype))
-        if measured.cpu_share is not None and measured.cpu_share < BUSY_SHARE:
+        share = (time.process_time() - cpu_started) / ((time.perf_counter() - started) * torch.get_num_threads())
+        if share < BUSY_SHARE:
             log.warning("the CPU kernel race ran while other processes held the CPU (its threads ran %.0f%% of the "
                         "time): its table, cached in %s, may not be this machine's best; delete that file to measure "
-                        "again on a quiet machine", 100 * measured.cpu_share, cache)
+                        "again on a quiet machine", 100 * share, cache)
         if tp_rank() == 0:
             try:
                 kernel_choice.save(cache, measured)
@@ -154,7 +156,7 @@ def available(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -
 
 def measure(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> KernelChoice:
     """Race every family with a C kernel at every class; the others are torch's."""
-    started, cpu_started, ways, timings = time.perf_counter(), time.process_time(), {}, {}
+    started, ways, timings = time.perf_counter(), {}, {}
     for family, probe in probes_for(model, backend, dtype).items():
         timings[family] = {}
         for klass in CLASSES:
@@ -166,9 +168,7 @@ def measure(model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> 
         if family == "decode_attention":
             ways[family, "prefill"] = ways[family, "33+"]
     seconds = time.perf_counter() - started
-    share = (time.process_time() - cpu_started) / (seconds * torch.get_num_threads())
-    table = KernelChoice.uniform("torch").with_ways(ways).table
-    return KernelChoice(table, f"measured in {seconds:.1f} s", timings, cpu_share=share)
+    return KernelChoice(KernelChoice.uniform("torch").with_ways(ways).table, f"measured in {seconds:.1f} s", timings)
 
 
 def race(c_call: Callable[[], object], torch_call: Callable[[], object]) -> tuple[float, float]:
