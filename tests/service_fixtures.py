@@ -230,13 +230,15 @@ class GatedExecutor(Executor):
     """Wraps an executor so a test can hold every step until it opens the gate.
 
     With ``steps_before_closing`` the gate closes by itself after that many steps, so a test can
-    stop a fast executor at an exact point without racing it.
+    stop a fast executor at an exact point without racing it; ``closed`` says it has (a test that opens the gate
+    before then would be shut out again by the step that closes it).
     """
 
     def __init__(self, inner: Executor, steps_before_closing: int | None = None) -> None:
         self.inner = inner
         self.open = threading.Event()
         self.entered = threading.Event()
+        self.closed = threading.Event()
         self.open.set()
         self.steps_before_closing = steps_before_closing
 
@@ -251,6 +253,7 @@ class GatedExecutor(Executor):
         if self.steps_before_closing is not None:
             if self.steps_before_closing == 0:
                 self.open.clear()
+                self.closed.set()
             self.steps_before_closing -= 1
         self.open.wait()
         return self.inner.step(plan)

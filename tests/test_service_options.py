@@ -127,6 +127,7 @@ def test_abort_by_id_ends_every_choice_with_abort_and_frees_the_blocks():
         request.request_id, request.sampling.n = "gateway-7", 2
         call = stub.Generate(request)
         first = await call.read()
+        assert await asyncio.to_thread(executor.closed.wait, 30), "the engine never reached its third step"
         aborted = await stub.Abort(pb.AbortRequest(request_ids=["gateway-7", "never-sent"]))
         executor.open.set()
         rest = []
