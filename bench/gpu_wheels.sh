@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The wheels bench/gpu_check.sh needs on the lent GPU machine, which has no network: its image holds torch,
-# transformers, tokenizers, numpy and the like, but not the services' gRPC, structured-output and HTTP packages,
-# nor gguf (which bench.throughput's llama.cpp peer imports). Downloads them (no dependencies: the image has the
-# rest) for that machine's CPython 3.12 into DIR (default .whl, ignored by git), each at the version installed in
-# this checkout's .venv, so that the generated protos meet the protobuf runtime they were made for.
-# docs/benchmarks-history.md (W2) gives the device call that installs them there and runs bench/gpu_check.sh.
+# transformers, tokenizers, numpy and the like, but not the services' gRPC, structured-output, HTTP and ZMQ packages
+# (smg-grpc-proto's stubs among them), nor gguf (which bench.throughput's llama.cpp peer imports) or the openai SDK
+# (bench.serving's load). Downloads them (no dependencies: the image has the rest) for that machine's CPython 3.12
+# into DIR (default .whl, ignored by git), each at the version installed in this checkout's .venv, so that the
+# generated protos meet the protobuf runtime they were made for. docs/benchmarks-history.md (W2) gives the device
+# call that installs them there and runs bench/gpu_check.sh or bench/gpu_serving.sh.
 # Usage: bench/gpu_wheels.sh [DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,7 @@ py=.venv/bin/python
 [ -x "$py" ] || { echo "no .venv here: run 'make venv' first" >&2; exit 1; }
 packages=(grpcio grpcio-health-checking grpcio-reflection protobuf llguidance fastapi starlette uvicorn pydantic
   pydantic-core typing-inspection annotated-types annotated-doc opentelemetry-api typing-extensions gguf httpx httpcore
-  h11)
+  h11 pyzmq smg-grpc-proto openai httpx2 httpcore2 jiter sniffio truststore)
 pins=()
 for name in "${packages[@]}"; do
   version=$("$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name") || {

@@ -12,6 +12,8 @@ skipped with a line saying why) over its OpenAI endpoint. The load comes from th
 builtin``: ``client.api.AsyncClient`` for gRPC, the ``openai`` SDK for HTTP, prompts as token ids) or from ``vllm
 bench serve --backend openai --dataset-name random --ignore-eos`` (``--client vllm-bench``; OpenAI peers only, its
 own random prompts of the workload's shape), whose per-request figures are read back and summarised by the same code.
+With ``--device cuda`` the nanoserve peers are the pair as docker-compose.yml runs it on one GPU (``--model``, in
+bfloat16 unless ``--dtype`` says otherwise), each service started from this checkout; the vllm peer does not run there.
 
 Figures, as vLLM's serving benchmark reports them: request and output-token throughput; TTFT, TPOT and ITL (every
 gap between streamed chunks) at p50 / p90 / p99. A peer *kept up* with a rate when no request failed and it
@@ -62,8 +64,10 @@ from bench.serving_peers import (
     Server,
     default_dtype,
     launch,
+    model_name,
     run_vllm_bench,
     start_nanoserve,
+    start_nanoserve_pair,
     start_vllm,
 )
 
@@ -107,8 +111,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "order; each figure is the median of its rounds (default: %(default)s)")
     parser.add_argument("--client", choices=CLIENTS, default="builtin", help="the load generator: this package's "
                         "client, or vllm bench serve from the vLLM environment (default: %(default)s)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=default_dtype(),
-                        help="every launched server's dtype (default: make run's on this CPU, %(default)s)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"),
+                        help="every launched server's dtype (default: make run's on this CPU, "
+                        f"{default_dtype()}; bfloat16 with --device cuda)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the nanoserve peers run: cpu, the stack make run starts; cuda, the pair as "
+                        "docker-compose.yml runs it on one GPU, without the vllm peer (default: %(default)s)")
+    parser.add_argument("--model", help="the model the nanoserve peers serve, a name or a Hugging Face folder "
+                        "(default: $NANOSERVE_MODEL, else the embedded one)")
     parser.add_argument("--vllm-python", help="python of a vLLM CPU environment, for the vllm peer and --client "
                         f"vllm-bench (default: ${vllm_setup.ENV_VAR}; docs/benchmarks.md)")
     target = parser.add_mutually_exclusive_group()
@@ -149,6 +159,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--rounds must be >= 1")
     if args.client == "vllm-bench" and args.workload != "w3":
         parser.error("--client vllm-bench draws its own random prompts of W3's shape: --workload w3")
+    if args.device == "cuda" and (args.single or args.client != "builtin"):
+        parser.error("--device cuda runs --peers in turn with --client builtin")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else default_dtype())
+    args.model = args.model or model_name()
     args.peers = list(dict.fromkeys(args.peers or DEFAULT_PEERS))
     return args
 
@@ -185,6 +199,10 @@ def single_run(args: argparse.Namespace, workload: Workload) -> dict[str, object
 def admit(args: argparse.Namespace) -> tuple[list[str], vllm_setup.VllmEnv | None, dict[str, str]]:
     """The peers that can run, the vLLM environment where one is needed, and why each other peer was left out."""
     peers, skipped = list(args.peers), {}
+    if args.device == "cuda" and "vllm" in peers:
+        skipped["vllm"] = "vLLM's CPU build serves on the CPU, not --device cuda"
+        print(f"vllm peer skipped: {skipped['vllm']}", file=sys.stderr, flush=True)
+        peers.remove("vllm")
     if "vllm" not in peers and args.client != "vllm-bench":
         return peers, None, skipped
     found = vllm_setup.find(args.vllm_python)
@@ -208,10 +226,12 @@ def run_peer(args: argparse.Namespace, peer: str, venv: vllm_setup.VllmEnv | Non
     figures = {}
     with ExitStack() as stack:
         if peer == "vllm":
-            server = start_vllm(stack, venv, args.dtype, logs.with_suffix(".log"), args.launch_timeout)
+            server = start_vllm(stack, venv, args.dtype, logs.with_suffix(".log"), args.launch_timeout,
+                                args.model)
         else:
             policy = "mixed" if peer == "nanoserve_mixed" else None
-            server = start_nanoserve(stack, args.dtype, logs.with_suffix(".log"), args.launch_timeout, policy)
+            start = start_nanoserve_pair if args.device == "cuda" else start_nanoserve
+            server = start(stack, args.dtype, logs.with_suffix(".log"), args.launch_timeout, policy, args.model)
         asyncio.run(warm_up(peer, server, workload.redrawn(-1), max(args.request_rate), args.seed))
         for i, rate in enumerate(args.request_rate):
             # Each rate's own prompts: the same for every peer and round, in no rate's prefix cache before.
@@ -276,8 +296,8 @@ def percentiles(figures: dict[str, float | None], metric: str) -> str:
 
 def print_peers(workload: Workload, args: argparse.Namespace, table: dict[tuple[str, float], dict],
                 saturation: dict[str, float | None]) -> None:
-    print(f"W3 {workload.name}: {len(workload)} requests per rate, {args.dtype}, client {args.client}, "
-          f"{args.rounds} round(s); TTFT / TPOT / ITL p50 / p90 / p99 in ms")
+    print(f"W3 {workload.name}: {len(workload)} requests per rate, {args.model} on {args.device}, {args.dtype}, "
+          f"client {args.client}, {args.rounds} round(s); TTFT / TPOT / ITL p50 / p90 / p99 in ms")
     rows = []
     for (peer, rate), f in table.items():
         vllm = table.get(("vllm", rate))
@@ -312,6 +332,7 @@ def run_peers(args: argparse.Namespace, workload: Workload) -> dict[str, object]
                   for peer in peers}
     print_peers(workload, args, table, saturation)
     out: dict[str, object] = {"workload": workload.name, "num_prompts": len(workload), "dtype": args.dtype,
+                              "device": args.device, "model": args.model,
                               "client": args.client, "rounds": args.rounds, "peers": peers, "skipped": skipped,
                               "request_rates": [r if math.isfinite(r) else None for r in args.request_rate]}
     for (peer, rate), figures in table.items():

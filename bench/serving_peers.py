@@ -95,26 +95,57 @@ def model_folder(model: str) -> str:
     return str(resolve_model(model))
 
 
-def start_nanoserve(stack: ExitStack, dtype: str, log: Path, timeout_s: float, policy: str | None = None) -> Server:
-    """``python -m client.stack`` on free ports, its children importing this checkout's code; ``policy``: the
-    scheduler's ``--scheduling-policy`` where not its default."""
+def checkout_env(policy: str | None, model: str | None) -> dict[str, str]:
+    """This process's environment with this checkout first on the Python path (the services import its code, not an
+    install's), and the NANOSERVE_* variables of ``policy`` (the scheduler's ``--scheduling-policy`` where not its
+    default) and ``model`` (the executor's, where not NANOSERVE_MODEL's or the embedded one)."""
+    path = os.pathsep.join(filter(None, (str(REPO_ROOT), str(REPO_ROOT / "protos"), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "PYTHONPATH": path, **({"NANOSERVE_SCHEDULING_POLICY": policy} if policy else {}),
+            **({"NANOSERVE_MODEL": model} if model else {})}
+
+
+def start_nanoserve(stack: ExitStack, dtype: str, log: Path, timeout_s: float, policy: str | None = None,
+                    model: str | None = None) -> Server:
+    """``python -m client.stack`` on free ports, its children importing this checkout's code."""
     port, executor_port, http_port = free_port(), free_port(), free_port()
     argv = [sys.executable, "-m", "client.stack", "--port", str(port), "--executor-port", str(executor_port),
             "--http-port", str(http_port), "--dtype", dtype]
-    # The stack runs the installed nanoserve-* commands: this checkout first on their path, not the install's.
-    path = os.pathsep.join(filter(None, (str(REPO_ROOT), str(REPO_ROOT / "protos"), os.environ.get("PYTHONPATH"))))
-    env = {**os.environ, "PYTHONPATH": path, **({"NANOSERVE_SCHEDULING_POLICY": policy} if policy else {})}
-    child = stack.enter_context(Child("nanoserve stack", argv, log, env=env, group=True, grace_s=STOP_GRACE_S))
+    child = stack.enter_context(Child("nanoserve stack", argv, log, env=checkout_env(policy, model), group=True,
+                                      grace_s=STOP_GRACE_S))
     child.wait_serving(f"{HOST}:{port}", timeout_s)
     base_url = f"http://{HOST}:{http_port}/v1"
     child.wait_http(f"{base_url}/models", timeout_s)
     return Server(f"{HOST}:{port}", base_url)
 
 
-def start_vllm(stack: ExitStack, venv: vllm_setup.VllmEnv, dtype: str, log: Path, timeout_s: float) -> Server:
-    """``vllm serve`` of the same model at vLLM's CPU settings, serving it under nanoserve's model name."""
+def start_nanoserve_pair(stack: ExitStack, dtype: str, log: Path, timeout_s: float, policy: str | None = None,
+                         model: str | None = None, device: str = "cuda") -> Server:
+    """The pair as docker-compose.yml runs it on one GPU (the executor at ``NANOSERVE_DEVICE=cuda``, every other
+    flag at its default), each service a ``python -m`` of this checkout, on free ports; logs beside ``log``.
+    ``device``: the executor's, cuda but for a test on the CPU."""
+    port, executor_port, http_port = free_port(), free_port(), free_port()
+    env = checkout_env(policy, model)
+    executor_env = {**env, "NANOSERVE_HOST": HOST, "NANOSERVE_PORT": str(executor_port), "NANOSERVE_DEVICE": device,
+                    "NANOSERVE_DTYPE": dtype}
+    executor = stack.enter_context(Child("executor", [sys.executable, "-m", "executor_svc"],
+                                         log.with_name(f"{log.stem}-executor.log"), env=executor_env))
+    executor.wait_serving(f"{HOST}:{executor_port}", timeout_s)
+    scheduler_env = {**env, "NANOSERVE_HOST": HOST, "NANOSERVE_PORT": str(port), "NANOSERVE_HTTP_PORT": str(http_port),
+                     "NANOSERVE_EXECUTOR": f"{HOST}:{executor_port}"}
+    scheduler = stack.enter_context(Child("scheduler", [sys.executable, "-m", "scheduler_svc"],
+                                          log.with_name(f"{log.stem}-scheduler.log"), env=scheduler_env, group=True,
+                                          grace_s=STOP_GRACE_S))
+    scheduler.wait_serving(f"{HOST}:{port}", timeout_s)
+    base_url = f"http://{HOST}:{http_port}/v1"
+    scheduler.wait_http(f"{base_url}/models", timeout_s)
+    return Server(f"{HOST}:{port}", base_url)
+
+
+def start_vllm(stack: ExitStack, venv: vllm_setup.VllmEnv, dtype: str, log: Path, timeout_s: float,
+               model: str) -> Server:
+    """``vllm serve`` of ``model`` at vLLM's CPU settings, serving it under nanoserve's name for it."""
     port = free_port()
-    argv = [venv.command, "serve", model_folder(model_name()), "--served-model-name", model_name(),
+    argv = [venv.command, "serve", model_folder(model), "--served-model-name", model,
             "--dtype", dtype, "--max-model-len", str(vllm_setup.MAX_MODEL_LEN),
             "--kv-cache-memory-bytes", str(vllm_setup.KV_CACHE_BYTES), "--host", HOST, "--port", str(port)]
     child = stack.enter_context(Child("vllm serve", argv, log, env=venv.env(), group=True,
@@ -127,9 +158,10 @@ def start_vllm(stack: ExitStack, venv: vllm_setup.VllmEnv, dtype: str, log: Path
 def vllm_bench_argv(venv: vllm_setup.VllmEnv, server: Server, workload: Workload, request_rate: float, seed: int,
                     result: Path) -> list[str]:
     """``vllm bench serve`` with W3's shape (its ``random`` dataset, EOS ignored, greedy) at ``request_rate``."""
+    model = server.served_model()
     return [venv.command, "bench", "serve", "--backend", "openai", "--base-url", server.base_url.removesuffix("/v1"),
-            "--endpoint", "/v1/completions", "--model", server.served_model(), "--tokenizer",
-            model_folder(model_name()), "--dataset-name", "random", "--random-input-len", str(len(workload.prompts[0])),
+            "--endpoint", "/v1/completions", "--model", model, "--tokenizer", model_folder(model), "--dataset-name",
+            "random", "--random-input-len", str(len(workload.prompts[0])),
             "--random-output-len", str(workload.max_tokens[0]), "--num-prompts", str(len(workload)),
             "--request-rate", str(request_rate), "--seed", str(seed), "--ignore-eos", "--temperature", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--save-result",

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -127,8 +128,8 @@ def test_vllm_bench_results_read_back_as_the_same_per_request_results():
     assert (results[1].sent_s, results[1].error) == (0.5, "Connection refused")
 
 
-def shadow_nanoserve(stack: ExitStack, dtype: str, log: Path, timeout_s: float,
-                     policy: str | None = None) -> serving_peers.Server:
+def shadow_nanoserve(stack: ExitStack, dtype: str, log: Path, timeout_s: float, policy: str | None = None,
+                     model: str | None = None) -> serving_peers.Server:
     """The model-free shadow stack standing in for ``make run``'s, so that W3's peer loop runs in seconds."""
     target, base_url = serving_peers.launch("shadow", w3(), stack, 256, 2, dtype, timeout_s)
     return serving_peers.Server(target, base_url)
@@ -156,7 +157,8 @@ def test_the_mixed_peer_is_the_same_stack_at_the_mixed_policy_over_grpc(
         monkeypatch: pytest.MonkeyPatch, no_vllm: None):
     policies: list[str | None] = []
 
-    def recording(stack: ExitStack, dtype: str, log: Path, timeout_s: float, policy: str | None = None):
+    def recording(stack: ExitStack, dtype: str, log: Path, timeout_s: float, policy: str | None = None,
+                  model: str | None = None):
         policies.append(policy)
         return shadow_nanoserve(stack, dtype, log, timeout_s)
 
@@ -164,6 +166,49 @@ def test_the_mixed_peer_is_the_same_stack_at_the_mixed_policy_over_grpc(
     figures = serving.main(["--peers", "nanoserve", "nanoserve_mixed", "--num-prompts", "3", "--request-rate", "20"])
     assert policies == [None, "mixed"]
     assert figures["nanoserve_mixed_r20_output_tok_s"] > 0 and figures["peers"] == ["nanoserve", "nanoserve_mixed"]
+
+
+def test_on_cuda_the_peers_are_the_gpu_pair_of_the_named_model_in_bfloat16_without_vllm(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], no_vllm: None):
+    started: list[tuple[str, str | None, str | None]] = []
+
+    def recording(stack: ExitStack, dtype: str, log: Path, timeout_s: float, policy: str | None = None,
+                  model: str | None = None):
+        started.append((dtype, policy, model))
+        return shadow_nanoserve(stack, dtype, log, timeout_s)
+
+    monkeypatch.setattr(serving, "start_nanoserve_pair", recording)
+    monkeypatch.setattr(serving, "start_nanoserve", None)
+    path = tmp_path / "w3.json"
+    serving.main(["--device", "cuda", "--model", "/models/qwen3", "--peers", "nanoserve", "nanoserve_mixed", "vllm",
+                  "--num-prompts", "3", "--request-rate", "20", "--json", str(path)])
+    assert started == [("bfloat16", None, "/models/qwen3"), ("bfloat16", "mixed", "/models/qwen3")]
+    assert "vllm peer skipped: vLLM's CPU build serves on the CPU" in capsys.readouterr().err
+    figures = json.loads(path.read_text())
+    assert (figures["device"], figures["model"], figures["peers"]) == ("cuda", "/models/qwen3",
+                                                                       ["nanoserve", "nanoserve_mixed"])
+    assert figures["nanoserve_mixed_r20_output_tok_s"] > 0
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--device", "cuda", "--launch", "real"])
+
+
+def test_the_gpu_pair_serves_from_this_checkout_with_the_policy_and_model_it_is_given(tmp_path: Path):
+    """The pair ``--device cuda`` starts, with its executor on the CPU: the commands and environment it gives each
+    service start them, and the scheduler runs the policy named."""
+    from client.api import Client
+    from client.stack import DEFAULT_MODEL
+
+    with ExitStack() as stack:
+        server = serving_peers.start_nanoserve_pair(stack, "float32", tmp_path / "pair.log", 300.0, "mixed",
+                                                    DEFAULT_MODEL, device="cpu")
+        assert server.served_model() == DEFAULT_MODEL
+        with urllib.request.urlopen(f"{server.base_url.removesuffix('/v1')}/server_info", timeout=10) as response:
+            info = json.load(response)
+        assert (info["scheduling_policy"], info["device"], info["dtype"]) == ("mixed", "cpu", "float32")
+        with Client(server.grpc_target) as client:
+            tokens = client.generate(token_ids=[100, 101, 102, 103], max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert len(tokens.token_ids) == 4
+    assert "executor ready" in (tmp_path / "pair-scheduler.log").read_text()
 
 
 def test_rounds_alternate_and_each_figure_is_the_median_of_its_rounds(

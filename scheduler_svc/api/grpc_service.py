@@ -334,9 +334,9 @@ class SchedulerServer:
         self.serving = True
         await self._sync_health()
         log.info(
-            "executor ready model=%s blocks=%dx%d max_model_len=%d vocab=%d tokenizer=%s instance=%s",
-            info.model_id, info.num_blocks, info.block_size, info.max_model_len, info.vocab_size,
-            "yes" if tokenizer else "no", info.instance_id,
+            "executor ready model=%s blocks=%dx%d max_model_len=%d vocab=%d tokenizer=%s instance=%s policy=%s "
+            "overlap=%s", info.model_id, info.num_blocks, info.block_size, info.max_model_len, info.vocab_size,
+            "yes" if tokenizer else "no", info.instance_id, engine.config.policy, engine.overlap,
         )
         return True
 
