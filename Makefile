@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROTOS := $(wildcard protos/nanoserve/v1/*.proto)
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv run run-shadow test test-kernels test-slow soak lint protos bench gpu-check host-cpu-check
+.PHONY: venv run run-shadow test test-kernels test-slow soak lint protos bench gpu-check gpu-serving host-cpu-check
 
 # The venv is rebuilt when pyproject.toml changes. torch comes first so that pip
 # takes the local CPU wheel instead of pulling a multi-GB CUDA build.
@@ -69,6 +69,10 @@ bench: $(VENV)/.installed
 # Only where a GPU is lent, with a CUDA build of torch: CUDA tests and W2 (see bench/gpu_check.sh).
 gpu-check:
 	bench/gpu_check.sh
+
+# Likewise: W2 at each scheduling policy and W3 on the GPU (see bench/gpu_serving.sh).
+gpu-serving:
+	bench/gpu_serving.sh
 
 # On the lent GPU machine's host CPU (AMX there): W1, the linear kernels and the profile on two cores
 # (see bench/host_cpu_check.sh).
