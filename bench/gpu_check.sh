@@ -15,18 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check}
 py=${PYTHON:-python3}
-mkdir -p "$out"
-exec > >(tee "$out/log.txt") 2>&1
-export PYTHONUNBUFFERED=1
-status=0
-# step SECONDS COMMAND...: each step has its own time limit, so that one that hangs leaves the lease's minutes to
-# the steps after it (the device call's own limit would end them all).
-step() {
-  local limit=$1
-  shift
-  echo "== $(date +%T) $*"
-  timeout --kill-after=10 "$limit" "$@" || { echo "== FAILED ($?): $*"; status=1; }
-}
+source bench/lease_steps.sh
 step 30 nvidia-smi
 step 60 "$py" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 step 150 "$py" -m pytest -q -rs tests/test_cuda.py

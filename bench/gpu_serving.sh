@@ -15,18 +15,7 @@ out=${1:-gpu-serving}
 py=${PYTHON:-python3}
 device=${DEVICE:-cuda}
 model=${MODEL_DIR:-/tmp/nanoserve-qwen3-0.6b-random}
-mkdir -p "$out"
-exec > >(tee "$out/log.txt") 2>&1
-export PYTHONUNBUFFERED=1
-status=0
-# step SECONDS COMMAND...: each step has its own time limit, so that one that hangs leaves the lease's minutes to
-# the steps after it (the device call's own limit would end them all).
-step() {
-  local limit=$1
-  shift
-  echo "== $(date +%T) $*"
-  timeout --kill-after=10 "$limit" "$@" || { echo "== FAILED ($?): $*"; status=1; }
-}
+source bench/lease_steps.sh
 if [ "$device" = cuda ]; then
   step 20 nvidia-smi
   step 120 "$py" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py

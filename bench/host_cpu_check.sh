@@ -16,17 +16,9 @@ cd "$(dirname "$0")/.."
 out=${1:-host-cpu-check}
 py=${PYTHON:-python3}
 cores=${CORES:-2,3}
-mkdir -p "$out"
-exec > >(tee "$out/log.txt") 2>&1
-export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=
-status=0
-# step SECONDS COMMAND...: each with its own time limit, on the two cores.
-step() {
-  local limit=$1
-  shift
-  echo "== $(date +%T) $*"
-  timeout --kill-after=10 "$limit" taskset -c "$cores" "$@" || { echo "== FAILED ($?): $*"; status=1; }
-}
+step_wrap=(taskset -c "$cores")
+source bench/lease_steps.sh
+export CUDA_VISIBLE_DEVICES=
 lscpu | grep -i 'model name\|^CPU(s)'
 grep -o -m1 amx_bf16 /proc/cpuinfo || echo "no amx_bf16 in /proc/cpuinfo"
 model=${MODEL_DIR:-/tmp/nanoserve-smollm2-135m-random}
