@@ -34,6 +34,9 @@ TEST_WORKERS ?= 2
 # (executor_svc/cpu/probe.py): its executors keep a cache of their own, so that `make run` never reads one.
 TEST_CACHE ?= $(HOME)/.cache/nanoserve-test
 test test-kernels test-slow soak: export NANOSERVE_CACHE ?= $(TEST_CACHE)
+# The suite runs more OpenMP threads than cores (two workers, each with executors of its own), where a thread that
+# spins long before it sleeps starves the others: every one spins briefly (executor_svc/cpu/openmp.py).
+test test-kernels test-slow soak: export GOMP_SPINCOUNT ?= 10000
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check .

@@ -31,7 +31,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from bench.common import WARMUP_PROMPT, WORKLOADS, Workload, print_table, progress, write_json  # noqa: E402
 from common.heap import freeze_startup_heap  # noqa: E402
-from executor_svc.cpu.kernels import cpuinfo  # noqa: E402
+from executor_svc.cpu.cpuinfo import cpuinfo  # noqa: E402
 from executor_svc.lora.adapter import PROJECTIONS, projection_shape  # noqa: E402
 from executor_svc.runtime.config import ExecutorOptions, ModelConfig  # noqa: E402
 from executor_svc.runtime.model_executor import ModelExecutor  # noqa: E402

@@ -44,11 +44,12 @@ def cpu_kernel_builds(without_amx: bool = False) -> list[object]:
     import pytest
 
     from executor_svc.cpu import kernels as cpu_kernels
+    from executor_svc.cpu.cpuinfo import cpu_flags
 
     native = cpu_kernels.kernel_library()
     builds = [pytest.param(native, id="native")]
-    flags = cpu_kernels.cpuinfo("flags").split()
-    if native is not None and {"avx512f", "avx2", "fma"} <= set(flags):
+    flags = cpu_flags()
+    if native is not None and {"avx512f", "avx2", "fma"} <= flags:
         builds.append(pytest.param(cpu_kernels.kernel_library(("-mno-avx512f",)), id="avx2"))
     if without_amx and native is not None and native.linear_amx_ready():
         builds.append(pytest.param(cpu_kernels.kernel_library(("-mno-amx-tile",)), id="avx512"))

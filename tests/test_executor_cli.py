@@ -150,10 +150,33 @@ def test_sigterm_delivered_to_a_grpc_thread_stops_an_idle_executor(tmp_path: Pat
 ])
 def test_the_cpu_dtype_is_bfloat16_only_where_the_cpu_multiplies_it(
         flags: str, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from executor_svc.cpu import kernels
+    from executor_svc.cpu import cpuinfo
 
-    monkeypatch.setattr(kernels, "cpuinfo", lambda *keys: f"flags\t\t: {flags}" if "flags" in keys else "")
+    monkeypatch.setattr(cpuinfo, "cpuinfo", lambda *keys: f"flags\t\t: {flags}" if "flags" in keys else "")
     assert options_from_args(build_parser({}).parse_args(["--device", "cpu"])).resolved_dtype() == expected
     assert options_from_args(build_parser({}).parse_args(["--device", "cuda"])).resolved_dtype() == "bfloat16"
     forced = build_parser({"NANOSERVE_DTYPE": "float32"}).parse_args(["--device", "cpu"])
     assert options_from_args(forced).resolved_dtype() == "float32", "a dtype asked for is kept"
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ("fpu sse avx2 avx512f amx_tile amx_bf16", "200000"),
+    ("fpu sse avx2 avx512f avx512_bf16", "10000"),
+    ("fpu sse avx2 fma", "10000"),
+])
+def test_openmp_threads_spin_longer_on_cpus_with_amx_unless_the_environment_says(
+        flags: str, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from executor_svc.cpu import cpuinfo, openmp
+
+    monkeypatch.setattr(cpuinfo, "cpuinfo", lambda *keys: f"flags\t\t: {flags}" if "flags" in keys else "")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    openmp.set_wait_policy()
+    assert os.environ["GOMP_SPINCOUNT"] == expected
+    monkeypatch.setenv("GOMP_SPINCOUNT", "123")
+    openmp.set_wait_policy()
+    assert os.environ["GOMP_SPINCOUNT"] == "123", "a spin the environment sets is kept"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    openmp.set_wait_policy()
+    assert "GOMP_SPINCOUNT" not in os.environ, "a wait policy the environment sets is kept"

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch  # imported before any kernel library: see kernel_library
 
+from executor_svc.cpu.cpuinfo import cpu_flags, cpuinfo
 from executor_svc.runtime.registry import cache_root
 
 log = logging.getLogger("nanoserve.executor")
@@ -45,19 +46,9 @@ def contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
 
 
-def cpuinfo(*keys: str) -> str:
-    """The first line of /proc/cpuinfo that starts with one of ``keys`` ("" where there is none)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((line for line in lines if line.startswith(keys)), "")
-
-
 def names_bfloat16_instructions() -> bool:
     """Whether /proc/cpuinfo names an x86 bfloat16 multiply (AVX512_BF16 or AMX_BF16)."""
-    flags = cpuinfo("flags").split()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def _library_path(compiler: str, flags: list[str]) -> Path:

@@ -35,6 +35,7 @@ from executor_svc.cpu import choice as kernel_choice
 from executor_svc.cpu import fused as cpu_fused
 from executor_svc.cpu import kernels as cpu_kernels
 from executor_svc.cpu.choice import CLASSES, FAMILIES, PREFILL_ROWS, PROBE_ROWS, KernelChoice, shape_class
+from executor_svc.cpu.cpuinfo import cpuinfo
 from executor_svc.layers.activation import SiluAndMul
 from executor_svc.layers.linear import LinearBase, cpu_linear_layers, drop_unused_copies, prepack_for_cpu
 from executor_svc.layers.norm import RMSNorm
@@ -77,7 +78,7 @@ def choice_cache(parts: Iterable[object]) -> Path:
     sources = hashlib.sha256(b"".join(path.read_bytes() for path in MEASURED_WITH)).hexdigest()[:16]
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA"))
     return kernel_choice.cache_path(cache_root() / "kernels", (
-        cpu_kernels.library_id(), cpu_kernels.cpuinfo("model name"), torch.__version__, sources, isa, *parts))
+        cpu_kernels.library_id(), cpuinfo("model name"), torch.__version__, sources, isa, *parts))
 
 
 def known_choice(flag: str, cache: Path) -> KernelChoice | None:

@@ -30,6 +30,7 @@ from torch import nn
 
 from executor_svc.cpu import kernels as cpu_kernels
 from executor_svc.cpu.choice import ALL_C, KernelChoice
+from executor_svc.cpu.cpuinfo import cpu_flags
 from executor_svc.cpu.huge_pages import slices_on_huge_pages
 from executor_svc.runtime.distributed import all_reduce, divide, tp_rank, tp_size
 
@@ -134,7 +135,7 @@ class LinearBase(nn.Module):
 def native_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512_BF16, AMX; assumed where /proc/cpuinfo names no x86
     flags). Without, torch's bfloat16 GEMM runs far below its float32 speed."""
-    return not cpu_kernels.cpuinfo("flags") or cpu_kernels.names_bfloat16_instructions()
+    return not cpu_flags() or cpu_kernels.names_bfloat16_instructions()
 
 
 def packing_helps() -> bool:
