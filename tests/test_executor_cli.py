@@ -142,33 +142,37 @@ def test_sigterm_delivered_to_a_grpc_thread_stops_an_idle_executor(tmp_path: Pat
 
 
 
-@pytest.mark.parametrize(("flags", "expected"), [
-    ("fpu sse avx2 avx512f avx512_bf16", "bfloat16"),
-    ("fpu sse avx2 amx_tile amx_bf16", "bfloat16"),
-    ("fpu sse avx2 avx512f", "float32"),
-    ("fpu sse avx2 fma", "float32"),
-])
-def test_the_cpu_dtype_is_bfloat16_only_where_the_cpu_multiplies_it(
-        flags: str, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
+# /proc/cpuinfo's flags and what the executor chooses on such a CPU: its dtype and its OpenMP threads' spin.
+CPUS = [
+    ("fpu sse avx2 avx512f avx512_bf16", "bfloat16", "10000"),
+    ("fpu sse avx2 amx_tile amx_bf16", "bfloat16", "200000"),
+    ("fpu sse avx2 avx512f", "float32", "10000"),
+    ("fpu sse avx2 fma", "float32", "10000"),
+]
+
+
+def pretend_cpu_flags(monkeypatch: pytest.MonkeyPatch, flags: str) -> None:
     from executor_svc.cpu import cpuinfo
 
     monkeypatch.setattr(cpuinfo, "cpuinfo", lambda *keys: f"flags\t\t: {flags}" if "flags" in keys else "")
+
+
+@pytest.mark.parametrize(("flags", "expected", "_spin"), CPUS)
+def test_the_cpu_dtype_is_bfloat16_only_where_the_cpu_multiplies_it(
+        flags: str, expected: str, _spin: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    pretend_cpu_flags(monkeypatch, flags)
     assert options_from_args(build_parser({}).parse_args(["--device", "cpu"])).resolved_dtype() == expected
     assert options_from_args(build_parser({}).parse_args(["--device", "cuda"])).resolved_dtype() == "bfloat16"
     forced = build_parser({"NANOSERVE_DTYPE": "float32"}).parse_args(["--device", "cpu"])
     assert options_from_args(forced).resolved_dtype() == "float32", "a dtype asked for is kept"
 
 
-@pytest.mark.parametrize(("flags", "expected"), [
-    ("fpu sse avx2 avx512f amx_tile amx_bf16", "200000"),
-    ("fpu sse avx2 avx512f avx512_bf16", "10000"),
-    ("fpu sse avx2 fma", "10000"),
-])
+@pytest.mark.parametrize(("flags", "_dtype", "expected"), CPUS)
 def test_openmp_threads_spin_longer_on_cpus_with_amx_unless_the_environment_says(
-        flags: str, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from executor_svc.cpu import cpuinfo, openmp
+        flags: str, _dtype: str, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from executor_svc.cpu import openmp
 
-    monkeypatch.setattr(cpuinfo, "cpuinfo", lambda *keys: f"flags\t\t: {flags}" if "flags" in keys else "")
+    pretend_cpu_flags(monkeypatch, flags)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     openmp.set_wait_policy()
