@@ -123,15 +123,18 @@ def start_nanoserve_pair(stack: ExitStack, dtype: str, log: Path, timeout_s: flo
     """The pair as docker-compose.yml runs it on one GPU (the executor at ``NANOSERVE_DEVICE=cuda``, every other
     flag at its default), each service a ``python -m`` of this checkout, on free ports; logs beside ``log``.
     ``device``: the executor's, cuda but for a test on the CPU."""
+    from client.stack import executor_service, scheduler_service
+
     port, executor_port, http_port = free_port(), free_port(), free_port()
     env = checkout_env(policy, model)
-    executor_env = {**env, "NANOSERVE_HOST": HOST, "NANOSERVE_PORT": str(executor_port), "NANOSERVE_DEVICE": device,
-                    "NANOSERVE_DTYPE": dtype}
+    # The make run stack's variables for each service, but for the executor's device (and model, where named).
+    service = executor_service(executor_port, False, dtype)
+    executor_env = {**env, **service.env, "NANOSERVE_DEVICE": device,
+                    "NANOSERVE_MODEL": env.get("NANOSERVE_MODEL", service.env["NANOSERVE_MODEL"])}
     executor = stack.enter_context(Child("executor", [sys.executable, "-m", "executor_svc"],
                                          log.with_name(f"{log.stem}-executor.log"), env=executor_env))
     executor.wait_serving(f"{HOST}:{executor_port}", timeout_s)
-    scheduler_env = {**env, "NANOSERVE_HOST": HOST, "NANOSERVE_PORT": str(port), "NANOSERVE_HTTP_PORT": str(http_port),
-                     "NANOSERVE_EXECUTOR": f"{HOST}:{executor_port}"}
+    scheduler_env = {**env, **scheduler_service(port, executor_port, http_port).env}
     scheduler = stack.enter_context(Child("scheduler", [sys.executable, "-m", "scheduler_svc"],
                                           log.with_name(f"{log.stem}-scheduler.log"), env=scheduler_env, group=True,
                                           grace_s=STOP_GRACE_S))
