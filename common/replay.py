@@ -6,7 +6,8 @@ back), so that a multi-step plan the scheduler cut short (its result says ``num_
 passes only, and a plan the executor dropped unrun (``num_passes`` 0) is not sent: the executor then holds what the
 recorded one held. A recorded reset, or a handshake from a new instance (a restart), resets the executor. Plans
 that got no result (a failure, or an executor that went away) are sent all the same: that is how an incident is
-reproduced.
+reproduced. A plan answered by an instance the recording has not yet shaken hands with ran on a restarted
+executor (sent, with overlap, before the plan that failed): the scheduler dropped that answer, so it is not compared.
 
 Per request the first sampled token that differs is reported with its step and position: after it the executor's
 own copy of the request holds other tokens, so nothing later is compared. Where logprobs were recorded, the
@@ -218,12 +219,23 @@ class Replayer:
         if recorded.num_passes == 0:
             self.report.num_dropped += 1
             return
+        if recorded.instance_id and self._instance and recorded.instance_id != self._instance:
+            self._restarted_under(pending, recorded)
+            return
         rows, replayed = self._send(pending, recorded)
         self.report.num_compared += 1
         if isinstance(replayed, BaseException):
             self._issue(recorded.step_id, "ran", f"refused: {describe(replayed)}")
         elif self._compare(rows, recorded, replayed):
             self.report.num_identical += 1
+
+    def _restarted_under(self, pending: Pending, recorded: StepResult) -> None:
+        """A plan sent before the one that failed (overlap) and run by the instance that came back, which held
+        nothing from before: the scheduler dropped its answer on recovering, so its tokens are sent, not compared."""
+        replayed = self._send(pending, recorded)[1]
+        outcome = f"failed: {describe(replayed)}" if isinstance(replayed, BaseException) else "ran"
+        self._issue(recorded.step_id, f"ran on the restarted instance {recorded.instance_id}, answer dropped",
+                    outcome, difference=False)
 
     def _failed(self, failure: rpb.StepFailure) -> None:
         pending = self._before(failure.step_id)

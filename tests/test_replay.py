@@ -7,17 +7,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from common.recording import Recording
-from common.step import StepPlan, StepResult
+from common.step import CachedRequests, NewRequest, SamplingSettings, StepPlan, StepResult
 from common.step_codec import plan_from_proto
 from executor_svc.core.request_table import ScheduledChunk
-from executor_svc.fakes.shadow import ShadowExecutor
+from executor_svc.fakes.shadow import ShadowExecutor, next_token
 from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.model_executor import ModelExecutor
 from executor_svc.runtime.registry import DEFAULT_MODEL
 from executor_svc.runtime.replay import model_executor, shadow_executor
+from nanoserve.v1 import recording_pb2 as rpb
+from scheduler_svc.engine.recorder import Recorder
 from tests.model_fixtures import smollm2_folder  # noqa: F401
 from tests.replay_helpers import (
     BLOCK_SIZE,
@@ -151,3 +154,36 @@ def test_a_session_with_speculation_replays_identically(tmp_path: Path):
     assert report.identical, (report.issues, report.diverged)
     assert report.num_restarts == 1 and len(report.requests) >= 10
     assert sum(r.num_tokens for r in report.requests.values()) >= sum(map(len, outputs))
+
+
+def test_a_plan_the_restarted_executor_answered_is_noted_not_compared(tmp_path: Path):
+    """With overlap the plan after the one that failed was sent already, and the executor that came back ran it: a
+    new request whose prefix it never held read empty slots. The scheduler drops that answer on recovering, so the
+    replay sends the plan but holds none of its tokens against it."""
+    first, restarted = shadow(), shadow()
+    greedy = SamplingSettings(temperature=0)
+    prompt = list(range(1, 9))
+    hit = [*prompt[:BLOCK_SIZE], 9, 9, 9]  # its first block is the first request's
+    plans = [StepPlan(1, True, new_requests=[NewRequest(1, prompt, greedy, [0, 1], 0, len(prompt))]),
+             StepPlan(2, cached_requests=CachedRequests([1], [len(prompt)], [1], [1], [2])),
+             StepPlan(3, True, new_requests=[NewRequest(2, hit, greedy, [0, 3], BLOCK_SIZE, len(hit) - BLOCK_SIZE)])]
+    recorder = Recorder(tmp_path)
+    recorder.start()
+    recorder.begin(first.get_info(), 0)
+    recorder.put("plan", plans[0])
+    recorder.put("result", first.step(plans[0]))
+    recorder.put("plan", plans[1])
+    recorder.put("plan", plans[2])
+    recorder.put("failure", rpb.StepFailure(step_id=2, error="ConnectionLost: executor process killed"))
+    answer = restarted.step(plans[2])
+    recorder.put("result", answer)
+    recorder.handshake(restarted.get_info())
+    recorder.put("reset", rpb.ExecutorReset())
+    recorder.stop()
+    assert answer.token_ids != [next_token(np.array(hit), TOKENIZER_VOCAB_SIZE, None)], "the slots read the same"
+
+    report = replay(tmp_path, shadow_executor(recorded(tmp_path)))
+    assert report.identical and report.num_compared == report.num_identical == 1, report
+    assert report.num_restarts == 1
+    assert [(i.step_id, i.replayed, i.difference) for i in report.issues] == [(2, "ran", False), (3, "ran", False)]
+    assert restarted.get_info().instance_id in report.issues[1].recorded
