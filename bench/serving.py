@@ -19,7 +19,8 @@ Figures, as vLLM's serving benchmark reports them: request and output-token thro
 gap between streamed chunks) at p50 / p90 / p99. A peer *kept up* with a rate when no request failed and it
 completed requests at least 0.95x as fast as they arrived, both rates measured over their own span (requests - 1
 over the time from the first send to the last, and from the first completion to the last), and requests did not
-pile up (the mean in flight at the last quarter's arrivals at most 1.25x the third quarter's, plus 2); its
+pile up (the mean in flight at the last quarter's arrivals at most the third quarter's plus a quarter of a quarter's
+requests, plus 2: completions at three quarters of the arrivals' pace or faster); its
 *saturation point*
 is the highest rate it kept up with, counting up from the lowest rate and stopping at its first miss. JSON: per peer
 P and rate R (``2``, ``0.5``, ``inf``): ``P_rR_req_s``, ``P_rR_output_tok_s``, ``P_rR_{ttft,tpot,itl,e2e}_{mean,p50,
@@ -274,7 +275,8 @@ def medians(rounds: list[dict[str, float | None]]) -> dict[str, float | None]:
         merged[key] = statistics.median(values) if values else None
     merged["failed"] = max(r["failed"] for r in rounds)
     in_flight = (merged["in_flight_q3"], merged["in_flight_q4"]) if merged.get("in_flight_q3") is not None else None
-    merged["kept_up"] = kept_up(merged["offered_req_s"], merged["achieved_req_s"], merged["failed"], in_flight)
+    merged["kept_up"] = kept_up(merged["offered_req_s"], merged["achieved_req_s"], merged["failed"], in_flight,
+                                int(merged["completed"]) + int(merged["failed"]))
     return merged
 
 

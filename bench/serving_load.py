@@ -26,11 +26,14 @@ from client.errors import NanoserveError
 
 # A peer kept up with an offered rate when it completed requests at least this fast relative to their arrivals.
 KEPT_UP = 0.95
-# A server that keeps up holds a steady number of requests in flight (Little's law); one that does not piles them up.
-# Kept up needs the mean in flight at the last quarter's arrivals within this factor of the third quarter's, plus
-# IN_FLIGHT_SLACK requests for a short draw's noise. The third, not the second: where one request takes a large share
-# of a short run, a server that keeps up may still be filling up in the second quarter.
-IN_FLIGHT_GROWTH = 1.25
+# A server that keeps up holds a steady number of requests in flight (Little's law); one that does not piles them up
+# at the rate arrivals outrun completions. Between the third quarter's arrivals and the last quarter's (a quarter of
+# the requests apart) the mean in flight may grow by at most this share of those arrivals (completions at three
+# quarters of their pace, or faster), plus IN_FLIGHT_SLACK requests for a short draw's noise. Absolute, not relative
+# to the third quarter's count: a server already piled up by then grows by a smaller factor while it falls behind
+# as fast. The third quarter, not the second: where one request takes a large share of a short run, a server that
+# keeps up may still be filling up in the second.
+IN_FLIGHT_GROWTH = 0.25
 IN_FLIGHT_SLACK = 2
 QUANTILES = (50, 90, 99)
 
@@ -188,13 +191,20 @@ def in_flight_growth(results: Sequence[RequestResult]) -> tuple[float, float] | 
     return mean_in_flight(sends[n // 2 : 3 * n // 4]), mean_in_flight(sends[3 * n // 4 :])
 
 
+def piled_up(in_flight: tuple[float, float], num_requests: int) -> bool:
+    """Whether the mean in flight grew from the third quarter's arrivals to the last's by more than
+    ``IN_FLIGHT_GROWTH`` of the quarter's arrivals, plus ``IN_FLIGHT_SLACK``."""
+    return in_flight[1] - in_flight[0] > IN_FLIGHT_GROWTH * num_requests / 4 + IN_FLIGHT_SLACK
+
+
 def kept_up(offered: float | None, achieved: float | None, failed: int,
-            in_flight: tuple[float, float] | None = None) -> bool | None:
-    """Whether completions kept pace with arrivals: none failed, ``achieved >= KEPT_UP * offered``, and requests did
-    not pile up (``in_flight_growth``); None when the offered rate is not a rate (all at once, or one request)."""
+            in_flight: tuple[float, float] | None = None, num_requests: int = 0) -> bool | None:
+    """Whether completions kept pace with arrivals: none failed, ``achieved >= KEPT_UP * offered``, and the
+    ``num_requests`` did not pile up (``in_flight_growth``, ``piled_up``); None when the offered rate is not a rate
+    (all at once, or one request)."""
     if offered is None:
         return None
-    steady = in_flight is None or in_flight[1] <= IN_FLIGHT_GROWTH * in_flight[0] + IN_FLIGHT_SLACK
+    steady = in_flight is None or not piled_up(in_flight, num_requests)
     return failed == 0 and achieved is not None and achieved >= KEPT_UP * offered and steady
 
 
@@ -240,7 +250,7 @@ def summarise(results: list[RequestResult], duration_s: float, request_rate: flo
         "achieved_req_s": achieved,
         "in_flight_q3": in_flight[0] if in_flight else None,
         "in_flight_q4": in_flight[1] if in_flight else None,
-        "kept_up": kept_up(offered, achieved, len(results) - len(done), in_flight),
+        "kept_up": kept_up(offered, achieved, len(results) - len(done), in_flight, len(results)),
     }
     for name, values in series.items():
         figures[f"{name}_mean_ms"] = sum(values) / len(values) if values else 0.0
