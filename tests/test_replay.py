@@ -119,10 +119,21 @@ class AlteredShadow(ShadowExecutor):
         return result
 
 
+def answered_by_the_instance_shaken_hands_with(recording: Recording) -> set[int]:
+    """The plans with a recorded result from the instance of the handshake before it: not one that the restarted
+    executor answered before the scheduler shook hands with it (the replay does not compare those)."""
+    answered, instance = set(), ""
+    for record in (r for s in recording.sessions for r in recording.records(s)):
+        entry = record.WhichOneof("entry")
+        if entry == "handshake":
+            instance = record.handshake.instance_id
+        elif entry == "result" and record.result.instance_id == instance:
+            answered.add(record.result.step_id)
+    return answered
+
+
 def test_an_altered_executor_diverges_at_the_request_step_and_position_it_altered(shadow_recording: Path):
-    recording = Recording(shadow_recording)
-    records = [r for s in recording.sessions for r in recording.records(s)]
-    answered = {r.result.step_id for r in records if r.WhichOneof("entry") == "result"}
+    answered = answered_by_the_instance_shaken_hands_with(Recording(shadow_recording))
     # Prefills that sample (a prompt's last chunk) in plans whose results were recorded: one from the middle.
     candidates = [(plan.step_id, new) for plan in plans(shadow_recording) if plan.step_id in answered
                   for new in plan.new_requests
