@@ -49,6 +49,8 @@ from pathlib import Path
 from bench import vllm_setup
 from bench.common import WARMUP_PROMPT, WORKLOADS, Workload, print_table, write_json
 from bench.serving_load import (
+    IN_FLIGHT_GROWTH,
+    IN_FLIGHT_SLACK,
     QUANTILES,
     RequestResult,
     grpc_backend,
@@ -292,6 +294,11 @@ def peer_keys(peer: str, rate: float, figures: dict[str, float | None]) -> dict[
     return {prefix + key: value for key, value in keys.items()}
 
 
+def in_flight(figures: dict[str, float | None]) -> str:
+    q3, q4 = figures["in_flight_q3"], figures["in_flight_q4"]
+    return "-" if q3 is None or q4 is None else f"{q3:.1f}, {q4:.1f}"
+
+
 def percentiles(figures: dict[str, float | None], metric: str) -> str:
     return " / ".join(f"{figures[f'{metric}_p{q}_ms']:.1f}" for q in QUANTILES)
 
@@ -306,10 +313,12 @@ def print_peers(workload: Workload, args: argparse.Namespace, table: dict[tuple[
         rows.append([peer, f"{rate:g}", f["request_throughput"], f"{f['achieved_req_s'] or 0:.2f} / "
                      f"{f['offered_req_s'] or 0:.2f}", f["output_tok_s"],
                      f["output_tok_s"] / vllm["output_tok_s"] if vllm and vllm["output_tok_s"] else "-",
-                     percentiles(f, "ttft"), percentiles(f, "tpot"), percentiles(f, "itl"),
+                     percentiles(f, "ttft"), percentiles(f, "tpot"), percentiles(f, "itl"), in_flight(f),
                      {True: "yes", False: "no", None: "-"}[f["kept_up"]]])
     print_table(["peer", "req/s offered", "req/s", "achieved / offered", "output tok/s", "vs vllm", "TTFT", "TPOT",
-                 "ITL", "kept up"], rows)
+                 "ITL", "in flight", "kept up"], rows)
+    print(f"in flight: the mean at the third quarter's arrivals, then at the last's; kept up allows "
+          f"+{IN_FLIGHT_GROWTH * len(workload) / 4 + IN_FLIGHT_SLACK:g}")
     for peer, rate in saturation.items():
         print(f"saturation point of {peer}: " + (f"{rate:g} req/s" if rate is not None else "none of these rates"))
 
