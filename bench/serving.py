@@ -294,7 +294,7 @@ def peer_keys(peer: str, rate: float, figures: dict[str, float | None]) -> dict[
     return {prefix + key: value for key, value in keys.items()}
 
 
-def in_flight(figures: dict[str, float | None]) -> str:
+def in_flight_cell(figures: dict[str, float | None]) -> str:
     q3, q4 = figures["in_flight_q3"], figures["in_flight_q4"]
     return "-" if q3 is None or q4 is None else f"{q3:.1f}, {q4:.1f}"
 
@@ -313,7 +313,7 @@ def print_peers(workload: Workload, args: argparse.Namespace, table: dict[tuple[
         rows.append([peer, f"{rate:g}", f["request_throughput"], f"{f['achieved_req_s'] or 0:.2f} / "
                      f"{f['offered_req_s'] or 0:.2f}", f["output_tok_s"],
                      f["output_tok_s"] / vllm["output_tok_s"] if vllm and vllm["output_tok_s"] else "-",
-                     percentiles(f, "ttft"), percentiles(f, "tpot"), percentiles(f, "itl"), in_flight(f),
+                     percentiles(f, "ttft"), percentiles(f, "tpot"), percentiles(f, "itl"), in_flight_cell(f),
                      {True: "yes", False: "no", None: "-"}[f["kept_up"]]])
     print_table(["peer", "req/s offered", "req/s", "achieved / offered", "output tok/s", "vs vllm", "TTFT", "TPOT",
                  "ITL", "in flight", "kept up"], rows)

@@ -126,6 +126,11 @@ def describe(error: BaseException) -> str:
     return str(error) or type(error).__name__
 
 
+def outcome(replayed: StepResult | BaseException) -> str:
+    """A sent plan's outcome in a note: it ran, or how it failed."""
+    return f"failed: {describe(replayed)}" if isinstance(replayed, BaseException) else "ran"
+
+
 # A result's row: (request id, position of its first sampled token, tokens it sampled).
 Row = tuple[int, int, int]
 
@@ -232,17 +237,14 @@ class Replayer:
     def _restarted_under(self, pending: Pending, recorded: StepResult) -> None:
         """A plan sent before the one that failed (overlap) and run by the instance that came back, which held
         nothing from before: the scheduler dropped its answer on recovering, so its tokens are sent, not compared."""
-        replayed = self._send(pending, recorded)[1]
-        outcome = f"failed: {describe(replayed)}" if isinstance(replayed, BaseException) else "ran"
         self._issue(recorded.step_id, f"ran on the restarted instance {recorded.instance_id}, answer dropped",
-                    outcome, difference=False)
+                    outcome(self._send(pending, recorded)[1]), difference=False)
 
     def _failed(self, failure: rpb.StepFailure) -> None:
         pending = self._before(failure.step_id)
         if pending is not None:
-            replayed = self._send(pending, None)[1]
-            outcome = f"failed: {describe(replayed)}" if isinstance(replayed, BaseException) else "ran"
-            self._issue(failure.step_id, f"failed: {failure.error}", outcome, difference=False)
+            self._issue(failure.step_id, f"failed: {failure.error}", outcome(self._send(pending, None)[1]),
+                        difference=False)
 
     def _issue(self, step_id: int, recorded: str, replayed: str, difference: bool = True) -> None:
         self.report.issues.append(StepIssue(self.session, step_id, recorded, replayed, difference))
