@@ -13,7 +13,10 @@ process, at the GIL switch interval the scheduler service sets beside an acceler
 deployed: the scheduler service at its default flags in front of the same executor (both child processes), with
 ``--batch`` clients streaming through the public API (``bench.overlap_api``); ``api_vllm``, the same with the clients
 streaming the gateways' ``VllmEngine/Generate``, as a gateway in front of the scheduler does; ``api_http``, the same
-with the clients streaming the OpenAI API's ``/v1/completions``; ``floor``, the same
+with the clients streaming the OpenAI API's ``/v1/completions``; ``api_remote`` (run when named), ``api`` with the
+clients' threads in SCHED_IDLE, so that they take only the CPU the server leaves, as clients on other machines
+would take none (on a machine of few cores the clients of ``api`` take a share a deployment's server never gives
+them); ``floor``, the same
 clients streaming from ``bench.stream_floor``, gRPC Python sending one token per stream per step and nothing else:
 what any one Python process pays to serve the streams.
 Each batch prefills its sequences first (untimed), then times ``--steps`` decode steps of ``--batch`` sequences of
@@ -61,9 +64,11 @@ from scheduler_svc.engine.engine import Engine
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
-PEERS = ("split", "in-process", "api", "api_vllm", "api_http", "floor")
+PEERS = ("split", "in-process", "api", "api_vllm", "api_http", "api_remote", "floor")
 # Peers timed through the public API, from clients in this process.
-API_PEERS = ("api", "api_vllm", "api_http", "floor")
+API_PEERS = ("api", "api_vllm", "api_http", "api_remote", "floor")
+# Run when named: the diagnosis of the others, not a target.
+DEFAULT_PEERS = tuple(p for p in PEERS if p != "api_remote")
 # What nanoserve-scheduler runs with when given no flags.
 DEFAULTS = ServiceConfig()
 
@@ -190,7 +195,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=20, help="untimed decode steps first (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per batch and peer; medians are reported "
                         "(default: %(default)s)")
-    parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS),
+    parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(DEFAULT_PEERS),
                         help="executors to time (default: %(default)s)")
     parser.add_argument("--num-scheduler-steps", type=int, default=None,
                         help="the split and in-process peers' most decode steps per plan (default: the scheduler's "
@@ -231,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
             start = {"api": lambda: ApiPeer.scheduler(flags, args.stream_interval),
                      "api_vllm": lambda: ApiPeer.scheduler(flags, args.stream_interval, protocol="vllm"),
                      "api_http": lambda: ApiPeer.scheduler(flags, args.stream_interval, protocol="http"),
+                     "api_remote": lambda: ApiPeer.scheduler(flags, args.stream_interval, remote_clients=True),
                      "floor": lambda: ApiPeer.floor(args.step_ms)}
             for peer in API_PEERS:
                 if peer in peers:

@@ -7,7 +7,8 @@ scheduler counts the decode steps (``GetStats.num_steps``) between the moment ev
 and the moment every stream has ``warmup + steps``. Its CPU time over the same window, every thread of it (the
 engine loop, the streams, gRPC's own), is read from /proc; the clients' from this thread. The other peers
 drive the Engine directly, so this one adds what serving the streams costs the scheduler's process: a GPU waits
-for it exactly as it waits for the Engine.
+for it exactly as it waits for the Engine. ``api_remote``'s clients run in a process of their own in SCHED_IDLE,
+taking only the CPU the server leaves, as clients on other machines take none.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import random
 import sys
@@ -28,6 +30,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
 
 from bench.common import HOST, Child, free_port
 from client.api import AsyncClient
+from common.cpu_yield import thread_ids, yield_cpu
 
 # Every stream asks for this many times --steps tokens past the timed window: a stream that is read late (the
 # clients share the CPU) still has the whole batch decoding beside it until the window ends; it is cancelled then.
@@ -86,20 +89,19 @@ class ApiPeer:
     """Child processes that serve the public API on ``port``, the last of them being the one that streams."""
 
     def __init__(self, port: int, children: list[Child], tail_factor: int = TAIL_FACTOR,
-                 protocol: str = "nanoserve", http_port: int = 0) -> None:
-        self.port, self.http_port = port, http_port
+                 protocol: str = "nanoserve", http_port: int = 0, remote_clients: bool = False) -> None:
         self.children = children
-        self.server = children[-1]
-        self.tail_factor = tail_factor
-        # "nanoserve": the clients stream nanoserve.v1's Generate; "vllm": the gateways' VllmEngine/Generate; "http":
-        # the OpenAI API's /v1/completions
-        self.protocol = protocol
+        self.clients = Clients(port, children[-1].process.pid, tail_factor, protocol, http_port)
+        # The clients run in a process of their own in SCHED_IDLE, as if on other machines.
+        self.remote_clients = remote_clients
 
     @classmethod
     def scheduler(cls, executor_flags: list[str], stream_interval: int = 1,
-                  scheduler_flags: tuple[str, ...] = (), protocol: str = "nanoserve") -> ApiPeer:
+                  scheduler_flags: tuple[str, ...] = (), protocol: str = "nanoserve",
+                  remote_clients: bool = False) -> ApiPeer:
         """The scheduler service at its default flags (but ``--stream-interval`` and ``scheduler_flags``) in front of
-        a simulated executor with ``executor_flags``, its clients speaking ``protocol``."""
+        a simulated executor with ``executor_flags``, its clients speaking ``protocol`` (in SCHED_IDLE with
+        ``remote_clients``)."""
         executor_port, port = free_port(), free_port()
         http_port = free_port() if protocol == "http" else 0
         if http_port:
@@ -111,7 +113,7 @@ class ApiPeer:
                 "-m", "scheduler_svc", "--executor", f"{HOST}:{executor_port}", "--host", HOST, "--port", str(port),
                 "--http-port", "0", "--log-level", "WARNING", "--stream-interval", str(stream_interval),
                 *scheduler_flags]),
-        ]), protocol=protocol, http_port=http_port)
+        ]), protocol=protocol, http_port=http_port, remote_clients=remote_clients)
 
     @classmethod
     def floor(cls, step_ms: float) -> ApiPeer:
@@ -120,6 +122,33 @@ class ApiPeer:
         return cls(port, start_serving([("streaming floor", port, [
             "-m", "bench.stream_floor", "--host", HOST, "--port", str(port), "--step-ms", str(step_ms)])]),
             FLOOR_TAIL_FACTOR)
+
+    def time_decode(self, batch: int, context: int, warmup: int, steps: int, vocab_size: int) -> ApiRun:
+        run = (batch, context, warmup, steps, vocab_size)
+        if not self.remote_clients:
+            return self.clients.time_decode(*run)
+        with multiprocessing.get_context("spawn").Pool(1, initializer=idle_class) as pool:
+            result, policy = pool.apply(idle_clients, (self.clients, *run))
+        if policy != os.SCHED_IDLE:
+            raise RuntimeError(f"the clients' process ran in scheduling class {policy}, not SCHED_IDLE")
+        return result
+
+    def close(self) -> None:
+        for child in reversed(self.children):
+            child.stop()
+
+
+@dataclass(frozen=True)
+class Clients:
+    """The clients of a run, streaming from the server on ``port`` (process ``server_pid``, whose CPU is counted);
+    plain fields, so that a process of their own can run them."""
+
+    port: int
+    server_pid: int
+    tail_factor: int = TAIL_FACTOR
+    # "nanoserve": nanoserve.v1's Generate; "vllm": the gateways' VllmEngine/Generate; "http": /v1/completions
+    protocol: str = "nanoserve"
+    http_port: int = 0
 
     def time_decode(self, batch: int, context: int, warmup: int, steps: int, vocab_size: int) -> ApiRun:
         async def bounded() -> ApiRun:
@@ -174,7 +203,7 @@ class ApiPeer:
                         raise RuntimeError(f"batch {batch}: a stream ended after {ended} of its {max_tokens} tokens "
                                            f"while {len(behind)} had fewer than {mark} (the fewest {min(behind)})")
                     stats = await client.stats()
-                    pid = self.server.process.pid
+                    pid = self.server_pid
                     window.append((time.perf_counter(), stats.num_steps, process_cpu_s(pid), time.thread_time(),
                                    own_cpu_s(pid)))
             finally:
@@ -190,9 +219,16 @@ class ApiPeer:
         (t0, s0, c0, k0, o0), (t1, s1, c1, k1, o1) = window
         return ApiRun(t1 - t0, s1 - s0, c1 - c0, k1 - k0, o1 - o0)
 
-    def close(self) -> None:
-        for child in reversed(self.children):
-            child.stop()
+
+def idle_class() -> None:
+    """This process's threads, and those it starts, in SCHED_IDLE: they take only the CPU the server's processes
+    leave, as clients on other machines take none of it."""
+    yield_cpu(thread_ids())
+
+
+def idle_clients(clients: Clients, *run: int) -> tuple[ApiRun, int]:
+    """In the clients' own process: the run, and the scheduling class it ran in."""
+    return clients.time_decode(*run), os.sched_getscheduler(0)
 
 
 async def vllm_chunks(engine: vllm_grpc.VllmEngineStub, prompt: list[int], max_tokens: int

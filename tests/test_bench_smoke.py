@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import sys
 
@@ -17,6 +18,7 @@ from bench import (
     options,
     overhead,
     overlap,
+    overlap_api,
     profile,
     random_model,
     serving,
@@ -84,6 +86,25 @@ def test_overlap_writes_its_keys(tmp_path):
         for peer in ("api", "api_vllm", "api_http", "floor"):
             for cpu in ("cpu_us", "own_cpu_us"):
                 assert math.isfinite(figures[f"{peer}_{cpu}_b{batch}"]) and figures[f"{peer}_{cpu}_b{batch}"] >= 0
+
+
+def test_overlap_with_remote_clients_runs_them_in_the_idle_class_in_a_process_of_their_own(tmp_path, monkeypatch):
+    """``api_remote``'s clients run in a spawned process in SCHED_IDLE; this process's threads keep their class."""
+    classes: list[int] = []
+    time_decode = overlap_api.Clients.time_decode
+
+    def recording(self, *args):
+        classes.append(os.sched_getscheduler(0))
+        return time_decode(self, *args)
+
+    monkeypatch.setattr(overlap_api.Clients, "time_decode", recording)
+    path = tmp_path / "w5.json"
+    overlap.main(["--batch", "4", "--context", "32", "--steps", "40", "--warmup", "2", "--repeats", "1",
+                  "--step-ms", "1", "--peers", "api", "api_remote", "--json", str(path)])
+    figures = json.loads(path.read_text())
+    assert positive_finite(figures["api_remote_efficiency_b4"]) and positive_finite(figures["api_efficiency_b4"])
+    assert classes == [os.SCHED_OTHER], "the api peer's clients ran here, api_remote's elsewhere"
+    assert {os.sched_getscheduler(int(tid)) for tid in os.listdir("/proc/self/task")} == {os.SCHED_OTHER}
 
 
 def test_serving_on_a_shadow_stack_writes_its_keys(tmp_path):
