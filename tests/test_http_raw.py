@@ -111,7 +111,13 @@ def wait_stats(api: Hosted, idle: bool, timeout_s: float = 5.0) -> pb.SchedulerS
 LONG = {"model": "shadow-kv", "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "return_token_ids": True}
 
 
-def test_a_client_leaving_mid_stream_frees_its_blocks_within_a_step_or_two(slow_api: Hosted):
+# Steps the request may run after its client left: the event loop sees the disconnect, then the engine loop cancels
+# between steps; one or two on an idle machine, once three on the 2-core VM in a slow spell with the suite on two
+# workers. Missed, the request would run its 4,000.
+STEPS_AFTER_LEAVING = 10
+
+
+def test_a_client_leaving_mid_stream_frees_its_blocks_within_a_few_steps(slow_api: Hosted):
     before = slow_api.stub.GetStats(pb.GetStatsRequest(), timeout=5)
     with httpx.stream("POST", f"{slow_api.url}/v1/completions", json={**LONG, "stream": True}) as response:
         lines = response.iter_lines()
@@ -121,7 +127,7 @@ def test_a_client_leaving_mid_stream_frees_its_blocks_within_a_step_or_two(slow_
         assert running.num_free_blocks < running.num_blocks
     left = slow_api.stub.GetStats(pb.GetStatsRequest(), timeout=5)
     idle = wait_stats(slow_api, idle=True)
-    assert idle.num_steps - left.num_steps <= 2, "the request ran on after its client left"
+    assert idle.num_steps - left.num_steps <= STEPS_AFTER_LEAVING, "the request ran on after its client left"
     assert idle.num_aborted == before.num_aborted + 1
 
 
