@@ -23,6 +23,7 @@ from pathlib import Path
 from bench import vllm_setup
 from bench.common import HOST, REPO_ROOT, Child, Workload, free_port
 from bench.serving_load import RequestResult
+from client.stack import DEFAULT_MODEL, executor_service, scheduler_service
 
 BLOCK_SIZE = 16
 SHADOW_VOCAB_SIZE = 49152
@@ -83,8 +84,6 @@ class Server:
 
 def model_name() -> str:
     """The model ``make run`` serves: NANOSERVE_MODEL, else the embedded default."""
-    from client.stack import DEFAULT_MODEL
-
     return os.environ.get("NANOSERVE_MODEL", DEFAULT_MODEL)
 
 
@@ -123,8 +122,6 @@ def start_nanoserve_pair(stack: ExitStack, dtype: str, log: Path, timeout_s: flo
     """The pair as docker-compose.yml runs it on one GPU (the executor at ``NANOSERVE_DEVICE=cuda``, every other
     flag at its default), each service a ``python -m`` of this checkout, on free ports; logs beside ``log``.
     ``device``: the executor's, cuda but for a test on the CPU."""
-    from client.stack import executor_service, scheduler_service
-
     port, executor_port, http_port = free_port(), free_port(), free_port()
     env = checkout_env(policy, model)
     # The make run stack's variables for each service, but for the executor's device (and model, where named).
