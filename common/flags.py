@@ -42,6 +42,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def share(text: str) -> float:
+    """A fraction of a whole, in (0, 1]."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0 or value == float("inf"):

@@ -17,6 +17,7 @@ from common.flags import (
     port,
     positive_float,
     positive_int,
+    share,
 )
 from scheduler_svc.api.kv_events_config import kv_events_flag
 from scheduler_svc.core.scheduler_config import (
@@ -78,6 +79,9 @@ class ServiceConfig:
     # Serve the public gRPC API from a process of its own (``api.api_process``): the streams are written there, not
     # beside the engine loop.
     api_process: bool = True
+    # The most of a core the API process spends writing streams before it holds a step's outputs back, so that each
+    # message carries several tokens (``api.pacing``); 1: never held while a core can write them.
+    api_process_cpu_share: float = 0.4
     # With an executor on the CPU, this process's threads run in SCHED_IDLE so that none preempts its forward pass
     # (throughput first: a request's first token comes later).
     yield_cpu: bool = False
@@ -159,6 +163,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--api-process", boolean, "serve the public gRPC API, and the HTTP API's completions, from a process of its "
         "own, which writes the streams: this process then spends its CPU on scheduling, not on a message per token "
         "(the metrics port stays here)")
+    add("--api-process-cpu-share", share, "the most of a core the API process spends writing streams: past it, a "
+        "step's outputs wait for the next ones and each message carries several tokens (hundreds of streams at a "
+        "few milliseconds a step; a CPU's serving load stays far below it). 1: as fast as a core writes them")
     add("--yield-cpu", boolean, "when the executor computes on the CPU, run this process's threads in SCHED_IDLE, so "
         "that they never preempt its forward pass on the cores they share: more offline throughput, a later first "
         "token (give the executor the same flag)")

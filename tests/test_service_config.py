@@ -73,7 +73,9 @@ def test_the_api_key_never_shows_in_help(capsys: pytest.CaptureFixture):
 
 
 @pytest.mark.parametrize("argv", [["--step-timeout", "0"], ["--step-timeout", "nan"], ["--shutdown-grace", "-1"],
-                                  ["--shutdown-grace", "inf"], ["--max-queued-tokens", "0"]])
+                                  ["--shutdown-grace", "inf"], ["--max-queued-tokens", "0"],
+                                  ["--api-process-cpu-share", "0"], ["--api-process-cpu-share", "1.5"],
+                                  ["--api-process-cpu-share", "nan"]])
 def test_bad_timeouts_and_bounds_are_refused(argv: list[str]):
     with pytest.raises(SystemExit) as e:
         parse_config(argv, env={})

@@ -41,6 +41,7 @@ from scheduler_svc.api.grpc_proxy import GrpcProxy
 from scheduler_svc.api.grpc_status import fail
 from scheduler_svc.api.http.server import HttpServer
 from scheduler_svc.api.outbox import Outbox
+from scheduler_svc.api.pacing import WritePacer
 from scheduler_svc.api.process_link import Frame, decode_output, pack, read_frame
 from scheduler_svc.api.vllm_engine.requests import vllm_error
 from scheduler_svc.api.vllm_engine.responses import ResponseWriter
@@ -74,6 +75,7 @@ class Settings:
     # --http-port, served here, and the socket of the scheduler's HTTP routes (0 and "": no HTTP API)
     http_port: int = 0
     http_internal: str = ""
+    cpu_share: float = 1.0  # --api-process-cpu-share
 
 
 class Call:
@@ -88,11 +90,15 @@ class Call:
 class Link:
     """This process's end of the link (event-loop thread only)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 pacer: WritePacer | None = None) -> None:
         self.reader, self.writer = reader, writer
         self.calls: dict[int, Call] = {}
         self._keys = itertools.count()
         self.stop_grace_s: float | None = None
+        self._pacer = pacer
+        self._held: list[tuple[Call, RequestOutput]] = []  # outputs the pacer holds back, in arrival order
+        self._release: asyncio.TimerHandle | None = None
 
     def send(self, frame: Frame) -> None:
         self.writer.write(pack(frame))
@@ -132,11 +138,7 @@ class Link:
         while (frame := await read_frame(self.reader)) is not None:
             kind = frame[0]
             if kind == "outputs":
-                calls = self.calls
-                for item in frame[1]:
-                    key, output = decode_output(item)
-                    if (call := calls.get(key)) is not None:
-                        call.outbox.put_nowait(output)
+                self._outputs(frame[1])
             elif kind == "accepted":
                 self._settle(frame[1], lambda future, f=frame: future.set_result(f[2:]))
             elif kind == "failed":
@@ -148,7 +150,33 @@ class Link:
                 give_way(thread_ids())
             elif kind == "stop":
                 self.stop_grace_s = frame[1]
-                return
+                break
+        self._hand_on()
+
+    def _outputs(self, items: list[tuple]) -> None:
+        """A step's outputs into their calls' outboxes, now or, while the pacer says so, with the next ones."""
+        calls, held = self.calls, self._held
+        for item in items:
+            key, output = decode_output(item)
+            if (call := calls.get(key)) is not None:
+                held.append((call, output))
+        if self._release is not None or not held:
+            return
+        delay = self._pacer.delay() if self._pacer is not None else 0.0
+        if delay > 0:
+            self._release = asyncio.get_running_loop().call_later(delay, self._hand_on)
+        else:
+            self._hand_on()
+
+    def _hand_on(self) -> None:
+        """The held outputs into their calls' outboxes, in the order they came."""
+        if self._release is not None:
+            self._release.cancel()
+        held, self._held, self._release = self._held, [], None
+        for call, output in held:
+            call.outbox.put_nowait(output)
+        if self._pacer is not None:
+            self._pacer.handed_on()
 
     def _settle(self, key: int, settle) -> None:
         call = self.calls.get(key)
@@ -249,7 +277,7 @@ class ApiHandler(grpc.GenericRpcHandler):
 
 async def serve(settings: Settings) -> None:
     reader, writer = await asyncio.open_unix_connection(settings.link)
-    link = Link(reader, writer)
+    link = Link(reader, writer, WritePacer(settings.cpu_share) if settings.cpu_share < 1 else None)
     channel = grpc.aio.insecure_channel(settings.internal, options=message_size_options(settings.max_message_bytes))
     interceptors = [ApiKeyInterceptor(settings.api_key)] if settings.api_key else []
     server = grpc.aio.server(interceptors=interceptors, options=server_options(settings.max_message_bytes))

@@ -262,10 +262,12 @@ class Engine:
         result = launched.result
         if isinstance(result, Future):
             result = result.result(timeout=self.step_timeout_s)
-            # Hand the GIL over before postprocessing: the thread that starts the next step (an in-process
-            # executor's, or the gRPC one sending its plan) otherwise waits behind all of it, and the executor
-            # idles between two steps (W5 in-process).
-            time.sleep(0)
+            if self._worker is not None:
+                # Hand the GIL over before postprocessing: the in-process executor's thread that starts the next
+                # step otherwise waits behind all of it, and the executor idles between two steps (W5 in-process).
+                # An executor with a stream of its own has its next plan already: the hand-over would only make
+                # this thread wait for the GIL again (W5 ``api``).
+                time.sleep(0)
         if result.instance_id != self.info.instance_id:
             raise ExecutorRestarted(
                 f"executor instance changed from {self.info.instance_id} to {result.instance_id}"

@@ -1,0 +1,128 @@
+"""The API process's pacing (``api.pacing``, ``--api-process-cpu-share``): a step's outputs go to their streams at once
+while writing them costs the process less than its share of a core, and wait for the next ones when it costs more, so
+that a stream then reads them in one message; nothing is lost or reordered either way."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from scheduler_svc.api.api_process import Call, Link
+from scheduler_svc.api.pacing import WritePacer
+from scheduler_svc.api.process_link import encode_outputs, pack
+from scheduler_svc.core.outputs import RequestOutput
+from scheduler_svc.core.sequence import FinishReason
+
+
+class Clocks:
+    """A wall clock and a CPU clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    def pacer(self, share: float) -> WritePacer:
+        return WritePacer(share, clock=lambda: self.wall, cpu=lambda: self.cpu)
+
+
+def test_nothing_is_held_while_the_process_spends_less_than_its_share():
+    clocks = Clocks()
+    pacer = clocks.pacer(0.5)
+    clocks.wall, clocks.cpu = 0.010, 0.004  # 40 % of a core over 10 ms
+    assert pacer.delay() == 0.0
+
+
+def test_outputs_are_held_until_the_cpu_spent_is_the_share_of_the_time():
+    clocks = Clocks()
+    pacer = clocks.pacer(0.4)
+    clocks.wall, clocks.cpu = 0.005, 0.004  # 4 ms of CPU in 5 ms: due at 10 ms
+    assert pacer.delay() == pytest.approx(0.005)
+    clocks.wall = 0.009
+    assert pacer.delay() == pytest.approx(0.001)
+    pacer.handed_on()  # counted afresh from here
+    clocks.wall, clocks.cpu = 0.014, 0.005
+    assert pacer.delay() == 0.0
+
+
+@pytest.mark.parametrize("share", [0.0, -0.1, 1.5])
+def test_a_share_outside_zero_to_one_is_refused(share: float):
+    with pytest.raises(ValueError, match="share"):
+        WritePacer(share)
+
+
+class Sent:
+    """The link's writer: frames to the scheduler are not looked at here."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def token(token_id: int, finish: FinishReason | None = None) -> RequestOutput:
+    return RequestOutput(text=f"<{token_id}>", token_ids=[token_id], finish_reason=finish)
+
+
+def feed(reader: asyncio.StreamReader, outputs: list[RequestOutput]) -> None:
+    """One step's outputs of call 0, as the scheduler sends them over the link."""
+    reader.feed_data(pack(("outputs", encode_outputs([(0, output) for output in outputs]))))
+
+
+def taken(outputs: list[RequestOutput]) -> list[tuple]:
+    return [(output.token_ids, output.finish_reason) for output in outputs]
+
+
+STEPS = [[token(1)], [token(2)], [token(3, FinishReason.LENGTH)]]
+
+
+def test_steps_held_back_reach_a_stream_as_one_take_in_order():
+    async def main() -> list[list]:
+        clocks = Clocks()
+        clocks.cpu = 0.25  # the last hand-over cost 250 ms of CPU and no wall time yet: hold for 500 ms
+        reader = asyncio.StreamReader()
+        link = Link(reader, Sent(), clocks.pacer(0.5))  # type: ignore[arg-type]
+        call = link.calls[0] = Call(1)
+        run = asyncio.create_task(link.run())
+        for outputs in STEPS:  # each read by the link before the next comes
+            feed(reader, outputs)
+            await asyncio.sleep(0.01)
+        takes = [taken(await call.outbox.take())]
+        reader.feed_data(pack(("stop", 0.0)))
+        await run
+        return takes
+
+    assert asyncio.run(main()) == [[([1], None), ([2], None), ([3], FinishReason.LENGTH)]]
+
+
+@pytest.mark.parametrize("paced", [False, True])
+def test_steps_go_at_once_without_a_pacer_or_within_the_share(paced: bool):
+    async def main() -> list[list]:
+        reader = asyncio.StreamReader()
+        link = Link(reader, Sent(), Clocks().pacer(0.5) if paced else None)  # type: ignore[arg-type]
+        call = link.calls[0] = Call(1)
+        run = asyncio.create_task(link.run())
+        takes = []
+        for outputs in STEPS:
+            feed(reader, outputs)
+            takes.append(taken(await call.outbox.take()))
+        reader.feed_data(pack(("stop", 0.0)))
+        await run
+        return takes
+
+    assert asyncio.run(main()) == [[([1], None)], [([2], None)], [([3], FinishReason.LENGTH)]]
+
+
+def test_outputs_held_at_the_stop_still_reach_their_stream():
+    async def main() -> list[tuple]:
+        clocks = Clocks()
+        clocks.cpu = 100.0  # held far longer than the test
+        reader = asyncio.StreamReader()
+        link = Link(reader, Sent(), clocks.pacer(0.5))  # type: ignore[arg-type]
+        call = link.calls[0] = Call(1)
+        feed(reader, [token(7), token(8, FinishReason.STOP)])
+        reader.feed_data(pack(("stop", 0.0)))
+        await link.run()
+        return taken(await call.outbox.take())
+
+    assert asyncio.run(main()) == [([7], None), ([8], FinishReason.STOP)]
