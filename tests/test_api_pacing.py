@@ -51,10 +51,13 @@ def test_a_share_outside_zero_to_one_is_refused(share: float):
 
 
 class Sent:
-    """The link's writer: frames to the scheduler are not looked at here."""
+    """The link's writer: what this process sends the scheduler, kept but not looked at here."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
 
     def write(self, data: bytes) -> None:
-        pass
+        self.data += data
 
     def is_closing(self) -> bool:
         return False
