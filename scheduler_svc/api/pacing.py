@@ -3,9 +3,9 @@ than its share of a core, when it holds them back and each stream's next message
 
 gRPC Python sends each message with a system call of its own and wakes the event loop for each completion, so a
 process writing a token a message to hundreds of streams spends most of a core on it (W5 ``api``), CPU taken from
-the engine loop and the executor on a small machine, and from the clients. Tokens held back a few milliseconds cost a
-reader nothing it can see; the messages they save cost the CPU everything. At a few dozen streams (a CPU's serving
-load) the writing stays far below the share and nothing is held.
+the engine loop and the executor on a small machine, and from the clients. Tokens held back a few milliseconds reach
+a reader a step or two later, in one piece; the messages they save are most of what the process spends. At a few
+dozen streams (a CPU's serving load) the writing stays far below the share and nothing is held.
 """
 
 from __future__ import annotations
