@@ -79,13 +79,19 @@ def taken(outputs: list[RequestOutput]) -> list[tuple]:
 STEPS = [[token(1)], [token(2)], [token(3, FinishReason.LENGTH)]]
 
 
+def open_link(pacer: WritePacer | None) -> tuple[asyncio.StreamReader, Link, Call]:
+    """A link whose frames the test feeds, with one call (key 0) reading a token at a time."""
+    reader = asyncio.StreamReader()
+    link = Link(reader, Sent(), pacer)  # type: ignore[arg-type]
+    call = link.calls[0] = Call(1)
+    return reader, link, call
+
+
 def test_steps_held_back_reach_a_stream_as_one_take_in_order():
     async def main() -> list[list]:
         clocks = Clocks()
         clocks.cpu = 0.25  # the last hand-over cost 250 ms of CPU and no wall time yet: hold for 500 ms
-        reader = asyncio.StreamReader()
-        link = Link(reader, Sent(), clocks.pacer(0.5))  # type: ignore[arg-type]
-        call = link.calls[0] = Call(1)
+        reader, link, call = open_link(clocks.pacer(0.5))
         run = asyncio.create_task(link.run())
         for outputs in STEPS:  # each read by the link before the next comes
             feed(reader, outputs)
@@ -101,9 +107,7 @@ def test_steps_held_back_reach_a_stream_as_one_take_in_order():
 @pytest.mark.parametrize("paced", [False, True])
 def test_steps_go_at_once_without_a_pacer_or_within_the_share(paced: bool):
     async def main() -> list[list]:
-        reader = asyncio.StreamReader()
-        link = Link(reader, Sent(), Clocks().pacer(0.5) if paced else None)  # type: ignore[arg-type]
-        call = link.calls[0] = Call(1)
+        reader, link, call = open_link(Clocks().pacer(0.5) if paced else None)
         run = asyncio.create_task(link.run())
         takes = []
         for outputs in STEPS:
@@ -120,9 +124,7 @@ def test_outputs_held_at_the_stop_still_reach_their_stream():
     async def main() -> list[tuple]:
         clocks = Clocks()
         clocks.cpu = 100.0  # held far longer than the test
-        reader = asyncio.StreamReader()
-        link = Link(reader, Sent(), clocks.pacer(0.5))  # type: ignore[arg-type]
-        call = link.calls[0] = Call(1)
+        reader, link, call = open_link(clocks.pacer(0.5))
         feed(reader, [token(7), token(8, FinishReason.STOP)])
         reader.feed_data(pack(("stop", 0.0)))
         await link.run()
