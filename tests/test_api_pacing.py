@@ -90,9 +90,10 @@ def open_link(pacer: WritePacer | None) -> tuple[asyncio.StreamReader, Link, Cal
 def test_steps_held_back_reach_a_stream_as_one_take_in_order():
     async def main() -> list[list]:
         clocks = Clocks()
-        clocks.cpu = 0.25  # the last hand-over cost 250 ms of CPU and no wall time yet: hold for 500 ms
         reader, link, call = open_link(clocks.pacer(0.5))
         run = asyncio.create_task(link.run())
+        await asyncio.sleep(0)
+        clocks.cpu = 0.25  # the last hand-over cost 250 ms of CPU and no wall time yet: hold for 500 ms
         for outputs in STEPS:  # each read by the link before the next comes
             feed(reader, outputs)
             await asyncio.sleep(0.01)
@@ -123,11 +124,31 @@ def test_steps_go_at_once_without_a_pacer_or_within_the_share(paced: bool):
 def test_outputs_held_at_the_stop_still_reach_their_stream():
     async def main() -> list[tuple]:
         clocks = Clocks()
-        clocks.cpu = 100.0  # held far longer than the test
         reader, link, call = open_link(clocks.pacer(0.5))
+        run = asyncio.create_task(link.run())
+        await asyncio.sleep(0)
+        clocks.cpu = 100.0  # held far longer than the test
         feed(reader, [token(7), token(8, FinishReason.STOP)])
+        take = asyncio.create_task(call.outbox.take())
+        await asyncio.sleep(0.01)
+        assert not take.done(), "the outputs were not held"
         reader.feed_data(pack(("stop", 0.0)))
-        await link.run()
-        return taken(await call.outbox.take())
+        await run
+        return taken(await take)
 
     assert asyncio.run(main()) == [([7], None), ([8], FinishReason.STOP)]
+
+
+def test_the_cpu_the_process_spent_starting_holds_nothing_back():
+    async def main() -> list[tuple]:
+        clocks = Clocks()
+        reader, link, call = open_link(clocks.pacer(0.5))
+        clocks.cpu = 100.0  # starting the servers, before the link runs
+        run = asyncio.create_task(link.run())
+        feed(reader, [token(1)])
+        first = taken(await asyncio.wait_for(call.outbox.take(), timeout=5))
+        reader.feed_data(pack(("stop", 0.0)))
+        await run
+        return first
+
+    assert asyncio.run(main()) == [([1], None)]

@@ -190,7 +190,7 @@ def test_sigterm_aborts_what_the_grace_period_cannot_finish(tmp_path: Path):
     port = free_port()
     with running_stack(executor_argv("shadow", port, SHADOW), tmp_path, executor_port=port,
                        shutdown_grace=0.5, step_timeout=1) as s:
-        responses = s.stub.Generate(greedy_request([1, 2, 3], 1000))
+        responses = s.stub.Generate(greedy_request([1, 2, 3], 1000, ignore_eos=True))
         next(responses)
         s.executor.send_signal(signal.SIGSTOP)
         try:

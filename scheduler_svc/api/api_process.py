@@ -135,6 +135,8 @@ class Link:
 
     async def run(self) -> None:
         """Hand each frame on until the scheduler says stop or goes away."""
+        if self._pacer is not None:
+            self._pacer.handed_on()  # the start-up's CPU wrote nothing: pacing it would hold the first tokens back
         while (frame := await read_frame(self.reader)) is not None:
             kind = frame[0]
             if kind == "outputs":
