@@ -103,7 +103,8 @@ def test_a_full_queue_is_refused_and_nothing_else_is_disturbed():
 
 
 def test_cancel_frees_blocks_at_once_and_the_executor_drops_the_request():
-    executor = RecordingExecutor(shadow(num_blocks=1024))
+    recording = RecordingExecutor(shadow(num_blocks=1024))
+    executor = GatedExecutor(recording, steps_before_closing=3)  # a busy machine must not let it run to its end
 
     async def run():
         async with in_process_scheduler(executor) as s:
@@ -111,15 +112,18 @@ def test_cancel_frees_blocks_at_once_and_the_executor_drops_the_request():
             call = stub.Generate(token_request([9, 8, 7], 3000, ignore_eos=True))
             async for _ in call:
                 break
+            await asyncio.to_thread(executor.closed.wait, 10)
             call.cancel()
+            await asyncio.sleep(0.2)  # the cancel reaches the engine loop while its step is held
+            executor.open.set()
             return await assert_idle_async(stub)
 
     stats = asyncio.run(run())
     assert stats.num_aborted == 1
-    seq_id = executor.plans[0].new_requests[0].request_id
-    assert any(seq_id in plan.finished_request_ids for plan in executor.plans), "no plan dropped the request"
-    assert len(executor.inner.table) == 0
-    assert sum(1 for plan in executor.plans if plan.cached_requests.request_ids) < 2999, "it was not cancelled"
+    seq_id = recording.plans[0].new_requests[0].request_id
+    assert any(seq_id in plan.finished_request_ids for plan in recording.plans), "no plan dropped the request"
+    assert len(recording.inner.table) == 0
+    assert sum(1 for plan in recording.plans if plan.cached_requests.request_ids) < 2999, "it was not cancelled"
 
 
 def test_idle_stats_wait_for_the_executor_to_drop_a_request_that_stopped_inside_a_window():
