@@ -87,7 +87,7 @@ def open_link(pacer: WritePacer | None) -> tuple[asyncio.StreamReader, Link, Cal
     return reader, link, call
 
 
-def test_steps_held_back_reach_a_stream_as_one_take_in_order():
+def test_steps_held_back_reach_a_stream_as_one_take_in_order_after_the_first_token():
     async def main() -> list[list]:
         clocks = Clocks()
         reader, link, call = open_link(clocks.pacer(0.5))
@@ -97,12 +97,13 @@ def test_steps_held_back_reach_a_stream_as_one_take_in_order():
         for outputs in STEPS:  # each read by the link before the next comes
             feed(reader, outputs)
             await asyncio.sleep(0.01)
-        takes = [taken(await call.outbox.take())]
+        takes = [taken(await call.outbox.take()), taken(await call.outbox.take())]
         reader.feed_data(pack(("stop", 0.0)))
         await run
         return takes
 
-    assert asyncio.run(main()) == [[([1], None), ([2], None), ([3], FinishReason.LENGTH)]]
+    # The first token is never held; the two steps after it come as one take, once the hold is over.
+    assert asyncio.run(main()) == [[([1], None)], [([2], None), ([3], FinishReason.LENGTH)]]
 
 
 @pytest.mark.parametrize("paced", [False, True])
@@ -128,15 +129,17 @@ def test_outputs_held_at_the_stop_still_reach_their_stream():
         run = asyncio.create_task(link.run())
         await asyncio.sleep(0)
         clocks.cpu = 100.0  # held far longer than the test
+        feed(reader, [token(6)])
+        first = taken(await asyncio.wait_for(call.outbox.take(), timeout=5))
         feed(reader, [token(7), token(8, FinishReason.STOP)])
         take = asyncio.create_task(call.outbox.take())
         await asyncio.sleep(0.01)
         assert not take.done(), "the outputs were not held"
         reader.feed_data(pack(("stop", 0.0)))
         await run
-        return taken(await take)
+        return [first, taken(await take)]
 
-    assert asyncio.run(main()) == [([7], None), ([8], FinishReason.STOP)]
+    assert asyncio.run(main()) == [[([6], None)], [([7], None), ([8], FinishReason.STOP)]]
 
 
 def test_the_cpu_the_process_spent_starting_holds_nothing_back():
@@ -152,3 +155,24 @@ def test_the_cpu_the_process_spent_starting_holds_nothing_back():
         return first
 
     assert asyncio.run(main()) == [([1], None)]
+
+
+def test_a_requests_first_outputs_go_at_once_while_later_ones_are_held():
+    async def main() -> tuple[list, bool]:
+        clocks = Clocks()
+        reader, link, call = open_link(clocks.pacer(0.5))
+        run = asyncio.create_task(link.run())
+        await asyncio.sleep(0)
+        clocks.cpu = 100.0  # the process far over its share: everything but a first token is held
+        feed(reader, [token(1), token(2)])  # the request's first frame (two choices' worth, say): both at once
+        first = taken(await asyncio.wait_for(call.outbox.take(), timeout=5))
+        feed(reader, [token(3)])
+        take = asyncio.create_task(call.outbox.take())
+        await asyncio.sleep(0.01)
+        held = not take.done()
+        reader.feed_data(pack(("stop", 0.0)))
+        await run
+        await take
+        return first, held
+
+    assert asyncio.run(main()) == ([([1], None), ([2], None)], True)

@@ -85,6 +85,7 @@ class Call:
         self.outbox = Outbox(interval)
         # (request id, n) and, for VllmEngine, its ResponseWriter's reading of the request
         self.accepted: asyncio.Future[tuple] = asyncio.get_running_loop().create_future()
+        self.first_frame: int | None = None  # the link's count of the frame that brought its first outputs
 
 
 class Link:
@@ -99,6 +100,7 @@ class Link:
         self._pacer = pacer
         self._held: list[tuple[Call, RequestOutput]] = []  # outputs the pacer holds back, in arrival order
         self._release: asyncio.TimerHandle | None = None
+        self._frames = 0  # frames of outputs read
 
     def send(self, frame: Frame) -> None:
         self.writer.write(pack(frame))
@@ -156,11 +158,20 @@ class Link:
         self._hand_on()
 
     def _outputs(self, items: list[tuple]) -> None:
-        """A step's outputs into their calls' outboxes, now or, while the pacer says so, with the next ones."""
+        """A step's outputs into their calls' outboxes, now or, while the pacer says so, with the next ones. A
+        request's first outputs go at once: pacing never holds a first token back (nothing of the call is held
+        before them, so its order stands)."""
         calls, held = self.calls, self._held
+        self._frames = frame = self._frames + 1
         for item in items:
             key, output = decode_output(item)
-            if (call := calls.get(key)) is not None:
+            if (call := calls.get(key)) is None:
+                continue
+            if call.first_frame is None:
+                call.first_frame = frame
+            if call.first_frame == frame:
+                call.outbox.put_nowait(output)
+            else:
                 held.append((call, output))
         if self._release is not None or not held:
             return

@@ -5,7 +5,8 @@ gRPC Python sends each message with a system call of its own and wakes the event
 process writing a token a message to hundreds of streams spends most of a core on it (W5 ``api``), CPU taken from
 the engine loop and the executor on a small machine, and from the clients. Tokens held back a few milliseconds reach
 a reader a step or two later, in one piece; the messages they save are most of what the process spends. At a few
-dozen streams (a CPU's serving load) the writing stays far below the share and nothing is held.
+dozen streams (a CPU's serving load) the writing stays far below the share and nothing is held. A request's first
+outputs are never held (``api_process.Link``): the pacing costs no first token.
 """
 
 from __future__ import annotations
