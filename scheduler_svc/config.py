@@ -61,6 +61,10 @@ class ServiceConfig:
     # where the executor computes on the CPU, whose step the scheduler's work cannot hide behind and where an arrival
     # would wait for the step queued ahead too (W3: docs/benchmarks-history.md).
     overlap: bool | None = None
+    # With overlap, how many plain steps the engine loop sends ahead of the one it waits for, when their outputs
+    # cannot change the next plans. None: 2 beside an accelerator, where a plan that comes late (on a busy host)
+    # still finds the device busy, 1 on the CPU; each adds a step before an arrival's prefill or a cancel takes effect.
+    plans_ahead: int | None = None
     # The most decode steps per plan (multi-step scheduling): the executor feeds its own tokens in between. A plan
     # takes no more than any of its requests' readers take at a time (1 for a token-by-token stream), and an arrival
     # cuts one short. Plans are pipelined across windows (``Engine``), so 8 serves the CPU and an accelerator alike:
@@ -148,6 +152,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--api-key", str, "clients must send 'authorization: Bearer <key>'; prefer the environment", secret=True)
     add("--overlap", boolean, "schedule step N+1 while the executor runs step N ('--overlap off': one step at a time; "
         "default: on beside an accelerator, off with an executor on the CPU)")
+    add("--plans-ahead", positive_int, "with overlap, plain steps sent ahead of the one the scheduler waits for, when "
+        "their outputs cannot change the next plans (default: 2 beside an accelerator, which keeps it busy when a plan "
+        "comes late; 1 with an executor on the CPU). Each one more delays an arrival's prefill and a cancel by a step")
     add("--num-scheduler-steps", positive_int, "the most decode steps per plan: the scheduling and the RPC are paid "
         "once per plan, and EOS and stop strings are seen only between plans. A plan computes no more steps than any "
         "of its requests' readers take tokens at a time (a stream's interval; whole completions: no limit), and a new "

@@ -74,8 +74,9 @@ def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
 
 @pytest.mark.parametrize("policy", ["nano-vllm", "mixed"])
 @pytest.mark.parametrize(("overlap", "num_steps", "ahead"),
-                         [(False, 1, False), (True, 1, False), (True, 1, True), (False, 5, False), (True, 3, True)],
-                         ids=["sync", "overlap", "overlap-ahead", "multi-step", "multi-step-overlap-ahead"])
+                         [(False, 1, 0), (True, 1, 0), (True, 1, 1), (True, 1, 2), (False, 5, 0), (True, 3, 2)],
+                         ids=["sync", "overlap", "overlap-ahead", "overlap-two-ahead", "multi-step",
+                              "multi-step-overlap-two-ahead"])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 # Ten sequences verifying n-gram proposals take 20 tokens of a budget of 8: the mixed policy once scheduled a prompt's
@@ -85,8 +86,9 @@ def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
 def test_engine_matches_sequential_reference(overlap, num_steps, ahead, policy, workload):
     """Under either policy: mixed steps (decodes beside prefill chunks, prefix hits, one chunked prompt, preemption),
     with speculation on or off, give every request the sequential reference's tokens; rejected proposals leave no
-    slot, block or hash behind. ``ahead``: after each step the next plan is launched before anything else, as the
-    engine loop does when the outputs cannot change it (``Engine.launch_ahead``), unless a request arrives next."""
+    slot, block or hash behind. ``ahead``: after each step up to that many next plans are launched before anything
+    else, as the engine loop does when the outputs cannot change them (``Engine.launch_ahead``), unless a request
+    arrives next."""
     block_size, num_blocks, budget, max_num_seqs, prefixes, requests, (speculation, k, miss_every) = workload
     executor = ShadowExecutor(num_blocks, block_size, VOCAB, (EOS,), max_model_len=4096,
                               draft_miss_every=miss_every if speculation == "draft" else None)
@@ -95,7 +97,7 @@ def test_engine_matches_sequential_reference(overlap, num_steps, ahead, policy, 
     unbounded = dict(speculative_disable_by_batch_size=1 << 16) if speculation else {}
     config = SchedulerConfig(max_num_seqs, budget, num_steps, policy, speculative=speculation,
                              num_speculative_tokens=k if speculation else None, **ngram, **unbounded)
-    engine = Engine(executor, config, overlap=overlap)
+    engine = Engine(executor, config, overlap=overlap, plans_ahead=max(ahead, 1))
     pending = []
     for prefix_choice, tail, max_tokens, ignore_eos, arrival in requests:
         prompt = (prefixes[prefix_choice] if prefix_choice < len(prefixes) else []) + tail

@@ -75,7 +75,7 @@ def test_the_api_key_never_shows_in_help(capsys: pytest.CaptureFixture):
 @pytest.mark.parametrize("argv", [["--step-timeout", "0"], ["--step-timeout", "nan"], ["--shutdown-grace", "-1"],
                                   ["--shutdown-grace", "inf"], ["--max-queued-tokens", "0"],
                                   ["--api-process-cpu-share", "0"], ["--api-process-cpu-share", "1.5"],
-                                  ["--api-process-cpu-share", "nan"]])
+                                  ["--api-process-cpu-share", "nan"], ["--plans-ahead", "0"]])
 def test_bad_timeouts_and_bounds_are_refused(argv: list[str]):
     with pytest.raises(SystemExit) as e:
         parse_config(argv, env={})
@@ -106,6 +106,25 @@ def test_overlap_by_default_only_beside_an_accelerator(device: str, flag: str | 
     while engine.has_unfinished():
         engine.step()
     assert len(seq.completion_token_ids) == 4 and engine.block_manager.num_free_blocks == 16
+
+
+@pytest.mark.parametrize(("device", "flag", "plans_ahead"), [("cpu", None, 1), ("cuda:0", None, 2),
+                                                             ("simulated", None, 2), ("cpu", "2", 2),
+                                                             ("cuda:0", "1", 1)])
+def test_two_plans_ahead_by_default_only_beside_an_accelerator(device: str, flag: str | None, plans_ahead: int):
+    """Beside an accelerator a plan that reaches the executor late would leave the device idle, so the engine keeps
+    two sent ahead of the one it waits for; on the CPU each would hold an arrival's prefill back by a forward."""
+    executor = ShadowExecutor(16, 4, 50, (0,))
+    executor.info = replace(executor.info, device=device)
+    config = parse_config(["--overlap", "on", *(["--plans-ahead", flag] if flag else [])], env={})
+    engine = connect_engine(executor, config)
+    assert engine.plans_ahead == plans_ahead
+    seqs = [engine.add_request([1, 2, i], SamplingParams(max_tokens=6, ignore_eos=True)) for i in range(3)]
+    while engine.has_unfinished():
+        engine.step()
+        engine.launch_ahead()
+    assert [len(seq.completion_token_ids) for seq in seqs] == [6, 6, 6]
+    assert engine.block_manager.num_free_blocks == 16
 
 
 @pytest.mark.parametrize(("device", "shorter"), [("cpu", False), ("cuda:0", True), ("simulated", True)],

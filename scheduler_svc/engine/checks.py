@@ -40,6 +40,15 @@ def serving_overlap(overlap: bool | None, on_cpu: bool) -> bool:
     return not on_cpu if overlap is None else overlap
 
 
+def serving_plans_ahead(plans_ahead: int | None, on_cpu: bool) -> int:
+    """``--plans-ahead``, or where it is unset: 2 beside an accelerator, where a plan that reaches the executor late
+    (its result and the next plan each wait for a core on a busy host) would otherwise leave the device idle (W5
+    ``api``), and 1 on the CPU, where each step queued ahead holds an arrival's prefill back by a whole forward."""
+    if plans_ahead is not None and plans_ahead < 1:
+        raise ValueError(f"plans_ahead must be at least 1, not {plans_ahead}")
+    return (1 if on_cpu else 2) if plans_ahead is None else plans_ahead
+
+
 def serving_config(config: SchedulerConfig, info: ExecutorInfo) -> SchedulerConfig:
     """``config`` checked against this executor (``check_draft_model``; ValueError) and completed where the flags left
     it open: speculation only in small batches on a CPU (``CPU_SPECULATION_BATCH_LIMIT``)."""

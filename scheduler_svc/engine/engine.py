@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from scheduler_svc.engine.checks import (
     StepMismatch,
     serving_config,
     serving_overlap,
+    serving_plans_ahead,
 )
 from scheduler_svc.engine.kv_events import KvEventLog
 from scheduler_svc.engine.launched import Launched, StepTimings
@@ -67,9 +69,10 @@ class Engine:
 
     def __init__(
         self, executor: Executor, config: SchedulerConfig | None = None, overlap: bool | None = False,
-        step_timeout_s: float | None = None,
+        step_timeout_s: float | None = None, plans_ahead: int | None = 1,
     ) -> None:
-        """``overlap`` None: as ``checks.serving_overlap`` decides for this executor."""
+        """``overlap`` None: as ``checks.serving_overlap`` decides for this executor. ``plans_ahead``: how many plain
+        steps ``launch_ahead`` keeps sent beyond the one in flight (None: as ``checks.serving_plans_ahead`` decides)."""
         self.executor = executor
         # Bounds the wait for a step in flight (a synchronous executor bounds its own calls).
         self.step_timeout_s = step_timeout_s
@@ -77,10 +80,11 @@ class Engine:
         # Runs the steps of an executor without a stream of its own (an in-process one), in order.
         self._worker: ThreadPoolExecutor | None = None
         self._in_flight: Launched | None = None
-        # A step launched by ``launch_ahead``, after ``_in_flight``: the next ``step`` only collects.
-        self._ahead: Launched | None = None
+        # Steps launched by ``launch_ahead``, in order, after ``_in_flight``: the next ``step`` only collects.
+        self._ahead: deque[Launched] = deque()
         self.info = executor.get_info()
         self.overlap = serving_overlap(overlap, self.info.on_cpu)
+        self.plans_ahead = serving_plans_ahead(plans_ahead, self.info.on_cpu)
         self.config = serving_config(config or SchedulerConfig(), self.info)
         self.scheduler = POLICIES[self.config.policy](
             self.config,
@@ -155,7 +159,7 @@ class Engine:
         self.window.cut()
 
     def has_unfinished(self) -> bool:
-        return self._in_flight is not None or self._ahead is not None or not self.scheduler.is_finished()
+        return self._in_flight is not None or bool(self._ahead) or not self.scheduler.is_finished()
 
     def nothing_to_schedule(self) -> bool:
         """No request waits or runs (a step may still be in flight, or drops wait to be sent)."""
@@ -179,8 +183,8 @@ class Engine:
             return self._collect(launched)
         if self._submit is None:
             self._submit = self._submitter()
-        if self._ahead is not None:
-            current, self._in_flight, self._ahead = self._in_flight, self._ahead, None
+        if self._ahead:
+            current, self._in_flight = self._in_flight, self._ahead.popleft()
             return self._collect(current)
         if self._in_flight is not None and self._in_flight.dropped:
             self._collect_dropped(self._in_flight)
@@ -202,16 +206,20 @@ class Engine:
         return self._collect(current)
 
     def launch_ahead(self) -> bool:
-        """Launch the next step now, before the caller processes the tokens ``step`` just returned, when nothing it
-        does with them can change the next plan (``EngineLoop`` says when); the next ``step`` then only collects.
-        The plan is on its way while the outputs are turned into text and sent, instead of after (W5 ``api``: at one
-        step per plan that work sat between each result and the plan after next). Only between two plain steps of
-        an overlapping engine: a window's booking decides its own next plan."""
-        current = self._in_flight
-        if not self.overlap or current is None or current.window or current.dropped or self._ahead is not None:
-            return False
-        self._ahead = self._launch(self._submit)
-        return self._ahead is not None
+        """Launch the next steps now, up to ``plans_ahead`` beyond the one in flight, before the caller processes the
+        tokens ``step`` just returned, when nothing it does with them can change the next plans (``EngineLoop`` says
+        when); the next ``step`` then only collects. The plans are on their way while the outputs are turned into
+        text and sent, instead of after (W5 ``api``: at one step per plan that work sat between each result and the
+        plan after next), and with two ahead a plan that comes late still finds the device busy. Only after a plain
+        step of an overlapping engine: a window's booking decides its own next plan. Whether any was launched."""
+        launched = False
+        while self.overlap and len(self._ahead) < self.plans_ahead:
+            last = self._ahead[-1] if self._ahead else self._in_flight
+            if last is None or last.window or last.dropped or (ahead := self._launch(self._submit)) is None:
+                break
+            self._ahead.append(ahead)
+            launched = True
+        return launched
 
     def _submitter(self) -> Submit:
         """The executor's own ordered stream when it has one, else one worker thread (which keeps order).
@@ -373,7 +381,8 @@ class Engine:
         is not safe to reset meanwhile, so the worker's queue is let end. An executor with its own stream is not
         waited for: its reset cancels the stream, and a hung step would otherwise cost a second step timeout.
         """
-        self._in_flight = self._ahead = None
+        self._in_flight = None
+        self._ahead.clear()
         if self._worker is not None:
             wait([self._worker.submit(lambda: None)], timeout=self.step_timeout_s)
 
