@@ -111,6 +111,10 @@ class ServiceConfig:
     ngram_max: int | None = None
     speculative_disable_by_batch_size: int | None = None
 
+    def engine_options(self) -> dict[str, object]:
+        """The ``Engine``'s own keyword arguments among these flags (its ``SchedulerConfig`` aside)."""
+        return {"overlap": self.overlap, "step_timeout_s": self.step_timeout, "plans_ahead": self.plans_ahead}
+
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduler core's share of these flags (ValueError where they contradict each other)."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.num_scheduler_steps,

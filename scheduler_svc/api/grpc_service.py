@@ -64,8 +64,7 @@ ACCELERATOR_GIL_SWITCH_INTERVAL_S = 0.0005
 def connect_engine(executor: Executor, config: ServiceConfig) -> Engine:
     """Handshake with a reset executor: a new scheduler never inherits another one's requests."""
     executor.reset()
-    return Engine(executor, config.scheduler_config(), overlap=config.overlap, step_timeout_s=config.step_timeout,
-                  plans_ahead=config.plans_ahead)
+    return Engine(executor, config.scheduler_config(), **config.engine_options())
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):

@@ -71,8 +71,7 @@ class Engine:
         self, executor: Executor, config: SchedulerConfig | None = None, overlap: bool | None = False,
         step_timeout_s: float | None = None, plans_ahead: int | None = 1,
     ) -> None:
-        """``overlap`` None: as ``checks.serving_overlap`` decides for this executor. ``plans_ahead``: how many plain
-        steps ``launch_ahead`` keeps sent beyond the one in flight (None: as ``checks.serving_plans_ahead`` decides)."""
+        """``overlap``, ``plans_ahead`` None: as ``checks.serving_overlap`` and ``serving_plans_ahead`` decide."""
         self.executor = executor
         # Bounds the wait for a step in flight (a synchronous executor bounds its own calls).
         self.step_timeout_s = step_timeout_s
@@ -120,10 +119,7 @@ class Engine:
                 lora: str | None = None, speculate: bool = True) -> Sequence:
         """Queue a request already checked (``validation``) against this executor's limits; ``resumed`` completion
         tokens count as generated (a stream another scheduler started); ``speculate``: whether it may speculate
-        (``core.speculation``: not a choice of n > 1).
-
-        The cache may have shrunk since (a restarted executor), or the adapter gone: then InvalidRequest still.
-        """
+        (``core.speculation``: not a choice of n > 1). InvalidRequest if the cache shrank since, or the adapter went."""
         tokens = [*token_ids, *(resumed or ())]
         seq = Sequence(next(self._seq_ids), tokens, params, self.info.block_size, len(token_ids),
                        self.adapters.lora_id(lora))
@@ -139,8 +135,7 @@ class Engine:
         self.scheduler.finish(seq, FinishReason.ABORT)
 
     def stop_at(self, seq: Sequence, position: int) -> None:
-        """End ``seq`` with STOP at its token ``position`` (a stop string ends there); tokens that a
-        multi-step plan sampled after it are dropped."""
+        """End ``seq`` with STOP at its token ``position`` (a stop string ends there); later tokens are dropped."""
         del seq.token_ids[position + 1 :]
         self.scheduler.finish(seq, FinishReason.STOP)
 
@@ -206,20 +201,17 @@ class Engine:
         return self._collect(current)
 
     def launch_ahead(self) -> bool:
-        """Launch the next steps now, up to ``plans_ahead`` beyond the one in flight, before the caller processes the
-        tokens ``step`` just returned, when nothing it does with them can change the next plans (``EngineLoop`` says
-        when); the next ``step`` then only collects. The plans are on their way while the outputs are turned into
-        text and sent, instead of after (W5 ``api``: at one step per plan that work sat between each result and the
-        plan after next), and with two ahead a plan that comes late still finds the device busy. Only after a plain
-        step of an overlapping engine: a window's booking decides its own next plan. Whether any was launched."""
-        launched = False
+        """Launch up to ``plans_ahead`` steps beyond the one in flight before the caller processes the tokens ``step``
+        returned, when nothing it does with them can change the next plans (``EngineLoop`` says when): they travel
+        while the outputs are sent (W5 ``api``), and with two a late plan still finds the device busy. Only after a
+        plain step of an overlapping engine (a window's booking decides its next plan); whether any was launched."""
+        before = len(self._ahead)
         while self.overlap and len(self._ahead) < self.plans_ahead:
             last = self._ahead[-1] if self._ahead else self._in_flight
             if last is None or last.window or last.dropped or (ahead := self._launch(self._submit)) is None:
                 break
             self._ahead.append(ahead)
-            launched = True
-        return launched
+        return len(self._ahead) > before
 
     def _submitter(self) -> Submit:
         """The executor's own ordered stream when it has one, else one worker thread (which keeps order).
