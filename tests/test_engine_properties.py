@@ -83,6 +83,10 @@ def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
 # chunk of -1 tokens in what was left.
 @example((4, 10, 8, 10, [[1]], [(0, [1], 1, False, 2), *[(0, [1], 3, False, 0)] * 4, *[(0, [1], 2, False, 0)] * 4,
                                  (0, [2], 2, False, 0)], ("ngram", 1, 1)))
+# Two plans ahead: a sequence preempted while both still owed it a token waited at the head of ``waiting`` with none
+# running, and the schedule of the next plan said no sequence could ever fit.
+@example((8, 9, 8, 2, [[1, 1, 1, 1]], [(0, [1], 5, False, 0), (0, [1], 21, False, 1),
+                                      (0, [1] * 11 + [2], 26, False, 0)], (None, 1, 1)))
 def test_engine_matches_sequential_reference(overlap, num_steps, ahead, policy, workload):
     """Under either policy: mixed steps (decodes beside prefill chunks, prefix hits, one chunked prompt, preemption),
     with speculation on or off, give every request the sequential reference's tokens; rejected proposals leave no

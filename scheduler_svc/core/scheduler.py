@@ -184,7 +184,9 @@ class Scheduler:
             else:
                 seq.num_scheduled_tokens = steps + seq.num_draft_tokens
                 scheduled.append(seq)
-        if not scheduled and not held and not prefill_may_follow:
+        # A head of ``waiting`` preempted while a step in flight owes it a token (plans sent ahead) waits for that step.
+        owed = bool(self.waiting) and self.waiting[0].token_ids[-1] == PENDING
+        if not scheduled and not held and not prefill_may_follow and not owed:
             raise RuntimeError("nothing can be scheduled: a sequence needs more KV blocks than exist")
         running.extendleft(reversed(held))
         running.extendleft(reversed(scheduled))
