@@ -184,9 +184,10 @@ class Scheduler:
             else:
                 seq.num_scheduled_tokens = steps + seq.num_draft_tokens
                 scheduled.append(seq)
-        # A head of ``waiting`` preempted while a step in flight owes it a token (plans sent ahead) waits for that step.
-        owed = bool(self.waiting) and self.waiting[0].token_ids[-1] == PENDING
-        if not scheduled and not held and not prefill_may_follow and not owed:
+        # Nothing fits, unless the head of ``waiting`` was preempted while a step in flight (plans sent ahead) owes it a
+        # token: then nothing is scheduled until that step is collected.
+        if not scheduled and not held and not prefill_may_follow and not (
+                self.waiting and self.waiting[0].token_ids[-1] == PENDING):
             raise RuntimeError("nothing can be scheduled: a sequence needs more KV blocks than exist")
         running.extendleft(reversed(held))
         running.extendleft(reversed(scheduled))
