@@ -87,19 +87,29 @@ def open_link(pacer: WritePacer | None) -> tuple[asyncio.StreamReader, Link, Cal
     return reader, link, call
 
 
+async def over_share(cpu_s: float) -> tuple[asyncio.StreamReader, Call, asyncio.Task]:
+    """A paced link (share 0.5) running, whose process then spent ``cpu_s`` of CPU with no wall time passing."""
+    clocks = Clocks()
+    reader, link, call = open_link(clocks.pacer(0.5))
+    run = asyncio.create_task(link.run())
+    await asyncio.sleep(0)  # the link runs: the pacer counts from here
+    clocks.cpu = cpu_s
+    return reader, call, run
+
+
+async def stop(reader: asyncio.StreamReader, run: asyncio.Task) -> None:
+    reader.feed_data(pack(("stop", 0.0)))
+    await run
+
+
 def test_steps_held_back_reach_a_stream_as_one_take_in_order_after_the_first_token():
     async def main() -> list[list]:
-        clocks = Clocks()
-        reader, link, call = open_link(clocks.pacer(0.5))
-        run = asyncio.create_task(link.run())
-        await asyncio.sleep(0)
-        clocks.cpu = 0.25  # the last hand-over cost 250 ms of CPU and no wall time yet: hold for 500 ms
+        reader, call, run = await over_share(0.25)  # the last hand-over cost 250 ms of CPU: hold for 500 ms
         for outputs in STEPS:  # each read by the link before the next comes
             feed(reader, outputs)
             await asyncio.sleep(0.01)
         takes = [taken(await call.outbox.take()), taken(await call.outbox.take())]
-        reader.feed_data(pack(("stop", 0.0)))
-        await run
+        await stop(reader, run)
         return takes
 
     # The first token is never held; the two steps after it come as one take, once the hold is over.
@@ -115,8 +125,7 @@ def test_steps_go_at_once_without_a_pacer_or_within_the_share(paced: bool):
         for outputs in STEPS:
             feed(reader, outputs)
             takes.append(taken(await call.outbox.take()))
-        reader.feed_data(pack(("stop", 0.0)))
-        await run
+        await stop(reader, run)
         return takes
 
     assert asyncio.run(main()) == [[([1], None)], [([2], None)], [([3], FinishReason.LENGTH)]]
@@ -124,19 +133,14 @@ def test_steps_go_at_once_without_a_pacer_or_within_the_share(paced: bool):
 
 def test_outputs_held_at_the_stop_still_reach_their_stream():
     async def main() -> list[tuple]:
-        clocks = Clocks()
-        reader, link, call = open_link(clocks.pacer(0.5))
-        run = asyncio.create_task(link.run())
-        await asyncio.sleep(0)
-        clocks.cpu = 100.0  # held far longer than the test
+        reader, call, run = await over_share(100.0)  # held far longer than the test
         feed(reader, [token(6)])
         first = taken(await asyncio.wait_for(call.outbox.take(), timeout=5))
         feed(reader, [token(7), token(8, FinishReason.STOP)])
         take = asyncio.create_task(call.outbox.take())
         await asyncio.sleep(0.01)
         assert not take.done(), "the outputs were not held"
-        reader.feed_data(pack(("stop", 0.0)))
-        await run
+        await stop(reader, run)
         return [first, taken(await take)]
 
     assert asyncio.run(main()) == [[([6], None)], [([7], None), ([8], FinishReason.STOP)]]
@@ -150,8 +154,7 @@ def test_the_cpu_the_process_spent_starting_holds_nothing_back():
         run = asyncio.create_task(link.run())
         feed(reader, [token(1)])
         first = taken(await asyncio.wait_for(call.outbox.take(), timeout=5))
-        reader.feed_data(pack(("stop", 0.0)))
-        await run
+        await stop(reader, run)
         return first
 
     assert asyncio.run(main()) == [([1], None)]
@@ -159,19 +162,14 @@ def test_the_cpu_the_process_spent_starting_holds_nothing_back():
 
 def test_a_requests_first_outputs_go_at_once_while_later_ones_are_held():
     async def main() -> tuple[list, bool]:
-        clocks = Clocks()
-        reader, link, call = open_link(clocks.pacer(0.5))
-        run = asyncio.create_task(link.run())
-        await asyncio.sleep(0)
-        clocks.cpu = 100.0  # the process far over its share: everything but a first token is held
+        reader, call, run = await over_share(100.0)  # everything but a first token is held
         feed(reader, [token(1), token(2)])  # the request's first frame (two choices' worth, say): both at once
         first = taken(await asyncio.wait_for(call.outbox.take(), timeout=5))
         feed(reader, [token(3)])
         take = asyncio.create_task(call.outbox.take())
         await asyncio.sleep(0.01)
         held = not take.done()
-        reader.feed_data(pack(("stop", 0.0)))
-        await run
+        await stop(reader, run)
         await take
         return first, held
 
