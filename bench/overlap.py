@@ -119,8 +119,8 @@ class TimedSimulated(SimulatedExecutor):
         return prepared
 
     def launch(self, chunks: list[ScheduledChunk], inputs: ModelInput | None = None,
-               sampled_before: list[int] | None = None) -> Launched:
-        launched = super().launch(chunks, inputs, sampled_before)
+               sampled_before: list[int] | None = None, behind: Launched | None = None) -> Launched:
+        launched = super().launch(chunks, inputs, sampled_before, behind)
         if self._free_at is not None:
             self.idle_s.append(max(0.0, launched.done_at - self.step_s - self._free_at))
         self._free_at = launched.done_at

@@ -84,10 +84,10 @@ class Timers:
         execute = model_runner.ModelRunner.execute
         stack.callback(setattr, model_runner.ModelRunner, "execute", execute)
 
-        def execute_in_phase(runner: model_runner.ModelRunner, model_input: ModelInput):
+        def execute_in_phase(runner: model_runner.ModelRunner, model_input: ModelInput, *behind: object):
             self.phase = "prefill" if model_input.meta.is_prefill else "decode"
             self.steps[self.phase] += 1
-            return execute(runner, model_input)
+            return execute(runner, model_input, *behind)
 
         model_runner.ModelRunner.execute = execute_in_phase
 

@@ -70,3 +70,26 @@ def test_cuda_graphs_give_the_eager_tokens_in_bfloat16(tiny_model_folders: dict[
     eager = cuda_tokens(folder, backend, "bfloat16", enforce_eager=True, block_size=block_size)
     assert cuda_tokens(folder, backend, "bfloat16", enforce_eager=False, block_size=block_size) == eager
 
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_greedy_steps_launched_behind_the_step_before_give_transformers_tokens(
+    tiny_model_folders: dict[str, Path], backend: str,  # noqa: F811
+) -> None:
+    """With overlap and two plans ahead, a greedy decode step's tokens stay on the device for the step launched
+    behind it, whose graph replay is queued before the host has them: still transformers' tokens."""
+    folder = tiny_model_folders["llama"]
+    expected = hf_greedy(folder, random_prompts(7), NEW_TOKENS, stop_at_eos=False)
+    executor = ModelExecutor(ExecutorOptions(model=str(folder), device="cuda", dtype="float32",
+                                             attention_backend=backend, kv_cache_memory=256 << 20))
+    launch, launched_behind = executor.launch, []
+
+    def noting(chunks, inputs=None, sampled_before=None, behind=None):
+        launched_behind.append(behind is not None)
+        return launch(chunks, inputs, sampled_before, behind)
+
+    executor.launch = noting
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine = Engine(executor, overlap=True, plans_ahead=2)
+    assert [c.token_ids for c in engine.generate(random_prompts(7), params)] == expected
+    assert any(launched_behind), "some decode step was launched behind the one before"

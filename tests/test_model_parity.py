@@ -142,11 +142,11 @@ def count_split_steps(executor: ModelExecutor) -> list[int]:
     counts = [0, 0]
     execute = executor.runner.execute
 
-    def counted(model_input: ModelInput) -> torch.Tensor:
+    def counted(model_input: ModelInput, *behind: object) -> torch.Tensor:
         if model_input.meta.mixed is not None:
             counts[0] += 1
             counts[1] += bool((model_input.logits_indices.diff() < 0).any())
-        return execute(model_input)
+        return execute(model_input, *behind)
 
     executor.runner.execute = counted
     return counts

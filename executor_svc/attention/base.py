@@ -49,13 +49,14 @@ class AttentionMetadata:
     # A mixed step (a prefill step whose first rows are decode rows): its halves' own metadata.
     mixed: MixedSplit | None = None
 
-    def to(self, device: torch.device) -> AttentionMetadata:
-        """A copy on ``device``; tensors are copied without a wait, as the step's other inputs are."""
-        moved = {name: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
-                 for name, value in vars(self).items()}
+    def to(self, device: torch.device, pinned: bool = False) -> AttentionMetadata:
+        """A copy on ``device``; tensors are copied without a wait, as the step's other inputs are (``pinned``:
+        through page-locked memory, ``ModelInput.to``)."""
+        moved = {name: (value.pin_memory() if pinned else value).to(device, non_blocking=True)
+                 if isinstance(value, torch.Tensor) else value for name, value in vars(self).items()}
         if self.mixed is not None:
-            moved["mixed"] = MixedSplit(self.mixed.num_decodes, self.mixed.decode.to(device),
-                                        self.mixed.prefill.to(device))
+            moved["mixed"] = MixedSplit(self.mixed.num_decodes, self.mixed.decode.to(device, pinned),
+                                        self.mixed.prefill.to(device, pinned))
         return AttentionMetadata(**moved)
 
 

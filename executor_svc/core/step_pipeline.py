@@ -268,8 +268,13 @@ class TableExecutor(Executor, ABC):
             self._apply(prepared, plan)
         if prepared.single:
             launched, prepared.launched = prepared.launched, None  # its device buffers go once finished
-            output = self.finish(self.launch(prepared.chunks, prepared.inputs) if launched is None else launched)
+            if launched is None:
+                launched = self.launch(prepared.chunks, prepared.inputs)
             following = self._following(prepared)
+            if following is not None and self.fills_ahead(following.inputs) and self.samples_ahead(launched):
+                following.launched = self.launch(following.chunks, following.inputs, behind=launched)
+                following = None
+            output = self.finish(launched)
             # After a verification a request's tokens are not one per chunk: the next step takes them recorded.
             if following is not None and self.fills_ahead(following.inputs) and not output.num_sampled_tokens:
                 following.launched = self.launch(following.chunks, following.inputs, output.token_ids)
@@ -333,15 +338,22 @@ class TableExecutor(Executor, ABC):
         """Whether ``inputs`` can be launched from the step before's sampled tokens before they are recorded."""
         return False
 
+    def samples_ahead(self, launched: object) -> bool:
+        """Whether ``launched`` samples its tokens on the device, where the step after it (where ``fills_ahead``)
+        takes them: that step is then launched behind it (``launch``'s ``behind``) before it is waited for, and the
+        device never waits for the host between the two."""
+        return False
+
     @abstractmethod
     def forward(self, chunks: list[ScheduledChunk], inputs: object | None = None) -> StepResult:
         """Compute and sample one token per chunk, in order (0 for a chunk short of its end), a verification chunk's
         accepted proposals and one more: a ``ForwardPass``."""
 
     def launch(self, chunks: list[ScheduledChunk], inputs: object | None = None,
-               sampled_before: list[int] | None = None) -> object:
+               sampled_before: list[int] | None = None, behind: object | None = None) -> object:
         """Start ``forward`` on the device without waiting for it. The tokens the step before sampled are recorded,
-        or given as ``sampled_before`` (where ``fills_ahead``). Here nothing starts before ``finish``: an executor
+        or given as ``sampled_before`` (where ``fills_ahead``), or still on the device in ``behind``, that step
+        launched and not waited for (where it ``samples_ahead``). Here nothing starts before ``finish``: an executor
         with a device to wait for overrides both."""
         return chunks, inputs
 

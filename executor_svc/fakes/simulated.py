@@ -75,6 +75,9 @@ class Launched:
     done_at: float
     # Every chunk samples (a decode step), as ``ModelExecutor.finish`` looks: no walk over the chunks for the tokens.
     every_chunk_samples: bool
+    # Its tokens taken on the device at launch, as ``ModelRunner`` takes a decode step's that only takes the argmax
+    # (``ModelInput.greedy_only``): the step after it is launched behind it.
+    sampled_ahead: bool = False
 
 
 class SimulatedExecutor(TableExecutor):
@@ -87,6 +90,7 @@ class SimulatedExecutor(TableExecutor):
         self.table = RequestTable(info.num_blocks, info.block_size, info.vocab_size, info.max_model_len)
         self.token_id = next(t for t in range(1, info.vocab_size) if t not in info.eos_token_ids)
         self.tables = DecodeTables()
+        self._waited_at = 0.0  # time.perf_counter when ``finish`` last waited for the device, as ``ModelRunner``'s
         kernel_library()  # built now (once per machine), not in the first step's wait
 
     def pack(self, chunks: list[ScheduledChunk], before: list[ScheduledChunk] | None = None) -> ModelInput:
@@ -100,19 +104,26 @@ class SimulatedExecutor(TableExecutor):
     def fills_ahead(self, inputs: ModelInput | None) -> bool:
         return inputs is not None and inputs.linked is not None
 
+    def samples_ahead(self, launched: Launched) -> bool:
+        return launched.sampled_ahead
+
     def launch(self, chunks: list[ScheduledChunk], inputs: ModelInput | None = None,
-               sampled_before: list[int] | None = None) -> Launched:
-        """``ModelRunner.launch``: the input completed, then the device busy for ``step_ms`` from now."""
+               sampled_before: list[int] | None = None, behind: Launched | None = None) -> Launched:
+        """``ModelRunner.launch``: the input completed, then the device busy for ``step_ms`` from now, or from when
+        it has computed ``behind``, the step before, whose tokens the input takes there."""
         started = time.perf_counter()
         inputs = inputs or self.pack(chunks)
-        inputs.fill_pending(sampled_before)
+        inputs.fill_pending(sampled_before if behind is None else [self.token_id] * len(behind.chunks))
         every = inputs.num_sampled == len(chunks)
-        return Launched(chunks, started, time.perf_counter() + self.step_s, every)
+        begins = time.perf_counter() if behind is None else max(time.perf_counter(), behind.done_at)
+        return Launched(chunks, started, begins + self.step_s, every, inputs.greedy_only)
 
     def finish(self, launched: Launched) -> StepResult:
         """``ModelRunner.finish`` and ``ModelExecutor.finish``: the wait for the device, then its tokens."""
+        began = max(launched.started, self._waited_at)
         accelerator_wait(launched.done_at)
-        forward_ms = (time.perf_counter() - launched.started) * 1e3
+        self._waited_at = time.perf_counter()
+        forward_ms = (self._waited_at - began) * 1e3
         if launched.every_chunk_samples:
             return StepResult([self.token_id] * len(launched.chunks), [], forward_ms, 0.0)
         return StepResult([self.token_id if chunk.samples else 0 for chunk in launched.chunks], [], forward_ms, 0.0)

@@ -134,10 +134,13 @@ class ModelExecutor(TableExecutor):
     def fills_ahead(self, inputs: PreparedInput | None) -> bool:
         return inputs is not None and inputs.model_input.linked is not None
 
+    def samples_ahead(self, launched: LaunchedForward) -> bool:
+        return launched.ahead is not None
+
     def launch(self, chunks: list[ScheduledChunk], inputs: PreparedInput | None = None,
-               sampled_before: list[int] | None = None) -> LaunchedForward:
+               sampled_before: list[int] | None = None, behind: LaunchedForward | None = None) -> LaunchedForward:
         """The forward pass started: on a GPU its kernels are queued while the CPU carries on; on the CPU it has run."""
-        return self.runner.launch(chunks, inputs, sampled_before)
+        return self.runner.launch(chunks, inputs, sampled_before, behind)
 
     def finish(self, launched: LaunchedForward) -> StepResult:
         """The sampled tokens of a launched forward pass: 0, and no logprobs, for a chunk short of its end."""

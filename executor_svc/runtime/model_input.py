@@ -40,6 +40,9 @@ class ModelInput:
     linked_in_order: bool = False
     # Each row's adapter id (0: the base model), in packed order; None when no row has one (``executor_svc/lora``).
     lora_ids: torch.Tensor | None = None
+    # A decode step whose every row samples and takes the argmax, nothing else (plain greedy, no grammar): a device
+    # can sample it at launch and launch the step after it behind it (``TableExecutor.samples_ahead``).
+    greedy_only: bool = False
     # ``len(logits_indices)``, counted when packed: a cold tensor's ``len`` is slow after a wait.
     num_sampled: int = field(init=False)
 
@@ -89,17 +92,37 @@ class ModelInput:
                 ids[[row for row, _, _ in self.pending]] = tokens
         self.pending = []
 
-    def to(self, device: torch.device) -> ModelInput:
+    def fill_pending_from(self, input_ids: torch.Tensor, sampled_before: torch.Tensor) -> None:
+        """``fill_pending`` on the device: the pending rows of ``input_ids`` (this input's copy there) take the step
+        before's tokens from ``sampled_before`` (its sampled rows' tokens, there too), without a wait."""
+        if not self.pending:
+            return
+        if self.linked_in_order:
+            input_ids.copy_(sampled_before)
+        else:
+            rows, sources = (to_device(torch.from_numpy(a), input_ids.device, True) for a in self.linked)
+            input_ids[rows] = sampled_before[sources]
+        self.pending = []
+
+    def to(self, device: torch.device, pinned: bool = False) -> ModelInput:
+        """A copy on ``device``; ``pinned``: through page-locked memory, so that no copy waits for the steps the
+        device still computes (a copy from pageable memory waits for the stream first)."""
         if device.type == "cpu":
             return self
         return ModelInput(
-            self.input_ids.to(device, non_blocking=True),
-            self.positions.to(device, non_blocking=True),
-            self.meta.to(device),
-            self.logits_indices.to(device, non_blocking=True),
-            self.prompt_rows.to(device, non_blocking=True),
+            to_device(self.input_ids, device, pinned),
+            to_device(self.positions, device, pinned),
+            self.meta.to(device, pinned),
+            to_device(self.logits_indices, device, pinned),
+            to_device(self.prompt_rows, device, pinned),
             lora_ids=self.lora_ids,
         )
+
+
+def to_device(tensor: torch.Tensor, device: torch.device, pinned: bool = False) -> torch.Tensor:
+    """``tensor`` on ``device`` without a wait; ``pinned``: copied through page-locked memory (``ModelInput.to``)
+    where it goes to an accelerator."""
+    return (tensor.pin_memory() if pinned and device.type != "cpu" else tensor).to(device, non_blocking=True)
 
 
 def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
@@ -283,12 +306,15 @@ def _decode_input(chunks: list[ScheduledChunk], block_size: int, tables: DecodeT
             token_ids[i] = ids[c.start]
         else:
             pending.append((i, c.state, c.start))
-    samples = np.flatnonzero(np.fromiter([c.samples for c in chunks], np.bool_, count=n))
+    sampled = [c.samples for c in chunks]
+    samples = np.flatnonzero(np.fromiter(sampled, np.bool_, count=n))
     meta = AttentionMetadata(False, torch.from_numpy(slots), block_tables,
                              context_lens=torch.from_numpy((starts + 1).astype(np.int32)))
+    greedy_only = all(sampled) and all(c.state.sampling.plain_greedy and c.state.sampling.grammar is None
+                                       for c in chunks)
     return ModelInput(torch.tensor(token_ids, dtype=torch.int64), torch.from_numpy(starts), meta,
                       torch.from_numpy(samples), torch.empty(0, dtype=torch.int64), pending,
-                      lora_ids=_lora_ids(chunks))
+                      lora_ids=_lora_ids(chunks), greedy_only=greedy_only)
 
 
 def _verification_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInput | None:

@@ -32,6 +32,7 @@ from executor_svc.runtime.config import DEFAULT_CPU_KV_CACHE_BYTES, ExecutorOpti
 from executor_svc.runtime.distributed import all_reduce_min, broadcast_object, init_group, tp_rank, tp_size
 from executor_svc.runtime.loader import load_model
 from executor_svc.runtime.model_input import DecodeTables, ModelInput, prepare_input
+from executor_svc.runtime.sampled_ahead import SampledAhead
 from executor_svc.sample.constraints import GrammarConstraints
 from executor_svc.sample.prompt_logprobs import ScoredRun, prompt_logprobs, score_rows
 from executor_svc.sample.sampler import Sampler, SamplerOutput
@@ -60,8 +61,11 @@ class LaunchedForward(NamedTuple):
     num_sampled: int
     runs: list[ScoredRun]
     logits: torch.Tensor
-    # time.perf_counter at the launch: the forward's milliseconds count from here.
+    # time.perf_counter at the launch: the forward's milliseconds count from here, or from when the step before it
+    # was waited for, if later (it was launched behind that one).
     started: float
+    # Its tokens, sampled on the device at launch (None: ``finish`` samples them).
+    ahead: SampledAhead | None = None
 
 
 class ModelRunner:
@@ -91,6 +95,7 @@ class ModelRunner:
         self.draft = build_draft(options, Path(folder), self.model, self.backend, self.device, self.dtype, known,
                                  self.max_model_len)
         self.graphs = None  # before the CUDA memory profile, whose forward runs eagerly
+        self._waited_at = 0.0  # time.perf_counter when ``finish`` last waited for the device
         self.num_blocks = self._allocate_kv_cache()
         self.kernels = ALL_C
         if on_cpu:
@@ -171,9 +176,12 @@ class ModelRunner:
         return num_blocks
 
     @torch.inference_mode()
-    def execute(self, model_input: ModelInput) -> torch.Tensor:
-        """Forward pass on this rank; logits [sampled rows, vocab] (identical on every rank)."""
-        inp = model_input.to(self.device)
+    def execute(self, model_input: ModelInput, behind: SampledAhead | None = None) -> torch.Tensor:
+        """Forward pass on this rank; logits [sampled rows, vocab] (identical on every rank). ``behind``: the tokens
+        of the step still on the device before it, which its pending rows take there."""
+        inp = model_input.to(self.device, pinned=behind is not None)
+        if behind is not None:
+            model_input.fill_pending_from(inp.input_ids, behind.on_device)
         if model_input.lora_ids is not None:
             return self._execute_with_adapters(inp)
         hidden = self.graphs.run(inp) if self.graphs is not None and not inp.meta.is_prefill else None
@@ -205,17 +213,28 @@ class ModelRunner:
         return PreparedInput(prepare_input(chunks, self.block_size, rows, self.tables), runs)
 
     def launch(self, chunks: list[ScheduledChunk], prepared: PreparedInput | None = None,
-               sampled_before: list[int] | None = None) -> LaunchedForward:
+               sampled_before: list[int] | None = None, behind: LaunchedForward | None = None) -> LaunchedForward:
         """Rank 0: the forward pass started (on a GPU it is queued, not waited for); the step before's tokens are
-        recorded, or given as ``sampled_before`` (``ModelInput.fill_pending``)."""
+        recorded, or given as ``sampled_before`` (``ModelInput.fill_pending``), or taken on the device from
+        ``behind``, that step still there, which ``samples_ahead``."""
         started = time.perf_counter()
         if prepared is None and self.draft is not None:
             self.draft.propose(chunks, self.block_size, self.device)
         model_input, runs = prepared or self.prepare(chunks)
-        model_input.fill_pending(sampled_before)
+        if behind is None:
+            model_input.fill_pending(sampled_before)
         if tp_size() > 1:
             broadcast_object(model_input)
-        return LaunchedForward(chunks, model_input.num_sampled, runs, self.execute(model_input), started)
+        logits = self.execute(model_input) if behind is None else self.execute(model_input, behind.ahead)
+        ahead = SampledAhead.take(logits) if self.samples_on_device(model_input, runs) else None
+        return LaunchedForward(chunks, model_input.num_sampled, runs, logits, started, ahead)
+
+    def samples_on_device(self, model_input: ModelInput, runs: list[ScoredRun]) -> bool:
+        """Whether a step's tokens are taken on the device at its launch (``SampledAhead``): a decode step that
+        ``launches_async``, whose sampled rows all take the argmax, on one rank without a draft model (whose
+        proposals, and the other ranks' inputs, are made on the host from the tokens recorded)."""
+        return (model_input.greedy_only and not runs and self.draft is None and tp_size() == 1
+                and self.launches_async(model_input))
 
     def launches_async(self, model_input: ModelInput) -> bool:
         """Whether ``launch`` only queues this forward pass: a decode step on CUDA with captured graphs, whose
@@ -226,9 +245,14 @@ class ModelRunner:
     def finish(self, launched: LaunchedForward) -> tuple[SamplerOutput, list[PromptLogprobs], float, float]:
         """Rank 0: wait for a launched forward pass and sample; returns the sampler output, the prompt logprobs
         asked for, and the forward and sample milliseconds."""
+        began = max(launched.started, self._waited_at)
+        if launched.ahead is not None:
+            token_ids = launched.ahead.token_ids()
+            t1 = self._waited_at = time.perf_counter()
+            return SamplerOutput(token_ids, []), [], (t1 - began) * 1e3, 0.0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        t1 = time.perf_counter()
+        t1 = self._waited_at = time.perf_counter()
         logits, runs, num_sampled = launched.logits, launched.runs, launched.num_sampled
         scored = prompt_logprobs(logits[num_sampled:], runs) if runs else []
         logits = logits[:num_sampled]
@@ -245,7 +269,7 @@ class ModelRunner:
             if constrained:
                 self.constraints.advance(states, constrained, output.token_ids)
         t2 = time.perf_counter()
-        return output, scored, (t1 - launched.started) * 1e3, (t2 - t1) * 1e3
+        return output, scored, (t1 - began) * 1e3, (t2 - t1) * 1e3
 
     def stop_workers(self) -> None:
         """Rank 0: release the other ranks from their step loop."""

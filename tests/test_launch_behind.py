@@ -1,0 +1,136 @@
+"""A greedy decode step's tokens taken on the device at launch, and the next step launched behind it before the host
+waits: the device goes from step to step without the host in between, and every token stays the same."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from common.step import CachedRequests, NewRequest, SamplingSettings, StepPlan, StepResult
+from executor_svc.fakes.simulated import parse_args, simulated_executor
+from executor_svc.runtime.model_executor import ModelExecutor
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.engine.engine import Engine
+from tests.model_fixtures import tiny_model_folders  # noqa: F401
+from tests.test_executor_halves import PROMPTS, tiny
+from tests.test_model_parity import random_prompts
+
+GREEDY = SamplingSettings(temperature=0.0)
+SAMPLED = SamplingSettings(temperature=1.0, seed=7)
+
+
+def prefill(sampling: dict[int, SamplingSettings]) -> StepPlan:
+    new = [NewRequest(request_id=rid, token_ids=tokens, sampling=sampling[rid],
+                      block_table=[rid * 4 + i for i in range(4)], num_scheduled_tokens=len(tokens))
+           for rid, tokens in PROMPTS.items()]
+    return StepPlan(step_id=1, is_prefill=True, new_requests=new)
+
+
+def decode(step_id: int, after: int, rids: tuple[int, ...] = (1, 2)) -> StepPlan:
+    """A decode step of ``rids`` once ``after`` tokens have been sampled for each."""
+    cached = CachedRequests(request_ids=list(rids), num_computed_tokens=[len(PROMPTS[r]) + after - 1 for r in rids],
+                            num_scheduled_tokens=[1] * len(rids), num_new_blocks=[0] * len(rids))
+    return StepPlan(step_id=step_id, cached_requests=cached)
+
+
+def plans(sampling: dict[int, SamplingSettings]) -> list[StepPlan]:
+    # The fourth decodes request 1 alone, so the fifth takes its tokens by index, not whole and in order.
+    return [prefill(sampling), decode(2, 1), decode(3, 2), decode(4, 3, rids=(1,)), decode(5, 4, rids=(1,))]
+
+
+def as_on_a_gpu(executor: ModelExecutor) -> list[bool]:
+    """Every decode step of ``executor`` (on the CPU) launched as if it only queued work; returns, per launch,
+    whether it was launched behind a step not waited for yet."""
+    executor.runner.launches_async = lambda model_input: not model_input.meta.is_prefill
+    launch, launched_behind = executor.launch, []
+
+    def noting(chunks, inputs=None, sampled_before=None, behind=None):
+        launched_behind.append(behind is not None)
+        return launch(chunks, inputs, sampled_before, behind)
+
+    executor.launch = noting
+    return launched_behind
+
+
+def tokens(results: list[StepResult]) -> list[list[int]]:
+    return [list(r.token_ids) for r in results]
+
+
+def run_ahead(executor: ModelExecutor, sent: list[StepPlan]) -> list[StepResult]:
+    """Every plan prepared before any step runs, as a step stream's reader thread may, then executed in turn."""
+    prepared = [executor.prepare(plan) for plan in sent]
+    return [executor.execute(step) for step in prepared]
+
+
+def test_greedy_decode_steps_are_launched_behind_the_step_before_with_the_same_tokens(
+    tiny_model_folders: dict[str, Path],  # noqa: F811
+) -> None:
+    greedy = {1: GREEDY, 2: GREEDY}
+    in_turn = tiny(tiny_model_folders["llama"])
+    expected = [in_turn.step(plan) for plan in plans(greedy)]
+    executor = tiny(tiny_model_folders["llama"])
+    behind = as_on_a_gpu(executor)
+    results = run_ahead(executor, plans(greedy))
+    assert tokens(results) == tokens(expected)
+    # The prefill samples on the host; the first decode is launched from its tokens once they are back; each decode
+    # after it is launched behind the decode before, whose tokens it takes where they were sampled.
+    assert behind == [False, False, True, True, True]
+    held = executor.table.requests
+    assert {rid: held[rid].token_ids for rid in held} == {rid: in_turn.table.requests[rid].token_ids for rid in held}
+
+
+def test_a_step_with_a_row_that_draws_is_waited_for_before_the_next_launches(
+    tiny_model_folders: dict[str, Path],  # noqa: F811
+) -> None:
+    mixed = {1: GREEDY, 2: SAMPLED}  # request 2's draw is the sampler's, on the host
+    in_turn = tiny(tiny_model_folders["llama"])
+    expected = [in_turn.step(plan) for plan in plans(mixed)]
+    executor = tiny(tiny_model_folders["llama"])
+    behind = as_on_a_gpu(executor)
+    results = run_ahead(executor, plans(mixed))
+    assert tokens(results) == tokens(expected)
+    # Request 1 alone from the fourth step on: the greedy fourth step has the fifth launched behind it.
+    assert behind == [False, False, False, False, True]
+
+
+def test_an_engine_with_steps_launched_behind_keeps_every_token_and_frees_every_block(
+    tiny_model_folders: dict[str, Path],  # noqa: F811
+) -> None:
+    prompts = random_prompts(6)
+    params = [SamplingParams(temperature=0.0, max_tokens=10 + i, ignore_eos=True) for i in range(len(prompts))]
+    in_turn = Engine(tiny(tiny_model_folders["qwen2"])).generate(prompts, params)
+    executor = tiny(tiny_model_folders["qwen2"])
+    executor.prepares_ahead = True  # as on a GPU, where the CPU waits for the device
+    behind = as_on_a_gpu(executor)
+    engine = Engine(executor, overlap=True, plans_ahead=2)
+    overlapped = engine.generate(prompts, params)
+    assert [c.token_ids for c in overlapped] == [c.token_ids for c in in_turn]
+    assert sum(behind) > 0, "some decode step was launched behind the one before"
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+
+
+def simulated_steps(sampling: SamplingSettings, host_late_s: float) -> list[tuple[float, float]]:
+    """Two decode steps on the simulated device, the host waking ``host_late_s`` after the first ends; each step's
+    time on the device (start, end)."""
+    simulated = simulated_executor(parse_args(["--step-ms", "5", "--num-blocks", "64", "--block-size", "8",
+                                               "--vocab-size", "500", "--eos-token-ids", "0"]))
+    simulated.step(prefill({1: sampling, 2: sampling}))
+    first, second = simulated.prepare(decode(2, 1)), simulated.prepare(decode(3, 2))
+    finish, on_device = simulated.finish, []
+
+    def late(launched):
+        time.sleep(max(0.0, launched.done_at - time.perf_counter()) + host_late_s)
+        on_device.append((launched.done_at - simulated.step_s, launched.done_at))
+        return finish(launched)
+
+    simulated.finish = late
+    simulated.execute(first)
+    simulated.execute(second)
+    return on_device
+
+
+def test_on_the_simulated_device_a_greedy_step_runs_right_after_the_one_before_however_late_the_host():
+    (_, first_end), (second_start, _) = simulated_steps(GREEDY, host_late_s=0.003)
+    assert second_start == first_end
+    (_, first_end), (second_start, _) = simulated_steps(SAMPLED, host_late_s=0.003)
+    assert second_start >= first_end + 0.003, "a drawn step's tokens come from the host: the device waits for it"
