@@ -134,3 +134,31 @@ def test_on_the_simulated_device_a_greedy_step_runs_right_after_the_one_before_h
     assert second_start == first_end
     (_, first_end), (second_start, _) = simulated_steps(SAMPLED, host_late_s=0.003)
     assert second_start >= first_end + 0.003, "a drawn step's tokens come from the host: the device waits for it"
+
+
+def test_a_step_prepared_while_the_one_before_is_waited_for_is_launched_from_its_tokens(
+    tiny_model_folders: dict[str, Path],  # noqa: F811
+) -> None:
+    """Not there to be launched behind the step before, it is launched as soon as that step's tokens are back, before
+    they are recorded, as without sampling on the device."""
+    greedy = {1: GREEDY, 2: GREEDY}
+    in_turn = tiny(tiny_model_folders["llama"])
+    expected = [in_turn.step(plan) for plan in plans(greedy)]
+    executor = tiny(tiny_model_folders["llama"])
+    launched_behind = as_on_a_gpu(executor)
+    sent, finish, prepared = plans(greedy), executor.finish, []
+
+    def finish_while_the_next_plan_is_prepared(launched: object) -> object:
+        if len(prepared) < len(sent):
+            prepared.append(executor.prepare(sent[len(prepared)]))  # as the reader thread does meanwhile
+        return finish(launched)
+
+    executor.finish = finish_while_the_next_plan_is_prepared
+    prepared.append(executor.prepare(sent[0]))
+    results, launched_ahead = [], []
+    for i in range(len(sent)):
+        results.append(executor.execute(prepared[i]))
+        launched_ahead.append(i + 1 < len(prepared) and prepared[i + 1].launched is not None)
+    assert tokens(results) == tokens(expected)
+    assert launched_ahead == [True] * (len(sent) - 1) + [False]
+    assert not any(launched_behind), "none was prepared when the step before it was launched"

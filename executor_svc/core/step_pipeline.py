@@ -270,11 +270,11 @@ class TableExecutor(Executor, ABC):
             launched, prepared.launched = prepared.launched, None  # its device buffers go once finished
             if launched is None:
                 launched = self.launch(prepared.chunks, prepared.inputs)
-            following = self._following(prepared)
-            if following is not None and self.fills_ahead(following.inputs) and self.samples_ahead(launched):
-                following.launched = self.launch(following.chunks, following.inputs, behind=launched)
-                following = None
+            queued = self._following(prepared)
+            if queued is not None and self.fills_ahead(queued.inputs) and self.samples_ahead(launched):
+                queued.launched = self.launch(queued.chunks, queued.inputs, behind=launched)
             output = self.finish(launched)
+            following = self._following(prepared)  # prepared meanwhile, or not launched behind it
             # After a verification a request's tokens are not one per chunk: the next step takes them recorded.
             if following is not None and self.fills_ahead(following.inputs) and not output.num_sampled_tokens:
                 following.launched = self.launch(following.chunks, following.inputs, output.token_ids)
