@@ -120,20 +120,26 @@ def test_a_step_run_is_let_go_of(tiny_model_folders: dict[str, Path]) -> None:  
     assert [ref() is None for ref in refs] == [True] * (len(refs) - 1) + [False], "only the last is still known"
 
 
-def test_an_in_process_engine_with_overlap_prepares_ahead_and_keeps_every_token(
-    tiny_model_folders: dict[str, Path],  # noqa: F811
-) -> None:
+def generate_with_overlap_as_in_turn(folder: Path, executor: ModelExecutor, plans_ahead: int = 1) -> None:
+    """Six greedy requests through an in-process engine with overlap on ``executor`` (an executor of ``folder``):
+    the tokens of one that runs each step in its turn, and every block free after."""
     prompts = random_prompts(6)
     params = [SamplingParams(temperature=0.0, max_tokens=10 + i, ignore_eos=True) for i in range(len(prompts))]
-    in_turn = Engine(tiny(tiny_model_folders["qwen2"])).generate(prompts, params)
-    executor = tiny(tiny_model_folders["qwen2"])
-    assert not executor.prepares_ahead, "on the CPU the forward has every core: nothing runs beside it"
+    in_turn = Engine(tiny(folder)).generate(prompts, params)
     executor.prepares_ahead = True  # as on a GPU, where the CPU waits for the device
-    executor.launches_ahead = lambda inputs: True  # and a launch only queues the forward pass
-    engine = Engine(executor, overlap=True)
+    engine = Engine(executor, overlap=True, plans_ahead=plans_ahead)
     overlapped = engine.generate(prompts, params)
     assert [c.token_ids for c in overlapped] == [c.token_ids for c in in_turn]
     assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+
+
+def test_an_in_process_engine_with_overlap_prepares_ahead_and_keeps_every_token(
+    tiny_model_folders: dict[str, Path],  # noqa: F811
+) -> None:
+    executor = tiny(tiny_model_folders["qwen2"])
+    assert not executor.prepares_ahead, "on the CPU the forward has every core: nothing runs beside it"
+    executor.launches_ahead = lambda inputs: True  # and a launch only queues the forward pass
+    generate_with_overlap_as_in_turn(tiny_model_folders["qwen2"], executor)
 
 
 def test_a_multi_step_decode_that_does_not_start_at_the_last_token_is_refused(

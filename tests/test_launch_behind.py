@@ -9,11 +9,8 @@ from pathlib import Path
 from common.step import CachedRequests, NewRequest, SamplingSettings, StepPlan, StepResult
 from executor_svc.fakes.simulated import parse_args, simulated_executor
 from executor_svc.runtime.model_executor import ModelExecutor
-from scheduler_svc.core.sampling import SamplingParams
-from scheduler_svc.engine.engine import Engine
 from tests.model_fixtures import tiny_model_folders  # noqa: F401
-from tests.test_executor_halves import PROMPTS, tiny
-from tests.test_model_parity import random_prompts
+from tests.test_executor_halves import PROMPTS, generate_with_overlap_as_in_turn, tiny
 
 GREEDY = SamplingSettings(temperature=0.0)
 SAMPLED = SamplingSettings(temperature=1.0, seed=7)
@@ -56,57 +53,45 @@ def tokens(results: list[StepResult]) -> list[list[int]]:
     return [list(r.token_ids) for r in results]
 
 
-def run_ahead(executor: ModelExecutor, sent: list[StepPlan]) -> list[StepResult]:
-    """Every plan prepared before any step runs, as a step stream's reader thread may, then executed in turn."""
-    prepared = [executor.prepare(plan) for plan in sent]
-    return [executor.execute(step) for step in prepared]
+def run_ahead_and_in_turn(folder: Path, sampling: dict[int, SamplingSettings]) -> list[bool]:
+    """``plans(sampling)`` on an executor whose decode launches only queue work, every plan prepared before any step
+    runs (as a step stream's reader thread may), then executed in turn: the tokens and the table of one that runs
+    each plan in its turn; returns, per launch, whether it was launched behind the step before."""
+    in_turn = tiny(folder)
+    expected = [in_turn.step(plan) for plan in plans(sampling)]
+    executor = tiny(folder)
+    launched_behind = as_on_a_gpu(executor)
+    prepared = [executor.prepare(plan) for plan in plans(sampling)]
+    assert tokens([executor.execute(step) for step in prepared]) == tokens(expected)
+    held = executor.table.requests
+    assert {rid: held[rid].token_ids for rid in held} == {rid: in_turn.table.requests[rid].token_ids for rid in held}
+    return launched_behind
 
 
 def test_greedy_decode_steps_are_launched_behind_the_step_before_with_the_same_tokens(
     tiny_model_folders: dict[str, Path],  # noqa: F811
 ) -> None:
-    greedy = {1: GREEDY, 2: GREEDY}
-    in_turn = tiny(tiny_model_folders["llama"])
-    expected = [in_turn.step(plan) for plan in plans(greedy)]
-    executor = tiny(tiny_model_folders["llama"])
-    behind = as_on_a_gpu(executor)
-    results = run_ahead(executor, plans(greedy))
-    assert tokens(results) == tokens(expected)
+    behind = run_ahead_and_in_turn(tiny_model_folders["llama"], {1: GREEDY, 2: GREEDY})
     # The prefill samples on the host; the first decode is launched from its tokens once they are back; each decode
     # after it is launched behind the decode before, whose tokens it takes where they were sampled.
     assert behind == [False, False, True, True, True]
-    held = executor.table.requests
-    assert {rid: held[rid].token_ids for rid in held} == {rid: in_turn.table.requests[rid].token_ids for rid in held}
 
 
 def test_a_step_with_a_row_that_draws_is_waited_for_before_the_next_launches(
     tiny_model_folders: dict[str, Path],  # noqa: F811
 ) -> None:
-    mixed = {1: GREEDY, 2: SAMPLED}  # request 2's draw is the sampler's, on the host
-    in_turn = tiny(tiny_model_folders["llama"])
-    expected = [in_turn.step(plan) for plan in plans(mixed)]
-    executor = tiny(tiny_model_folders["llama"])
-    behind = as_on_a_gpu(executor)
-    results = run_ahead(executor, plans(mixed))
-    assert tokens(results) == tokens(expected)
-    # Request 1 alone from the fourth step on: the greedy fourth step has the fifth launched behind it.
-    assert behind == [False, False, False, False, True]
+    # Request 2's draw is the sampler's, on the host. Request 1 alone from the fourth step on: the greedy fourth step
+    # has the fifth launched behind it.
+    assert run_ahead_and_in_turn(tiny_model_folders["llama"], {1: GREEDY, 2: SAMPLED}) == [False] * 4 + [True]
 
 
 def test_an_engine_with_steps_launched_behind_keeps_every_token_and_frees_every_block(
     tiny_model_folders: dict[str, Path],  # noqa: F811
 ) -> None:
-    prompts = random_prompts(6)
-    params = [SamplingParams(temperature=0.0, max_tokens=10 + i, ignore_eos=True) for i in range(len(prompts))]
-    in_turn = Engine(tiny(tiny_model_folders["qwen2"])).generate(prompts, params)
     executor = tiny(tiny_model_folders["qwen2"])
-    executor.prepares_ahead = True  # as on a GPU, where the CPU waits for the device
     behind = as_on_a_gpu(executor)
-    engine = Engine(executor, overlap=True, plans_ahead=2)
-    overlapped = engine.generate(prompts, params)
-    assert [c.token_ids for c in overlapped] == [c.token_ids for c in in_turn]
+    generate_with_overlap_as_in_turn(tiny_model_folders["qwen2"], executor, plans_ahead=2)
     assert sum(behind) > 0, "some decode step was launched behind the one before"
-    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
 
 
 def simulated_steps(sampling: SamplingSettings, host_late_s: float) -> list[tuple[float, float]]:
