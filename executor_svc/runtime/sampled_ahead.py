@@ -34,7 +34,7 @@ class SampledAhead:
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(tokens.device))  # the tokens' device, whichever is current
         return cls(tokens, host, ready)
 
     def token_ids(self) -> list[int]:
