@@ -1,10 +1,12 @@
-"""A greedy decode step's tokens taken on the device at launch, and the next step launched behind it before the host
-waits: the device goes from step to step without the host in between, and every token stays the same."""
+"""A decode step's tokens taken on the device at launch, and the next step launched behind it before the host waits:
+the device goes from step to step without the host in between, and every token stays the same."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+
+import pytest
 
 from common.step import CachedRequests, NewRequest, SamplingSettings, StepPlan, StepResult
 from executor_svc.fakes.simulated import parse_args, simulated_executor
@@ -13,7 +15,11 @@ from tests.model_fixtures import tiny_model_folders  # noqa: F401
 from tests.test_executor_halves import PROMPTS, generate_with_overlap_as_in_turn, tiny
 
 GREEDY = SamplingSettings(temperature=0.0)
-SAMPLED = SamplingSettings(temperature=1.0, seed=7)
+SEEDED = SamplingSettings(temperature=1.0, top_k=20, seed=7)
+UNSEEDED = SamplingSettings(temperature=0.8, min_p=0.05)  # drawn from the sampler's own generator
+# Each needs the host: the penalty the tokens recorded, the logprobs a read of the logits.
+PENALIZED = SamplingSettings(temperature=0.0, repetition_penalty=1.3)
+WITH_LOGPROBS = SamplingSettings(temperature=0.0, num_logprobs=2)
 
 
 def prefill(sampling: dict[int, SamplingSettings]) -> StepPlan:
@@ -57,9 +63,9 @@ def run_ahead_and_in_turn(folder: Path, sampling: dict[int, SamplingSettings]) -
     """``plans(sampling)`` on an executor whose decode launches only queue work, every plan prepared before any step
     runs (as a step stream's reader thread may), then executed in turn: the tokens and the table of one that runs
     each plan in its turn; returns, per launch, whether it was launched behind the step before."""
-    in_turn = tiny(folder)
+    in_turn, executor = tiny(folder), tiny(folder)
+    in_turn.runner.sampler.seed = executor.runner.sampler.seed = 0  # unseeded rows: the same generator in both
     expected = [in_turn.step(plan) for plan in plans(sampling)]
-    executor = tiny(folder)
     launched_behind = as_on_a_gpu(executor)
     prepared = [executor.prepare(plan) for plan in plans(sampling)]
     assert tokens([executor.execute(step) for step in prepared]) == tokens(expected)
@@ -77,12 +83,21 @@ def test_greedy_decode_steps_are_launched_behind_the_step_before_with_the_same_t
     assert behind == [False, False, True, True, True]
 
 
-def test_a_step_with_a_row_that_draws_is_waited_for_before_the_next_launches(
+def test_steps_that_draw_are_launched_behind_the_step_before_with_the_same_draws(
     tiny_model_folders: dict[str, Path],  # noqa: F811
 ) -> None:
-    # Request 2's draw is the sampler's, on the host. Request 1 alone from the fourth step on: the greedy fourth step
-    # has the fifth launched behind it.
-    assert run_ahead_and_in_turn(tiny_model_folders["llama"], {1: GREEDY, 2: SAMPLED}) == [False] * 4 + [True]
+    """A seeded row's draw depends on its seed and position only; an unseeded one's on the sampler's generator, which
+    the draws queued at each launch take in the order the host's would."""
+    assert run_ahead_and_in_turn(tiny_model_folders["llama"], {1: UNSEEDED, 2: SEEDED}) == [False, False, True, True,
+                                                                                             True]
+
+
+@pytest.mark.parametrize("host_row", [PENALIZED, WITH_LOGPROBS], ids=["penalty", "logprobs"])
+def test_a_step_with_a_row_that_needs_the_host_is_waited_for_before_the_next_launches(
+    tiny_model_folders: dict[str, Path], host_row: SamplingSettings,  # noqa: F811
+) -> None:
+    # Request 1 alone from the fourth step on: the greedy fourth step has the fifth launched behind it.
+    assert run_ahead_and_in_turn(tiny_model_folders["llama"], {1: GREEDY, 2: host_row}) == [False] * 4 + [True]
 
 
 def test_an_engine_with_steps_launched_behind_keeps_every_token_and_frees_every_block(
@@ -114,11 +129,11 @@ def simulated_steps(sampling: SamplingSettings, host_late_s: float) -> list[tupl
     return on_device
 
 
-def test_on_the_simulated_device_a_greedy_step_runs_right_after_the_one_before_however_late_the_host():
+def test_on_the_simulated_device_a_step_sampled_there_runs_right_after_the_one_before_however_late_the_host():
     (_, first_end), (second_start, _) = simulated_steps(GREEDY, host_late_s=0.003)
     assert second_start == first_end
-    (_, first_end), (second_start, _) = simulated_steps(SAMPLED, host_late_s=0.003)
-    assert second_start >= first_end + 0.003, "a drawn step's tokens come from the host: the device waits for it"
+    (_, first_end), (second_start, _) = simulated_steps(PENALIZED, host_late_s=0.003)
+    assert second_start >= first_end + 0.003, "a penalised step's tokens come from the host: the device waits for it"
 
 
 def test_a_step_prepared_while_the_one_before_is_waited_for_is_launched_from_its_tokens(

@@ -75,8 +75,8 @@ class Launched:
     done_at: float
     # Every chunk samples (a decode step), as ``ModelExecutor.finish`` looks: no walk over the chunks for the tokens.
     every_chunk_samples: bool
-    # Its tokens taken on the device at launch, as ``ModelRunner`` takes a decode step's that only takes the argmax
-    # (``ModelInput.greedy_only``): the step after it is launched behind it.
+    # Its tokens taken on the device at launch, as ``ModelRunner`` takes a decode step's whose sampling needs nothing
+    # of the host (``ModelInput.samples_on_device``): the step after it is launched behind it.
     sampled_ahead: bool = False
 
 
@@ -116,7 +116,7 @@ class SimulatedExecutor(TableExecutor):
         inputs.fill_pending(sampled_before if behind is None else [self.token_id] * len(behind.chunks))
         every = inputs.num_sampled == len(chunks)
         begins = time.perf_counter() if behind is None else max(time.perf_counter(), behind.done_at)
-        return Launched(chunks, started, begins + self.step_s, every, inputs.greedy_only)
+        return Launched(chunks, started, begins + self.step_s, every, inputs.samples_on_device)
 
     def finish(self, launched: Launched) -> StepResult:
         """``ModelRunner.finish`` and ``ModelExecutor.finish``: the wait for the device, then its tokens."""

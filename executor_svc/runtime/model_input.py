@@ -40,9 +40,10 @@ class ModelInput:
     linked_in_order: bool = False
     # Each row's adapter id (0: the base model), in packed order; None when no row has one (``executor_svc/lora``).
     lora_ids: torch.Tensor | None = None
-    # A decode step whose every row samples and takes the argmax, nothing else (plain greedy, no grammar): a device
-    # can sample it at launch and launch the step after it behind it (``TableExecutor.samples_ahead``).
-    greedy_only: bool = False
+    # A decode step whose every row samples, without logprobs, logits processors or a grammar (each needs the host:
+    # the tokens recorded, or logprobs read): a device can sample it at launch and launch the step after it behind it
+    # (``TableExecutor.samples_ahead``).
+    samples_on_device: bool = False
     # ``len(logits_indices)``, counted when packed: a cold tensor's ``len`` is slow after a wait.
     num_sampled: int = field(init=False)
 
@@ -310,11 +311,11 @@ def _decode_input(chunks: list[ScheduledChunk], block_size: int, tables: DecodeT
     samples = np.flatnonzero(np.fromiter(sampled, np.bool_, count=n))
     meta = AttentionMetadata(False, torch.from_numpy(slots), block_tables,
                              context_lens=torch.from_numpy((starts + 1).astype(np.int32)))
-    greedy_only = all(sampled) and all(c.state.sampling.plain_greedy and c.state.sampling.grammar is None
-                                       for c in chunks)
+    on_device = all(sampled) and all(settings.num_logprobs is None and not settings.has_logits_processors
+                                     and settings.grammar is None for settings in (c.state.sampling for c in chunks))
     return ModelInput(torch.tensor(token_ids, dtype=torch.int64), torch.from_numpy(starts), meta,
                       torch.from_numpy(samples), torch.empty(0, dtype=torch.int64), pending,
-                      lora_ids=_lora_ids(chunks), greedy_only=greedy_only)
+                      lora_ids=_lora_ids(chunks), samples_on_device=on_device)
 
 
 def _verification_input(chunks: list[ScheduledChunk], block_size: int) -> ModelInput | None:

@@ -226,14 +226,17 @@ class ModelRunner:
         if tp_size() > 1:
             broadcast_object(model_input)
         logits = self.execute(model_input) if behind is None else self.execute(model_input, behind.ahead)
-        ahead = SampledAhead.take(logits) if self.samples_on_device(model_input, runs) else None
+        ahead = None
+        if self.samples_on_device(model_input, runs):
+            rows, positions = [c.state.sampling for c in chunks], [c.end for c in chunks]
+            ahead = SampledAhead.of(self.sampler.token_tensor(logits.float(), rows, positions))
         return LaunchedForward(chunks, model_input.num_sampled, runs, logits, started, ahead)
 
     def samples_on_device(self, model_input: ModelInput, runs: list[ScoredRun]) -> bool:
         """Whether a step's tokens are taken on the device at its launch (``SampledAhead``): a decode step that
-        ``launches_async``, whose sampled rows all take the argmax, on one rank without a draft model (whose
-        proposals, and the other ranks' inputs, are made on the host from the tokens recorded)."""
-        return (model_input.greedy_only and not runs and self.draft is None and tp_size() == 1
+        ``launches_async`` and ``ModelInput.samples_on_device``, on one rank without a draft model (whose proposals,
+        and the other ranks' inputs, are made on the host from the tokens recorded)."""
+        return (model_input.samples_on_device and not runs and self.draft is None and tp_size() == 1
                 and self.launches_async(model_input))
 
     def launches_async(self, model_input: ModelInput) -> bool:

@@ -1,12 +1,13 @@
-"""A decode step's greedy tokens taken on the device at its launch, so the step after it can be launched behind it.
+"""A decode step's tokens taken on the device at its launch, so the step after it can be launched behind it.
 
-Once every sampled row of a step only takes the argmax (``ModelInput.greedy_only``), nothing of its sampling needs
-the host: the argmax is queued right after the forward, the tokens are copied to page-locked host memory without a
-wait, and an event marks when they are there. The next step's input takes them on the device
-(``ModelInput.fill_pending_from``), so it is queued before this step's tokens reach the host and the device goes
-from one step to the next without waiting for the host to wake, read the tokens and launch (vLLM's async
-scheduling, SGLang's overlap scheduler). ``finish`` waits for this step's event alone, not for the step queued
-behind it.
+Once no row of a step asks for logprobs, logits processors or a grammar (``ModelInput.samples_on_device``), nothing
+of its sampling needs the host: the sampler's argmax or draw (``Sampler.token_tensor``) is queued right after the
+forward, the tokens are copied to page-locked host memory without a wait, and an event marks when they are there.
+The next step's input takes them on the device (``ModelInput.fill_pending_from``), so it is queued before this
+step's tokens reach the host and the device goes from one step to the next without waiting for the host to wake,
+read the tokens and launch (vLLM's async scheduling, SGLang's overlap scheduler). ``finish`` waits for this step's
+event alone, not for the step queued behind it. A top-p row whose nucleus may be wider than the sampler's window is
+the one exception: checking that waits for the device (``sampler.rank_and_mask``), and its launch with it.
 """
 
 from __future__ import annotations
@@ -25,10 +26,8 @@ class SampledAhead:
     ready: torch.cuda.Event | None
 
     @classmethod
-    def take(cls, logits: torch.Tensor) -> SampledAhead:
-        """Each row's argmax, ties to the lowest id, as ``sampler.greedy_tokens`` takes it on a GPU (in float32,
-        to which bfloat16 widens exactly); queued, not waited for, on a GPU."""
-        tokens = logits.float().argmax(dim=-1)
+    def of(cls, tokens: torch.Tensor) -> SampledAhead:
+        """``tokens`` (a step's, as the sampler queued them) and their copy to the host, queued too on a GPU."""
         if not tokens.is_cuda:
             return cls(tokens, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

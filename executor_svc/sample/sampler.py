@@ -62,6 +62,13 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return logits.float().argmax(dim=-1).tolist()
 
 
+def small_tensor(values: list, device: torch.device) -> torch.Tensor:
+    """A step's few per-row values on ``device``: to a GPU through page-locked memory, so that the copy does not wait
+    for the work queued before it (a copy from pageable memory waits for the stream first)."""
+    tensor = torch.tensor(values)
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
+
+
 def seeded_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
     """The generator of a seeded request's draw at ``position``; it depends on nothing else."""
     return torch.Generator(device=device).manual_seed(xxhash.xxh64_intdigest(position.to_bytes(8, "little"), seed))
@@ -93,18 +100,25 @@ class Sampler:
         raw = logits = logits.float()
         if any(row.has_logits_processors for row in rows):
             logits = apply_logits_processors(raw, rows, requests, self.eos_token_ids)
+        token_ids = self.token_tensor(logits, rows, positions)
+        return SamplerOutput(token_ids.tolist(), token_logprobs(raw, token_ids, rows))
+
+    def token_tensor(self, logits: torch.Tensor, rows: Sequence[SamplingSettings],
+                     positions: Sequence[int]) -> torch.Tensor:
+        """Each row's token, where ``logits`` are (float32, its processors applied): the argmax of a greedy row, a
+        draw for the others. On a GPU nothing waits for the device, but for a top-p row's check of its window
+        (``rank_and_mask``): a step's tokens can be taken at its launch (``runtime/sampled_ahead.py``)."""
         sampled = [i for i, row in enumerate(rows) if not row.greedy]
         if len(sampled) == len(rows):
-            token_ids = self.draw(logits, rows, list(positions))
-        else:
-            token_ids = logits.argmax(dim=-1)
-            if sampled:
-                index = torch.tensor(sampled, device=logits.device)
-                drawn = self.draw(
-                    logits.index_select(0, index), [rows[i] for i in sampled], [positions[i] for i in sampled]
-                )
-                token_ids.index_copy_(0, index, drawn)
-        return SamplerOutput(token_ids.tolist(), token_logprobs(raw, token_ids, rows))
+            return self.draw(logits, rows, list(positions))
+        token_ids = logits.argmax(dim=-1)
+        if sampled:
+            index = small_tensor(sampled, logits.device)
+            drawn = self.draw(
+                logits.index_select(0, index), [rows[i] for i in sampled], [positions[i] for i in sampled]
+            )
+            token_ids.index_copy_(0, index, drawn)
+        return token_ids
 
     def draw(self, logits: torch.Tensor, rows: Sequence[SamplingSettings], positions: list[int]) -> torch.Tensor:
         """One token per row: the exponential race over the filtered probabilities."""
@@ -131,7 +145,7 @@ class Sampler:
         if len(unseeded) == len(rows):
             noise.exponential_(generator=self.global_generator(probs.device))
         elif unseeded:
-            index = torch.tensor(unseeded, device=probs.device)
+            index = small_tensor(unseeded, probs.device)
             draws = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
             noise.index_copy_(0, index, draws.exponential_(generator=self.global_generator(probs.device)))
         for i, (row, position) in enumerate(zip(rows, positions, strict=True)):
@@ -145,7 +159,7 @@ def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingSettings]) -> to
     """Probabilities after temperature, top-k, top-p and min-p; filtered tokens get exactly 0."""
     device = logits.device
     vocab = logits.shape[1]
-    logits = logits / torch.tensor([row.temperature for row in rows], device=device).unsqueeze(1)
+    logits = logits / small_tensor([row.temperature for row in rows], device).unsqueeze(1)
     ranked = [i for i, row in enumerate(rows) if 0 < row.top_k < vocab or row.top_p < 1.0]
     if ranked:
         top_k = [rows[i].top_k if 0 < rows[i].top_k < vocab else vocab for i in ranked]
@@ -154,14 +168,14 @@ def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingSettings]) -> to
         if len(ranked) == len(rows):
             logits = top_k_top_p(logits, top_k, top_p)
         else:
-            index = torch.tensor(ranked, device=device)
+            index = small_tensor(ranked, device)
             logits.index_copy_(0, index, top_k_top_p(logits.index_select(0, index), top_k, top_p))
     # Above 1 min-p would drop even the best token.
     min_p = [min(row.min_p, 1.0) for row in rows]
     if any(m > 0 for m in min_p):
         # Masking logits and taking one softmax after leaves rows without min-p bit-identical to a batch without it.
         probs = logits.softmax(dim=-1)
-        threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        threshold = small_tensor(min_p, device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
         logits.masked_fill_(probs < threshold, float("-inf"))
     return logits.softmax(dim=-1)
 
@@ -188,8 +202,8 @@ def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
 def rank_and_mask(logits: torch.Tensor, width: int, top_k: list[int], top_p: list[float]) -> torch.Tensor | None:
     """``top_k_top_p`` ranking only the best ``width`` tokens; None when some row may keep more than those."""
     device, vocab = logits.device, logits.shape[1]
-    k = torch.tensor(top_k, device=device).unsqueeze(1)
-    p = torch.tensor(top_p, device=device).unsqueeze(1)
+    k = small_tensor(top_k, device).unsqueeze(1)
+    p = small_tensor(top_p, device).unsqueeze(1)
     if width < vocab:
         ordered, order = logits.topk(width, dim=-1)
     else:
