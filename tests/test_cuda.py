@@ -93,3 +93,21 @@ def test_greedy_steps_launched_behind_the_step_before_give_transformers_tokens(
     engine = Engine(executor, overlap=True, plans_ahead=2)
     assert [c.token_ids for c in engine.generate(random_prompts(7), params)] == expected
     assert any(launched_behind), "some decode step was launched behind the one before"
+
+
+def test_seeded_draws_launched_behind_the_step_before_are_the_draws_made_after_it(
+    tiny_model_folders: dict[str, Path],  # noqa: F811
+) -> None:
+    """Seeded rows drawn at launch, each step queued behind the one before, against the same rows drawn once each
+    step was waited for: the same tokens (float32, graphs)."""
+    folder = tiny_model_folders["qwen3"]
+    params = SamplingParams(temperature=1.0, top_k=50, seed=11, max_tokens=NEW_TOKENS, ignore_eos=True)
+    runs = []
+    for on_device in (False, True):
+        executor = ModelExecutor(ExecutorOptions(model=str(folder), device="cuda", dtype="float32",
+                                                 kv_cache_memory=256 << 20))
+        if not on_device:
+            executor.runner.samples_on_device = lambda model_input, runs: False
+        engine = Engine(executor, overlap=True, plans_ahead=2)
+        runs.append([c.token_ids for c in engine.generate(random_prompts(7), params)])
+    assert runs[0] == runs[1]
