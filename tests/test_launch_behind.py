@@ -29,16 +29,21 @@ def prefill(sampling: dict[int, SamplingSettings]) -> StepPlan:
     return StepPlan(step_id=1, is_prefill=True, new_requests=new)
 
 
-def decode(step_id: int, after: int, rids: tuple[int, ...] = (1, 2)) -> StepPlan:
-    """A decode step of ``rids`` once ``after`` tokens have been sampled for each."""
+def decode(step_id: int, after: int, rids: tuple[int, ...] = (1, 2), steps: int = 1) -> StepPlan:
+    """A decode step of ``rids`` once ``after`` tokens have been sampled for each (``steps`` passes)."""
     cached = CachedRequests(request_ids=list(rids), num_computed_tokens=[len(PROMPTS[r]) + after - 1 for r in rids],
-                            num_scheduled_tokens=[1] * len(rids), num_new_blocks=[0] * len(rids))
+                            num_scheduled_tokens=[1] * len(rids), num_new_blocks=[0] * len(rids),
+                            num_decode_steps=[steps] * len(rids) if steps > 1 else [])
     return StepPlan(step_id=step_id, cached_requests=cached)
 
 
 def plans(sampling: dict[int, SamplingSettings]) -> list[StepPlan]:
     # The fourth decodes request 1 alone, so the fifth takes its tokens by index, not whole and in order.
     return [prefill(sampling), decode(2, 1), decode(3, 2), decode(4, 3, rids=(1,)), decode(5, 4, rids=(1,))]
+
+
+def windows(sampling: dict[int, SamplingSettings]) -> list[StepPlan]:
+    return [prefill(sampling), decode(2, 1, steps=3), decode(3, 4), decode(4, 5, steps=2)]
 
 
 def as_on_a_gpu(executor: ModelExecutor) -> list[bool]:
@@ -59,15 +64,15 @@ def tokens(results: list[StepResult]) -> list[list[int]]:
     return [list(r.token_ids) for r in results]
 
 
-def run_ahead_and_in_turn(folder: Path, sampling: dict[int, SamplingSettings]) -> list[bool]:
-    """``plans(sampling)`` on an executor whose decode launches only queue work, every plan prepared before any step
+def run_ahead_and_in_turn(folder: Path, sampling: dict[int, SamplingSettings], sent=plans) -> list[bool]:
+    """``sent(sampling)`` on an executor whose decode launches only queue work, every plan prepared before any step
     runs (as a step stream's reader thread may), then executed in turn: the tokens and the table of one that runs
-    each plan in its turn; returns, per launch, whether it was launched behind the step before."""
+    each plan in its turn; returns, per launch, whether it was launched behind the step (or pass) before."""
     in_turn, executor = tiny(folder), tiny(folder)
     in_turn.runner.sampler.seed = executor.runner.sampler.seed = 0  # unseeded rows: the same generator in both
-    expected = [in_turn.step(plan) for plan in plans(sampling)]
+    expected = [in_turn.step(plan) for plan in sent(sampling)]
     launched_behind = as_on_a_gpu(executor)
-    prepared = [executor.prepare(plan) for plan in plans(sampling)]
+    prepared = [executor.prepare(plan) for plan in sent(sampling)]
     assert tokens([executor.execute(step) for step in prepared]) == tokens(expected)
     held = executor.table.requests
     assert {rid: held[rid].token_ids for rid in held} == {rid: in_turn.table.requests[rid].token_ids for rid in held}
@@ -90,6 +95,42 @@ def test_steps_that_draw_are_launched_behind_the_step_before_with_the_same_draws
     the draws queued at each launch take in the order the host's would."""
     assert run_ahead_and_in_turn(tiny_model_folders["llama"], {1: UNSEEDED, 2: SEEDED}) == [False, False, True, True,
                                                                                              True]
+
+
+@pytest.mark.parametrize("sampling", [{1: GREEDY, 2: GREEDY}, {1: UNSEEDED, 2: SEEDED}], ids=["greedy", "drawn"])
+def test_the_passes_of_a_multi_step_plan_are_launched_behind_each_other_with_the_same_tokens(
+    tiny_model_folders: dict[str, Path], sampling: dict[int, SamplingSettings],  # noqa: F811
+) -> None:
+    # A window's first pass is launched in its turn (its plan is applied then), its next passes behind it; the plan
+    # after a window is launched once the window's tokens are recorded.
+    behind = run_ahead_and_in_turn(tiny_model_folders["llama"], sampling, windows)
+    assert behind == [False, False, True, True, False, False, True]
+
+
+def test_a_cut_while_a_pass_is_queued_behind_the_one_waited_for_stops_after_the_queued_one(
+    tiny_model_folders: dict[str, Path],  # noqa: F811
+) -> None:
+    """CutStep stops a plan after the pass in progress: once a pass is queued behind the one waited for, that is the
+    queued one. The table then plans from its tokens, and the plan that follows them is taken."""
+    greedy = {1: GREEDY, 2: GREEDY}
+    uncut = tiny(tiny_model_folders["llama"])
+    whole = [uncut.step(plan) for plan in windows(greedy)[:2]][1]
+    executor = tiny(tiny_model_folders["llama"])
+    as_on_a_gpu(executor)
+    executor.step(windows(greedy)[0])
+    finish = executor.finish
+
+    def cut_during_the_first_wait(launched: object) -> object:
+        executor.cut(2)
+        executor.finish = finish
+        return finish(launched)
+
+    executor.finish = cut_during_the_first_wait
+    result = executor.step(decode(2, 1, steps=3))
+    assert result.num_passes == 2
+    # Two tokens of each request, as the whole plan's first two (its tokens come request after request).
+    assert list(result.token_ids) == [t for rid in range(2) for t in list(whole.token_ids)[rid * 3: rid * 3 + 2]]
+    assert executor.step(decode(3, 3)).token_ids, "the plan from after the two passes is taken"
 
 
 @pytest.mark.parametrize("host_row", [PENALIZED, WITH_LOGPROBS], ids=["penalty", "logprobs"])

@@ -89,8 +89,8 @@ def test_the_spin_lets_python_run_beside_it():
 
 @pytest.mark.parametrize("cut", [False, True], ids=["whole", "cut"])
 def test_a_multi_step_plan_launches_each_pass_from_the_one_before_and_stops_where_cut(cut):
-    """Eight passes on the simulated device, each launched from the tokens of the one before as soon as it is done,
-    before they are recorded; cut, the plan stops after its first pass and the next plan starts there."""
+    """Eight passes on the simulated device, each launched behind the one before, before its tokens reach the host;
+    cut, the plan stops after its first pass and the next plan starts there."""
     simulated = executor(step_ms=2.0)
     engine = Engine(simulated, SchedulerConfig(num_scheduler_steps=8))
     seqs = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=17, ignore_eos=True))
@@ -99,9 +99,9 @@ def test_a_multi_step_plan_launches_each_pass_from_the_one_before_and_stops_wher
     launches = []
     original = simulated.launch
 
-    def launch(chunks, inputs=None, sampled_before=None):
-        launched = original(chunks, inputs, sampled_before)
-        launches.append(sampled_before is not None)
+    def launch(chunks, inputs=None, sampled_before=None, behind=None):
+        launched = original(chunks, inputs, sampled_before, behind)
+        launches.append("behind" if behind is not None else "from tokens" if sampled_before is not None else "alone")
         return launched
 
     simulated.launch = launch
@@ -110,7 +110,8 @@ def test_a_multi_step_plan_launches_each_pass_from_the_one_before_and_stops_wher
     outputs = engine.step()
     assert [len(o.token_ids) for o in outputs] == ([1, 1] if cut else [8, 8])
     if not cut:
-        assert launches == [False] + [True] * 7, "each pass after the first launched from the one before's tokens"
+        # Greedy, each pass samples on the device: the next is queued behind it before its tokens reach the host.
+        assert launches == ["alone"] + ["behind"] * 7
     while engine.has_unfinished():
         engine.step()
     engine.step()

@@ -49,13 +49,15 @@ class Passes(Protocol):
     def pack(self, chunks: list[ScheduledChunk], before: list[ScheduledChunk] | None = None) -> object | None: ...
 
     def launch(self, chunks: list[ScheduledChunk], inputs: object | None = None,
-               sampled_before: list[int] | None = None) -> object: ...
+               sampled_before: list[int] | None = None, behind: object | None = None) -> object: ...
 
     def finish(self, launched: object) -> StepResult: ...
 
     def launches_ahead(self, inputs: object | None) -> bool: ...
 
     def fills_ahead(self, inputs: object | None) -> bool: ...
+
+    def samples_ahead(self, launched: object) -> bool: ...
 
 
 @dataclass
@@ -78,6 +80,9 @@ class Synchronous:
         return False
 
     def fills_ahead(self, inputs: object | None) -> bool:
+        return False
+
+    def samples_ahead(self, launched: object) -> bool:
         return False
 
 
@@ -106,7 +111,8 @@ def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], passes: Pa
     """The passes of a plan in which some chunk decodes more than one token; a chunk drops out after its last.
 
     Each pass after the first is packed while the device computes the one before, and launched from that one's
-    tokens as soon as they are back where its launch only queues work (``launches_ahead``, ``fills_ahead``): what
+    tokens as soon as they are back where its launch only queues work (``launches_ahead``, ``fills_ahead``), or
+    behind it before it is waited for where it samples on the device (``samples_ahead``): what
     ``TableExecutor.execute`` does across plans, within one. The first pass may come packed (``inputs``) or
     already on the device (``launched``); ``last_pass`` may start the next plan's first pass the same way. ``cut``
     is asked before each pass but the first; cut after ``done`` passes, each request has computed and sampled what
@@ -131,14 +137,17 @@ def run_multi_step(table: RequestTable, chunks: list[ScheduledChunk], passes: Pa
         upcoming = [ScheduledChunk(chunks[i].state, chunks[i].start + done, 1) for i in staying]
         stop = bool(staying) and cut()
         inputs = passes.pack(upcoming, current) if staying and not stop else None
+        ahead = inputs is not None and passes.launches_ahead(inputs) and passes.fills_ahead(inputs)
+        behind = passes.launch(upcoming, inputs, behind=launched) if ahead and passes.samples_ahead(launched) else None
         if not staying and last_pass is not None:
             start_next = last_pass(current)
         output = passes.finish(launched)
-        launched = None
+        launched = behind  # a cut asked from here on stops the plan after it, the pass now in progress
         if start_next is not None:
             start_next(output.token_ids)
-        stop = stop or (bool(staying) and cut())  # asked again: the pass in progress is the one just finished
-        if staying and not stop and passes.launches_ahead(inputs) and passes.fills_ahead(inputs):
+        # Asked again: the pass just finished was the one in progress, unless one was launched behind it.
+        stop = stop or (behind is None and bool(staying) and cut())
+        if ahead and not stop and launched is None:
             launched = passes.launch(upcoming, inputs, output.token_ids)
         table.record_sampled(current, output.token_ids)
         total.forward_ms += output.forward_ms
