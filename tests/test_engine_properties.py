@@ -73,10 +73,12 @@ def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
 
 
 @pytest.mark.parametrize("policy", ["nano-vllm", "mixed"])
-@pytest.mark.parametrize(("overlap", "num_steps", "ahead"),
-                         [(False, 1, 0), (True, 1, 0), (True, 1, 1), (True, 1, 2), (False, 5, 0), (True, 3, 2)],
+@pytest.mark.parametrize(("overlap", "num_steps", "ahead", "queued"),
+                         [(False, 1, 0, False), (True, 1, 0, False), (True, 1, 1, False), (True, 1, 2, False),
+                          (False, 5, 0, False), (True, 3, 2, False), (True, 1, 2, True), (True, 3, 2, True)],
                          ids=["sync", "overlap", "overlap-ahead", "overlap-two-ahead", "multi-step",
-                              "multi-step-overlap-two-ahead"])
+                              "multi-step-overlap-two-ahead", "overlap-two-ahead-queued",
+                              "multi-step-overlap-two-ahead-queued"])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 # Ten sequences verifying n-gram proposals take 20 tokens of a budget of 8: the mixed policy once scheduled a prompt's
@@ -87,15 +89,15 @@ def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
 # running, and the schedule of the next plan said no sequence could ever fit.
 @example((8, 9, 8, 2, [[1, 1, 1, 1]], [(0, [1], 5, False, 0), (0, [1], 21, False, 1),
                                       (0, [1] * 11 + [2], 26, False, 0)], (None, 1, 1)))
-def test_engine_matches_sequential_reference(overlap, num_steps, ahead, policy, workload):
+def test_engine_matches_sequential_reference(overlap, num_steps, ahead, queued, policy, workload):
     """Under either policy: mixed steps (decodes beside prefill chunks, prefix hits, one chunked prompt, preemption),
     with speculation on or off, give every request the sequential reference's tokens; rejected proposals leave no
     slot, block or hash behind. ``ahead``: after each step up to that many next plans are launched before anything
     else, as the engine loop does when the outputs cannot change them (``Engine.launch_ahead``), unless a request
-    arrives next."""
+    arrives next. ``queued``: the executor queues each step as a GPU does, the next launched behind it."""
     block_size, num_blocks, budget, max_num_seqs, prefixes, requests, (speculation, k, miss_every) = workload
     executor = ShadowExecutor(num_blocks, block_size, VOCAB, (EOS,), max_model_len=4096,
-                              draft_miss_every=miss_every if speculation == "draft" else None)
+                              draft_miss_every=miss_every if speculation == "draft" else None, queues=queued)
     ngram = dict(ngram_min=1, ngram_max=3) if speculation == "ngram" else {}
     # Proposals at every batch size (the shadow says it runs on a CPU, where they would stop above a few).
     unbounded = dict(speculative_disable_by_batch_size=1 << 16) if speculation else {}

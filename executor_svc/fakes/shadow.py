@@ -86,8 +86,12 @@ class ShadowExecutor(TableExecutor):
         tokenizer_json: str = "",
         chat_template: str = "",
         draft_miss_every: int | None = None,
+        queues: bool = False,
     ) -> None:
         super().__init__()
+        # As on a GPU: a launch only queues the step (computed when finished), the step after it is launched from its
+        # tokens or behind it (``TableExecutor.samples_ahead``), so the engine meets every order a device gives.
+        self.queues = queues
         if draft_miss_every is not None and draft_miss_every < 1:
             raise ValueError(f"draft_miss_every must be >= 1, got {draft_miss_every}")
         self.table = RequestTable(num_blocks, block_size, vocab_size, max_model_len)
@@ -112,6 +116,21 @@ class ShadowExecutor(TableExecutor):
             attention_backend="shadow",
             draft_model_id="" if draft_miss_every is None else f"shadow-draft-miss-1-in-{draft_miss_every}",
         )
+
+    def pack(self, chunks: list[ScheduledChunk], before: list[ScheduledChunk] | None = None) -> object | None:
+        """Queued, a step's input is its chunks, read when it is computed; a verification is packed at launch, as the
+        model executor packs one (its proposals come then)."""
+        return chunks if self.queues and not any(chunk.num_drafts for chunk in chunks) else None
+
+    def launches_ahead(self, inputs: object | None) -> bool:
+        return inputs is not None
+
+    def fills_ahead(self, inputs: object | None) -> bool:
+        return inputs is not None
+
+    def samples_ahead(self, launched: object) -> bool:
+        chunks, _ = launched
+        return self.queues and not any(chunk.num_drafts for chunk in chunks)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> np.ndarray:
         positions = np.arange(start, end)
