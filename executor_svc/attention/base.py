@@ -52,12 +52,18 @@ class AttentionMetadata:
     def to(self, device: torch.device, pinned: bool = False) -> AttentionMetadata:
         """A copy on ``device``; tensors are copied without a wait, as the step's other inputs are (``pinned``:
         through page-locked memory, ``ModelInput.to``)."""
-        moved = {name: (value.pin_memory() if pinned else value).to(device, non_blocking=True)
-                 if isinstance(value, torch.Tensor) else value for name, value in vars(self).items()}
+        moved = {name: to_device(value, device, pinned) if isinstance(value, torch.Tensor) else value
+                 for name, value in vars(self).items()}
         if self.mixed is not None:
             moved["mixed"] = MixedSplit(self.mixed.num_decodes, self.mixed.decode.to(device, pinned),
                                         self.mixed.prefill.to(device, pinned))
         return AttentionMetadata(**moved)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device, pinned: bool = False) -> torch.Tensor:
+    """``tensor`` on ``device`` without a wait; ``pinned``: copied through page-locked memory where it goes to an
+    accelerator, so that the copy does not wait for the work queued before it (``ModelInput.to``)."""
+    return (tensor.pin_memory() if pinned and device.type != "cpu" else tensor).to(device, non_blocking=True)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from executor_svc.attention.base import AttentionMetadata, MixedSplit
+from executor_svc.attention.base import AttentionMetadata, MixedSplit, to_device
 from executor_svc.core.request_table import RequestState, ScheduledChunk
 
 
@@ -118,12 +118,6 @@ class ModelInput:
             to_device(self.prompt_rows, device, pinned),
             lora_ids=self.lora_ids,
         )
-
-
-def to_device(tensor: torch.Tensor, device: torch.device, pinned: bool = False) -> torch.Tensor:
-    """``tensor`` on ``device`` without a wait; ``pinned``: copied through page-locked memory (``ModelInput.to``)
-    where it goes to an accelerator."""
-    return (tensor.pin_memory() if pinned and device.type != "cpu" else tensor).to(device, non_blocking=True)
 
 
 def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
