@@ -89,12 +89,17 @@ class Phases:
     prepare_us: float = 0.0
     client_cpu_us: float = 0.0
     own_cpu_us: float = 0.0
+    tokens_per_message: float = 0.0
+    gap_p50_ms: float = 0.0
+    gap_p99_ms: float = 0.0
 
     @staticmethod
     def of_api(run: ApiRun) -> Phases:
         per_step = 1e6 / run.steps
         return Phases(run.wall_s * per_step, 0.0, 0.0, 0.0, run.scheduler_cpu_s * per_step,
-                      client_cpu_us=run.client_cpu_s * per_step, own_cpu_us=run.own_cpu_s * per_step)
+                      client_cpu_us=run.client_cpu_s * per_step, own_cpu_us=run.own_cpu_s * per_step,
+                      tokens_per_message=run.tokens_per_message, gap_p50_ms=run.gap_p50_ms,
+                      gap_p99_ms=run.gap_p99_ms)
 
     @staticmethod
     def median(runs: list[Phases]) -> Phases:
@@ -269,10 +274,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         phases = ["-"] * 3 if peer in API_PEERS else [p.schedule_us, p.postprocess_us, p.wait_us]
         executor = [p.idle_us, p.prepare_us] if peer == "in-process" else ["-", "-"]
         rows.append([batch, peer, efficiency(args.step_ms, p), 1e6 / p.wall_us, p.wall_us, *phases, p.cpu_us,
-                     *executor, *([p.client_cpu_us, p.own_cpu_us] if peer in API_PEERS else ["-", "-"])])
+                     *executor, *([p.client_cpu_us, p.own_cpu_us, p.tokens_per_message,
+                                   f"{p.gap_p50_ms:.1f} / {p.gap_p99_ms:.1f}"] if peer in API_PEERS else ["-"] * 4)])
     print_table(["batch", "executor", "efficiency", "steps/s", "wall", "schedule+plan", "postprocess",
                  "wait for result", "scheduler CPU", "accelerator idle", "prepare (beside)", "clients' CPU",
-                 "scheduler process alone"], rows)
+                 "scheduler process alone", "tokens a message", "message gap p50 / p99 ms"], rows)
     figures = figures_of(results, args)
     write_json(args.json, figures)
     return figures
@@ -298,6 +304,9 @@ def figures_of(results: dict[tuple[str, int], Phases], args: argparse.Namespace)
         if peer in API_PEERS:
             figures[f"{prefix}_client_cpu_us_b{batch}"] = p.client_cpu_us
             figures[f"{prefix}_own_cpu_us_b{batch}"] = p.own_cpu_us
+            figures[f"{prefix}_tokens_per_message_b{batch}"] = p.tokens_per_message
+            figures[f"{prefix}_gap_p50_ms_b{batch}"] = p.gap_p50_ms
+            figures[f"{prefix}_gap_p99_ms_b{batch}"] = p.gap_p99_ms
             continue
         figures[f"{prefix}_schedule_us_b{batch}"] = p.schedule_us
         figures[f"{prefix}_postprocess_us_b{batch}"] = p.postprocess_us

@@ -28,7 +28,7 @@ from pathlib import Path
 from smg_grpc_proto import vllm_engine_pb2 as vllm
 from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
 
-from bench.common import HOST, Child, free_port
+from bench.common import HOST, Child, free_port, percentile
 from client.api import AsyncClient
 from common.cpu_yield import thread_ids, yield_cpu
 
@@ -56,6 +56,11 @@ class ApiRun:
     client_cpu_s: float
     # The scheduler's process alone, without its API process: the share the engine loop's GIL is held
     own_cpu_s: float = 0.0
+    # What a reader sees of the pacing: the window's messages (each read with its tokens), and the time between two
+    # messages of one stream, median and 99th percentile
+    tokens_per_message: float = 0.0
+    gap_p50_ms: float = 0.0
+    gap_p99_ms: float = 0.0
 
 
 def own_cpu_s(pid: int) -> float:
@@ -167,6 +172,9 @@ class Clients:
 
             max_tokens = warmup + steps * (1 + self.tail_factor)
             counts = [0] * batch  # tokens each stream has read
+            last_read = [0.0] * batch  # when each stream last read a message in the timed window
+            gaps: list[float] = []  # seconds between two messages of a stream, in the timed window
+            window_tokens = [0]
 
             def chunks(prompt: list[int]) -> AsyncIterator[list[int]]:
                 if self.protocol == "vllm":
@@ -180,6 +188,12 @@ class Clients:
                 async for token_ids in chunks(prompt):
                     before = counts[index]
                     counts[index] += len(token_ids)
+                    if marks[0] <= before < marks[1]:
+                        now = time.perf_counter()
+                        if last_read[index]:
+                            gaps.append(now - last_read[index])
+                            window_tokens[0] += len(token_ids)
+                        last_read[index] = now
                     for mark in marks:
                         if before < mark <= counts[index]:
                             reached[mark] += 1
@@ -217,7 +231,10 @@ class Clients:
         if after.num_preemptions != before.num_preemptions:
             raise RuntimeError("a sequence was preempted: the executor's KV cache is too small for the batch")
         (t0, s0, c0, k0, o0), (t1, s1, c1, k1, o1) = window
-        return ApiRun(t1 - t0, s1 - s0, c1 - c0, k1 - k0, o1 - o0)
+        if not gaps:
+            return ApiRun(t1 - t0, s1 - s0, c1 - c0, k1 - k0, o1 - o0)
+        return ApiRun(t1 - t0, s1 - s0, c1 - c0, k1 - k0, o1 - o0, window_tokens[0] / len(gaps),
+                      1e3 * percentile(gaps, 50), 1e3 * percentile(gaps, 99))
 
 
 def idle_class() -> None:

@@ -86,6 +86,9 @@ def test_overlap_writes_its_keys(tmp_path):
         for peer in ("api", "api_vllm", "api_http", "floor"):
             for cpu in ("cpu_us", "own_cpu_us"):
                 assert math.isfinite(figures[f"{peer}_{cpu}_b{batch}"]) and figures[f"{peer}_{cpu}_b{batch}"] >= 0
+            # each message a reader took in the window carried at least a token, and came some time after the last
+            assert figures[f"{peer}_tokens_per_message_b{batch}"] >= 1
+            assert 0 < figures[f"{peer}_gap_p50_ms_b{batch}"] <= figures[f"{peer}_gap_p99_ms_b{batch}"]
 
 
 def test_overlap_with_remote_clients_runs_them_in_the_idle_class_in_a_process_of_their_own(tmp_path, monkeypatch):
