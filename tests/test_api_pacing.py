@@ -5,11 +5,12 @@ that a stream then reads them in one message; nothing is lost or reordered eithe
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
 from scheduler_svc.api.api_process import Call, Link
-from scheduler_svc.api.pacing import WritePacer
+from scheduler_svc.api.pacing import WritePacer, default_share, share_of, usable_cores
 from scheduler_svc.api.process_link import encode_outputs, pack
 from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.sequence import FinishReason
@@ -42,6 +43,31 @@ def test_outputs_are_held_until_the_cpu_spent_is_the_share_of_the_time():
     pacer.handed_on()  # counted afresh from here
     clocks.wall, clocks.cpu = 0.014, 0.005
     assert pacer.delay() == 0.0
+
+
+@pytest.mark.parametrize(("cores", "share"), [(2, 0.1), (8, 0.4), (16, 0.8), (20, 1.0), (64, 1.0), (0.5, 0.025)])
+def test_the_default_share_is_a_twentieth_of_the_machine_at_most_a_core(cores: float, share: float):
+    assert default_share(cores) == pytest.approx(share)
+
+
+def test_a_share_given_is_kept_and_none_takes_the_machines_default():
+    assert share_of(0.3) == 0.3
+    assert share_of(None) == pytest.approx(default_share(usable_cores()))
+
+
+@pytest.mark.parametrize(("cpu_max", "cores"), [("150000 100000", 1.5), ("max 100000", None), ("400000 100000", 4.0),
+                                                 (None, None), ("garbled", None)])
+def test_a_containers_cpu_limit_below_its_affinity_bounds_the_cores(tmp_path, cpu_max: str | None,
+                                                                     cores: float | None):
+    """cgroup v2: the process's group from /proc/self/cgroup, its quota over its period in cpu.max ("max": none)."""
+    (tmp_path / "cgroup").write_text("0::/kubepods/pod1/c1\n")
+    group = tmp_path / "root" / "kubepods" / "pod1" / "c1"
+    group.mkdir(parents=True)
+    if cpu_max is not None:
+        (group / "cpu.max").write_text(cpu_max + "\n")
+    affinity = float(len(os.sched_getaffinity(0)))
+    expected = affinity if cores is None else min(affinity, cores)
+    assert usable_cores(tmp_path / "cgroup", tmp_path / "root") == expected
 
 
 @pytest.mark.parametrize("share", [0.0, -0.1, 1.5])

@@ -28,6 +28,7 @@ from smg_grpc_proto import vllm_engine_pb2 as vllm
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.api_process import ENV, Settings
 from scheduler_svc.api.frontend import Frontend, public
+from scheduler_svc.api.pacing import share_of
 from scheduler_svc.api.process_link import Frame, encode_outputs, pack, recv_frame
 from scheduler_svc.api.vllm_engine.responses import ResponseWriter
 from scheduler_svc.api.vllm_engine.servicer import submit_generate
@@ -82,7 +83,8 @@ class ApiProcess:
         c = self.config
         settings = Settings(self.path, self.internal_target, c.host, c.port, c.max_message_bytes, c.stream_interval,
                             c.log_level, c.tls_cert, c.tls_key, c.tls_ca, c.api_key,
-                            c.http_port if self.internal_http else 0, self.internal_http, c.api_process_cpu_share)
+                            c.http_port if self.internal_http else 0, self.internal_http,
+                            share_of(c.api_process_cpu_share))
         env = {**os.environ, ENV: json.dumps(asdict(settings))}
         self.process = subprocess.Popen([sys.executable, "-m", "scheduler_svc.api.api_process"], env=env)
         try:

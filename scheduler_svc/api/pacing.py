@@ -7,12 +7,44 @@ the engine loop and the executor on a small machine, and from the clients. Token
 a reader a step or two later, in one piece; the messages they save are most of what the process spends. At a few
 dozen streams (a CPU's serving load) the writing stays far below the share and nothing is held. A request's first
 outputs are never held (``api_process.Link``): the pacing costs no first token.
+
+The share is of one core, and by default a twentieth of the machine's cores (``default_share``): what this process
+spends is taken from the engine loop and the executor only where the cores are few, and there fewer, larger messages
+keep an accelerator busier (W5 ``api``, docs/benchmarks-history.md); on twenty cores or more nothing is held that
+one thread can write.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+MACHINE_SHARE = 0.05
+
+
+def usable_cores(cgroup: Path = Path("/proc/self/cgroup"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> float:
+    """The cores this process may run on: its CPU affinity, or its cgroup's CPU quota (cgroup v2 ``cpu.max``, as a
+    container's CPU limit sets it) where that is less."""
+    cores = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    with contextlib.suppress(OSError, ValueError):
+        path = next(line[3:].strip() for line in cgroup.read_text().splitlines() if line.startswith("0::"))
+        quota, period = (cgroup_root / path.lstrip("/") / "cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, int(quota) / int(period))
+    return cores
+
+
+def default_share(cores: float) -> float:
+    """``--api-process-cpu-share`` when none is given: a twentieth of ``cores``, at most one core."""
+    return min(1.0, MACHINE_SHARE * cores)
+
+
+def share_of(flag: float | None) -> float:
+    """The share the API process is paced by: the flag's, else this machine's default."""
+    return default_share(usable_cores()) if flag is None else flag
 
 
 class WritePacer:
