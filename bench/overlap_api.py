@@ -3,8 +3,9 @@
 The scheduler service runs as a child process at its default flags, in front of its own simulated executor, and
 ``batch`` clients stream from it through ``client.api.AsyncClient`` in this process, one sequence each (``api_http``:
 through ``/v1/completions``, each on a plain socket that parses only the token ids of each event). The
-scheduler counts the decode steps (``GetStats.num_steps``) between the moment every stream has ``warmup`` tokens
-and the moment every stream has ``warmup + steps``. Its CPU time over the same window, every thread of it (the
+scheduler counts the decode passes (``GetStats.num_generation_tokens`` over the batch: a multi-step plan makes
+several) between the moment every stream has ``warmup`` tokens and the moment every stream has ``warmup + steps``.
+Its CPU time over the same window, every thread of it (the
 engine loop, the streams, gRPC's own), is read from /proc; the clients' from this thread. The other peers
 drive the Engine directly, so this one adds what serving the streams costs the scheduler's process: a GPU waits
 for it exactly as it waits for the Engine. ``api_remote``'s clients run in a process of their own in SCHED_IDLE,
@@ -218,7 +219,10 @@ class Clients:
                                            f"while {len(behind)} had fewer than {mark} (the fewest {min(behind)})")
                     stats = await client.stats()
                     pid = self.server_pid
-                    window.append((time.perf_counter(), stats.num_steps, process_cpu_s(pid), time.thread_time(),
+                    # Decode passes: a multi-step plan is one of num_steps but a token of each stream per pass
+                    # (the floor counts no tokens: its steps are passes).
+                    passes = stats.num_generation_tokens / batch if stats.num_generation_tokens else stats.num_steps
+                    window.append((time.perf_counter(), passes, process_cpu_s(pid), time.thread_time(),
                                    own_cpu_s(pid)))
             finally:
                 for task in tasks:
@@ -232,8 +236,8 @@ class Clients:
             raise RuntimeError("a sequence was preempted: the executor's KV cache is too small for the batch")
         (t0, s0, c0, k0, o0), (t1, s1, c1, k1, o1) = window
         if not gaps:
-            return ApiRun(t1 - t0, s1 - s0, c1 - c0, k1 - k0, o1 - o0)
-        return ApiRun(t1 - t0, s1 - s0, c1 - c0, k1 - k0, o1 - o0, window_tokens[0] / len(gaps),
+            return ApiRun(t1 - t0, round(s1 - s0), c1 - c0, k1 - k0, o1 - o0)
+        return ApiRun(t1 - t0, round(s1 - s0), c1 - c0, k1 - k0, o1 - o0, window_tokens[0] / len(gaps),
                       1e3 * percentile(gaps, 50), 1e3 * percentile(gaps, 99))
 
 

@@ -258,7 +258,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_blocks", "num_free_blocks", "num_cached_blocks", "num_steps", "num_finished_stop", "num_finished_length", "num_aborted", "num_prefix_cache_hit_tokens", "num_preemptions", "num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens", "spec_acceptance_rate")
+    __slots__ = ("num_waiting", "num_running", "num_blocks", "num_free_blocks", "num_cached_blocks", "num_steps", "num_finished_stop", "num_finished_length", "num_aborted", "num_prefix_cache_hit_tokens", "num_preemptions", "num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens", "spec_acceptance_rate", "num_generation_tokens")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,7 @@ class SchedulerStats(_message.Message):
     NUM_SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_blocks: int
@@ -289,7 +290,8 @@ class SchedulerStats(_message.Message):
     num_spec_draft_tokens: int
     num_spec_accepted_tokens: int
     spec_acceptance_rate: float
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_finished_stop: _Optional[int] = ..., num_finished_length: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_spec_drafts: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ...) -> None: ...
+    num_generation_tokens: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_finished_stop: _Optional[int] = ..., num_finished_length: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_spec_drafts: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., num_generation_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat", "add_special_tokens")
