@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 
 import pytest
 
 from scheduler_svc.api.api_process import Call, Link
-from scheduler_svc.api.pacing import WritePacer, default_share, share_of, usable_cores
-from scheduler_svc.api.process_link import encode_outputs, pack
+from scheduler_svc.api.pacing import PacedReading, WritePacer, default_share, share_of, usable_cores
+from scheduler_svc.api.process_link import HEADER, encode_outputs, pack
 from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.sequence import FinishReason
 
@@ -200,3 +201,62 @@ def test_a_requests_first_outputs_go_at_once_while_later_ones_are_held():
         return first, held
 
     assert asyncio.run(main()) == ([([1], None), ([2], None)], True)
+
+
+def test_the_reading_is_what_a_held_hand_over_gave_each_stream_as_a_power_of_two():
+    clocks = Clocks()
+    reading = PacedReading(settle_s=0.25, clock=lambda: clocks.wall)
+    assert reading.handed_on(False, 256, 256) is None  # nothing held, and nothing was: 1 stands
+    assert reading.handed_on(True, 256 * 13, 256) == 8  # 13 tokens each: 8 at a time
+    assert reading.handed_on(True, 256 * 9, 256) is None
+    assert reading.handed_on(True, 256 * 5, 256) is None  # under 8 but not under half of it: kept
+    assert reading.handed_on(True, 256 * 3, 256) == 2
+    assert reading.handed_on(True, 256 * 40, 256) == 32
+    assert reading.value == 32
+
+
+def test_the_reading_goes_back_to_one_once_outputs_have_gone_at_once_for_a_while():
+    clocks = Clocks()
+    reading = PacedReading(settle_s=0.25, clock=lambda: clocks.wall)
+    assert reading.handed_on(True, 64, 4) == 16
+    clocks.wall = 0.2
+    assert reading.handed_on(False, 4, 4) is None  # at once, but held 200 ms ago
+    clocks.wall = 0.3
+    assert reading.handed_on(False, 4, 4) == 1
+    assert reading.handed_on(False, 4, 4) is None
+
+
+def frames_sent(sent: Sent) -> list[tuple]:
+    """The frames a link wrote to the scheduler, in order."""
+    frames, data = [], bytes(sent.data)
+    while data:
+        size = HEADER.unpack(data[:HEADER.size])[0]
+        frames.append(pickle.loads(data[HEADER.size:HEADER.size + size]))
+        data = data[HEADER.size + size:]
+    return frames
+
+
+def test_a_paced_link_tells_the_scheduler_what_each_stream_took_at_a_time():
+    async def main() -> tuple[list, list]:
+        clocks = Clocks()
+        reader = asyncio.StreamReader()
+        sent = Sent()
+        link = Link(reader, sent, clocks.pacer(0.5))  # type: ignore[arg-type]
+        calls = [link.calls.setdefault(key, Call(1)) for key in (0, 1)]
+        run = asyncio.create_task(link.run())
+        await asyncio.sleep(0)
+        for step in range(6):  # the first step goes at once; the CPU spent then holds the next five for 40 ms
+            reader.feed_data(pack(("outputs", encode_outputs([(key, token(step)) for key in (0, 1)]))))
+            await asyncio.sleep(0)
+            clocks.cpu = 0.02
+        read = []
+        for call in calls:
+            read.append([])
+            while len(read[-1]) < 6:
+                read[-1] += taken(await asyncio.wait_for(call.outbox.take(), timeout=5))
+        await stop(reader, run)
+        return read, [frame for frame in frames_sent(sent) if frame[0] == "reading"]
+
+    read, readings = asyncio.run(main())
+    assert read == [[([step], None) for step in range(6)]] * 2
+    assert readings == [("reading", 4)]  # 5 tokens each in the held hand-over

@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from common.channels import DRAINED_KEY
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.api.process_link import pack, read_frame, recv_frame
 from tests.http_fixtures import hosted
 from tests.service_fixtures import (
     HOST,
@@ -285,3 +287,25 @@ def test_http_routes_not_answered_here_pass_through_with_status_headers_and_body
     assert got[2:10] == [(200, "text/event-stream; charset=utf-8"), 400, "prompt", got[5], 404, 405, 404, 200]
     assert got[10][0] == 200 and got[10][1].startswith("text/plain") and got[10][2]
     assert got == answers_of[False]
+
+
+@pytest.mark.parametrize("side", ["event loop", "blocking"])
+def test_a_link_whose_other_end_died_with_frames_unread_ends_like_one_closed(side: str):
+    """A process killed with frames of ours unread resets the link instead of closing it: each side reads that as
+    the end (the API process then ends its streams so that failover clients resume; the scheduler stops)."""
+    ours, theirs = socket.socketpair()
+    ours.sendall(pack(("reading", 8)))  # never read by the other end
+    theirs.close()
+
+    async def on_event_loop():
+        reader, writer = await asyncio.open_connection(sock=ours)
+        try:
+            return await read_frame(reader)
+        finally:
+            writer.close()
+
+    if side == "event loop":
+        assert asyncio.run(on_event_loop()) is None
+    else:
+        assert recv_frame(ours) is None
+        ours.close()

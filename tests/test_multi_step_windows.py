@@ -175,6 +175,30 @@ def test_a_token_by_token_stream_gets_one_step_plans_at_default_flags():
     assert set(executor.decode_steps()) == {1}
 
 
+def test_streams_the_api_process_paces_decode_in_windows_of_what_each_takes_at_a_time():
+    """The API process holding outputs (at a hundredth of a core, writing two streams holds the next tokens for
+    milliseconds) tells the scheduler what each stream took at a time: their plans become windows, their tokens stay
+    the same, every block is freed."""
+    executor = WindowShadow(512, 4, 50, (EOS,), pass_s=0.0005)
+    prompts = [[3, 4, 5], [6, 7, 8, 9]]
+
+    async def main():
+        async with in_process_scheduler(executor, api_process=True, api_process_cpu_share=0.01) as s:
+            got = await asyncio.gather(*(collect_stream(s.stub, prompt) for prompt in prompts))
+            await assert_idle_async(s.stub)
+            return got
+
+    async def collect_stream(stub, prompt: list[int]):
+        return collect([r async for r in stub.Generate(token_request(prompt, 1000, ignore_eos=True))])
+
+    got = asyncio.run(main())
+    engine = Engine(WindowShadow(512, 4, 50, (EOS,)), SchedulerConfig())
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    assert [g.token_ids for g in got] == [expected(engine, prompt, params) for prompt in prompts]
+    assert max(executor.decode_steps()) == 8, "held streams' plans were not windows of the scheduler's 8 steps"
+    assert min(executor.decode_steps()) == 1, "token-by-token streams start one step a plan"
+
+
 def test_an_arriving_stream_cuts_the_window_in_flight_and_starts_next():
     """A whole completion decodes in windows of 8 slow passes; a stream sent once one is under way is prefilled
     right after the pass in progress, not after the rest of the window."""

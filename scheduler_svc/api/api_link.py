@@ -73,6 +73,8 @@ class ApiProcess:
         self.lost: str | None = None
         self.process: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
+        # Tokens each stream takes at a time while the API process's pacing holds outputs (``pacing.PacedReading``).
+        self._reading = 1
 
     async def start(self, on_lost: Callable[[], None]) -> tuple[int, int]:
         """Start the API process and wait until it listens; its gRPC and HTTP ports (OSError when it cannot bind)."""
@@ -129,6 +131,12 @@ class ApiProcess:
         if kind in ("submit", "submit_vllm"):
             self._pending.add(key)
             asyncio.ensure_future(self._submit(key, kind, frame[2], frame[3]))
+        elif kind == "reading":  # a plan computes num_scheduler_steps at most: a change above them changes nothing
+            reading = min(frame[1], self.config.num_scheduler_steps)
+            if reading != self._reading:
+                self._reading = reading
+                if self.handles:
+                    self.frontend.set_reading(list(self.handles.values()), reading)
         elif kind == "served":
             self._served(key, frame[2])
         elif kind == "close":
@@ -158,6 +166,8 @@ class ApiProcess:
             self.frontend.forget(handle, cancel=True)
             return
         self.handles[key] = handle
+        if self._reading > 1:
+            self.frontend.set_reading([handle], self._reading)
         reading = () if kind == "submit" else (ResponseWriter.reading(handle.prepared),)
         self.send(("accepted", key, handle.prepared.request_id, handle.prepared.params.n, *reading))
 

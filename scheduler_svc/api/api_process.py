@@ -42,7 +42,7 @@ from scheduler_svc.api.grpc_proxy import GrpcProxy
 from scheduler_svc.api.grpc_status import fail
 from scheduler_svc.api.http.server import HttpServer
 from scheduler_svc.api.outbox import Outbox
-from scheduler_svc.api.pacing import WritePacer
+from scheduler_svc.api.pacing import PacedReading, WritePacer
 from scheduler_svc.api.process_link import Frame, decode_output, pack, read_frame
 from scheduler_svc.api.vllm_engine.requests import vllm_error
 from scheduler_svc.api.vllm_engine.responses import ResponseWriter
@@ -104,6 +104,7 @@ class Link:
         self._held: list[tuple[Call, RequestOutput]] = []  # outputs the pacer holds back, in arrival order
         self._release: asyncio.TimerHandle | None = None
         self._frames = 0  # frames of outputs read
+        self._reading = PacedReading() if pacer is not None else None
 
     def send(self, frame: Frame) -> None:
         self.writer.write(pack(frame))
@@ -180,19 +181,26 @@ class Link:
             return
         delay = self._pacer.delay() if self._pacer is not None else 0.0
         if delay > 0:
-            self._release = asyncio.get_running_loop().call_later(delay, self._hand_on)
+            self._release = asyncio.get_running_loop().call_later(delay, self._hand_on, True)
         else:
             self._hand_on()
 
-    def _hand_on(self) -> None:
-        """The held outputs into their calls' outboxes, in the order they came."""
+    def _hand_on(self, paced: bool = False) -> None:
+        """The held outputs into their calls' outboxes, in the order they came (``paced``: the pacer held them); the
+        scheduler is told when what each stream takes at a time changes."""
         if self._release is not None:
             self._release.cancel()
         held, self._held, self._release = self._held, [], None
         for call, output in held:
             call.outbox.put_nowait(output)
-        if self._pacer is not None:
-            self._pacer.handed_on()
+        if self._pacer is None or self._reading is None:
+            return
+        self._pacer.handed_on()
+        tokens = sum(len(output.token_ids) for _, output in held) if paced else 0
+        streams = len({id(call) for call, _ in held}) if paced else 0
+        reading = self._reading.handed_on(paced, tokens, streams)
+        if reading is not None and self.stop_grace_s is None and not self.writer.is_closing():
+            self.send(("reading", reading))
 
     def _settle(self, key: int, settle) -> None:
         call = self.calls.get(key)

@@ -158,6 +158,10 @@ class Frontend:
         if cancel:
             self.ready().cancel(handle)
 
+    def set_reading(self, handles: list[RequestHandle], tokens: float) -> None:
+        """``EngineLoop.set_reading``: these requests' readers take ``tokens`` at a time."""
+        self.ready().set_reading(handles, tokens)
+
     def abort(self, request_ids: Iterable[str]) -> list[str]:
         """End each request found with ABORT; its blocks are free before the next step. Returns the ids found."""
         loop = self.ready()

@@ -17,6 +17,7 @@ one thread can write.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Callable
@@ -67,3 +68,35 @@ class WritePacer:
     def handed_on(self) -> None:
         """The held outputs went to their streams: the writing they cause is counted from here."""
         self._wall0, self._cpu0 = self._clock(), self._cpu()
+
+
+class PacedReading:
+    """How many tokens each stream takes at a time while the pacer holds outputs back, for the scheduler: a plan may
+    then compute that many decode steps at once (a multi-step window) and no reader gets a token later than the pacing
+    would hand it on anyway, while the engine loop plans, settles and sends a step's outputs once a window instead of
+    once a step. A power of two, lowered only when a hand-over carries under half of it (a window's length changes
+    seldom); back to 1 once outputs have gone at once for ``settle_s``."""
+
+    def __init__(self, settle_s: float = 0.25, clock: Callable[[], float] = time.monotonic) -> None:
+        self.value = 1
+        self._settle_s, self._clock = settle_s, clock
+        self._held_at = -math.inf
+
+    def handed_on(self, held: bool, tokens: int, streams: int) -> int | None:
+        """A hand-over of ``tokens`` to ``streams`` streams, ``held`` back by the pacer or not: the new reading when
+        it changed, else None."""
+        now = self._clock()
+        if held and streams:
+            self._held_at = now
+            each = max(1, tokens // streams)
+            if self.value // 2 <= each < 2 * self.value:
+                return None
+            value = 1 << (each.bit_length() - 1)
+        elif now - self._held_at >= self._settle_s:
+            value = 1
+        else:
+            return None
+        if value == self.value:
+            return None
+        self.value = value
+        return value

@@ -3,11 +3,13 @@ length, over a Unix socket in a folder only this user can open.
 
 The API process sends ``("listening", port, http_port)`` once, then ``("submit", key, GenerateRequest bytes, whole)``
 and ``("close", key, cancel)`` (its caller is done; ``cancel``: before the request finished), and for its HTTP routes
-``("served", key, with_tokenizer)``. The scheduler answers ``("accepted", key, request_id, n)`` (to ``served``:
-``("accepted", key, model_id, adapter names, tokenizer or None)``) or ``("failed", key, error)``, sends each step's
-``("outputs", items)`` for every request of the link at once, and ``("yield_cpu",)``, ``("beside_accelerator",)``
-and ``("stop", grace_s)``. A decode step's plain token travels as ``(key, index, text, token_ids)``, anything else
-as ``(key, RequestOutput)``: a step of 256 streams then costs the engine loop tens of microseconds to send.
+``("served", key, with_tokenizer)``, and ``("reading", tokens)`` when what each stream takes at a time while its
+pacing holds outputs changes (``pacing.PacedReading``). The scheduler answers ``("accepted", key, request_id, n)``
+(to ``served``: ``("accepted", key, model_id, adapter names, tokenizer or None)``) or ``("failed", key, error)``,
+sends each step's ``("outputs", items)`` for every request of the link at once, and ``("yield_cpu",)``,
+``("beside_accelerator",)`` and ``("stop", grace_s)``. A decode step's plain token travels as ``(key, index, text,
+token_ids)``, anything else as ``(key, RequestOutput)``: a step of 256 streams then costs the engine loop tens of
+microseconds to send.
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ def pack(frame: Frame) -> bytes:
 
 
 def recv_frame(sock: socket.socket) -> Frame | None:
-    """The next frame from a blocking socket; None once the other side closed it."""
+    """The next frame from a blocking socket; None once the other side closed it (or died, ``read_frame``)."""
+    try:
+        return _recv_frame(sock)
+    except ConnectionResetError:
+        return None
+
+
+def _recv_frame(sock: socket.socket) -> Frame | None:
     header = _recv_exactly(sock, HEADER.size)
     if header is None:
         return None
@@ -51,11 +60,12 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
 
 
 async def read_frame(reader: asyncio.StreamReader) -> Frame | None:
-    """The next frame on an event loop; None once the other side closed the link."""
+    """The next frame on an event loop; None once the other side closed the link, or died with frames of ours unread
+    (its kernel then resets the connection)."""
     try:
         header = await reader.readexactly(HEADER.size)
         return pickle.loads(await reader.readexactly(HEADER.unpack(header)[0]))
-    except asyncio.IncompleteReadError:
+    except (asyncio.IncompleteReadError, ConnectionResetError):
         return None
 
 

@@ -28,6 +28,8 @@ class RequestHandle:
     arrived_at: float
     # Tokens of a choice its reader takes at a time (inf: whole completions): each choice's ``max_decode_steps``.
     tokens_per_read: float = 1
+    # What its reader takes at a time when more than ``tokens_per_read``, as the API process's pacing says.
+    paced_reading: float = 1
     queued_at: float = field(default_factory=time.monotonic)
     # Set by the loop thread once the request no longer counts against the queue limits.
     dequeued: bool = False
@@ -83,7 +85,7 @@ class LiveRequests:
         resumed = prepared.resumed_token_ids
         processor = OutputProcessor(tokenizer, prepared.prompt_token_ids, params, index, resumed)
         seq = engine.enqueue(prepared.prompt_token_ids, params, resumed, prepared.lora, prepared.params.n == 1)
-        seq.max_decode_steps = handle.tokens_per_read
+        seq.max_decode_steps = max(handle.tokens_per_read, handle.paced_reading)
         active = Active(handle, seq, processor)
         self.by_handle.setdefault(handle, []).append(active)
         self.by_seq_id[seq.seq_id] = active
@@ -91,6 +93,13 @@ class LiveRequests:
         if index == 0:
             handle.pending_choices = list(range(1, prepared.params.n))
             self._pending_requests += bool(handle.pending_choices)
+
+    def set_reading(self, handles: list[RequestHandle], tokens: float) -> None:
+        """``handles``' readers take ``tokens`` at a time: so many decode steps a plan may compute for their choices."""
+        for handle in handles:
+            handle.paced_reading = tokens
+            for active in self.by_handle.get(handle, ()):
+                active.seq.max_decode_steps = max(handle.tokens_per_read, tokens)
 
     def start_pending(self, engine: Engine, handle: RequestHandle, tokenizer: ModelTokenizer | None) -> None:
         """Choice 0's prompt is computed: the other choices start, and hit its blocks in the prefix cache."""

@@ -75,6 +75,11 @@ class EngineLoop(EngineCalls):
         """Abort ``handle`` before the next step (``answer``: its choices end with ABORT), unless finished."""
         self.call(lambda engine: self._requests.cancel(engine, handle, answer))
 
+    def set_reading(self, handles: list[RequestHandle], tokens: float) -> None:
+        """The readers of ``handles`` now take ``tokens`` of a choice at a time (the API process's pacing): their plans
+        may compute that many decode steps at once, or their own ``tokens_per_read`` where more."""
+        self.call(lambda engine: self._requests.set_reading(handles, tokens))
+
     def resync(self) -> None:
         """Start over on an empty executor, as after a restart (a recording begins from one)."""
         with self._wakeup:
