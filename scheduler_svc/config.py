@@ -84,7 +84,7 @@ class ServiceConfig:
     # beside the engine loop.
     api_process: bool = True
     # The most of a core the API process spends writing streams before it holds a step's outputs back, so that each
-    # message carries several tokens (``api.pacing``); 1: never held while a core can write them. None: a twentieth
+    # message carries several tokens (``api.pacing``); 1: never held while a core can write them. None: a tenth
     # of the machine's cores, at most one (``pacing.default_share``).
     api_process_cpu_share: float | None = None
     # With an executor on the CPU, this process's threads run in SCHED_IDLE so that none preempts its forward pass
@@ -178,7 +178,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--api-process-cpu-share", share, "the most of a core the API process spends writing streams: past it, a "
         "step's outputs wait for the next ones and each message carries several tokens (hundreds of streams at a "
         "few milliseconds a step; a CPU's serving load stays far below it). 1: as fast as a core writes them "
-        "(default: a twentieth of the cores this process may use, at most 1: 0.1 on 2 cores)")
+        "(default: a tenth of the cores this process may use, at most 1: 0.2 on 2 cores)")
     add("--yield-cpu", boolean, "when the executor computes on the CPU, run this process's threads in SCHED_IDLE, so "
         "that they never preempt its forward pass on the cores they share: more offline throughput, a later first "
         "token (give the executor the same flag)")

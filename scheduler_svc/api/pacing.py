@@ -8,10 +8,11 @@ a reader a step or two later, in one piece; the messages they save are most of w
 dozen streams (a CPU's serving load) the writing stays far below the share and nothing is held. A request's first
 outputs are never held (``api_process.Link``): the pacing costs no first token.
 
-The share is of one core, and by default a twentieth of the machine's cores (``default_share``): what this process
+The share is of one core, and by default a tenth of the machine's cores (``default_share``): what this process
 spends is taken from the engine loop and the executor only where the cores are few, and there fewer, larger messages
-keep an accelerator busier (W5 ``api``, docs/benchmarks-history.md); on twenty cores or more nothing is held that
-one thread can write.
+keep an accelerator busier (W5 ``api``, docs/benchmarks-history.md); on ten cores or more nothing is held that one
+thread can write. While it holds, the scheduler is told what each stream takes at a time (``PacedReading``), and
+plans that many decode steps at once.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-MACHINE_SHARE = 0.05
+MACHINE_SHARE = 0.1
 
 
 def usable_cores(cgroup: Path = Path("/proc/self/cgroup"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> float:
@@ -39,7 +40,7 @@ def usable_cores(cgroup: Path = Path("/proc/self/cgroup"), cgroup_root: Path = P
 
 
 def default_share(cores: float) -> float:
-    """``--api-process-cpu-share`` when none is given: a twentieth of ``cores``, at most one core."""
+    """``--api-process-cpu-share`` when none is given: a tenth of ``cores``, at most one core."""
     return min(1.0, MACHINE_SHARE * cores)
 
 
