@@ -195,8 +195,10 @@ def test_streams_the_api_process_paces_decode_in_windows_of_what_each_takes_at_a
     engine = Engine(WindowShadow(512, 4, 50, (EOS,)), SchedulerConfig())
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     assert [g.token_ids for g in got] == [expected(engine, prompt, params) for prompt in prompts]
-    assert max(executor.decode_steps()) == 8, "held streams' plans were not windows of the scheduler's 8 steps"
-    assert min(executor.decode_steps()) == 1, "token-by-token streams start one step a plan"
+    steps = executor.decode_steps()
+    assert steps[0] == 1, "token-by-token streams start one step a plan"
+    assert max(steps) > 1, "held streams' plans never became windows"
+    assert max(steps) <= 8, "a window longer than --num-scheduler-steps"
 
 
 def test_an_arriving_stream_cuts_the_window_in_flight_and_starts_next():
