@@ -188,6 +188,7 @@ def test_32_concurrent_streams_with_multi_step_decode_get_the_same_tokens(multi_
 def check_32_concurrent_streams(stack: Stack, backend: Backend) -> None:
     prompts, max_tokens = random_workload(32, seed=1)
     expected = backend.reference(prompts, [greedy(m) for m in max_tokens])
+    before = stack.stub.GetStats(pb.GetStatsRequest())
 
     async def run() -> list:
         async with grpc.aio.insecure_channel(stack.target) as channel:
@@ -204,6 +205,7 @@ def check_32_concurrent_streams(stack: Stack, backend: Backend) -> None:
         assert got.usage.cached_prompt_tokens % backend.block_size == 0
     stats = assert_idle(stack.stub)
     assert stats.num_preemptions > 0, "the workload was meant to overflow the KV cache"
+    assert stats.num_generation_tokens - before.num_generation_tokens == sum(len(r.token_ids) for r in results)
     assert stack.executor_reset() == 0
 
 
