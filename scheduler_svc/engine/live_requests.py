@@ -36,6 +36,11 @@ class RequestHandle:
     # Choices (of n) not started yet: they start once choice 0's prompt is computed, to share its KV blocks.
     pending_choices: list[int] = field(default_factory=list)
 
+    @property
+    def reads_at_a_time(self) -> float:
+        """What its reader takes at a time, its choices' ``max_decode_steps``."""
+        return max(self.tokens_per_read, self.paced_reading)
+
 
 @dataclass
 class Active:
@@ -85,7 +90,7 @@ class LiveRequests:
         resumed = prepared.resumed_token_ids
         processor = OutputProcessor(tokenizer, prepared.prompt_token_ids, params, index, resumed)
         seq = engine.enqueue(prepared.prompt_token_ids, params, resumed, prepared.lora, prepared.params.n == 1)
-        seq.max_decode_steps = max(handle.tokens_per_read, handle.paced_reading)
+        seq.max_decode_steps = handle.reads_at_a_time
         active = Active(handle, seq, processor)
         self.by_handle.setdefault(handle, []).append(active)
         self.by_seq_id[seq.seq_id] = active
@@ -99,7 +104,7 @@ class LiveRequests:
         for handle in handles:
             handle.paced_reading = tokens
             for active in self.by_handle.get(handle, ()):
-                active.seq.max_decode_steps = max(handle.tokens_per_read, tokens)
+                active.seq.max_decode_steps = handle.reads_at_a_time
 
     def start_pending(self, engine: Engine, handle: RequestHandle, tokenizer: ModelTokenizer | None) -> None:
         """Choice 0's prompt is computed: the other choices start, and hit its blocks in the prefix cache."""
