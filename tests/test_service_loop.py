@@ -19,6 +19,7 @@ from scheduler_svc.api.outbox import Outbox
 from scheduler_svc.core.errors import EngineFailure, RequestFailed
 from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.sequence import FinishReason
+from scheduler_svc.engine.stats import LoopStats
 from tests.service_fixtures import (
     CHATML_TEMPLATE,
     GatedExecutor,
@@ -340,3 +341,30 @@ def test_a_failed_request_hands_over_what_came_before_its_error_then_raises_it()
         [(0, [1], None), (1, [2], None), (0, [3], FinishReason.LENGTH)]]
     assert "keeps failing" in str(error)
 
+
+
+def test_whoever_reads_an_output_reads_stats_that_know_its_request():
+    # A client that cancels after its first token and then reads GetStats must not read the stats from before its
+    # request came (idle, nothing finished): it would take the server for idle with its request still running.
+    seen: list[tuple[int, LoopStats]] = []
+
+    async def run():
+        async with in_process_scheduler(shadow(num_blocks=256)) as s:
+            loop = s.server.loop
+            deliver = loop.deliver
+
+            def recording(outbox):
+                seen.append((sum(len(output.token_ids) for _, output in outbox), loop.stats))
+                deliver(outbox)
+
+            loop.deliver = recording
+            chunks = await stream(s.stub, token_request([1, 2, 3], 12, ignore_eos=True))
+            await assert_idle_async(s.stub)
+            return chunks
+
+    chunks = asyncio.run(run())
+    assert chunks.token_ids == expected_tokens([1, 2, 3], 12)
+    assert sum(tokens for tokens, _ in seen) == 12
+    for _, stats in seen:
+        known = stats.num_waiting + stats.num_running + stats.num_finished_length
+        assert known == 1, f"an output left the loop with the stats from before its request: {stats}"

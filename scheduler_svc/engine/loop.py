@@ -50,7 +50,7 @@ class EngineLoop(EngineCalls):
         self._drain_deadline: float | None = None
         self._requests = LiveRequests(self.admission, observer)
         engine.on_step = observer.step
-        self.stats = LoopStats.of(engine, self._requests, self.supervisor.serving)
+        self._refresh_stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # Called from any thread.
@@ -165,6 +165,8 @@ class EngineLoop(EngineCalls):
                 self._requests.start(self.engine, handle, 0, self.tokenizer)
             except (ExecutorUnavailable, InvalidRequest) as e:  # InvalidRequest: the cache shrank since the check
                 self._requests.emit(handle, RequestOutput(error=e))
+        if handles:  # whoever reads an output of theirs must not read the stats from before they came (idle)
+            self._refresh_stats()
 
     def _step(self) -> None:
         """Engine steps: one, then, once every request finished, what is left for the executor (idle means empty).
@@ -226,12 +228,18 @@ class EngineLoop(EngineCalls):
         self._publish()
 
     def _deliver(self) -> None:
+        """The outputs waiting, before the stats: in the middle of an iteration they still count the requests the
+        executor holds (idle stats mean an empty executor)."""
         if outbox := self._requests.take_outbox():
             self.deliver(outbox)
 
     def _publish(self) -> None:
-        """End of an iteration: deliver the outputs and the KV events, refresh the stats, postpone the probe."""
-        self._deliver()
+        """End of an iteration: refresh the stats, deliver the outputs and the KV events, postpone the probe."""
+        self._refresh_stats()
+        if outbox := self._requests.take_outbox():
+            self.deliver(outbox)
         self.engine.kv_events.collect(self.engine.block_manager)
         self.supervisor.postpone_probe(time.monotonic())
+
+    def _refresh_stats(self) -> None:
         self.stats = LoopStats.of(self.engine, self._requests, self.supervisor.serving)
