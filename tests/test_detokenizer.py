@@ -72,6 +72,36 @@ def test_any_text_streams_back_exactly(text: str):
     assert "".join(stream_text(tokenizer, tokenizer.encode("Hi"), tokenizer.encode(text))) == text
 
 
+@given(st.text(alphabet="ab é日🦀你好🎉!", max_size=30), st.lists(st.integers(1, 9), min_size=1, max_size=12))
+@settings(max_examples=80, deadline=None)
+def test_tokens_pushed_together_show_the_text_they_show_one_at_a_time(text: str, sizes: list[int]):
+    # A multi-step window's tokens decode at once: each batch shows what its tokens show pushed one by one.
+    tokenizer = ModelTokenizer(TOKENIZER_JSON)
+    prompt, ids = tokenizer.encode("Hi"), tokenizer.encode(text)
+    together, one_by_one = IncrementalDetokenizer(tokenizer, prompt), IncrementalDetokenizer(tokenizer, prompt)
+    pieces, start = [], 0
+    for size in sizes * (len(ids) // sum(sizes) + 1):
+        batch = ids[start : start + size]
+        start += size
+        pieces.append(together.push_many(batch))
+        assert pieces[-1] == "".join(one_by_one.push(t) for t in batch)
+    pieces.append(together.flush())
+    assert "".join(pieces) == text
+    assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
+
+
+def test_a_batch_of_tokens_costs_two_decodes_and_special_ones_do_not_grow_the_window(tokenizer: ModelTokenizer):
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi"))
+    decode, calls = detokenizer.decode, []
+    detokenizer.decode = lambda ids: calls.append(ids) or decode(ids)
+    assert detokenizer.push_many(tokenizer.encode(" plain words for a window")) == " plain words for a window"
+    assert len(calls) == 2
+    eos, window = tokenizer.tokenizer.token_to_id("<|endoftext|>"), list(detokenizer.window)
+    assert [detokenizer.push_many([eos] * 8) for _ in range(50)] == [""] * 50
+    assert detokenizer.window == window
+    assert detokenizer.push_many(tokenizer.encode(" héllo 🦀")) + detokenizer.flush() == " héllo 🦀"
+
+
 def test_stop_string_spanning_pushes_is_caught_and_not_emitted():
     matcher = StopStringMatcher(["STOP"])
     assert matcher.push("Hel") == ("Hel", False)

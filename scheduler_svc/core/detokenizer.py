@@ -12,6 +12,7 @@ back until the next token settles it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 from scheduler_svc.core.tokenizer import ModelTokenizer
@@ -34,13 +35,24 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text that became final (possibly empty)."""
-        self.window.append(token_id)
+        return self.push_many((token_id,))
+
+    def push_many(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; return the text that became final. Several cost one decode (a multi-step window's tokens, for
+        the price of one) unless their text ends inside a character: then each is pushed in turn, so that what
+        came before that character is not held back with it."""
+        if not token_ids:
+            return ""
+        self.window.extend(token_ids)
         text = self.decode(self.window)
         if text == self.prefix_text and self.num_prefix:
-            # No visible effect after the prefix (a skipped special token): dropping it keeps the
+            # No visible effect after the prefix (skipped special tokens): dropping them keeps the
             # window short. Not at the very start, where a decoder may strip what a token shows.
-            self.window.pop()
+            del self.window[-len(token_ids) :]
             return ""
+        if len(token_ids) > 1 and text.endswith(REPLACEMENT_CHAR):
+            del self.window[-len(token_ids) :]
+            return "".join([self.push(token_id) for token_id in token_ids])
         if len(text) <= len(self.prefix_text) or text.endswith(REPLACEMENT_CHAR):
             return ""
         delta = text[len(self.prefix_text) :]
@@ -116,6 +128,15 @@ class TextStream:
         """Text to emit for a new completion token, and whether a stop string was matched (never without
         ``match``)."""
         return self.matcher.push(self.detokenizer.push(token_id), match)
+
+    @property
+    def matches_stop_strings(self) -> bool:
+        """Whether any stop string is watched for: else tokens need no matching and decode several at once."""
+        return bool(self.matcher.stop)
+
+    def push_many(self, token_ids: Sequence[int]) -> str:
+        """The text of new completion tokens where no stop string is watched for (``matches_stop_strings``)."""
+        return self.detokenizer.push_many(token_ids)
 
     def finish(self) -> tuple[str, bool]:
         """The remaining text once the generation ended, and whether a stop string was matched in it."""

@@ -110,8 +110,14 @@ class OutputProcessor:
         """The text of a step's tokens, the tokens kept (up to a stop string), whether one matched, and where the
         sequence must end when it matched before the step's last token."""
         seq, token_ids = out.seq, out.token_ids
-        text, stopped, stop_at = "", False, None
         last = len(token_ids) - 1
+        if not self.text.matches_stop_strings:  # a window's tokens decode at once; an EOS or stop token shows no text
+            shown = last if out.final and seq.finish_reason is FinishReason.STOP else last + 1
+            text = self.text.push_many(token_ids[:shown])
+            if out.final:
+                text += self.text.finish()[0]
+            return text, token_ids, False, None
+        text, stopped, stop_at = "", False, None
         # Completion tokens before token k: stop strings are matched from min_tokens on.
         done = out.position - seq.num_prompt_tokens
         for k, token_id in enumerate(token_ids):
