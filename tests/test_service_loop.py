@@ -342,7 +342,6 @@ def test_a_failed_request_hands_over_what_came_before_its_error_then_raises_it()
     assert "keeps failing" in str(error)
 
 
-
 def test_whoever_reads_an_output_reads_stats_that_know_its_request():
     # A client that cancels after its first token and then reads GetStats must not read the stats from before its
     # request came (idle, nothing finished): it would take the server for idle with its request still running.

@@ -228,16 +228,15 @@ class EngineLoop(EngineCalls):
         self._publish()
 
     def _deliver(self) -> None:
-        """The outputs waiting, before the stats: in the middle of an iteration they still count the requests the
-        executor holds (idle stats mean an empty executor)."""
+        """The outputs waiting. In the middle of an iteration they leave with the stats as they were, still counting
+        the requests the executor holds (idle stats mean an empty executor); ``_publish`` refreshes them first."""
         if outbox := self._requests.take_outbox():
             self.deliver(outbox)
 
     def _publish(self) -> None:
         """End of an iteration: refresh the stats, deliver the outputs and the KV events, postpone the probe."""
         self._refresh_stats()
-        if outbox := self._requests.take_outbox():
-            self.deliver(outbox)
+        self._deliver()
         self.engine.kv_events.collect(self.engine.block_manager)
         self.supervisor.postpone_probe(time.monotonic())
 
