@@ -60,7 +60,9 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Worker]]:
     files = tmp_path_factory.mktemp("tokenizer")
     (files / "tokenizer.json").write_text(byte_level_tokenizer().to_str())
     (files / "chat_template.jinja").write_text(CHATML_TEMPLATE)
-    options = dict(num_blocks=512, block_size=BLOCK, vocab_size=TOKENIZER_VOCAB_SIZE, max_model_len=2048,
+    # Room for the kill test's streams with the survivor's KV pressure far under the gateway's overload veto
+    # (0.8): a veto from the last load poll steers new requests to the dead scheduler until the next one.
+    options = dict(num_blocks=8192, block_size=BLOCK, vocab_size=TOKENIZER_VOCAB_SIZE, max_model_len=2048,
                    eos_token_ids=EOS_ID, tokenizer_json=files / "tokenizer.json",
                    chat_template=files / "chat_template.jinja")
     with contextlib.ExitStack() as stacks:
