@@ -104,7 +104,7 @@ class Link:
         self._held: list[tuple[Call, RequestOutput]] = []  # outputs the pacer holds back, in arrival order
         self._release: asyncio.TimerHandle | None = None
         self._frames = 0  # frames of outputs read
-        self._reading = PacedReading() if pacer is not None else None
+        self._reading = PacedReading()  # what streams take at a time (with a pacer only)
 
     def send(self, frame: Frame) -> None:
         self.writer.write(pack(frame))
@@ -193,7 +193,7 @@ class Link:
         held, self._held, self._release = self._held, [], None
         for call, output in held:
             call.outbox.put_nowait(output)
-        if self._pacer is None or self._reading is None:
+        if self._pacer is None:
             return
         self._pacer.handed_on()
         tokens = sum(len(output.token_ids) for _, output in held) if paced else 0
