@@ -74,10 +74,11 @@ def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
 
 @pytest.mark.parametrize("policy", ["nano-vllm", "mixed"])
 @pytest.mark.parametrize(("overlap", "num_steps", "ahead", "queued"),
-                         [(False, 1, 0, False), (True, 1, 0, False), (True, 1, 1, False), (True, 1, 2, False),
-                          (False, 5, 0, False), (True, 3, 2, False), (True, 1, 2, True), (True, 3, 2, True)],
-                         ids=["sync", "overlap", "overlap-ahead", "overlap-two-ahead", "multi-step",
-                              "multi-step-overlap-two-ahead", "overlap-two-ahead-queued",
+                         [(False, 1, 0, False), (False, 1, 1, False), (True, 1, 0, False), (True, 1, 1, False),
+                          (True, 1, 2, False), (False, 5, 0, False), (False, 5, 1, False), (True, 3, 2, False),
+                          (True, 1, 2, True), (True, 3, 2, True)],
+                         ids=["sync", "sync-ahead", "overlap", "overlap-ahead", "overlap-two-ahead", "multi-step",
+                              "multi-step-ahead", "multi-step-overlap-two-ahead", "overlap-two-ahead-queued",
                               "multi-step-overlap-two-ahead-queued"])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import cached_property
 
 from common.executor import Executor
 from common.step import LoraAdapterInfo, StepPlan, StepResult
@@ -75,7 +76,6 @@ class Engine:
         self.executor = executor
         # Bounds the wait for a step in flight (a synchronous executor bounds its own calls).
         self.step_timeout_s = step_timeout_s
-        self._submit: Submit | None = None
         # Runs the steps of an executor without a stream of its own (an in-process one), in order.
         self._worker: ThreadPoolExecutor | None = None
         self._in_flight: Launched | None = None
@@ -165,19 +165,17 @@ class Engine:
         return bool(self.scheduler.released_seq_ids)
 
     def step(self) -> list[TokenOutput]:
-        """Run one step; return the tokens it produced (finished sequences included).
-
-        With overlap, the step collected is the one launched by the previous call, and the
-        next one is launched before waiting for it.
-        """
+        """Run one step; return the tokens it produced (finished sequences included). With overlap, the step collected
+        is the one the previous call launched, and the next one is launched before waiting for it."""
         if not self.overlap:
+            if self._in_flight is not None:  # ``launch_ahead`` sent it once the step before was settled
+                launched, self._in_flight = self._in_flight, None
+                return self._collect(launched)
             launched = self._launch(self.executor.step)
             if launched is None:
                 self._flush_released()
                 return []
             return self._collect(launched)
-        if self._submit is None:
-            self._submit = self._submitter()
         if self._ahead:
             current, self._in_flight = self._in_flight, self._ahead.popleft()
             return self._collect(current)
@@ -201,25 +199,29 @@ class Engine:
         return self._collect(current)
 
     def launch_ahead(self) -> bool:
-        """Launch up to ``plans_ahead`` steps beyond the one in flight before the caller processes the tokens ``step``
-        returned, when nothing it does with them can change the next plans (``EngineLoop`` says when): they travel
-        while the outputs are sent (W5 ``api``), and with two a late plan still finds the device busy. Only after a
-        plain step of an overlapping engine (a window's booking decides its next plan); whether any was launched."""
+        """Launch steps before the caller processes the tokens ``step`` returned, when they cannot change the next plans
+        (``EngineLoop`` says when); whether any was. Without overlap the next step, computed while the outputs are
+        processed and sent (W1's split); with overlap up to ``plans_ahead`` past the one in flight, after a plain step
+        (a window books its own), sent while the outputs are (W5 ``api``); two keep the device busy past a late one."""
+        if not self.overlap:
+            if self._in_flight is not None:
+                return False
+            self._in_flight = self._launch(self._submit)
+            return self._in_flight is not None
         before = len(self._ahead)
-        while self.overlap and len(self._ahead) < self.plans_ahead:
+        while len(self._ahead) < self.plans_ahead:
             last = self._ahead[-1] if self._ahead else self._in_flight
             if last is None or last.window or last.dropped or (ahead := self._launch(self._submit)) is None:
                 break
             self._ahead.append(ahead)
         return len(self._ahead) > before
 
-    def _submitter(self) -> Submit:
-        """The executor's own ordered stream when it has one, else one worker thread (which keeps order).
-
-        An executor that ``prepares_ahead`` (its step in two halves, ``prepare`` and ``execute``:
-        ``executor_svc.core.step_pipeline``) gets a second thread that prepares each plan as it comes, while the
-        worker still executes the one before.
-        """
+    @cached_property
+    def _submit(self) -> Submit:
+        """Sends a plan without waiting for its result: the executor's own ordered stream when it has one, else one
+        worker thread (which keeps order). An executor that ``prepares_ahead`` (its step in two halves, ``prepare``
+        and ``execute``: ``executor_svc.core.step_pipeline``) gets a second thread that prepares each plan as it
+        comes, while the worker still executes the one before."""
         if self.executor.streams:
             return self.executor.submit
         self._worker = worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor")
@@ -264,9 +266,8 @@ class Engine:
             result = result.result(timeout=self.step_timeout_s)
             if self._worker is not None:
                 # Hand the GIL over before postprocessing: the in-process executor's thread that starts the next
-                # step otherwise waits behind all of it, and the executor idles between two steps (W5 in-process).
-                # An executor with a stream of its own has its next plan already: the hand-over would only make
-                # this thread wait for the GIL again (W5 ``api``).
+                # step otherwise waits behind all of it, idle between two steps (W5 in-process). An executor with a
+                # stream of its own has its next plan already: this thread would only wait for the GIL (W5 ``api``).
                 time.sleep(0)
         if result.instance_id != self.info.instance_id:
             raise ExecutorRestarted(

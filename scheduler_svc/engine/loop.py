@@ -173,7 +173,7 @@ class EngineLoop(EngineCalls):
         When the step's outputs cannot change the next plan and nothing waits for the loop, the plan after the one
         in flight goes out before they are processed, and the loop collects it before it takes other work."""
         while (outputs := self._executor_step()) is not None:
-            ahead = self._launch_ahead()
+            ahead = self._launch_ahead(outputs)
             self._requests.process(self.engine, outputs, self.tokenizer)
             if ahead is None:  # the launch failed: the loop waits for the executor
                 return
@@ -184,10 +184,14 @@ class EngineLoop(EngineCalls):
                 return
             self._deliver()  # what is left changes no output: at most the step in flight, then the drops
 
-    def _launch_ahead(self) -> bool | None:
+    def _launch_ahead(self, outputs: list[TokenOutput]) -> bool | None:
         """``Engine.launch_ahead`` unless requests, calls or a drain wait (they go first) or the outputs may change
-        the next plan (a stop string ends a sequence, a request's other choices start); None if the executor failed."""
+        the next plan (a stop string ends a sequence, a request's other choices start); None if the executor failed.
+        Without overlap (a CPU executor) a request's first token leaves first: the next forward would hold the cores
+        its way to the client needs (W3's time to first token)."""
         if self._inbox or self._calls or self._drain_deadline is not None:
+            return False
+        if not self.engine.overlap and any(out.position == out.seq.num_prompt_tokens for out in outputs):
             return False
         return self._requests.outputs_leave_plans_alone and self._executor_call(self.engine.launch_ahead)
 
