@@ -170,8 +170,9 @@ class EngineLoop(EngineCalls):
 
     def _step(self) -> None:
         """Engine steps: one, then, once every request finished, what is left for the executor (idle means empty).
-        When the step's outputs cannot change the next plan and nothing waits for the loop, the plan after the one
-        in flight goes out before they are processed, and the loop collects it before it takes other work."""
+        When the step's outputs cannot change the next plan and nothing waits for the loop, the next plan (with
+        overlap, the one after the plan in flight) goes out before they are processed, and the loop collects it
+        before it takes other work."""
         while (outputs := self._executor_step()) is not None:
             ahead = self._launch_ahead(outputs)
             self._requests.process(self.engine, outputs, self.tokenizer)
