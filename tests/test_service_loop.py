@@ -368,31 +368,3 @@ def test_whoever_reads_an_output_reads_stats_that_know_its_request():
     for _, stats in seen:
         known = stats.num_waiting + stats.num_running + stats.num_finished_length
         assert known == 1, f"an output left the loop with the stats from before its request: {stats}"
-
-
-def test_without_overlap_the_next_plan_leaves_before_a_steps_outputs_but_not_before_a_first_token():
-    # One step at a time (a CPU executor): the executor computes the next step while the outputs are sent, yet a
-    # request's first token reaches its client before that forward takes the cores.
-    executor = RecordingExecutor(shadow())
-    plans_before: dict[int, int] = {}  # tokens delivered: plans the executor had received by then
-
-    async def run():
-        async with in_process_scheduler(executor, overlap=False, num_scheduler_steps=1) as s:
-            loop, deliver = s.server.loop, s.server.loop.deliver
-            sent = [0]
-
-            def recording(outbox):
-                sent[0] += sum(len(output.token_ids) for _, output in outbox)
-                tokens = sent[0]
-                deadline = time.monotonic() + 0.2  # a plan already sent reaches the executor's thread by then
-                while len(executor.plans) <= tokens and time.monotonic() < deadline:
-                    time.sleep(0.001)
-                plans_before[tokens] = len(executor.plans)
-                deliver(outbox)
-
-            loop.deliver = recording
-            return await stream(s.stub, token_request([1, 2, 3], 6, ignore_eos=True))
-
-    assert asyncio.run(run()).token_ids == expected_tokens([1, 2, 3], 6)
-    assert plans_before[1] == 1, f"the first token waited for the next plan: {plans_before}"
-    assert all(plans_before[t] == t + 1 for t in range(2, 6)), f"the executor waited for the outputs: {plans_before}"

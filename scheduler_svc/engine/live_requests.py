@@ -76,6 +76,11 @@ class LiveRequests:
         """Processing a step's outputs cannot change the plan after it (``EngineLoop._launch_ahead``)."""
         return not (self._stop_string_choices or self._pending_requests)
 
+    def brings_a_first_token(self, outputs: list[TokenOutput]) -> bool:
+        """Whether ``outputs`` hold a choice's first token since it was admitted (a resumed one's first new token)."""
+        by_seq_id = self.by_seq_id
+        return any(by_seq_id[out.seq.seq_id].last_token_at is None for out in outputs)
+
     def handle_of(self, seq: Sequence) -> RequestHandle:
         """The request an admitted choice belongs to."""
         return self.by_seq_id[seq.seq_id].handle

@@ -186,13 +186,13 @@ class EngineLoop(EngineCalls):
             self._deliver()  # what is left changes no output: at most the step in flight, then the drops
 
     def _launch_ahead(self, outputs: list[TokenOutput]) -> bool | None:
-        """``Engine.launch_ahead`` unless requests, calls or a drain wait (they go first) or the outputs may change
-        the next plan (a stop string ends a sequence, a request's other choices start); None if the executor failed.
-        Without overlap (a CPU executor) a request's first token leaves first: the next forward would hold the cores
-        its way to the client needs (W3's time to first token)."""
-        if self._inbox or self._calls or self._drain_deadline is not None:
+        """``Engine.launch_ahead`` unless requests, calls, a resync or a drain wait (they go first) or the outputs may
+        change the next plan (a stop string ends a sequence, a request's other choices start); None if the executor
+        failed. Without overlap (a CPU executor) a request's first token leaves first, a resumed request's first new
+        one too: the next forward would hold the cores its way to the client needs (W3's time to first token)."""
+        if self._inbox or self._calls or self.supervisor.resync_due or self._drain_deadline is not None:
             return False
-        if not self.engine.overlap and any(out.position == out.seq.num_prompt_tokens for out in outputs):
+        if not self.engine.overlap and self._requests.brings_a_first_token(outputs):
             return False
         return self._requests.outputs_leave_plans_alone and self._executor_call(self.engine.launch_ahead)
 
