@@ -142,6 +142,10 @@ def test_abort_by_id_ends_every_choice_with_abort_and_frees_the_blocks():
     finals = [r for r in [first, *rest] if r.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
     assert sorted(r.index for r in finals) == [0, 1]
     assert all(r.finish_reason == pb.FINISH_REASON_ABORT for r in finals)
+    for final in finals:  # each choice's usage counts what it generated, the prompt once (on choice 0)
+        received = sum(len(r.token_ids) for r in [first, *rest] if r.index == final.index)
+        assert final.usage.completion_tokens == received, (final.index, final.usage, received)
+        assert final.usage.prompt_tokens == (3 if final.index == 0 else 0)
     assert stats.num_aborted == 2
     assert list(again.aborted_request_ids) == [], "a finished request is no longer abortable"
 

@@ -188,9 +188,10 @@ class LiveRequests:
         for active in list(self.by_handle.get(handle, ())):
             engine.abort(active.seq)
             if answer:
-                usage = RequestUsage.of(active.seq) if active.processor.index == 0 else RequestUsage(0, 0, 0)
-                self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage,
-                                                index=active.processor.index, drained=drained))
+                seq, index = active.seq, active.processor.index  # only choice 0 counts the prompt, as finished
+                usage = RequestUsage.of(seq) if index == 0 else RequestUsage(0, seq.num_completion_tokens, 0)
+                self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage, index=index,
+                                                drained=drained))
             self.forget(active, FinishReason.ABORT)
         if handle.pending_choices:
             ended_s = time.monotonic() - handle.arrived_at
