@@ -74,7 +74,7 @@ def run_with_recovery(engine: Engine) -> None:
         try:
             engine.step()
         except (ConnectionLost, ExecutorRestarted):
-            assert engine.recover() == []
+            assert engine.recover() == ([], [])
     engine.step()
 
 

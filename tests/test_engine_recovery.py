@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
+from common.step import LoraAdapterInfo
 from executor_svc.fakes.shadow import ShadowExecutor
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
@@ -59,10 +61,28 @@ def test_requests_too_large_for_the_new_cache_are_aborted():
     engine.step()
     with pytest.raises(ConnectionLost):
         engine.step()
-    assert engine.recover() == [large]
+    assert engine.recover() == ([], [large])
     assert large.is_finished and large.finish_reason.value == "abort"
     run_with_recovery(engine)
     assert small.is_finished and small.num_completion_tokens == 4
+    assert_all_blocks_free(engine.block_manager)
+
+
+def test_requests_through_an_adapter_the_restarted_executor_lacks_are_aborted():
+    # An adapter loaded at run time is gone with the executor: its requests end, the others carry on.
+    executor = restarting_shadow({2}, [40, 40])
+    executor.inner.info = replace(executor.inner.info, lora_adapters=(LoraAdapterInfo(1, "a1"),), max_lora_rank=8)
+    executor.inner.table.lora_ids = {1}
+    engine = Engine(executor, SchedulerConfig(8, 64))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    base, tuned = engine.add_request([1, 2, 3], params), engine.add_request([4, 5, 6], params, lora="a1")
+    engine.step()
+    with pytest.raises(ConnectionLost):
+        engine.step()
+    assert engine.recover() == ([tuned], [])
+    assert tuned.is_finished and tuned.finish_reason.value == "abort"
+    run_with_recovery(engine)
+    assert base.completion_token_ids == expected(engine, [1, 2, 3], params)
     assert_all_blocks_free(engine.block_manager)
 
 

@@ -61,7 +61,7 @@ def test_a_result_for_another_step_is_refused_and_recovery_keeps_the_tokens():
     with pytest.raises(StepMismatch, match="answered step 2 where step 3 was due"):
         while engine.has_unfinished():
             engine.step()
-    assert engine.recover() == []
+    assert engine.recover() == ([], [])
     while engine.has_unfinished():
         engine.step()
     engine.step()
@@ -98,7 +98,7 @@ def test_a_hung_step_under_overlap_costs_one_step_timeout_before_recovery():
         while engine.has_unfinished():
             engine.step()
     failed = time.monotonic()
-    assert engine.recover() == []
+    assert engine.recover() == ([], [])
     recovered = time.monotonic()
     assert failed - started < 2 * timeout
     assert recovered - failed < timeout / 2, "recovery waited for the step queued behind the hung one"
@@ -137,7 +137,7 @@ def test_recovery_from_a_timed_out_window_lets_an_in_process_executor_finish_it_
         while engine.has_unfinished():
             engine.step()
     engine.loop_work_taken()
-    assert engine.recover() == []
+    assert engine.recover() == ([], [])
     assert not executor.reset_while_running, "the executor was reset while it still ran the window"
     while engine.has_unfinished():
         engine.step()

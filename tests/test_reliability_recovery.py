@@ -11,13 +11,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.executor import Executor
-from common.step import ExecutorInfo, StepPlan, StepResult
+from common.step import ExecutorInfo, LoraAdapterInfo, StepPlan, StepResult
 from executor_svc.core.request_table import PlanError
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import generation_pb2 as pb
@@ -157,6 +158,33 @@ def test_requests_too_large_for_the_restarted_executor_fail_with_failed_precondi
     small_rest, refused = asyncio.run(run())
     assert len(small_rest) == 7
     assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and "too small for this request" in refused.details()
+
+
+def test_requests_through_an_adapter_the_restarted_executor_lacks_fail_naming_the_field():
+    # An adapter loaded at run time is gone with the executor: its stream is refused as the request would be now
+    # (INVALID_ARGUMENT, lora), not as too large for the cache, and the base model's stream carries on.
+    executor = FlakyExecutor()
+    executor.inner.info = replace(executor.inner.info, lora_adapters=(LoraAdapterInfo(1, "a1"),), max_lora_rank=8)
+    executor.inner.table.lora_ids = {1}
+    executor.step_delay_s = 0.05
+
+    async def run():
+        async with scheduler(executor) as s:
+            tuned_request = token_request([4, 5, 6], 8, ignore_eos=True)
+            tuned_request.lora = "a1"
+            base, tuned = s.stub.Generate(token_request([1, 2, 3], 8, ignore_eos=True)), s.stub.Generate(tuned_request)
+            first = (await base.read()).token_ids
+            await tuned.read()
+            executor.down = True
+            await wait_health(s, NOT_SERVING)
+            executor.restart()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await tokens_of(tuned, [])
+            return await tokens_of(base, first), refused.value
+
+    tokens, refused = asyncio.run(run())
+    assert tokens == expected_tokens([1, 2, 3], 8)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and refused.details().startswith("lora:")
 
 
 def test_an_executor_with_another_vocabulary_fails_requests_until_the_right_one_is_back():

@@ -233,7 +233,7 @@ def test_outputs_conform_across_preemptions_and_an_executor_restart(tokenizer, n
             engine.step()
         except (ConnectionLost, ExecutorRestarted):
             replayed = sum(1 for seq in seqs if not seq.is_finished and seq.num_completion_tokens)
-            assert engine.recover() == []
+            assert engine.recover() == ([], [])
     engine.step()
     assert executor.restarts == 1
     assert replayed, "the restart came before any request had completion tokens to replay"

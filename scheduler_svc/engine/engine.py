@@ -332,11 +332,11 @@ class Engine:
         """Whether the executor still answers as the same instance (it raises when it does not answer)."""
         return self.executor.get_info().instance_id == self.info.instance_id
 
-    def recover(self) -> list[Sequence]:
+    def recover(self) -> tuple[list[Sequence], list[Sequence]]:
         """Carry on with a (re)started executor: handshake and reset it, then recompute every request.
 
-        Requests keep the tokens they generated, so greedy and seeded outputs are unchanged.
-        Returns the sequences the new cache is too small for (finished with ABORT).
+        Requests keep the tokens they generated, so greedy and seeded outputs are unchanged. Returns the sequences
+        whose LoRA adapter it no longer holds, then those its cache is too small for (both finished with ABORT).
         """
         info = self.executor.get_info()
         old = self.info
@@ -359,7 +359,7 @@ class Engine:
         lost = self.adapters.renumber([*self.scheduler.running, *self.scheduler.waiting], info.lora_adapters)
         for seq in lost:  # its adapter is gone with the old executor
             self.abort(seq)
-        return lost + self.scheduler.requeue_all(BlockManager(info.num_blocks, info.block_size))
+        return lost, self.scheduler.requeue_all(BlockManager(info.num_blocks, info.block_size))
 
     def unload_lora(self, name: str) -> LoraAdapterInfo:
         """``Adapters.unload``, once an idle executor has dropped the requests that ended (busy, it may refuse)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from scheduler_svc.core.errors import CacheTooSmall, ExecutorUnavailable
+from scheduler_svc.core.errors import CacheTooSmall, ExecutorUnavailable, InvalidRequest
 from scheduler_svc.engine.checks import IncompatibleExecutor
 from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.executor_client import describe_failure
@@ -41,9 +41,15 @@ def recover(engine: Engine, requests: LiveRequests, supervisor: Supervisor) -> N
         log.warning("executor not back (%s); retrying in %.1fs", describe_failure(e), delay)
         return
     supervisor.recovered(time.monotonic())
-    too_small = CacheTooSmall(f"the restarted executor's KV cache ({engine.info.num_blocks} blocks) is too small "
-                              "for this request; retry with a shorter prompt or max_tokens")
-    for handle in {requests.handle_of(seq): None for seq in dropped}:
-        requests.fail(engine, handle, too_small)
-    log.info("executor instance %s is back: %d requests resume by recompute, %d too large for it",
-             engine.info.instance_id, len(requests), len(dropped))
+    adapter_gone, too_large = dropped
+    failures = (
+        (adapter_gone, InvalidRequest("lora", "the LoRA adapter this request runs through is gone with the executor's "
+                                              "restart; load it again and retry")),
+        (too_large, CacheTooSmall(f"the restarted executor's KV cache ({engine.info.num_blocks} blocks) is too small "
+                                  "for this request; retry with a shorter prompt or max_tokens")),
+    )
+    for seqs, error in failures:
+        for handle in {requests.handle_of(seq): None for seq in seqs}:
+            requests.fail(engine, handle, error)
+    log.info("executor instance %s is back: %d requests resume by recompute, %d too large for it, %d lost their "
+             "LoRA adapter", engine.info.instance_id, len(requests), len(too_large), len(adapter_gone))
