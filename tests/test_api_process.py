@@ -27,6 +27,7 @@ from common.channels import DRAINED_KEY
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
+from scheduler_svc.api import api_http
 from scheduler_svc.api.process_link import pack, read_frame, recv_frame
 from tests.http_fixtures import hosted
 from tests.service_fixtures import (
@@ -144,14 +145,28 @@ def test_bad_requests_name_the_field_and_lose_nothing_in_flight():
                 [r async for r in raw.unary_stream(GENERATE)(b"\xff\xff\xff")]
             except grpc.aio.AioRpcError as e:
                 errors.append((e.code(), e.details()))
+            for method in ("Tokenize", "Abort"):  # passed on to the scheduler's servicer
+                try:
+                    await raw.unary_unary(f"/nanoserve.v1.Generation/{method}")(b"\xff\xff\xff")
+                except grpc.aio.AioRpcError as e:
+                    errors.append((e.code(), e.details()))
             await raw.close()
+            deep = token_request([1], 3)  # past the JSON parser's recursion limit: refused, not a lost call
+            deep.structured_output.json_schema = '{"a":' * 50_000 + "1" + "}" * 50_000
+            try:
+                await s.stub.GenerateOnce(deep, timeout=30)
+            except grpc.aio.AioRpcError as e:
+                errors.append((e.code(), e.details()))
             rest = await rest_of(long)
             tokens = [t for r in [first, *rest] for t in r.token_ids]
             assert tokens == reference_generate([1, 2], 200, VOCAB, ignore_eos=True)
-            assert [code for code, _ in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+            assert [code for code, _ in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 6, errors
             assert errors[0][1].startswith("tokens.token_ids")
             assert errors[1][1].startswith("sampling.n")
             assert errors[2][1].startswith("not a GenerateRequest")
+            assert errors[3][1].startswith("not Tokenize's request message")
+            assert errors[4][1].startswith("not Abort's request message")
+            assert errors[5][1].startswith("structured_output.json_schema")
             await assert_idle_async(s.stub)
 
     asyncio.run(run())
@@ -309,3 +324,35 @@ def test_a_link_whose_other_end_died_with_frames_unread_ends_like_one_closed(sid
     else:
         assert recv_frame(ours) is None
         ours.close()
+
+
+def test_http_requests_that_come_while_the_tokenizer_is_built_wait_for_it(monkeypatch: pytest.MonkeyPatch):
+    # The API process's HTTP routes decode logprobs and echoes with the handshake's tokenizer: a request that comes
+    # while the first one builds it waits, rather than answering token ids for text.
+    built = []
+
+    def slow_tokenizer(*args: object) -> str:
+        time.sleep(0.2)
+        built.append(args)
+        return "tokenizer"
+
+    monkeypatch.setattr(api_http, "ModelTokenizer", slow_tokenizer)
+    asked: list[bool] = []
+
+    class Link:
+        async def ask(self, kind: str, with_tokenizer: bool) -> tuple:
+            asked.append(with_tokenizer)
+            await asyncio.sleep(0.01)
+            return "model", frozenset(), ("{}", None, 1, (2,)) if with_tokenizer else None
+
+    async def run() -> object:
+        generating = api_http.LinkGenerating(Link(), 1)
+        first = asyncio.ensure_future(generating.served())
+        await asyncio.sleep(0.05)  # the first has its answer and builds the tokenizer
+        await generating.served()
+        seen = generating.tokenizer
+        await first
+        return seen
+
+    assert asyncio.run(run()) == "tokenizer"
+    assert len(built) == 1 and asked == [True, False]

@@ -55,15 +55,22 @@ class LinkGenerating:
         self._link = link
         self._stream_interval = stream_interval
         self.tokenizer: ModelTokenizer | None = None
-        self._asked_tokenizer = False
+        self._has_tokenizer = False
+        self._tokenizer_lock = asyncio.Lock()
 
     async def served(self) -> translate.Served:
         """Asked per request: adapters come and go through the routes passed on. The first answer after the
-        executor's handshake brings its tokenizer (the same for every executor the scheduler accepts after it)."""
-        model_id, adapters, tokenizer = await self._link.ask("served", not self._asked_tokenizer)
-        if not self._asked_tokenizer:
-            self._asked_tokenizer = True
-            self.tokenizer = await asyncio.to_thread(ModelTokenizer, *tokenizer) if tokenizer is not None else None
+        executor's handshake brings its tokenizer (the same for every executor the scheduler accepts after it);
+        requests that come while it is built wait for it, so none is answered without it."""
+        if self._has_tokenizer:
+            model_id, adapters, _ = await self._link.ask("served", False)
+            return translate.Served(model_id, adapters)
+        async with self._tokenizer_lock:
+            first = not self._has_tokenizer
+            model_id, adapters, tokenizer = await self._link.ask("served", first)
+            if first:
+                self.tokenizer = await asyncio.to_thread(ModelTokenizer, *tokenizer) if tokenizer is not None else None
+                self._has_tokenizer = True
         return translate.Served(model_id, adapters)
 
     async def submit(self, request: pb.GenerateRequest, whole: bool) -> LinkGeneration:

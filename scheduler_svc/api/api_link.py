@@ -33,7 +33,7 @@ from scheduler_svc.api.process_link import Frame, encode_outputs, pack, recv_fra
 from scheduler_svc.api.vllm_engine.responses import ResponseWriter
 from scheduler_svc.api.vllm_engine.servicer import submit_generate
 from scheduler_svc.config import ServiceConfig
-from scheduler_svc.core.errors import RequestFailed
+from scheduler_svc.core.errors import EngineFailure, RequestFailed
 from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.engine.loop import RequestHandle
 
@@ -158,6 +158,11 @@ class ApiProcess:
                 handle = await submit_generate(self.frontend, vllm.GenerateRequest.FromString(data), submit)
         except RequestFailed as e:
             self.send(("failed", key, public(e)))
+            return
+        except Exception as e:  # a bug preparing it: its caller is answered, as the engine loop answers its own
+            log.exception("preparing a request failed: %s", e)
+            self.send(("failed", key, EngineFailure(f"internal scheduler error ({type(e).__name__}); retry the "
+                                                    "request")))
             return
         finally:
             self._pending.discard(key)

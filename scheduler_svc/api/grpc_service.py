@@ -106,7 +106,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 await self._fail(context, e)
 
     async def GenerateOnce(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        if not isinstance(request, MalformedRequest) and request.sampling.n > 1:
+        if request.sampling.n > 1:
             message = f"GenerateOnce returns one completion; stream {request.sampling.n} choices with Generate"
             await self._fail(context, InvalidRequest("sampling.n", message))
         with await self._submit(request, context, whole=True) as generation:

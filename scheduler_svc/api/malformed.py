@@ -1,8 +1,9 @@
 """Request bytes that are not the RPC's message: answered INVALID_ARGUMENT, like any other bad input.
 
-gRPC Python answers a request it cannot deserialize with UNKNOWN; this interceptor
-hands the servicer a ``MalformedRequest`` instead, so the caller learns it was its
-own input (a proto out of date, a corrupt frame) and gets the parser's reason.
+gRPC Python answers a request it cannot deserialize with UNKNOWN; this interceptor hands the servicer a
+``MalformedRequest`` instead, so the caller learns it was its own input (a proto out of date, a corrupt frame) and
+gets the parser's reason. A unary method's call is refused here; a streaming method refuses it itself (a wrapper
+around its generator would cost every response a hop).
 """
 
 from __future__ import annotations
@@ -44,4 +45,15 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None or not details.method.startswith(self.prefix):
             return handler
-        return handler._replace(request_deserializer=tolerant(handler.request_deserializer))
+        handler = handler._replace(request_deserializer=tolerant(handler.request_deserializer))
+        if handler.unary_unary is None:
+            return handler
+        behavior, method = handler.unary_unary, details.method.removeprefix(self.prefix)
+
+        async def refusing(request: object, context: grpc.aio.ServicerContext) -> object:
+            if isinstance(request, MalformedRequest):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"not {method}'s request message: {request.reason}")
+            return await behavior(request, context)
+
+        return handler._replace(unary_unary=refusing)

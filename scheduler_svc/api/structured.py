@@ -45,6 +45,8 @@ def json_schema_grammar(schema: str) -> str:
         parsed = json.loads(schema)
     except json.JSONDecodeError as e:
         raise InvalidRequest(f"{FIELD}.json_schema", f"not valid JSON: {e}") from e
+    except RecursionError as e:
+        raise InvalidRequest(f"{FIELD}.json_schema", "nested deeper than the JSON parser's recursion limit") from e
     if not isinstance(parsed, dict):
         raise InvalidRequest(f"{FIELD}.json_schema", "the schema must be a JSON object ({} accepts any JSON value)")
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)

@@ -87,7 +87,6 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
 
     async def Abort(self, request: vllm.AbortRequest, context: grpc.aio.ServicerContext) -> vllm.AbortResponse:
         """Each request found ends with finish_reason "abort"; unknown ids are no error (they may have finished)."""
-        await self._refuse_malformed(request, context)
         await self._ready(context)
         self.frontend.abort(request.request_ids)
         return vllm.AbortResponse()
@@ -111,7 +110,6 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
 
     async def GetLoads(self, request: vllm.GetLoadsRequest,
                        context: grpc.aio.ServicerContext) -> vllm.GetLoadsResponse:
-        await self._refuse_malformed(request, context)
         await self._ready(context)
         if request.HasField("dp_rank") and request.dp_rank != 0:
             await fail(context, InvalidRequest("dp_rank", f"this engine has one rank, 0; got {request.dp_rank}"))
@@ -145,7 +143,6 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
                          context: grpc.aio.ServicerContext) -> common.FlushCacheResponse:
         """Drop the prefix cache's entries no request holds, now: nothing needs to wait for idle, so timeout_s (the
         wait vLLM allows for it) is accepted and unused; requests in flight keep their blocks and go on."""
-        await self._refuse_malformed(request, context)
         await self._ready(context)
         if not (math.isfinite(request.timeout_s) and request.timeout_s >= 0):
             await fail(context, InvalidRequest("timeout_s", f"must be a finite number >= 0, got {request.timeout_s}"))
