@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -117,9 +117,10 @@ class Client:
         return Completion.from_chunks(list(self.stream(prompt, **options)))
 
     def tokenize(self, text: str | None = None, messages: Sequence[Message] | None = None,
-                 add_special_tokens: bool | None = None) -> list[int]:
+                 add_special_tokens: bool | None = None,
+                 chat_template_kwargs: Mapping[str, object] | None = None) -> list[int]:
         """The token ids a prompt costs, as Generate would see them."""
-        request = tokenize_request(text, messages, add_special_tokens)
+        request = tokenize_request(text, messages, add_special_tokens, chat_template_kwargs)
         return list(self._unary(self.stub.Tokenize, request).token_ids)
 
     def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool | None = None) -> str:
@@ -235,8 +236,9 @@ class AsyncClient:
         return Completion.from_chunks([chunk async for chunk in self.stream(prompt, **options)])
 
     async def tokenize(self, text: str | None = None, messages: Sequence[Message] | None = None,
-                       add_special_tokens: bool | None = None) -> list[int]:
-        request = tokenize_request(text, messages, add_special_tokens)
+                       add_special_tokens: bool | None = None,
+                       chat_template_kwargs: Mapping[str, object] | None = None) -> list[int]:
+        request = tokenize_request(text, messages, add_special_tokens, chat_template_kwargs)
         return list((await self._unary(self.stub.Tokenize, request)).token_ids)
 
     async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool | None = None) -> str:

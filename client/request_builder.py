@@ -44,10 +44,12 @@ def build_request(
     json_object: bool | None = None,
     stream_interval: int | None = None,
     lora: str | None = None,
+    chat_template_kwargs: Mapping[str, object] | None = None,
 ) -> pb.GenerateRequest:
     """Exactly one of ``prompt`` (text), ``messages`` (chat) or ``token_ids`` must be given, and at most one
     structured-output constraint (``json_schema`` as JSON text or a dict, ``regex``, ``choice``, ``grammar``
     in Lark, ``json_object``). ``lora``: the LoRA adapter to run through, by name (None: the base model).
+    ``chat_template_kwargs``: more variables for the chat template with ``messages`` (vLLM's option).
 
     Options left as None are not sent, so the server applies its documented defaults.
     Range checks are the server's job: it answers INVALID_ARGUMENT naming the field.
@@ -75,10 +77,17 @@ def build_request(
     if prompt is not None:
         request.text = prompt
     elif messages is not None:
-        request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        request.chat.CopyFrom(chat_prompt(messages, chat_template_kwargs))
     else:
         request.tokens.token_ids.extend(token_ids)
     return request
+
+
+def chat_prompt(messages: Sequence[Message], template_kwargs: Mapping[str, object] | None = None) -> pb.ChatPrompt:
+    chat = pb.ChatPrompt(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+    if template_kwargs:
+        chat.template_kwargs.update(template_kwargs)
+    return chat
 
 
 def structured_output(json_schema: str | Mapping | None, regex: str | None, choice: Sequence[str] | None,
@@ -100,7 +109,8 @@ def structured_output(json_schema: str | Mapping | None, regex: str | None, choi
 
 
 def tokenize_request(text: str | None = None, messages: Sequence[Message] | None = None,
-                     add_special_tokens: bool | None = None) -> pb.TokenizeRequest:
+                     add_special_tokens: bool | None = None,
+                     chat_template_kwargs: Mapping[str, object] | None = None) -> pb.TokenizeRequest:
     """Exactly one of ``text`` or ``messages`` (rendered with the model's chat template)."""
     if (text is None) == (messages is None):
         raise ValueError("give exactly one of text or messages")
@@ -108,5 +118,5 @@ def tokenize_request(text: str | None = None, messages: Sequence[Message] | None
     if text is not None:
         request.text = text
     else:
-        request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        request.chat.CopyFrom(chat_prompt(messages, chat_template_kwargs))
     return request

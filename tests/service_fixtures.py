@@ -36,9 +36,11 @@ START_TIMEOUT_S = 60.0
 IDLE_TIMEOUT_S = 10.0
 
 # ChatML, as SmolLM2 and Qwen use it.
+# ChatML, with Qwen3's switch: ``enable_thinking`` false (a chat_template_kwargs) writes an empty thought.
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_ID = 0  # <|endoftext|>

@@ -211,6 +211,10 @@ CHAT_ERRORS = [
     ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs"),
     ({"extra_body": {"top_k": -2}}, "top_k"),
     ({"seed": -1}, "seed"),
+    ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+    ({"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
+    ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),
+    ({"extra_body": {"chat_template_kwargs": {"messages": []}}}, "chat_template_kwargs"),
 ]
 COMPLETION_ERRORS = [
     ({"prompt": [1] * 300}, "prompt"),
@@ -222,6 +226,11 @@ COMPLETION_ERRORS = [
     ({"best_of": 2}, "best_of"),
     ({"extra_body": {"min_tokens": 50}}, "min_tokens"),
     ({"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
+    ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+    ({"extra_body": {"allowed_token_ids": [1, 2]}}, "allowed_token_ids"),
+    ({"extra_body": {"bad_words": ["Hi"]}}, "bad_words"),
+    ({"extra_body": {"truncation_side": "right"}}, "truncation_side"),
+    ({"extra_body": {"kv_transfer_params": {}}}, "kv_transfer_params"),
 ]
 
 
@@ -240,6 +249,14 @@ def test_bad_completion_input_is_a_bad_request_naming_the_parameter(api: Hosted,
     with pytest.raises(openai.BadRequestError) as refused:
         api.openai().completions.create(**{"model": MODEL, "prompt": "Hi", "max_tokens": 4, **options})
     assert (refused.value.status_code, refused.value.param) == (400, param)
+
+
+def test_vllms_parameters_at_their_defaults_are_accepted(api: Hosted):
+    # Refused only when they would change the answer: at vLLM's defaults they change nothing.
+    defaults = {"use_beam_search": False, "allowed_token_ids": [], "bad_words": [], "truncation_side": "left",
+                "continue_final_message": False, "chat_template": None, "prompt_logprobs": None}
+    reply = api.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=defaults)
+    assert reply.choices[0].finish_reason == "length"
 
 
 def test_an_unknown_model_is_not_found(api: Hosted):

@@ -210,6 +210,14 @@ def test_tokenize_and_detokenize_speak_vllms_shapes(echo_api: Hosted):
     assert httpx.post(f"{url}/detokenize", json={"tokens": text["tokens"]}).json() == {"prompt": "Hello world"}
     bad = httpx.post(f"{url}/detokenize", json={"tokens": [1, 10_000]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    thinking_off = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "chat_template_kwargs": {"enable_thinking": False}}).json()
+    hi = [ChatMessage("user", "hi")]
+    assert thinking_off["tokens"] == TOKENIZER.encode_chat(hi, True, {"enable_thinking": False}) != chat["tokens"]
+    taken = httpx.post(f"{url}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+        "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert taken.status_code == 400 and taken.json()["error"]["param"] == "chat_template_kwargs"
     neither = httpx.post(f"{url}/tokenize", json={})
     assert neither.status_code == 400 and neither.json()["error"]["param"] == "prompt"
     assert httpx.post(f"{url}/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404

@@ -169,6 +169,27 @@ def test_tokenize_and_detokenize_match_the_models_tokenizer():
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in refused.details()
 
 
+def test_chat_template_kwargs_reach_the_template_and_its_own_variables_are_refused():
+    hi = [pb.ChatMessage(role="user", content="hi")]
+
+    async def work(stub):
+        off = pb.ChatPrompt(messages=hi)
+        off.template_kwargs.update({"enable_thinking": False, "unused": 1})
+        plain = await stub.Tokenize(pb.TokenizeRequest(chat=pb.ChatPrompt(messages=hi)))
+        thinking_off = await stub.Tokenize(pb.TokenizeRequest(chat=off))
+        taken = pb.ChatPrompt(messages=hi)
+        taken.template_kwargs.update({"messages": [], "bos_token": "x"})
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Tokenize(pb.TokenizeRequest(chat=taken))
+        return plain, thinking_off, refused.value
+
+    plain, thinking_off, refused = run(echo(), work)
+    assert list(plain.token_ids) == TOKENIZER.encode_chat([ChatMessage("user", "hi")])
+    assert TOKENIZER.decode(list(thinking_off.token_ids), False).endswith("assistant\n<think>\n\n</think>\n\n")
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.details() == "chat.template_kwargs: bos_token, messages: set by the server, not by a request"
+
+
 def echo_request(text: str, max_tokens: int, **stopping: object) -> pb.GenerateRequest:
     ids = TOKENIZER.encode(text, add_special_tokens=False)
     return token_request(ids, max_tokens, **stopping)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import uuid
 
+from google.protobuf import json_format
+
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.structured import compile_grammar
 from scheduler_svc.core.errors import InvalidRequest
@@ -83,10 +85,7 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: ModelTokenizer | No
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         token_ids = tokenizer.encode(request.text, add_special_tokens=add_special)
     else:
-        chat = request.chat
-        messages = [ChatMessage(m.role, m.content) for m in chat.messages]
-        add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        token_ids = tokenizer.encode_chat(messages, add_generation_prompt)
+        token_ids = chat_token_ids(request.chat, tokenizer)
     if not token_ids:
         raise InvalidRequest(kind, "the prompt encodes to no tokens")
     return token_ids
@@ -108,9 +107,15 @@ def tokenize(request: pb.TokenizeRequest, tokenizer: ModelTokenizer | None) -> l
     if kind == "text":
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         return tokenizer.encode(request.text, add_special_tokens=add_special)
-    chat = request.chat
+    return chat_token_ids(request.chat, tokenizer)
+
+
+def chat_token_ids(chat: pb.ChatPrompt, tokenizer: ModelTokenizer) -> list[int]:
+    """The conversation rendered with the model's chat template, as token ids."""
     add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    return tokenizer.encode_chat([ChatMessage(m.role, m.content) for m in chat.messages], add_generation_prompt)
+    template_kwargs = json_format.MessageToDict(chat.template_kwargs) if chat.HasField("template_kwargs") else None
+    return tokenizer.encode_chat([ChatMessage(m.role, m.content) for m in chat.messages], add_generation_prompt,
+                                 template_kwargs)
 
 
 def detokenize(request: pb.DetokenizeRequest, tokenizer: ModelTokenizer | None, vocab_size: int) -> str:

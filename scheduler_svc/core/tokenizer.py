@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import jinja2
@@ -14,6 +15,8 @@ from common.step import ExecutorInfo
 from scheduler_svc.core.errors import InvalidRequest
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# What the server passes every chat template itself.
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,12 @@ class ModelTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The conversation as the model saw such text in training; raises InvalidRequest naming the bad part."""
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    template_kwargs: Mapping[str, object] | None = None) -> str:
+        """The conversation as the model saw such text in training; raises InvalidRequest naming the bad part.
+        ``template_kwargs``: more variables for the template (vLLM's ``chat_template_kwargs``), not its own."""
+        if taken := sorted(TEMPLATE_VARIABLES.intersection(template_kwargs or ())):
+            raise InvalidRequest("chat.template_kwargs", f"{', '.join(taken)}: set by the server, not by a request")
         if self.template is None:
             raise InvalidRequest("chat", "the model has no chat template; send a text or token prompt instead")
         if not messages:
@@ -83,6 +90,7 @@ class ModelTokenizer:
                 )
         try:
             return self.template.render(
+                **(template_kwargs or {}),
                 messages=[{"role": m.role, "content": m.content} for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
@@ -91,6 +99,7 @@ class ModelTokenizer:
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise InvalidRequest("chat", f"the chat template refused the conversation: {e}") from e
 
-    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    template_kwargs: Mapping[str, object] | None = None) -> list[int]:
         """Token ids of the rendered conversation; the template already writes any special tokens."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, template_kwargs), add_special_tokens=False)

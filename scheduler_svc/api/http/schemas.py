@@ -96,6 +96,8 @@ class ChatCompletionRequest(GenerationParameters):
     functions: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
+    # vLLM's: more variables for the chat template, such as {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(GenerationParameters):
@@ -128,6 +130,7 @@ class TokenizeRequest(Request):
     messages: list[Message] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(Request):

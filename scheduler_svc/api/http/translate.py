@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -52,6 +52,8 @@ def openai_param(field: str, renames: Mapping[str, str]) -> str:
         return "messages" + name.removeprefix("chat.messages")
     if name == "chat":
         return "messages"
+    if name == "chat.template_kwargs":
+        return "chat_template_kwargs"
     if name in ("text", "tokens.token_ids"):
         name = "prompt"
     if name.startswith("structured_output"):
@@ -84,6 +86,31 @@ def check_model(requested: str | None, served: Served) -> str:
 
 def unsupported(param: str, what: str) -> ApiError:
     return ApiError(400, f"{param}: {what} is not supported by this server", param)
+
+
+def is_set(value: object) -> bool:
+    return value is not None
+
+
+# vLLM's extra parameters that change the answer and that this server does not take: refused when given anything
+# but their default, so that none is silently dropped (any other unknown parameter is ignored, as OpenAI does).
+UNSUPPORTED_EXTRAS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "use_beam_search": (bool, "beam search"),
+    "allowed_token_ids": (bool, "allowed_token_ids (logit_bias or structured_outputs restrict the tokens)"),
+    "bad_words": (bool, "bad_words"),
+    "chat_template": (is_set, "a chat template sent with the request"),
+    "continue_final_message": (bool, "continuing the final message"),
+    "truncation_side": (lambda side: side not in (None, "left"), "truncating the prompt on the right"),
+    "prompt_logprobs": (is_set, "prompt logprobs over HTTP (the gRPC API's GenerateRequest.prompt_logprobs has them)"),
+    "kv_transfer_params": (is_set, "KV cache transfer between instances"),
+}
+
+
+def refuse_unsupported_extras(body: schemas.Request) -> None:
+    for name, value in (body.model_extra or {}).items():
+        rule = UNSUPPORTED_EXTRAS.get(name)
+        if rule is not None and rule[0](value):
+            raise unsupported(name, rule[1])
 
 
 def logit_bias(bias: Mapping[str, float] | None) -> dict[int, float]:
@@ -134,6 +161,7 @@ def structured_output(body: schemas.GenerationParameters) -> tuple[pb.Structured
 def base_request(body: schemas.GenerationParameters, max_tokens: int | None, logprobs: int | None,
                  renames: dict[str, str]) -> pb.GenerateRequest:
     """The settings every prompt of the request shares; records where the structured output came from."""
+    refuse_unsupported_extras(body)
     sampling = pb.SamplingOptions(
         temperature=body.temperature, top_k=None if body.top_k == -1 else body.top_k, top_p=body.top_p,
         min_p=body.min_p, seed=body.seed, logprobs=logprobs, repetition_penalty=body.repetition_penalty,
@@ -172,6 +200,15 @@ def message_text(message: schemas.Message, i: int) -> str:
     return "".join(part.text for part in message.content)
 
 
+def chat_prompt(messages: list[schemas.Message], add_generation_prompt: bool | None,
+                template_kwargs: dict[str, object] | None) -> pb.ChatPrompt:
+    chat = pb.ChatPrompt(messages=[pb.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=message_text(m, i))
+                                   for i, m in enumerate(messages)], add_generation_prompt=add_generation_prompt)
+    if template_kwargs:
+        chat.template_kwargs.update(template_kwargs)
+    return chat
+
+
 def chat_request(body: schemas.ChatCompletionRequest, served: Served) -> Translated:
     lora = check_model(body.model, served)
     if body.tools:
@@ -186,9 +223,7 @@ def chat_request(body: schemas.ChatCompletionRequest, served: Served) -> Transla
     max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     renames = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_param}
     request = base_request(body, getattr(body, max_param), top_logprobs, renames)
-    messages = [pb.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=message_text(m, i))
-                for i, m in enumerate(body.messages)]
-    request.chat.CopyFrom(pb.ChatPrompt(messages=messages, add_generation_prompt=body.add_generation_prompt))
+    request.chat.CopyFrom(chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs))
     request.lora = lora
     return translated(body, "chatcmpl", lora or served.model_id, [request], renames, top_logprobs, [])
 
@@ -237,9 +272,7 @@ def tokenize_request(body: schemas.TokenizeRequest, served: Served) -> pb.Tokeni
     if body.prompt is not None:
         request.text = body.prompt
     else:
-        messages = [pb.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=message_text(m, i))
-                    for i, m in enumerate(body.messages)]
-        request.chat.CopyFrom(pb.ChatPrompt(messages=messages, add_generation_prompt=body.add_generation_prompt))
+        request.chat.CopyFrom(chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs))
     return request
 
 
