@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.errors import NanoserveError
-from client.failover import DEFAULT_MAX_RESUMES, ROUND_ROBIN, Resumption, channel_target, read_whole, resumable
+from client.failover import DEFAULT_MAX_RESUMES, ROUND_ROBIN, Resumption, channel_target, one_choice, read_whole
 from client.request_builder import Message, build_request, tokenize_request
 from client.results import Chunk, Completion
 from common.channels import PUBLIC_MAX_MESSAGE_BYTES, public_channel_options
@@ -68,15 +68,9 @@ class Client:
 
     def generate(self, prompt: str | None = None, **options: Any) -> Completion:
         """The whole completion: streamed (``JOINED_STREAM_INTERVAL`` tokens a response unless ``stream_interval``
-        is given) and joined, so that it survives its scheduler's death (n > 1: one GenerateOnce response, not
-        resumed)."""
-        request = build_request(prompt, **options)
-        if resumable(request):
-            return Completion.from_chunks(list(self._stream(read_whole(request))))[0]
-        try:
-            return Completion.from_proto(self.stub.GenerateOnce(request, timeout=self.timeout, metadata=self.metadata))
-        except grpc.RpcError as e:
-            raise NanoserveError.from_rpc_error(e) from None
+        is given) and joined, so that it survives its scheduler's death. One completion: ``choices`` returns the n
+        of n > 1 (ValueError here)."""
+        return Completion.from_chunks(list(self._stream(read_whole(one_choice(build_request(prompt, **options))))))[0]
 
     def stream(self, prompt: str | None = None, **options: Any) -> Iterator[Chunk]:
         """Chunks as the server decodes them; closing the iterator early cancels the request.
@@ -101,9 +95,11 @@ class Client:
                 if delay is None:
                     return
             except grpc.RpcError as e:
-                delay = resumption.retry_delay(e)
+                delay, rest = resumption.retry_delay(e)
                 if delay is None:
                     raise NanoserveError.from_rpc_error(e) from None
+                for ready in rest:
+                    yield Chunk.from_proto(ready)
             finally:
                 responses.cancel()
             time.sleep(delay)
@@ -197,10 +193,8 @@ class AsyncClient:
 
     async def generate(self, prompt: str | None = None, **options: Any) -> Completion:
         """The whole completion, streamed and joined as ``Client.generate`` does."""
-        request = build_request(prompt, **options)
-        if resumable(request):
-            return Completion.from_chunks([chunk async for chunk in self._stream(read_whole(request))])[0]
-        return Completion.from_proto(await self._unary(self.stub.GenerateOnce, request))
+        request = read_whole(one_choice(build_request(prompt, **options)))
+        return Completion.from_chunks([chunk async for chunk in self._stream(request)])[0]
 
     def stream(self, prompt: str | None = None, **options: Any) -> AsyncIterator[Chunk]:
         """Chunks as the server decodes them (``async for``); leaving the loop early cancels the request."""
@@ -220,9 +214,11 @@ class AsyncClient:
                 if delay is None:
                     return
             except grpc.RpcError as e:
-                delay = resumption.retry_delay(e)
+                delay, rest = resumption.retry_delay(e)
                 if delay is None:
                     raise NanoserveError.from_rpc_error(e) from None
+                for ready in rest:
+                    yield Chunk.from_proto(ready)
             finally:
                 call.cancel()
             await asyncio.sleep(delay)

@@ -67,12 +67,30 @@ def resumable(request: pb.GenerateRequest) -> bool:
     return request.sampling.n <= 1
 
 
+def one_choice(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    """``request``, which asks for one completion; ValueError naming ``n`` if it asks for more."""
+    if not resumable(request):
+        raise ValueError(f"n={request.sampling.n} asks for {request.sampling.n} completions: choices() returns them")
+    return request
+
+
 def read_whole(request: pb.GenerateRequest) -> pb.GenerateRequest:
     """``request`` as ``generate`` streams it, to join the pieces: ``JOINED_STREAM_INTERVAL`` tokens a response
     unless the caller chose a ``stream_interval``."""
     if not request.HasField("stream_interval"):
         request.stream_interval = JOINED_STREAM_INTERVAL
     return request
+
+
+def continued(held: pb.GenerateResponse) -> list[pb.GenerateResponse]:
+    """A held ABORT response's piece without its finish, which a resend continues; nothing if it has none."""
+    if not (held.token_ids or held.text):
+        return []
+    piece = pb.GenerateResponse()
+    piece.CopyFrom(held)
+    piece.ClearField("finish_reason")
+    piece.ClearField("usage")
+    return [piece]
 
 
 @dataclass
@@ -103,6 +121,7 @@ class Resumption:
         request = pb.GenerateRequest()
         request.CopyFrom(self.request)
         request.resume.completion_token_ids.extend(self.received)
+        request.ClearField("prompt_logprobs")  # they came with the first response
         return request
 
     def remaining_s(self) -> float | None:
@@ -124,18 +143,15 @@ class Resumption:
         delay = self.drained_delay(held, trailing)
         if delay is None:
             return None, [held] if held is not None else []
-        if not (held.token_ids or held.text):
-            return delay, []
-        piece = pb.GenerateResponse()
-        piece.CopyFrom(held)
-        piece.ClearField("finish_reason")
-        piece.ClearField("usage")
-        return delay, [piece]
+        return delay, continued(held)
 
-    def retry_delay(self, error: grpc.RpcError) -> float | None:
-        """Seconds to wait before resending after ``error``; None to raise it (not UNAVAILABLE, resends used up,
-        or the deadline would pass)."""
-        return self._next_delay() if error.code() == grpc.StatusCode.UNAVAILABLE else None
+    def retry_delay(self, error: grpc.RpcError) -> tuple[float | None, list[pb.GenerateResponse]]:
+        """After ``error``: seconds to wait before resending (None to raise it: not UNAVAILABLE, resends used up,
+        or the deadline would pass) and the responses still to hand over (an ABORT held back, without its finish:
+        the resend carries on after its tokens)."""
+        held, self.held = self.held, None
+        delay = self._next_delay() if error.code() == grpc.StatusCode.UNAVAILABLE else None
+        return delay, [] if delay is None or held is None else continued(held)
 
     def drained_delay(self, last: pb.GenerateResponse | None,
                       trailing: Sequence[tuple[str, str]] | None) -> float | None:

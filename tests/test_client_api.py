@@ -90,6 +90,20 @@ def test_a_prompt_must_be_given_exactly_once(client: Client) -> None:
         client.stream()
 
 
+def test_generate_gives_one_completion_and_choices_gives_n(client: Client, echo_server: EchoServer) -> None:
+    with pytest.raises(ValueError, match=r"n=2 asks for 2 completions: choices\(\) returns them"):
+        client.generate(PROMPT, max_tokens=3, n=2)
+    text, _ = echo_server.echo(PROMPT, 3)
+    assert [c.text for c in client.choices(PROMPT, max_tokens=3, n=2, temperature=0)] == [text, text]
+
+    async def run() -> None:
+        async with AsyncClient(echo_server.target, timeout=30) as aclient:
+            with pytest.raises(ValueError, match="n=3 asks for 3 completions"):
+                await aclient.chat([{"role": "user", "content": "hi"}], n=3)
+
+    asyncio.run(run())
+
+
 def test_model_info_stats_and_health(client: Client) -> None:
     info = client.model_info()
     assert (info.model_id, info.vocab_size, info.has_tokenizer, info.has_chat_template) == (
