@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 from dataclasses import asdict
 
@@ -273,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         print(f"error: {e.code.name}: {e.message}", file=sys.stderr)
         return EXIT_CODES.get(e.code, EXIT_ERROR)
+    except socket.gaierror as e:  # a --server host that does not resolve
+        print(f"error: UNAVAILABLE: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except ValueError as e:  # an option the request cannot carry, or a malformed --server list
+        parser.error(str(e))
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 from nanoserve.v1 import generation_pb2 as pb
+
+M = TypeVar("M")
 
 Message = Mapping[str, str]
 
@@ -51,8 +54,9 @@ def build_request(
     in Lark, ``json_object``). ``lora``: the LoRA adapter to run through, by name (None: the base model).
     ``chat_template_kwargs``: more variables for the chat template with ``messages`` (vLLM's option).
 
-    Options left as None are not sent, so the server applies its documented defaults.
-    Range checks are the server's job: it answers INVALID_ARGUMENT naming the field.
+    Options left as None are not sent, so the server applies its documented defaults; ``top_k`` -1 disables it, as
+    in vLLM (0 in the proto). Range checks are the server's job (INVALID_ARGUMENT naming the field), but for values
+    the proto's types cannot hold (a negative count): ValueError naming the option.
     """
     given = [name for name, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
              if value is not None]
@@ -60,17 +64,17 @@ def build_request(
         raise ValueError(f"give exactly one of prompt, messages or token_ids (got {', '.join(given) or 'none'})")
     if isinstance(stop, str):
         stop = [stop]
-    sampling = pb.SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                  logprobs=logprobs, repetition_penalty=repetition_penalty,
-                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                  logit_bias=logit_bias or {}, n=n)
-    stopping = pb.StoppingOptions(max_tokens=max_tokens, stop=stop or [], stop_token_ids=stop_token_ids or [],
-                                  ignore_eos=ignore_eos, min_tokens=min_tokens,
-                                  include_stop_str_in_output=include_stop_str_in_output)
-    request = pb.GenerateRequest(request_id=request_id, sampling=sampling, stopping=stopping,
-                                 add_special_tokens=add_special_tokens, skip_special_tokens=skip_special_tokens,
-                                 truncate_prompt_tokens=truncate_prompt_tokens, prompt_logprobs=prompt_logprobs,
-                                 stream_interval=stream_interval, lora=lora)
+    sampling = message(pb.SamplingOptions, temperature=temperature, top_k=0 if top_k == -1 else top_k, top_p=top_p,
+                       min_p=min_p, seed=seed, logprobs=logprobs, repetition_penalty=repetition_penalty,
+                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                       logit_bias=logit_bias or {}, n=n)
+    stopping = message(pb.StoppingOptions, max_tokens=max_tokens, stop=stop or [], stop_token_ids=stop_token_ids or [],
+                       ignore_eos=ignore_eos, min_tokens=min_tokens,
+                       include_stop_str_in_output=include_stop_str_in_output)
+    request = message(pb.GenerateRequest, request_id=request_id, sampling=sampling, stopping=stopping,
+                      add_special_tokens=add_special_tokens, skip_special_tokens=skip_special_tokens,
+                      truncate_prompt_tokens=truncate_prompt_tokens, prompt_logprobs=prompt_logprobs,
+                      stream_interval=stream_interval, lora=lora)
     constraint = structured_output(json_schema, regex, choice, grammar, json_object)
     if constraint is not None:
         request.structured_output.CopyFrom(constraint)
@@ -88,6 +92,19 @@ def chat_prompt(messages: Sequence[Message], template_kwargs: Mapping[str, objec
     if template_kwargs:
         chat.template_kwargs.update(template_kwargs)
     return chat
+
+
+def message(cls: type[M], **fields: object) -> M:
+    """``cls(**fields)``; a value its field's type cannot hold raises ValueError naming the field."""
+    try:
+        return cls(**fields)
+    except (ValueError, TypeError):
+        for name, value in fields.items():
+            try:
+                cls(**{name: value})
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{name}: {e}") from None
+        raise
 
 
 def structured_output(json_schema: str | Mapping | None, regex: str | None, choice: Sequence[str] | None,

@@ -84,6 +84,22 @@ def test_rejected_request_prints_the_code_and_message(
     assert code == EXIT_REJECTED and "vocabulary" in err
 
 
+def test_values_a_request_cannot_carry_are_a_bad_command_line(
+    capsys: pytest.CaptureFixture[str], echo_server: EchoServer
+) -> None:
+    for option in (["--max-tokens", "-5"], ["--seed", "-1"]):
+        with pytest.raises(SystemExit) as bad:
+            run_cli(capsys, "generate", "--server", echo_server.target, *option, PROMPT)
+        assert bad.value.code == 2
+        assert f"error: {option[0][2:].replace('-', '_')}: " in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:
+        run_cli(capsys, "generate", "--server", "host-a,host-b", PROMPT)
+    assert bad.value.code == 2 and "host-a" in capsys.readouterr().err
+    code, out, _ = run_cli(capsys, "generate", "--server", echo_server.target, "--top-k", "-1", "--max-tokens", "2",
+                           PROMPT)
+    assert code == 0 and out.strip(), "top_k -1 disables it, as in vLLM"
+
+
 def test_unreachable_server_exits_with_its_own_code(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(capsys, "generate", "--server", f"127.0.0.1:{free_port()}", PROMPT)
     assert code == EXIT_UNAVAILABLE and out == ""
