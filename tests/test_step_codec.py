@@ -115,6 +115,13 @@ def test_num_prompt_tokens_is_kept_and_defaults_to_every_token() -> None:
         (pb.SamplingParams(frequency_penalty=-2.5), {}, "frequency_penalty"),
         (pb.SamplingParams(logit_bias={100: 1.0}), {}, "logit_bias"),
         (pb.SamplingParams(logit_bias={3: -101.0}), {}, "logit_bias"),
+        (pb.SamplingParams(temperature=float("nan")), {}, "temperature"),
+        (pb.SamplingParams(temperature=float("inf")), {}, "temperature"),
+        (pb.SamplingParams(temperature=-1.0), {}, "temperature"),
+        (pb.SamplingParams(top_p=0.0), {}, "top_p"),
+        (pb.SamplingParams(min_p=1.5), {}, "min_p"),
+        (pb.SamplingParams(num_logprobs=21), {}, "num_logprobs"),
+        (pb.SamplingParams(num_prompt_logprobs=1_000_000), {}, "num_prompt_logprobs"),
         (None, {"num_prompt_tokens": 5}, "prompt tokens"),
     ],
 )

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from itertools import count, repeat
 from typing import Any
 
-from common.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
+from common.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 from common.step import SamplingSettings, StepPlan
 
 INVALID = "INVALID_ARGUMENT"
@@ -236,6 +236,14 @@ class RequestTable:
         """The ranges of ``common.sampling`` the logits processors rely on; an id outside the vocab would fail the
         step. Stop token ids outside the vocabulary are allowed: they can never be sampled, so nothing masks them.
         """
+        ranges = (("temperature", 0 <= params.temperature < math.inf, "finite and >= 0"),
+                  ("top_p", 0 < params.top_p <= 1, "in (0, 1]"), ("min_p", 0 <= params.min_p <= 1, "in [0, 1]"))
+        for name, ok, what in ranges:
+            if not ok:
+                raise PlanError(INVALID, f"request {request_id}: {name} must be {what}, got {getattr(params, name)}")
+        for name in ("num_logprobs", "num_prompt_logprobs"):
+            if (value := getattr(params, name)) is not None and value > MAX_LOGPROBS:
+                raise PlanError(INVALID, f"request {request_id}: {name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if not 0 < params.repetition_penalty < math.inf:
             raise PlanError(INVALID, f"request {request_id}: repetition_penalty must be > 0, got "
                                      f"{params.repetition_penalty}")
