@@ -176,6 +176,22 @@ def test_a_plan_booked_on_a_window_waits_for_it_and_so_does_every_plan_behind_it
     assert not any(r.num_passes is not None for r in results)
 
 
+def test_a_bad_plan_booked_on_a_window_is_refused_in_its_own_turn_and_the_window_answers(
+    tiny_model_folders: dict[str, Path],  # noqa: F811
+) -> None:
+    in_turn = tiny(tiny_model_folders["llama"])
+    expected = [in_turn.step(plan) for plan in (prefill(1), decode(2, 1, steps=3), decode(3, 4))]
+    ahead = tiny(tiny_model_folders["llama"])
+    ahead.launches_ahead = lambda inputs: True
+    # The booked plan says 5 tokens sampled where the window leaves 4: applied as the window's last pass runs.
+    first, window, bad = (ahead.prepare(plan) for plan in (prefill(1), decode(2, 1, steps=3),
+                                                            booked_on(decode(3, 5), 2)))
+    assert tokens([ahead.execute(first), ahead.execute(window)]) == tokens(expected[:2])
+    with pytest.raises(PlanError, match="executor has"):
+        ahead.execute(bad)
+    assert tokens([ahead.step(decode(4, 4))]) == tokens(expected[2:]), "the table is as the window left it"
+
+
 def test_a_plan_booked_on_a_window_that_was_cut_is_dropped_unapplied(
     tiny_model_folders: dict[str, Path],  # noqa: F811
 ) -> None:

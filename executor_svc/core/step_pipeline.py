@@ -16,7 +16,7 @@ from typing import Protocol
 
 from common.executor import Executor
 from common.step import ExecutorInfo, StepPlan, StepResult, TokenLogprobs
-from executor_svc.core.request_table import RequestTable, ScheduledChunk
+from executor_svc.core.request_table import PlanError, RequestTable, ScheduledChunk
 
 # Computes and samples one token per chunk, in order (0 for a chunk that does not sample), from the input
 # the executor packed for them ahead (None, as ``run_forward_passes`` passes: packed now); a verification chunk
@@ -312,7 +312,10 @@ class TableExecutor(Executor, ABC):
         plan = following.deferred
         if plan is None or plan.after_whole_step_id != window.step_id:
             return None
-        self._apply(following, plan, last)
+        try:
+            self._apply(following, plan, last)
+        except PlanError:  # refused in its own turn, not as the window's answer (a refused plan changes nothing)
+            return None
         if not (self.launches_ahead(following.inputs) and self.fills_ahead(following.inputs)):
             return None
 
