@@ -221,7 +221,6 @@ COMPLETION_ERRORS = [
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, TOKENIZER_VOCAB_SIZE]}, "prompt"),
     ({"logprobs": 21}, "logprobs"),
-    ({"echo": True, "logprobs": 1}, "echo"),
     ({"suffix": "tail"}, "suffix"),
     ({"best_of": 2}, "best_of"),
     ({"extra_body": {"min_tokens": 50}}, "min_tokens"),

@@ -27,6 +27,8 @@ from scheduler_svc.core.errors import RequestFailed
 from scheduler_svc.core.tokenizer import ChatMessage
 from tests.http_fixtures import Hosted, hosted
 from tests.service_fixtures import HOST, GatedExecutor, free_port
+from tests.shadow_helpers import shadow_prompt_logprobs
+from tests.test_service_loop import LogprobExecutor
 from tests.test_service_options import TOKENIZER, echo
 
 MODEL = "echo"
@@ -198,6 +200,31 @@ def test_503_until_the_executor_answers_and_while_draining():
             await stopping
 
     asyncio.run(run())
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_vllm_does():
+    # lm-evaluation-harness's loglikelihood: the prompt echoed with each of its tokens' logprobs (the first has none),
+    # then the completion's, whole or streamed.
+    prompt, vocab = [3, 9, 4, 7], 50
+    with hosted(LogprobExecutor(ShadowExecutor(num_blocks=64, block_size=4, vocab_size=vocab))) as h:
+        model = httpx.get(f"{h.url}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2,
+                "ignore_eos": True}
+        whole = httpx.post(f"{h.url}/v1/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
+        streamed = httpx.post(f"{h.url}/v1/completions", json={**body, "stream": True}, timeout=30).text
+        pair = httpx.post(f"{h.url}/v1/completions", json={**body, "n": 2}, timeout=30).json()["choices"]
+        h.assert_idle()
+    scored = shadow_prompt_logprobs(prompt, vocab, 2)
+    assert whole["tokens"][:4] == [f"token_id:{t}" for t in prompt] and len(whole["tokens"]) == 4 + 3
+    assert whole["token_logprobs"][0] is None and whole["top_logprobs"][0] is None
+    assert whole["token_logprobs"][1:4] == pytest.approx([logprob for logprob, _ in scored])
+    assert [list(top) for top in whole["top_logprobs"][1:4]] == [[f"token_id:{t}" for t in ids] for _, ids in scored]
+    assert whole["token_logprobs"][4:] == [-0.25] * 3, "the completion's own (LogprobExecutor's) follow"
+    assert [choice["logprobs"]["token_logprobs"][:4] for choice in pair] == [whole["token_logprobs"][:4]] * 2
+    chunks = [json.loads(e)["choices"] for e in events(streamed) if e != "[DONE]"]
+    joined = {key: [v for c in chunks for choice in c if choice.get("logprobs") for v in choice["logprobs"][key]]
+              for key in ("tokens", "token_logprobs", "top_logprobs")}
+    assert joined == {key: whole[key] for key in joined}
 
 
 def test_tokenize_and_detokenize_speak_vllms_shapes(echo_api: Hosted):

@@ -36,7 +36,7 @@ def to_response(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateRes
                                        token_ids=[t for output in outputs for t in output.token_ids])
     if first.prompt_logprobs is not None:
         token_ids, logprobs = first.prompt_logprobs
-        response.prompt_logprobs.extend(token_logprob(t, lp) for t, lp in zip(token_ids, logprobs, strict=True))
+        response.prompt_logprobs.extend(token_logprob(t, lp) for t, lp in zip(token_ids[1:], logprobs, strict=True))
     for output in outputs:
         if output.logprobs:
             response.logprobs.extend(token_logprob(t, lp) for t, lp in zip(output.token_ids, output.logprobs,

@@ -40,7 +40,7 @@ class RequestOutput:
     error: RequestFailed | None = None
     # Which of the request's n choices this continues.
     index: int = 0
-    # On the first output of a request that asked: its prompt tokens from the second on, and their logprobs.
+    # On the first output of a request that asked: its prompt tokens, and the logprobs of the second on.
     prompt_logprobs: tuple[list[int], list[TokenLogprobs]] | None = None
     # An ABORT because the server shut down before the request finished: the caller may resume it elsewhere.
     drained: bool = False
@@ -93,7 +93,7 @@ class OutputProcessor:
         prompt_logprobs = None
         if self.prompt_logprobs_due:
             self.prompt_logprobs_due = False
-            prompt_logprobs = (seq.token_ids[1 : seq.num_prompt_tokens], seq.prompt_logprobs)
+            prompt_logprobs = (seq.token_ids[: seq.num_prompt_tokens], seq.prompt_logprobs)
         output = RequestOutput(text, token_ids, logprobs, reason, usage, None, self.index, prompt_logprobs)
         if reason is FinishReason.STOP:
             output.matched_stop = self._matched_stop(seq, token_ids)

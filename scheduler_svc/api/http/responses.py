@@ -39,11 +39,15 @@ class Piece:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     usage: RequestUsage | None = None
+    # The prompt's token ids and the logprobs of the second on, on a first piece when the request asked.
+    prompt: tuple[list[int], list[TokenLogprobs]] | None = None
 
     def add(self, output: RequestOutput) -> None:
         self.text += output.text
         self.token_ids += output.token_ids
         self.logprobs += output.logprobs
+        if output.prompt_logprobs is not None:
+            self.prompt = output.prompt_logprobs
         if output.finish_reason is not None:
             self.finish_reason, self.usage = output.finish_reason.value, output.usage
 
@@ -141,6 +145,26 @@ def completion_logprobs(piece: Piece, t: Translated, tokenizer: ModelTokenizer |
     return out
 
 
+def echoed_logprobs(prompt: tuple[list[int], list[TokenLogprobs]], t: Translated, tokenizer: ModelTokenizer | None,
+                    after: schemas.CompletionLogprobs) -> schemas.CompletionLogprobs:
+    """``after`` (the completion's) behind the echoed prompt's tokens, as vLLM answers ``echo`` with ``logprobs``:
+    the first prompt token has none, offsets count from the prompt's start."""
+    token_ids, logprobs = prompt
+    out = schemas.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    offset = 0
+    for token_id, lp in zip(token_ids, [None, *logprobs], strict=True):
+        text = token_text(tokenizer, token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(None if lp is None else lp.logprob)
+        out.top_logprobs.append(None if lp is None else {token_text(tokenizer, t_id): p
+                                                         for t_id, p in alternatives(lp, t.top_logprobs)})
+        out.text_offset.append(offset)
+        offset += len(text)
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        getattr(out, name).extend(getattr(after, name))
+    return out
+
+
 async def whole(t: Translated, generations: list[Generation]) -> tuple[list[Piece], schemas.CompletionUsage]:
     """Every choice joined, in order, and the usage; raises the request's failure as an answer."""
     choices = [Piece(i) for i in range(len(generations) * t.n)]
@@ -151,6 +175,7 @@ async def whole(t: Translated, generations: list[Generation]) -> tuple[list[Piec
             choice.text += piece.text
             choice.token_ids += piece.token_ids
             choice.logprobs += piece.logprobs
+            choice.prompt = choice.prompt or piece.prompt
             choice.finish_reason = piece.finish_reason
             usage.add(piece.usage)
     except RequestFailed as e:
@@ -178,9 +203,12 @@ async def completion(t: Translated, generations: list[Generation],
     out = []
     for c in choices:
         echo = t.echo[c.index // t.n] if t.echo else ""
+        logprobs = completion_logprobs(c, t, tokenizer, len(echo))
+        prompt = choices[c.index - c.index % t.n].prompt  # only a prompt's first choice scores it
+        if t.echo and logprobs is not None and prompt is not None:
+            logprobs = echoed_logprobs(prompt, t, tokenizer, logprobs)
         out.append(schemas.CompletionChoice(index=c.index, text=echo + c.text, finish_reason=c.finish_reason,
-                                            logprobs=completion_logprobs(c, t, tokenizer, len(echo)),
-                                            token_ids=token_ids(c, t)))
+                                            logprobs=logprobs, token_ids=token_ids(c, t)))
     return schemas.TextCompletion(id=t.id, created=t.created, model=t.model, choices=out, usage=usage)
 
 
@@ -221,8 +249,11 @@ def chat_chunks(t: Translated, generations: list[Generation], tokenizer: ModelTo
 
 def completion_chunks(t: Translated, generations: list[Generation],
                       tokenizer: ModelTokenizer | None) -> AsyncIterator[str]:
-    """``text_completion`` chunks; with ``echo`` each choice's prompt comes first."""
+    """``text_completion`` chunks; with ``echo`` each choice's prompt comes first (with ``logprobs``, theirs on the
+    choice's first tokens: they come with them)."""
     offsets = [len(t.echo[i // t.n]) if t.echo else 0 for i in range(len(generations) * t.n)]
+    prompts: dict[int, tuple[list[int], list[TokenLogprobs]]] = {}  # by prompt, from its first choice
+    unscored = set(range(len(offsets))) if t.echo and t.top_logprobs is not None else set()
 
     def chunk(choices: list[schemas.CompletionChoice], usage: schemas.CompletionUsage | None = None) -> BaseModel:
         return schemas.TextCompletion(id=t.id, created=t.created, model=t.model, choices=choices, usage=usage)
@@ -230,6 +261,11 @@ def completion_chunks(t: Translated, generations: list[Generation],
     def chunk_of(piece: Piece) -> BaseModel:
         logprobs = completion_logprobs(piece, t, tokenizer, offsets[piece.index])
         offsets[piece.index] += len(piece.text)
+        if piece.prompt is not None:
+            prompts[piece.index // t.n] = piece.prompt
+        if piece.index in unscored and logprobs is not None and (prompt := prompts.get(piece.index // t.n)):
+            unscored.discard(piece.index)
+            logprobs = echoed_logprobs(prompt, t, tokenizer, logprobs)
         return chunk([schemas.CompletionChoice(index=piece.index, text=piece.text, logprobs=logprobs,
                                                finish_reason=piece.finish_reason, token_ids=token_ids(piece, t))])
 

@@ -244,13 +244,14 @@ def completion_request(body: schemas.CompletionRequest, served: Served,
         raise unsupported("suffix", "a suffix (insertion)")
     if body.best_of not in (None, 1):
         raise unsupported("best_of", "best_of other than 1")
-    if body.echo and body.logprobs is not None:
-        raise unsupported("echo", "echo with logprobs (logprobs of the prompt)")
     renames: dict[str, str] = {}
     requests, echo = [], []
     for prompt in prompts_of(body.prompt):
         request = base_request(body, body.max_tokens, body.logprobs, renames)
         request.lora = lora
+        if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs too
+            request.prompt_logprobs = body.logprobs
+            renames["prompt_logprobs"] = "logprobs"
         if isinstance(prompt, str):
             request.text = prompt
             if body.add_special_tokens is not None:
