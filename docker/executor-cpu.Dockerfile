@@ -15,6 +15,7 @@ RUN pip install torch --index-url https://download.pytorch.org/whl/cpu
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY protos protos
+COPY common common
 COPY scheduler_svc scheduler_svc
 COPY executor_svc executor_svc
 COPY client client

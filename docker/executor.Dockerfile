@@ -13,6 +13,7 @@ RUN pip install ninja packaging && MAX_JOBS=4 pip install --no-build-isolation "
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY protos protos
+COPY common common
 COPY scheduler_svc scheduler_svc
 COPY executor_svc executor_svc
 COPY client client

@@ -9,6 +9,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY protos protos
+COPY common common
 COPY scheduler_svc scheduler_svc
 COPY client client
 RUN pip install .
