@@ -1,4 +1,5 @@
-"""The admin routes: the recording's switch (``api.recording``), behind the API key like every route but /health."""
+"""The admin routes: the recording's switch (``api.recording``), behind the API key like every route but /health and
+/metrics."""
 
 from __future__ import annotations
 

@@ -3,10 +3,10 @@ them through the same ``Frontend``, and translates the outputs back; no engine l
 
 A streamed response whose client goes away is cancelled by Starlette (``GenerationStream``), and a whole
 response's by ``unless_disconnected``; either way its generations close, which cancels their requests, so their KV
-blocks are free before the next step. ``/metrics`` is Prometheus' (``metrics_router``), behind the API key like every
-route but ``/health``; ``create_metrics_app`` serves it alone on --metrics-port. ``/openapi.json`` and ``/docs``
-describe every route (``openapi``); ``gateway`` adds what gateways probe (``/version``, ``/server_info``, the render
-routes).
+blocks are free before the next step. ``/metrics`` is Prometheus' (``metrics_router``), open like ``/health`` (every
+other route is behind the API key); ``create_metrics_app`` serves it alone on --metrics-port. ``/openapi.json`` and
+``/docs`` describe every route (``openapi``); ``gateway`` adds what gateways probe (``/version``, ``/server_info``,
+the render routes).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ from scheduler_svc.api.server_info import engine_version
 from scheduler_svc.core.errors import RequestFailed
 from scheduler_svc.core.tokenizer import ModelTokenizer
 
-# Like gRPC health checks, open without the API key: probes carry none, and it reveals nothing else.
-OPEN_PATHS = frozenset({"/health"})
+# Open without the API key, as vLLM's --api-key leaves them: probes and scrapers carry none (the endpoint picker
+# cannot send one), and they tell only health, counts and the model id, nothing of a request.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 # Sent instead of a response nobody is left to read.
 CLIENT_CLOSED = 499
 # ``responses``' two ways to answer: SSE chunks, or one whole object.
