@@ -161,6 +161,25 @@ def test_proposals_share_the_token_budget_and_leave_each_sequence_a_token() -> N
     assert_all_blocks_free(scheduler.block_manager)
 
 
+def test_proposals_take_only_the_blocks_left_once_every_row_has_its_own() -> None:
+    # One block free after the prefill: a's proposals must not take it from b, whose own next token starts a block,
+    # which would preempt c.
+    scheduler = make(k=4, num_blocks=7, ngram_min=2, ngram_max=2)
+    a = add(scheduler, [1, 2, 1, 2, 1, 2, 1], max_tokens=8)
+    b = add(scheduler, [7, 3, 8, 9, 4, 6, 10, 11], max_tokens=3)
+    c = add(scheduler, [13, 14, 15, 16, 17, 18, 19], max_tokens=3)
+    planner = Planner()
+    prefill(scheduler, planner, 2)  # a: 1 2 1 2 1 2 1 2 (proposes 1 2 ...), b: 9 tokens, c: 8 tokens
+    assert scheduler.block_manager.num_free_blocks == 1
+    seqs, _ = scheduler.schedule()
+    assert scheduler.num_preemptions == 0 and seqs == [a, b, c]
+    assert a.num_draft_tokens == 0, "no block was left for a's proposals"
+    run_all(scheduler, planner)
+    for seq in (a, b, c):
+        assert seq.is_finished
+    assert_all_blocks_free(scheduler.block_manager)
+
+
 def test_proposals_never_pass_max_tokens_nor_preempt() -> None:
     scheduler = make(k=6, num_blocks=8)
     a = add(scheduler, [1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2], max_tokens=3)

@@ -164,8 +164,7 @@ class Scheduler:
                 held.append(seq)
                 continue
             num_tokens = len(seq.token_ids)
-            if seq.num_draft_tokens:
-                self._reserve_drafts(seq)
+            if seq.num_draft_tokens:  # its own token's block now, its proposals' once every row has its own (below)
                 needs_blocks = len(seq.block_table) * block_size < num_tokens
             elif num_steps > 1:
                 left = seq.params.max_tokens - (num_tokens - seq.num_prompt_tokens)
@@ -184,6 +183,10 @@ class Scheduler:
             else:
                 seq.num_scheduled_tokens = steps + seq.num_draft_tokens
                 scheduled.append(seq)
+        for seq in scheduled:
+            if seq.num_draft_tokens:
+                self._reserve_drafts(seq)
+                seq.num_scheduled_tokens = 1 + seq.num_draft_tokens
         # Nothing fits, unless the head of ``waiting`` was preempted while a step in flight (plans sent ahead) owes it a
         # token: then nothing is scheduled until that step is collected.
         if not scheduled and not held and not prefill_may_follow and not (
@@ -194,8 +197,8 @@ class Scheduler:
         return scheduled
 
     def _reserve_drafts(self, seq: Sequence) -> None:
-        """Take the blocks for ``seq``'s proposals' KV, as many of them as the free blocks hold: a proposal never
-        preempts a sequence (its token may well be rejected)."""
+        """Take the blocks for ``seq``'s proposals' KV, as many of them as the free blocks hold once every scheduled
+        row has the blocks of its own tokens: a proposal never preempts a sequence (its token may well be rejected)."""
         block_manager, num_tokens = self.block_manager, len(seq.token_ids)
         room = (len(seq.block_table) + block_manager.num_free_blocks) * self.block_size - num_tokens
         drafts = seq.num_draft_tokens = max(0, min(seq.num_draft_tokens, room))
