@@ -30,6 +30,9 @@ from common.step_codec import (
 )
 from executor_svc.core.request_table import INVALID, PlanError, RequestTable
 from nanoserve.v1 import executor_pb2 as pb
+from scheduler_svc.core.errors import InvalidRequest
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.validation import ModelLimits, check_token_ids
 
 
 def test_absent_sampling_fields_take_the_proto_defaults() -> None:
@@ -131,6 +134,21 @@ def test_sampling_the_executor_cannot_apply_is_refused_whole(sampling: pb.Sampli
     with pytest.raises(PlanError, match=message) as err:
         table.apply(new_request_plan(1, [5, 6, 7, 8], sampling, **fields))
     assert err.value.code == INVALID and len(table) == 0
+
+
+@pytest.mark.parametrize("token_id", [-1, 100])
+def test_a_negative_or_too_large_token_id_in_logit_bias_is_refused_in_process_too(token_id: int) -> None:
+    # The proto's ids are unsigned; an in-process scheduler hands the settings over as they are, and -1 would bias
+    # the vocabulary's last token.
+    table = RequestTable(num_blocks=4, block_size=16, vocab_size=100, max_model_len=64)
+    plan = new_request_plan(1, [5, 6, 7, 8])
+    plan.new_requests[0].sampling = SamplingSettings(logit_bias=((token_id, 1.0),))
+    with pytest.raises(PlanError, match="logit_bias"):
+        table.apply(plan)
+    limits = ModelLimits(vocab_size=100, max_model_len=64, block_size=16, num_blocks=4)
+    for params in (SamplingParams(logit_bias={token_id: 1.0}), SamplingParams(stop_token_ids=[token_id])):
+        with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+            check_token_ids(params, limits)
 
 
 def test_a_step_result_carries_tokens_timings_and_logprobs_in_order() -> None:

@@ -252,7 +252,7 @@ class RequestTable:
                 raise PlanError(INVALID, f"request {request_id}: {name} must be in [-{MAX_PENALTY:g}, "
                                          f"{MAX_PENALTY:g}], got {getattr(params, name)}")
         for token_id, bias in params.logit_bias:
-            if token_id >= self.vocab_size or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            if not 0 <= token_id < self.vocab_size or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise PlanError(INVALID, f"request {request_id}: logit_bias {token_id}: {bias} needs a token id in "
                                          f"the vocabulary and a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 

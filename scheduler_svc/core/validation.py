@@ -77,10 +77,10 @@ def completion_budget(requested: int | None, num_prompt_tokens: int, limits: Mod
 def check_token_ids(params: SamplingParams, limits: ModelLimits) -> None:
     """Token ids inside the parameters name tokens of this model's vocabulary."""
     vocab = limits.vocab_size
-    bad = next((t for t in params.logit_bias if t >= vocab), None)
+    bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidRequest("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab})")
-    bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+    bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidRequest("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
 
