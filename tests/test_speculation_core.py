@@ -180,6 +180,21 @@ def test_proposals_take_only_the_blocks_left_once_every_row_has_its_own() -> Non
     assert_all_blocks_free(scheduler.block_manager)
 
 
+def test_under_the_mixed_policy_proposals_leave_a_waiting_prompt_half_the_budget() -> None:
+    # Two decodes with repeats to propose from, 10 tokens a step: their proposals could fill the budget every step
+    # and leave the waiting prompt none; they leave it half of the 8 the decodes leave.
+    scheduler = make(policy="mixed", k=4, max_num_batched_tokens=10)
+    a, b = add(scheduler, [1, 2, 1, 2, 1]), add(scheduler, [5, 2, 5, 2, 5])  # each repeats once 2 is sampled
+    planner = Planner()
+    prefill(scheduler, planner, 2)
+    waiting = add(scheduler, [20, 21, 22, 23, 24, 25, 26, 27])
+    steps = []
+    run_step(scheduler, planner, lambda seqs, _: steps.append((seqs, waiting.num_scheduled_tokens)))
+    assert steps == [([a, b, waiting], (10 - 2) // 2)], "the prompt waited behind the proposals"
+    run_all(scheduler, planner)
+    assert_all_blocks_free(scheduler.block_manager)
+
+
 def test_proposals_never_pass_max_tokens_nor_preempt() -> None:
     scheduler = make(k=6, num_blocks=8)
     a = add(scheduler, [1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2], max_tokens=3)

@@ -4,7 +4,8 @@ the same step (as vLLM v1 and Sarathi-Serve schedule).
 Under nano-vLLM's policy every arriving prompt stops every running decode for a whole prefill step; here a prompt
 joins the decodes' step, and the two share one forward pass (one read of the weights). Decodes go first, so a long
 prompt cannot starve them; the prompt at the head of ``waiting`` takes the budget left (chunked when it does not
-fit, the step's one chunked prefill), so decodes delay a prompt only while ``max_num_seqs`` are running. A step
+fit, the step's one chunked prefill; the decodes' proposals, ``core.speculation``, leave it at least half of
+what the decodes leave), so decodes delay a prompt only while ``max_num_seqs`` are running. A step
 with a prefill chunk is a prefill step to the executor, which runs its decode rows through decode attention and its
 chunks through prefill attention in one forward pass (``executor_svc/attention/base.py``); a step of decodes alone
 is a decode step, and only such a step decodes more than one token per sequence (multi-step), so a
@@ -25,7 +26,12 @@ class MixedScheduler(Scheduler):
 
     def schedule(self, propose: bool = True) -> tuple[list[Sequence], bool]:
         num_steps = 1 if self.waiting else self.num_scheduler_steps
-        scheduled = self._schedule_decodes(num_steps, self.max_num_seqs, prefill_may_follow=True, propose=propose)
+        # While a prompt waits, proposals leave it half the budget the decodes leave, so that they never starve it.
+        head = self.waiting[0] if self.waiting else None
+        spare = self.max_num_batched_tokens - min(len(self.running), self.max_num_seqs)
+        reserved = min(len(head.token_ids) - head.num_cached_tokens, (spare + 1) // 2) if head is not None else 0
+        scheduled = self._schedule_decodes(num_steps, self.max_num_seqs, prefill_may_follow=True, propose=propose,
+                                           proposal_budget=self.max_num_batched_tokens - reserved)
         num_decodes = len(scheduled)
         decode_tokens = sum(seq.num_scheduled_tokens for seq in scheduled)
         # A multi-step decode is a step of its own: it preempted what now waits (nothing waited when it began).

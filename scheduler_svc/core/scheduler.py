@@ -138,10 +138,11 @@ class Scheduler:
         return {seq.lora_id for seq in (*self.running, *scheduled) if seq.lora_id}
 
     def _schedule_decodes(self, num_steps: int, seq_budget: int, prefill_may_follow: bool = False,
-                          propose: bool = True) -> list[Sequence]:
+                          propose: bool = True, proposal_budget: int | None = None) -> list[Sequence]:
         """Decode the running sequences, ``num_steps`` tokens each at most; when a block cannot be appended, the
         tail of ``running`` is preempted (or the sequence itself, when alone). Nothing to decode and nothing held is
-        an error unless a prefill may follow in the same step (the mixed policy)."""
+        an error unless a prefill may follow in the same step (the mixed policy). Proposals fit in
+        ``proposal_budget`` tokens with the decodes (default: the step's token budget)."""
         scheduled: list[Sequence] = []
         # The decode loop runs once per running sequence every step, so whether a sequence needs a
         # block is checked inline: most steps its table already holds the KV it writes, and only one
@@ -150,8 +151,8 @@ class Scheduler:
         max_model_len = self.max_model_len
         hold_in_flight = False
         if self.speculator is not None and running:
-            hold_in_flight, proposed = self.speculator.propose(running, seq_budget, self.max_num_batched_tokens,
-                                                               propose)
+            budget = self.max_num_batched_tokens if proposal_budget is None else proposal_budget
+            hold_in_flight, proposed = self.speculator.propose(running, seq_budget, budget, propose)
             if proposed:  # a plan with proposals is one decode step
                 num_steps = 1
         if num_steps > 1 and running:  # one step for all: a sequence that stopped earlier would wait for the rest
