@@ -118,6 +118,9 @@ class ServiceConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduler core's share of these flags (ValueError where they contradict each other)."""
+        if self.max_num_batched_tokens < self.max_num_seqs:  # as vLLM refuses it
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                             f"({self.max_num_seqs}): each running sequence's decode takes a token of a step's budget")
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.num_scheduler_steps,
                                self.scheduling_policy, self.max_loras, self.speculative, self.num_speculative_tokens,
                                self.ngram_min, self.ngram_max, self.speculative_disable_by_batch_size)

@@ -42,13 +42,17 @@ def test_the_flag_wins_over_the_environment():
         (["--port", "70000"], {}),
         ([], {"NANOSERVE_MAX_QUEUED_REQUESTS": "many"}),
         ([], {"NANOSERVE_LOG_LEVEL": "chatty"}),
+        (["--max-num-batched-tokens", "64"], {}),
     ],
 )
 def test_bad_values_are_refused(argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture):
     with pytest.raises(SystemExit) as e:
         parse_config(argv, env=env)
     assert e.value.code == 2
-    assert "error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error" in err
+    if "--max-num-batched-tokens" in argv:
+        assert "max-num-batched-tokens (64) must be at least max-num-seqs (256)" in err
 
 
 def test_env_names():
