@@ -134,14 +134,17 @@ async def openai_backend(base_url: str) -> AsyncIterator[Send]:
 
 
 def arrivals(n: int, request_rate: float, seed: int) -> list[float]:
-    """Send times of ``n`` requests in seconds from the first: exponential gaps at ``request_rate`` drawn from
-    ``seed`` (all at 0 for inf), so that every peer and round gets the same arrivals."""
+    """Send times of ``n`` requests in seconds from the first: exponential gaps drawn from ``seed`` (all at 0 for
+    inf), so that every peer and round gets the same arrivals, scaled as ``vllm bench serve`` scales its own so that
+    they come at ``request_rate`` exactly (the last at (n - 1) / rate): a short draw's own rate strays far from it."""
     gaps = random.Random(seed)
     times, at = [], 0.0
     for i in range(n):
         if i and math.isfinite(request_rate):
             at += gaps.expovariate(request_rate)
         times.append(at)
+    if at > 0:
+        times = [t * (n - 1) / request_rate / at for t in times]
     return times
 
 

@@ -86,6 +86,8 @@ def test_w3_draws_vllm_randoms_shape_and_every_peer_gets_the_same_arrivals():
     assert arrivals(5, 2.0, seed=0) == arrivals(5, 2.0, seed=0) != arrivals(5, 2.0, seed=1)
     assert [2 * t for t in arrivals(5, 4.0, seed=0)] == pytest.approx(arrivals(5, 2.0, seed=0))
     assert arrivals(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
+    times = arrivals(64, 4.0, seed=0)  # this draw's own rate is 0.86 of 4: the sends come at 4 req/s all the same
+    assert times[0] == 0.0 and times[-1] == pytest.approx(63 / 4.0) and times == sorted(times)
 
 
 def test_a_server_that_piles_requests_up_did_not_keep_up_though_it_finishes_them_together():
