@@ -75,6 +75,20 @@ def test_missing_weight_is_named(tiny_model_folders: dict[str, Path], tmp_path: 
         load_model(tmp_path, config, get_backend("torch", torch.device("cpu")), torch.device("cpu"), torch.float32)
 
 
+def test_rotary_tables_saved_with_old_checkpoints_are_skipped_and_a_stray_tensor_named(
+    tiny_model_folders: dict[str, Path], tmp_path: Path  # noqa: F811
+) -> None:
+    source = tiny_model_folders["llama"]
+    (tmp_path / "config.json").write_text((source / "config.json").read_text())
+    tensors = load_file(source / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(tensors, tmp_path / "model.safetensors")
+    config, device = ModelConfig.from_folder(tmp_path), torch.device("cpu")
+    load_model(tmp_path, config, get_backend("torch", device), device, torch.float32)
+    tensors["model.layers.0.self_attn.extra.weight"] = torch.ones(4)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(UnsupportedModel, match=r"layers\.0\.self_attn\.extra\.weight has no place"):
+        load_model(tmp_path, config, get_backend("torch", device), device, torch.float32)
 
 
 def test_unknown_model_name_is_refused(tmp_path: Path) -> None:

@@ -28,6 +28,8 @@ PACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# Rotary tables some older checkpoints saved with the weights: the model computes its own (vLLM skips them too).
+ROTARY_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
 def checkpoint_to_param(name: str) -> tuple[str, int]:
@@ -52,7 +54,7 @@ def load_weights(model: nn.Module, folder: str | Path, tie_word_embeddings: bool
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if tie_word_embeddings and name == "lm_head.weight":
+                if tie_word_embeddings and name == "lm_head.weight" or name.endswith(ROTARY_BUFFERS):
                     continue
                 param_name, shard = checkpoint_to_param(name)
                 if param_name not in params:
