@@ -145,3 +145,13 @@ def test_rotary_refuses_a_position_past_its_table_and_leaves_odd_shapes_to_torch
     assert torch.equal(q, before)
     assert cpu_fused.rotary(torch.tensor([1, 2]), q.view(2, 16), k, rotary.cos, rotary.sin) is None
     assert cpu_fused.rotary(torch.tensor([1, 2, 3]), q, k, rotary.cos, rotary.sin) is None
+
+
+def test_tensors_off_the_cpu_never_build_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A model on a GPU keeps the default choice (C kernels) for its layers: asking whether they apply must not compile
+    # the CPU library in the GPU process.
+    def build() -> None:
+        raise AssertionError("the CPU kernels were built for a tensor that is not on the CPU")
+
+    monkeypatch.setattr(cpu_kernels, "kernel_library", build)
+    assert not cpu_fused._usable(torch.empty(4, 8, device="meta"))

@@ -304,6 +304,19 @@ def test_a_cached_file_that_is_not_a_table_is_measured_again(tmp_path: Path, tex
     assert path.stat().st_mode & 0o044 == 0o044, "another user sharing the cache cannot read the table"
 
 
+def test_a_table_that_cannot_be_written_leaves_no_file_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A full cache disk: every start measures again, and must not leave another temporary file each time.
+    good = KernelChoice.uniform("torch", source="test")
+
+    def disk_full(self: KernelChoice) -> str:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(KernelChoice, "to_json", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        save(tmp_path / "kernels" / "kernel-choice.json", good)
+    assert list((tmp_path / "kernels").iterdir()) == []
+
+
 def test_the_cache_key_names_the_onednn_isa_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)

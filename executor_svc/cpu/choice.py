@@ -132,6 +132,11 @@ def save(path: Path, choice: KernelChoice) -> None:
     """Written beside the target and renamed, so executors starting together never read half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        f.write(choice.to_json())
+        try:
+            f.write(choice.to_json())
+            f.flush()
+        except OSError:  # a full disk: no half-written file left behind for every later start
+            os.unlink(f.name)
+            raise
     os.chmod(f.name, 0o644)  # readable by whoever shares the cache, as the kernel build is (not the temp file's 0600)
     os.replace(f.name, path)

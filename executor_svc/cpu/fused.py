@@ -20,7 +20,7 @@ def _usable(*tensors: torch.Tensor) -> bool:
     # Attribute reads only: a decode step makes ~120 of these calls, where a view (``x[0]``) or
     # ``x.device`` costs a dispatch each (bench.kernels' 1-row rms_norm shows it).
     dtype = tensors[0].dtype
-    if dtype not in DTYPES or cpu_kernels.kernel_library() is None:
+    if dtype not in DTYPES or not tensors[0].is_cpu or cpu_kernels.kernel_library() is None:  # no build beside a GPU
         return False
     return all(t.is_cpu and t.dtype == dtype and t.stride(-1) == 1 for t in tensors)
 
