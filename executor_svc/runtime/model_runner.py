@@ -142,7 +142,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_free_cuda_memory(self) -> int:
-        """Free memory share left for the KV cache after a forward over a long prefill."""
+        """Free memory share left for the KV cache after a forward over a long prefill: the budget less what the
+        device holds once the profile's own KV cache and cached blocks are given back, less the forward's peak."""
         num_tokens = min(self.max_model_len, 8192)
         num_blocks = -(-num_tokens // self.block_size)
         self._attach_kv_cache(num_blocks)
@@ -151,10 +152,13 @@ class ModelRunner:
         self.execute(prepare_input([ScheduledChunk(state, 0, num_tokens)], self.block_size))
         self._attach_kv_cache(0)
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # else free memory would leave out what the allocator keeps cached, counted below
         stats = torch.cuda.memory_stats(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-        return int(total * self.options.gpu_memory_utilization - (total - free) - activations)
+        # The peak held the profile's KV cache (allocated before it was reset), freed since.
+        activations = (stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+                       - num_blocks * self._block_bytes())
+        return int(total * self.options.gpu_memory_utilization - (total - free) - max(0, activations))
 
     def _attach_kv_cache(self, num_blocks: int) -> None:
         c = self.config
