@@ -1,19 +1,19 @@
 """W3: online serving latency with Poisson arrivals, every request streamed, EOS ignored.
 
 Peers in turn (the default): each server of ``--peers`` is started, warmed up (``warm_up``), driven at every
-``--request-rate`` with the same arrivals (a seeded draw) and prompts (a draw of their own for each rate, so no rate
-finds the one before it in the prefix cache), and stopped before the next starts; ``--rounds N``
-repeats this, every other round in reverse order, and each figure is the median of its rounds. ``nanoserve`` is the
+``--request-rate`` with the same arrivals (a seeded draw, scaled to come at that rate) and prompts (a draw of their own
+for each rate, so no rate finds the one before it in the prefix cache), and stopped before the next starts; ``--rounds
+N`` repeats this, every other round in reverse order, and each figure is the median of its rounds. ``nanoserve`` is the
 stack ``make run`` starts (``python -m client.stack``, default flags, ``--dtype`` passed through) driven over gRPC,
 ``nanoserve_openai`` the same stack over its OpenAI endpoint, ``nanoserve_mixed`` (not run unless named) the stack at
-``--scheduling-policy mixed`` over gRPC, ``vllm`` vLLM's CPU build (``vllm serve``, its best
-settings on these cores; the python of its environment from ``--vllm-python`` or NANOSERVE_VLLM_PYTHON, else it is
-skipped with a line saying why) over its OpenAI endpoint. The load comes from this package's client (``--client
-builtin``: ``client.api.AsyncClient`` for gRPC, the ``openai`` SDK for HTTP, prompts as token ids) or from ``vllm
-bench serve --backend openai --dataset-name random --ignore-eos`` (``--client vllm-bench``; OpenAI peers only, its
-own random prompts of the workload's shape), whose per-request figures are read back and summarised by the same code.
-With ``--device cuda`` the nanoserve peers are the pair as docker-compose.yml runs it on one GPU (``--model``, in
-bfloat16 unless ``--dtype`` says otherwise), each service started from this checkout; the vllm peer does not run there.
+``--scheduling-policy mixed`` over gRPC, ``vllm`` vLLM's CPU build (``vllm serve``, its best settings on these cores;
+the python of its environment from ``--vllm-python`` or NANOSERVE_VLLM_PYTHON, else it is skipped with a line saying
+why) over its OpenAI endpoint. The load comes from this package's client (``--client builtin``:
+``client.api.AsyncClient`` for gRPC, the ``openai`` SDK for HTTP, prompts as token ids) or from ``vllm bench serve
+--backend openai --dataset-name random --ignore-eos`` (``--client vllm-bench``; OpenAI peers only, its own random
+prompts of the workload's shape), whose per-request figures are read back and summarised by the same code. With
+``--device cuda`` the nanoserve peers are the pair as docker-compose.yml runs it on one GPU (``--model``, in bfloat16
+unless ``--dtype`` says otherwise), each service started from this checkout; the vllm peer does not run there.
 
 Figures, as vLLM's serving benchmark reports them: request and output-token throughput; TTFT, TPOT and ITL (every
 gap between streamed chunks) at p50 / p90 / p99. A peer *kept up* with a rate when no request failed and it
