@@ -161,6 +161,8 @@ async def run_load(backend: contextlib.AbstractAsyncContextManager[Send], worklo
             sent = time.perf_counter() - start
             result = await send_one(prompt, max_tokens, workload.temperature)
             result.sent_s = sent
+            if result.error is None:
+                result.error = short_of(result, max_tokens)
             bar.update()
             return result
 
@@ -169,6 +171,13 @@ async def run_load(backend: contextlib.AbstractAsyncContextManager[Send], worklo
         duration = time.perf_counter() - start
         bar.close()
     return list(results), duration
+
+
+def short_of(result: RequestResult, max_tokens: int) -> str | None:
+    """Why a stream that ended without an error still failed: EOS is ignored, so a whole answer has every token."""
+    if result.output_tokens != max_tokens:
+        return f"the stream ended after {result.output_tokens} of {max_tokens} tokens"
+    return None
 
 
 def rate_over(times: Sequence[float]) -> float | None:

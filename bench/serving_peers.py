@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench import vllm_setup
 from bench.common import HOST, REPO_ROOT, Child, Workload, free_port
-from bench.serving_load import RequestResult
+from bench.serving_load import RequestResult, short_of
 from client.stack import DEFAULT_MODEL, executor_service, scheduler_service
 
 BLOCK_SIZE = 16
@@ -192,4 +192,7 @@ def run_vllm_bench(venv: vllm_setup.VllmEnv, server: Server, workload: Workload,
     if code != 0 or not result.is_file():
         tail = "\n".join(result.with_suffix(".log").read_text(errors="replace").splitlines()[-20:])
         raise RuntimeError(f"vllm bench serve exited with code {code}; its log ends:\n{tail}")
-    return results_from_vllm_bench(json.loads(result.read_text()))
+    results, duration = results_from_vllm_bench(json.loads(result.read_text()))
+    for one in results:  # its --random-output-len: every request asks the same, EOS ignored
+        one.error = one.error or short_of(one, workload.max_tokens[0])
+    return results, duration

@@ -4,6 +4,8 @@ need NANOSERVE_VLLM_PYTHON (the recipe is in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
 import os
@@ -15,13 +17,14 @@ from pathlib import Path
 import pytest
 
 from bench import serving, serving_peers, throughput, vllm_setup
-from bench.common import w3
+from bench.common import Workload, w3
 from bench.serving_load import (
     RequestResult,
     arrivals,
     in_flight_growth,
     kept_up,
     piled_up,
+    run_load,
     saturation_point,
     summarise,
 )
@@ -137,6 +140,21 @@ def test_summarise_pools_the_itl_of_every_request_and_measures_both_rates():
     # 4 sends over 3 s; 3 completions (at 0.4, 1.6, 3.4 s) over 3 s; a failure: not kept up
     assert figures["offered_req_s"] == pytest.approx(1.0) and figures["achieved_req_s"] == pytest.approx(2 / 3)
     assert (figures["completed"], figures["failed"], figures["kept_up"]) == (3, 1, False)
+
+
+def test_a_stream_that_ends_short_of_its_tokens_counts_as_failed():
+    # EOS is ignored: a stream that ends early (an ABORT, a lost usage chunk) is no success to either peer.
+    workload = Workload("w3", [[1, 2], [0, 2], [3, 4]], [4, 4, 4], 0.0, 64)
+
+    async def send(prompt: list[int], max_tokens: int, temperature: float) -> RequestResult:
+        return RequestResult(output_tokens=max_tokens if prompt[0] else 1, ttft_s=0.01, latency_s=0.02)
+
+    @contextlib.asynccontextmanager
+    async def backend():
+        yield send
+
+    results, _ = asyncio.run(run_load(backend(), workload, math.inf, seed=0))
+    assert [r.error for r in results] == [None, "the stream ended after 1 of 4 tokens", None]
 
 
 def test_vllm_bench_results_read_back_as_the_same_per_request_results():
