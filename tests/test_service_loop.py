@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from types import SimpleNamespace
 
 import grpc
@@ -16,9 +17,11 @@ from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.api.frontend import Frontend, Generation
 from scheduler_svc.api.outbox import Outbox
-from scheduler_svc.core.errors import EngineFailure, RequestFailed
+from scheduler_svc.api.prepare import prepare
+from scheduler_svc.core.errors import EngineFailure, RequestFailed, ServerStopping
 from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.sequence import FinishReason
+from scheduler_svc.core.validation import ModelLimits
 from scheduler_svc.engine.stats import LoopStats
 from tests.service_fixtures import (
     CHATML_TEMPLATE,
@@ -367,3 +370,20 @@ def test_whoever_reads_an_output_reads_stats_that_know_its_request():
     for _, stats in seen:
         known = stats.num_waiting + stats.num_running + stats.num_finished_length
         assert known == 1, f"an output left the loop with the stats from before its request: {stats}"
+
+
+def test_a_request_or_call_that_reaches_the_loop_after_it_ended_is_told_it_stops():
+    # A request admitted just before the drain closed admission, or a call made then, would otherwise wait forever.
+    async def run():
+        async with in_process_scheduler(shadow()) as s:
+            loop = s.server.loop
+            prepared = prepare(token_request([1, 2], 3), ModelLimits.of(loop.info), None)
+            loop.stop()
+            loop.admission.closed = False  # as if admitted just before
+            with pytest.raises(ServerStopping, match="shutting down"):
+                loop.submit(prepared, object(), time.monotonic())
+            late = loop.call(lambda engine: None)
+            assert isinstance(late.exception(timeout=1), ServerStopping)
+            assert loop.admission.num_requests == 0, "the refused request still counts in the queue"
+
+    asyncio.run(run())

@@ -32,6 +32,9 @@ class ServerStopping(RequestFailed):
     """The scheduler is shutting down and takes no more requests."""
 
 
+STOPPING = "the scheduler is shutting down; retry on another replica or later"
+
+
 class ExecutorUnavailable(RequestFailed):
     """The executor serves something requests cannot carry over to (another model or vocabulary)."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from scheduler_svc.core.errors import InvalidRequest, QueueFull, ServerStopping
+from scheduler_svc.core.errors import STOPPING, InvalidRequest, QueueFull, ServerStopping
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Admission:
                                            f"(--max-queued-tokens {limits.max_tokens})")
         with self._lock:
             if self.closed:
-                raise ServerStopping("the scheduler is shutting down; retry on another replica or later")
+                raise ServerStopping(STOPPING)
             if self.num_requests >= limits.max_requests:
                 raise QueueFull(f"{self.num_requests} requests are already waiting to be scheduled "
                                 f"(--max-queued-requests {limits.max_requests}); retry later")

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from functools import cached_property
 from typing import TypeVar
 
+from scheduler_svc.core.errors import STOPPING, ServerStopping
 from scheduler_svc.engine.engine import Engine
 
 T = TypeVar("T")
@@ -20,6 +21,8 @@ class EngineCalls:
 
     engine: Engine
     _wakeup: threading.Condition
+    # Set (under the lock) once the loop has ended: nothing would run a call made after.
+    _stopped: bool = False
 
     @cached_property
     def _calls(self) -> list[EngineCall]:
@@ -29,6 +32,9 @@ class EngineCalls:
         """Run ``fn(engine)`` on the loop thread between steps; its result or error comes in the future."""
         future: Future[T] = Future()
         with self._wakeup:
+            if self._stopped:
+                future.set_exception(ServerStopping(STOPPING))
+                return future
             self._calls.append((fn, future))
             self.engine.cut_for_loop()
             self._wakeup.notify()

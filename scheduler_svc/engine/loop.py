@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from scheduler_svc.core.errors import EngineFailure, ExecutorUnavailable, InvalidRequest
+from scheduler_svc.core.errors import STOPPING, EngineFailure, ExecutorUnavailable, InvalidRequest, ServerStopping
 from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.tokenizer import ModelTokenizer
@@ -66,6 +66,9 @@ class EngineLoop(EngineCalls):
         self.admission.admit(len(prepared.prompt_token_ids))
         handle = RequestHandle(prepared, sink, arrived_at, tokens_per_read)
         with self._wakeup:
+            if self._stopped:  # admitted just before the drain closed admission, too late for the loop to answer it
+                self.admission.release(len(prepared.prompt_token_ids))
+                raise ServerStopping(STOPPING)
             self._inbox.append(handle)
             self.engine.cut_for_loop()
             self._wakeup.notify()
@@ -218,7 +221,7 @@ class EngineLoop(EngineCalls):
     def _shutdown(self) -> None:
         """The grace period is over: abort what is left, tell the executor to drop it, answer each caller."""
         with self._wakeup:
-            leftover, self._inbox = self._inbox, []
+            leftover, self._inbox, self._stopped = self._inbox, [], True
         for handle in leftover:
             self._requests.refuse(handle)
         num_aborted = len(leftover) + self._requests.end_all(self.engine)
