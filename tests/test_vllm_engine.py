@@ -97,6 +97,17 @@ def test_a_stream_is_chunks_of_new_tokens_then_a_complete_and_a_repeat_reports_i
     assert list(again.output_ids) == echoed(PROMPT, 6)
 
 
+def test_max_tokens_unset_or_past_the_room_is_the_room_the_prompt_leaves(engine, served: Hosted) -> None:
+    # As vLLM's engine takes it (its servicer passes an unset max_tokens on as None): a gateway's chat request without
+    # one must not stop at a default, nor one asking past the model's length be refused.
+    room = served.server.frontend.ready().info.max_model_len - len(PROMPT)
+    unset = vllm.GenerateRequest(tokenized=vllm.TokenizedInput(input_ids=PROMPT),
+                                 sampling_params=vllm.SamplingParams(temperature=0, ignore_eos=True))
+    for sent in (unset, request(stream=False, max_tokens=10_000)):
+        _, (complete,) = split(list(engine.Generate(sent)))
+        assert (complete.finish_reason, complete.completion_tokens) == ("length", room)
+
+
 def test_not_streamed_each_choice_is_one_complete_with_all_its_tokens(engine) -> None:
     responses = list(engine.Generate(request(stream=False, n=2, seed=7, logprobs=2, prompt_logprobs=1)))
     chunks, completes = split(responses)
@@ -220,7 +231,6 @@ def test_kv_events_stream_the_cache_and_a_resume_replays_what_was_missed(engine)
 @pytest.mark.parametrize(("build", "field"), [
     (lambda: request(temperature=-1), "sampling_params.temperature"),
     (lambda: request(top_p=2), "sampling_params.top_p"),
-    (lambda: request(max_tokens=10_000), "sampling_params.max_tokens"),
     (lambda: request(logprobs=-1), "sampling_params.logprobs"),
     (lambda: request(seed=-3), "sampling_params.seed"),
     (lambda: request(json_schema="{not json"), "sampling_params.json_schema"),

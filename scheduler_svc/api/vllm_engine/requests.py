@@ -100,6 +100,17 @@ def structured_output(s: vllm.SamplingParams) -> pb.StructuredOutput | None:
     return pb.StructuredOutput(**{CONSTRAINTS[kind]: getattr(s, kind)})
 
 
+def cap_to_room(request: pb.GenerateRequest, max_model_len: int) -> None:
+    """max_tokens as vLLM's engine takes it: unset, or more than the room the prompt leaves, is that room (a prompt
+    that leaves none is refused where it is checked)."""
+    prompt = len(request.tokens.token_ids)
+    if request.HasField("truncate_prompt_tokens"):
+        prompt = min(prompt, request.truncate_prompt_tokens)
+    room = max_model_len - prompt
+    if room >= 1 and (not request.stopping.HasField("max_tokens") or request.stopping.max_tokens > room):
+        request.stopping.max_tokens = room
+
+
 def generate_request(request: vllm.GenerateRequest, max_model_len: int) -> pb.GenerateRequest:
     """``request`` as nanoserve's GenerateRequest; InvalidRequest naming the VllmEngine field it cannot take. The
     ranges are checked where the frontend prepares it (rename its refusals with ``vllm_error``)."""
@@ -127,6 +138,8 @@ def generate_request(request: vllm.GenerateRequest, max_model_len: int) -> pb.Ge
         if truncate < 1:
             raise InvalidRequest(f"{SAMPLING}.truncate_prompt_tokens", f"must be >= 1 or -1, got {truncate}")
         out.truncate_prompt_tokens = truncate
+    if kind == "tokenized":
+        cap_to_room(out, max_model_len)
     constraint = structured_output(s)
     if constraint is not None:
         out.structured_output.CopyFrom(constraint)
