@@ -57,6 +57,7 @@ BAD = [
     ({"grammar": "start: foo"}, "structured_output.grammar", 'unknown name: "foo"'),
     ({"grammar": 'start: "a" ('}, "structured_output.grammar", "Expected token ')'"),
     ({"grammar": "start: /[/"}, "structured_output.grammar", "unclosed character class"),
+    ({"grammar": "root ::= ("}, "structured_output.grammar", "not a Lark or GBNF grammar"),
 ]
 
 
@@ -87,6 +88,13 @@ def test_a_good_constraint_reaches_the_executor_as_its_grammar(tokenizer, struct
     params = prepare(request(**structured), LIMITS, tokenizer).params
     assert params.grammar and json.loads(params.grammar)["grammars"]
     assert sampling_from_proto(sampling_to_proto(params.settings)).grammar == params.grammar
+
+
+def test_a_gbnf_grammar_is_taken_as_vllm_takes_it(tokenizer):
+    # llama.cpp's EBNF (root ::= ...), which vLLM's structured outputs take too, reaches the executor as Lark.
+    params = prepare(request(grammar='root ::= "x" num\nnum ::= [0-9]+'), LIMITS, tokenizer).params
+    (lark_grammar,) = (g["lark_grammar"] for g in json.loads(params.grammar)["grammars"])
+    assert "start:" in lark_grammar and "::=" not in lark_grammar
 
 
 @pytest.mark.parametrize("structured", [None, {}, {"json_object": False}], ids=["absent", "empty", "json_object_off"])

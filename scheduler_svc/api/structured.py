@@ -12,6 +12,7 @@ import json
 from weakref import WeakKeyDictionary
 
 import llguidance
+from llguidance import gbnf_to_lark
 
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.core.errors import InvalidRequest
@@ -52,6 +53,14 @@ def json_schema_grammar(schema: str) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
 
 
+def as_lark(grammar: str) -> str:
+    """A Lark grammar as it is, or a GBNF one (llama.cpp's EBNF, ``root ::= ...``, which vLLM takes too) in Lark."""
+    try:
+        return gbnf_to_lark.any_to_lark(grammar)
+    except gbnf_to_lark.GbnfToLarkError as e:
+        raise InvalidRequest(f"{FIELD}.grammar", f"not a Lark or GBNF grammar: {e}") from e
+
+
 def lark_grammar(lark: str) -> str:
     """A Lark grammar in llguidance's JSON form, the one form the executor's SamplingParams.grammar carries."""
     return json.dumps({"grammars": [{"lark_grammar": lark}]})
@@ -76,7 +85,7 @@ def to_grammar(structured: pb.StructuredOutput) -> tuple[str, str] | None:
     elif kind == "choice":
         grammar = choice_grammar(list(structured.choice.choices))
     elif kind == "grammar":
-        grammar = lark_grammar(structured.grammar)
+        grammar = lark_grammar(as_lark(structured.grammar))
     elif kind == "json_object" and structured.json_object:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_DEFAULTS)
     else:
