@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 
 from common.step import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from executor_svc.fakes.shadow import ShadowExecutor
+from scheduler_svc.api.vllm_engine.requests import sampling_options
 from tests.http_fixtures import Hosted, hosted
 from tests.service_fixtures import EOS_ID, HOST, GatedExecutor
 from tests.test_service_loop import LogprobExecutor
@@ -232,7 +233,6 @@ def test_kv_events_stream_the_cache_and_a_resume_replays_what_was_missed(engine)
     (lambda: request(temperature=-1), "sampling_params.temperature"),
     (lambda: request(top_p=2), "sampling_params.top_p"),
     (lambda: request(logprobs=-1), "sampling_params.logprobs"),
-    (lambda: request(seed=-3), "sampling_params.seed"),
     (lambda: request(json_schema="{not json"), "sampling_params.json_schema"),
     (lambda: request(structural_tag="{}"), "sampling_params.structural_tag"),
     (lambda: request([5, 300]), "tokenized.input_ids"),
@@ -319,3 +319,9 @@ def test_without_a_tokenizer_text_and_get_tokenizer_are_refused_and_tokens_work(
         _, (complete,) = split(list(stub.Generate(request([1, 2, 3], max_tokens=3))))
         assert len(complete.output_ids) == 3
         h.assert_idle()
+
+
+def test_a_negative_seed_is_taken_as_its_unsigned_twin() -> None:
+    # The protocol's seed is int32, into which gateways clamp a client's seed: vLLM takes a negative one as any other.
+    assert sampling_options(vllm.SamplingParams(seed=-3))[0].seed == 2**32 - 3
+    assert sampling_options(vllm.SamplingParams(seed=7))[0].seed == 7
