@@ -62,8 +62,6 @@ class RequestState:
     lora_id: int = 0
     # Unique over every state and every change of its block table (``runtime.model_input.DecodeTables``).
     table_version: int = field(default_factory=lambda: next(TABLE_VERSIONS))
-    # Tokens at the start of the context whose KV the executor's draft model holds (``executor_svc/spec``).
-    draft_computed: int = 0
 
 
 @dataclass(slots=True)

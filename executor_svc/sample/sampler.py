@@ -19,7 +19,8 @@ one generator.
 
 Logprobs follow vLLM's default ("raw_logprobs"): log_softmax of the model's
 logits before processors, temperature and filters, so they describe the model, not the
-sampling settings, and are the same for greedy and sampled rows.
+sampling settings, and are the same for greedy and sampled rows; a structured-output row's come after its
+grammar's mask (``constraints``), as vLLM's do: the tokens the grammar bans are -inf.
 """
 
 from __future__ import annotations
