@@ -33,7 +33,7 @@ from scheduler_svc.api.process_link import Frame, encode_outputs, pack, recv_fra
 from scheduler_svc.api.vllm_engine.responses import ResponseWriter
 from scheduler_svc.api.vllm_engine.servicer import submit_generate
 from scheduler_svc.config import ServiceConfig
-from scheduler_svc.core.errors import EngineFailure, RequestFailed
+from scheduler_svc.core.errors import RequestFailed, internal_error
 from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.engine.loop import RequestHandle
 
@@ -161,8 +161,7 @@ class ApiProcess:
             return
         except Exception as e:  # a bug preparing it: its caller is answered, as the engine loop answers its own
             log.exception("preparing a request failed: %s", e)
-            self.send(("failed", key, EngineFailure(f"internal scheduler error ({type(e).__name__}); retry the "
-                                                    "request")))
+            self.send(("failed", key, internal_error(e)))
             return
         finally:
             self._pending.discard(key)

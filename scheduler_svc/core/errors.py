@@ -45,3 +45,8 @@ class CacheTooSmall(RequestFailed):
 
 class EngineFailure(RequestFailed):
     """The executor keeps failing this work, or the loop hit a bug; the request may be retried."""
+
+
+def internal_error(error: Exception) -> EngineFailure:
+    """What a caller is told of a bug in the scheduler: its kind, not its details."""
+    return EngineFailure(f"internal scheduler error ({type(error).__name__}); retry the request")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import NoReturn
 
 from scheduler_svc.core.errors import STOPPING, InvalidRequest, QueueFull, ServerStopping
 
@@ -52,6 +53,11 @@ class Admission:
         with self._lock:
             self.num_requests -= 1
             self.num_tokens -= num_prompt_tokens
+
+    def withdraw(self, num_prompt_tokens: int) -> NoReturn:
+        """A request admitted as the server closed, too late to be queued: no longer counted, and refused."""
+        self.release(num_prompt_tokens)
+        raise ServerStopping(STOPPING)
 
     def close(self) -> None:
         """Refuse every later request (shutdown)."""

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from scheduler_svc.core.errors import STOPPING, EngineFailure, ExecutorUnavailable, InvalidRequest, ServerStopping
+from scheduler_svc.core.errors import EngineFailure, ExecutorUnavailable, InvalidRequest, internal_error
 from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.tokenizer import ModelTokenizer
@@ -67,8 +67,7 @@ class EngineLoop(EngineCalls):
         handle = RequestHandle(prepared, sink, arrived_at, tokens_per_read)
         with self._wakeup:
             if self._stopped:  # admitted just before the drain closed admission, too late for the loop to answer it
-                self.admission.release(len(prepared.prompt_token_ids))
-                raise ServerStopping(STOPPING)
+                self.admission.withdraw(len(prepared.prompt_token_ids))
             self._inbox.append(handle)
             self.engine.cut_for_loop()
             self._wakeup.notify()
@@ -128,8 +127,7 @@ class EngineLoop(EngineCalls):
                     probe(self.engine, supervisor)
             except Exception as e:  # a bug in the loop: answer every caller, then start over on a reset executor
                 log.exception("engine loop failed: %s", e)
-                self._requests.end_all(self.engine, EngineFailure(f"internal scheduler error ({type(e).__name__}); "
-                                                                   "retry the request"))
+                self._requests.end_all(self.engine, internal_error(e))
                 supervisor.go_down(time.monotonic())
             if supervisor.serving != self._serving_reported:
                 self._serving_reported = supervisor.serving
