@@ -102,7 +102,7 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     constraint.add_argument("--choice", action="append",
                             help="the output is exactly one of these strings, repeatable (server default none)")
     constraint.add_argument("--grammar", type=file_text, metavar="FILE",
-                            help="the output parses with this Lark grammar file (server default none)")
+                            help="the output parses with this Lark (or GBNF) grammar file (server default none)")
     constraint.add_argument("--json-object", action="store_true", default=None,
                             help="the output is a JSON object (server default false)")
     parser.add_argument("--json", action="store_true",

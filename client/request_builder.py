@@ -51,7 +51,7 @@ def build_request(
 ) -> pb.GenerateRequest:
     """Exactly one of ``prompt`` (text), ``messages`` (chat) or ``token_ids`` must be given, and at most one
     structured-output constraint (``json_schema`` as JSON text or a dict, ``regex``, ``choice``, ``grammar``
-    in Lark, ``json_object``). ``lora``: the LoRA adapter to run through, by name (None: the base model).
+    in Lark or GBNF, ``json_object``). ``lora``: the LoRA adapter to run through, by name (None: the base model).
     ``chat_template_kwargs``: more variables for the chat template with ``messages`` (vLLM's option).
 
     Options left as None are not sent, so the server applies its documented defaults; ``top_k`` -1 disables it, as

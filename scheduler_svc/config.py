@@ -92,7 +92,7 @@ class ServiceConfig:
     yield_cpu: bool = False
     # The OpenAI-compatible HTTP API, on --host beside gRPC; 0 turns it off.
     http_port: int = 8000
-    # Prometheus /metrics alone, without the API key (for scrapers that cannot send one); 0 turns it off.
+    # Prometheus /metrics alone, asking no client certificate (for scrapers that cannot present one); 0 turns it off.
     metrics_port: int = 0
     # vLLM's --kv-events-config JSON: publish the prefix cache's events over ZMQ (``api.kv_events_config``).
     kv_events_config: str = ""

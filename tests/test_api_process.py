@@ -163,7 +163,7 @@ def test_bad_requests_name_the_field_and_lose_nothing_in_flight():
             assert [code for code, _ in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 6, errors
             assert errors[0][1].startswith("tokens.token_ids")
             assert errors[1][1].startswith("sampling.n")
-            assert errors[2][1].startswith("not a GenerateRequest")
+            assert errors[2][1].startswith("not Generate's request message")
             assert errors[3][1].startswith("not Tokenize's request message")
             assert errors[4][1].startswith("not Abort's request message")
             assert errors[5][1].startswith("structured_output.json_schema")

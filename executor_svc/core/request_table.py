@@ -235,16 +235,14 @@ class RequestTable:
         step. Stop token ids outside the vocabulary are allowed: they can never be sampled, so nothing masks them.
         """
         ranges = (("temperature", 0 <= params.temperature < math.inf, "finite and >= 0"),
-                  ("top_p", 0 < params.top_p <= 1, "in (0, 1]"), ("min_p", 0 <= params.min_p <= 1, "in [0, 1]"))
+                  ("top_p", 0 < params.top_p <= 1, "in (0, 1]"), ("min_p", 0 <= params.min_p <= 1, "in [0, 1]"),
+                  ("repetition_penalty", 0 < params.repetition_penalty < math.inf, "> 0"))
         for name, ok, what in ranges:
             if not ok:
                 raise PlanError(INVALID, f"request {request_id}: {name} must be {what}, got {getattr(params, name)}")
         for name in ("num_logprobs", "num_prompt_logprobs"):
             if (value := getattr(params, name)) is not None and value > MAX_LOGPROBS:
                 raise PlanError(INVALID, f"request {request_id}: {name} must be in [0, {MAX_LOGPROBS}], got {value}")
-        if not 0 < params.repetition_penalty < math.inf:
-            raise PlanError(INVALID, f"request {request_id}: repetition_penalty must be > 0, got "
-                                     f"{params.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(params, name) <= MAX_PENALTY:
                 raise PlanError(INVALID, f"request {request_id}: {name} must be in [-{MAX_PENALTY:g}, "

@@ -41,6 +41,7 @@ from scheduler_svc.api.codec import responses, to_response
 from scheduler_svc.api.grpc_proxy import GrpcProxy
 from scheduler_svc.api.grpc_status import fail
 from scheduler_svc.api.http.server import HttpServer
+from scheduler_svc.api.malformed import malformed
 from scheduler_svc.api.outbox import Outbox
 from scheduler_svc.api.pacing import PacedReading, WritePacer
 from scheduler_svc.api.process_link import Frame, decode_output, pack, read_frame
@@ -241,7 +242,7 @@ class ApiHandler(grpc.GenericRpcHandler):
         try:
             return pb.GenerateRequest.FromString(data)
         except DecodeError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a GenerateRequest: {e}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed("Generate", e))
 
     async def _outputs(self, kind: str, data: bytes, whole: bool, interval: float,
                        context: grpc.aio.ServicerContext, failure: Callable[[RequestFailed], RequestFailed] = _same
@@ -278,7 +279,7 @@ class ApiHandler(grpc.GenericRpcHandler):
         try:
             request = vllm.GenerateRequest.FromString(data)
         except DecodeError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not the RPC's message: {e}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed("Generate", e))
         interval = self.stream_interval if request.stream else math.inf
         writer = None
         async for accepted, outputs in self._outputs("submit_vllm", data, not request.stream, interval, context,

@@ -32,7 +32,7 @@ from scheduler_svc.api.http.app import create_app, create_metrics_app
 from scheduler_svc.api.http.server import HttpServer, metrics_tls
 from scheduler_svc.api.kv_events_config import parse_kv_events_config
 from scheduler_svc.api.kv_zmq import ZmqKvPublisher
-from scheduler_svc.api.malformed import MalformedRequest, MalformedRequestInterceptor
+from scheduler_svc.api.malformed import MalformedRequestInterceptor, refuse_malformed
 from scheduler_svc.api.recording import SERVICE_NAME as RECORDING_SERVICE
 from scheduler_svc.api.recording import RecordingControl, RecordingServicer
 from scheduler_svc.api.vllm_engine import servicer as vllm_engine
@@ -84,8 +84,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _submit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                       whole: bool = False) -> Generation:
         await self._ready(context)
-        if isinstance(request, MalformedRequest):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a GenerateRequest: {request.reason}")
+        await refuse_malformed(request, context, "Generate")
         try:
             return await self.frontend.submit(request, whole)
         except RequestFailed as e:

@@ -21,6 +21,17 @@ class MalformedRequest:
         self.reason = reason
 
 
+def malformed(method: str, reason: object) -> str:
+    """What a caller whose bytes did not parse as ``method``'s request message is told."""
+    return f"not {method}'s request message: {reason}"
+
+
+async def refuse_malformed(request: object, context: grpc.aio.ServicerContext, method: str) -> None:
+    """End the call with INVALID_ARGUMENT when ``request`` stands in for bytes that did not parse."""
+    if isinstance(request, MalformedRequest):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed(method, request.reason))
+
+
 def tolerant(deserialize: Callable[[bytes], object]) -> Callable[[bytes], object]:
     def parse(data: bytes) -> object:
         try:
@@ -51,9 +62,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         behavior, method = handler.unary_unary, details.method.removeprefix(self.prefix)
 
         async def refusing(request: object, context: grpc.aio.ServicerContext) -> object:
-            if isinstance(request, MalformedRequest):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"not {method}'s request message: {request.reason}")
+            await refuse_malformed(request, context, method)
             return await behavior(request, context)
 
         return handler._replace(unary_unary=refusing)

@@ -27,9 +27,10 @@ class MixedScheduler(Scheduler):
     def schedule(self, propose: bool = True) -> tuple[list[Sequence], bool]:
         num_steps = 1 if self.waiting else self.num_scheduler_steps
         # While a prompt waits, proposals leave it half the budget the decodes leave, so that they never starve it.
-        head = self.waiting[0] if self.waiting else None
-        spare = self.max_num_batched_tokens - min(len(self.running), self.max_num_seqs)
-        reserved = min(len(head.token_ids) - head.num_cached_tokens, (spare + 1) // 2) if head is not None else 0
+        reserved = 0
+        if self.speculator is not None and self.waiting:
+            head, spare = self.waiting[0], self.max_num_batched_tokens - min(len(self.running), self.max_num_seqs)
+            reserved = min(len(head.token_ids) - head.num_cached_tokens, (spare + 1) // 2)
         scheduled = self._schedule_decodes(num_steps, self.max_num_seqs, prefill_may_follow=True, propose=propose,
                                            proposal_budget=self.max_num_batched_tokens - reserved)
         num_decodes = len(scheduled)

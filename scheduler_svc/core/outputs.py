@@ -24,7 +24,10 @@ class RequestUsage:
     cached_prompt_tokens: int
 
     @classmethod
-    def of(cls, seq: Sequence) -> RequestUsage:
+    def of(cls, seq: Sequence, counts_prompt: bool = True) -> RequestUsage:
+        """``seq``'s so far; ``counts_prompt`` False for choices after the first, which share the first's prompt."""
+        if not counts_prompt:
+            return cls(0, seq.num_completion_tokens, 0)
         return cls(seq.num_prompt_tokens, seq.num_completion_tokens, seq.num_prefix_hit_tokens or 0)
 
 

@@ -149,7 +149,7 @@ class Scheduler:
         # that needs more calls into the block manager (which counts, takes, or says none are free).
         block_manager, block_size, running = self.block_manager, self.block_size, self.running
         max_model_len = self.max_model_len
-        hold_in_flight = False
+        hold_in_flight = proposed = False
         if self.speculator is not None and running:
             budget = self.max_num_batched_tokens if proposal_budget is None else proposal_budget
             hold_in_flight, proposed = self.speculator.propose(running, seq_budget, budget, propose)
@@ -182,12 +182,13 @@ class Scheduler:
                     self.preempt(seq)
                     break
             else:
-                seq.num_scheduled_tokens = steps + seq.num_draft_tokens
+                seq.num_scheduled_tokens = steps
                 scheduled.append(seq)
-        for seq in scheduled:
-            if seq.num_draft_tokens:
-                self._reserve_drafts(seq)
-                seq.num_scheduled_tokens = 1 + seq.num_draft_tokens
+        if proposed:
+            for seq in scheduled:
+                if seq.num_draft_tokens:
+                    self._reserve_drafts(seq)
+                    seq.num_scheduled_tokens = 1 + seq.num_draft_tokens
         # Nothing fits, unless the head of ``waiting`` was preempted while a step in flight (plans sent ahead) owes it a
         # token: then nothing is scheduled until that step is collected.
         if not scheduled and not held and not prefill_may_follow and not (

@@ -188,8 +188,8 @@ class LiveRequests:
         for active in list(self.by_handle.get(handle, ())):
             engine.abort(active.seq)
             if answer:
-                seq, index = active.seq, active.processor.index  # only choice 0 counts the prompt, as finished
-                usage = RequestUsage.of(seq) if index == 0 else RequestUsage(0, seq.num_completion_tokens, 0)
+                index = active.processor.index
+                usage = RequestUsage.of(active.seq, counts_prompt=index == 0)
                 self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage, index=index,
                                                 drained=drained))
             self.forget(active, FinishReason.ABORT)

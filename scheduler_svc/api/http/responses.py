@@ -43,13 +43,16 @@ class Piece:
     prompt: tuple[list[int], list[TokenLogprobs]] | None = None
 
     def add(self, output: RequestOutput) -> None:
-        self.text += output.text
-        self.token_ids += output.token_ids
-        self.logprobs += output.logprobs
-        if output.prompt_logprobs is not None:
-            self.prompt = output.prompt_logprobs
+        self.join(output.text, output.token_ids, output.logprobs, output.prompt_logprobs)
         if output.finish_reason is not None:
             self.finish_reason, self.usage = output.finish_reason.value, output.usage
+
+    def join(self, text: str, token_ids: list[int], logprobs: list[TokenLogprobs],
+             prompt: tuple[list[int], list[TokenLogprobs]] | None) -> None:
+        self.text += text
+        self.token_ids += token_ids
+        self.logprobs += logprobs
+        self.prompt = self.prompt or prompt
 
 
 class UsageTotal:
@@ -135,14 +138,21 @@ def completion_logprobs(piece: Piece, t: Translated, tokenizer: ModelTokenizer |
     if t.top_logprobs is None:
         return None
     out = schemas.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for token_id, lp in zip(piece.token_ids, piece.logprobs, strict=False):
+    add_legacy_logprobs(out, zip(piece.token_ids, piece.logprobs, strict=False), t, tokenizer, offset)
+    return out
+
+
+def add_legacy_logprobs(out: schemas.CompletionLogprobs, tokens: Iterable[tuple[int, TokenLogprobs | None]],
+                        t: Translated, tokenizer: ModelTokenizer | None, offset: int) -> None:
+    """Each (token id, its logprobs: None for none) into OpenAI's legacy shape, ``text_offset`` from ``offset``."""
+    for token_id, lp in tokens:
         text = token_text(tokenizer, token_id)
         out.tokens.append(text)
-        out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append({token_text(tokenizer, t_id): p for t_id, p in alternatives(lp, t.top_logprobs)})
+        out.token_logprobs.append(None if lp is None else lp.logprob)
+        out.top_logprobs.append(None if lp is None else {token_text(tokenizer, t_id): p
+                                                         for t_id, p in alternatives(lp, t.top_logprobs)})
         out.text_offset.append(offset)
         offset += len(text)
-    return out
 
 
 def echoed_logprobs(prompt: tuple[list[int], list[TokenLogprobs]], t: Translated, tokenizer: ModelTokenizer | None,
@@ -151,15 +161,7 @@ def echoed_logprobs(prompt: tuple[list[int], list[TokenLogprobs]], t: Translated
     the first prompt token has none, offsets count from the prompt's start."""
     token_ids, logprobs = prompt
     out = schemas.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    offset = 0
-    for token_id, lp in zip(token_ids, [None, *logprobs], strict=True):
-        text = token_text(tokenizer, token_id)
-        out.tokens.append(text)
-        out.token_logprobs.append(None if lp is None else lp.logprob)
-        out.top_logprobs.append(None if lp is None else {token_text(tokenizer, t_id): p
-                                                         for t_id, p in alternatives(lp, t.top_logprobs)})
-        out.text_offset.append(offset)
-        offset += len(text)
+    add_legacy_logprobs(out, zip(token_ids, [None, *logprobs], strict=True), t, tokenizer, 0)
     for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         getattr(out, name).extend(getattr(after, name))
     return out
@@ -172,10 +174,7 @@ async def whole(t: Translated, generations: list[Generation]) -> tuple[list[Piec
     try:
         async for piece in pieces(t, generations):
             choice = choices[piece.index]
-            choice.text += piece.text
-            choice.token_ids += piece.token_ids
-            choice.logprobs += piece.logprobs
-            choice.prompt = choice.prompt or piece.prompt
+            choice.join(piece.text, piece.token_ids, piece.logprobs, piece.prompt)
             choice.finish_reason = piece.finish_reason
             usage.add(piece.usage)
     except RequestFailed as e:

@@ -161,7 +161,6 @@ def structured_output(body: schemas.GenerationParameters) -> tuple[pb.Structured
 def base_request(body: schemas.GenerationParameters, max_tokens: int | None, logprobs: int | None,
                  renames: dict[str, str]) -> pb.GenerateRequest:
     """The settings every prompt of the request shares; records where the structured output came from."""
-    refuse_unsupported_extras(body)
     sampling = pb.SamplingOptions(
         temperature=body.temperature, top_k=None if body.top_k == -1 else body.top_k, top_p=body.top_p,
         min_p=body.min_p, seed=body.seed, logprobs=logprobs, repetition_penalty=body.repetition_penalty,
@@ -211,6 +210,7 @@ def chat_prompt(messages: list[schemas.Message], add_generation_prompt: bool | N
 
 def chat_request(body: schemas.ChatCompletionRequest, served: Served) -> Translated:
     lora = check_model(body.model, served)
+    refuse_unsupported_extras(body)
     if body.tools:
         raise unsupported("tools", "tool calling")
     if body.functions:
@@ -240,6 +240,7 @@ def prompts_of(prompt: str | list) -> list[str | list[int]]:
 def completion_request(body: schemas.CompletionRequest, served: Served,
                        tokenizer: ModelTokenizer | None) -> Translated:
     lora = check_model(body.model, served)
+    refuse_unsupported_extras(body)
     if body.suffix:
         raise unsupported("suffix", "a suffix (insertion)")
     if body.best_of not in (None, 1):

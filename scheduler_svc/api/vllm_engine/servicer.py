@@ -22,7 +22,7 @@ from smg_grpc_proto.generated import common_pb2 as common
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.frontend import Frontend, Generation
 from scheduler_svc.api.grpc_status import fail
-from scheduler_svc.api.malformed import MalformedRequest
+from scheduler_svc.api.malformed import refuse_malformed
 from scheduler_svc.api.vllm_engine import info
 from scheduler_svc.api.vllm_engine.requests import generate_request, vllm_error
 from scheduler_svc.api.vllm_engine.responses import ResponseWriter
@@ -61,13 +61,8 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
         except RequestFailed as e:
             await fail(context, e)
 
-    @staticmethod
-    async def _refuse_malformed(request: object, context: grpc.aio.ServicerContext) -> None:
-        if isinstance(request, MalformedRequest):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not the RPC's message: {request.reason}")
-
     async def _submit(self, request: vllm.GenerateRequest, context: grpc.aio.ServicerContext) -> Generation:
-        await self._refuse_malformed(request, context)
+        await refuse_malformed(request, context, "Generate")
         await self._ready(context)
         try:
             return await submit_generate(self.frontend, request, self.frontend.submit)
@@ -131,7 +126,7 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
                                 context: grpc.aio.ServicerContext) -> AsyncIterator[common.KvEventBatch]:
         """The prefix cache's events from ``start_sequence_number`` (0: from now), batch by batch, until the caller
         hangs up; a caller that fell too far behind finds a gap in the sequence numbers."""
-        await self._refuse_malformed(request, context)
+        await refuse_malformed(request, context, "SubscribeKvEvents")
         await self._ready(context)
         with self.frontend.kv_events(request.start_sequence_number) as reader:
             await context.send_initial_metadata(())  # subscribed: the gateway waits for this to count it connected
