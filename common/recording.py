@@ -9,6 +9,7 @@ before it hands out the first record.
 
 from __future__ import annotations
 
+import glob
 import struct
 import zlib
 from collections.abc import Iterator
@@ -83,9 +84,16 @@ class RecordingWriter:
             self._file.close()
         self.header.file_index = index
         # Unbuffered: each batch is one write, and a failed one is cut back without a buffer to flush first.
-        self._file = open(self.directory / file_name(self.header.session, index), "xb", buffering=0)  # noqa: SIM115
+        path = self.directory / file_name(self.header.session, index)
+        self._file = open(path, "xb", buffering=0)  # noqa: SIM115
         self._size = self._good = 0
-        self._append(MAGIC + frame(self.header.SerializeToString()))
+        try:
+            self._append(MAGIC + frame(self.header.SerializeToString()))
+        except OSError:  # a full disk: no file without its header, which no reader could open
+            self._file.close()
+            self._file = None
+            path.unlink(missing_ok=True)
+            raise
         self._header_size = self._size
 
     def _append(self, data: bytes) -> None:
@@ -196,8 +204,10 @@ class Recording:
         self.directory = directory
         if not directory.is_dir():
             raise RecordingError(f"{directory} is not a directory")
-        paths = sorted(directory.glob(f"*{SUFFIX}"))
-        if not paths:
+        # A session's own files only: another's damaged file does not stand in the way of this one.
+        paths = sorted(directory.glob(f"*{SUFFIX}" if session is None else
+                                      f"{glob.escape(session)}-{'[0-9]' * 5}{SUFFIX}"))
+        if not paths and session is None:
             raise RecordingError(f"{directory} holds no recording (no *{SUFFIX} file)")
         sessions: dict[str, Session] = {}
         for path in paths:

@@ -74,8 +74,8 @@ def recorded_executor(recording: Recording) -> ExecutorInfo:
     an executor built for the replay must hold."""
     infos = []
     for session in recording.sessions:
-        record = next(recording.records(session))
-        if record.WhichOneof("entry") != "handshake":
+        record = next(recording.records(session), None)
+        if record is None or record.WhichOneof("entry") != "handshake":
             raise RecordingError(f"session {session.name} does not begin with the executor's handshake")
         infos.append(info_from_proto(record.handshake))
     return replace(infos[0], num_blocks=max(info.num_blocks for info in infos))

@@ -18,6 +18,7 @@ import pytest
 from client.cli import main as cli
 from common.recording import MAGIC, SUFFIX, Recording, RecordingError, RecordingWriter, frame, record_bytes
 from common.replay import Replayer
+from common.replay_cli import recorded_executor
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from executor_svc.runtime.replay import shadow_executor
 from nanoserve.v1 import recording_pb2 as rpb
@@ -102,6 +103,33 @@ def test_a_damaged_recording_is_refused_naming_the_file(tmp_path: Path, how: str
     assert path.name in str(refused.value) or how == "missing"
     assert cli(["replay", str(tmp_path), "--executor", f"{HOST}:1"]) == 2, "refused before any executor is asked"
     assert message in capsys.readouterr().err
+
+
+def test_another_sessions_damaged_file_does_not_stand_in_the_way_of_this_one(tmp_path: Path):
+    damaged(tmp_path, "truncated")  # session "s"
+    write_good = RecordingWriter(tmp_path, "g", 1.0, False, 1 << 20)
+    write_good.write([record_bytes("reset", 1.0, reset_payload(1))])
+    write_good.close()
+    assert Recording(tmp_path, "g").sessions[0].num_records == 1
+    with pytest.raises(RecordingError, match="is truncated at byte"):
+        Recording(tmp_path)
+
+
+def test_a_full_disk_at_a_new_file_leaves_no_file_without_its_header(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch):
+    def disk_full(self: RecordingWriter, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(RecordingWriter, "_append", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        RecordingWriter(tmp_path, "s", 0.0, False, 1 << 20)
+    assert list(tmp_path.glob(f"*{SUFFIX}")) == [], "a reader could open no recording in this directory"
+
+
+def test_a_session_without_a_record_is_refused_for_replay(tmp_path: Path):
+    RecordingWriter(tmp_path, "e", 0.0, False, 1 << 20).close()  # killed before its first batch was written
+    with pytest.raises(RecordingError, match="does not begin with the executor's handshake"):
+        recorded_executor(Recording(tmp_path))
 
 
 def test_a_recording_of_a_newer_format_is_refused(tmp_path: Path):
