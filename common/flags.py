@@ -65,6 +65,13 @@ def byte_size(text: str) -> int:
     return int(float(match[1]) * BYTE_UNITS[match[2]])
 
 
+def secret(text: str) -> str:
+    """A key: an empty one (a secret that was missing) would turn the check off without a word, so it is refused."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a key, or leave it unset for no key")
+    return text
+
+
 def port(text: str) -> int:
     value = int(text)
     if not 0 <= value < 65536:

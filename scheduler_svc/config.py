@@ -17,6 +17,7 @@ from common.flags import (
     port,
     positive_float,
     positive_int,
+    secret,
     share,
 )
 from scheduler_svc.api.kv_events_config import kv_events_flag
@@ -157,7 +158,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--executor-tls-ca", str, "PEM CA that signed the executor's certificate: TLS to the executor")
     add("--executor-tls-cert", str, "PEM client certificate for an executor that requires mutual TLS")
     add("--executor-tls-key", str, "PEM private key of --executor-tls-cert")
-    add("--api-key", str, "clients must send 'authorization: Bearer <key>'; prefer the environment", secret=True)
+    # No default string for argparse to run through ``secret``: only a key given empty is refused.
+    flags.add("--api-key", secret, None, "clients must send 'authorization: Bearer <key>'; prefer the environment",
+              secret=True)
     add("--overlap", boolean, "schedule step N+1 while the executor runs step N ('--overlap off': one step at a time; "
         "default: on beside an accelerator, off with an executor on the CPU)")
     add("--plans-ahead", positive_int, "with overlap, plain steps sent ahead of the one the scheduler waits for, when "
@@ -217,7 +220,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ServiceConfig:
     parser = build_parser(os.environ if env is None else env)
-    config = ServiceConfig(**vars(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    config = ServiceConfig(**{**vars(args), "api_key": args.api_key or ""})
     try:
         config.scheduler_config()
     except ValueError as e:

@@ -43,6 +43,8 @@ def test_the_flag_wins_over_the_environment():
         ([], {"NANOSERVE_MAX_QUEUED_REQUESTS": "many"}),
         ([], {"NANOSERVE_LOG_LEVEL": "chatty"}),
         (["--max-num-batched-tokens", "64"], {}),
+        ([], {"NANOSERVE_API_KEY": ""}),
+        (["--api-key", " "], {}),
     ],
 )
 def test_bad_values_are_refused(argv: list[str], env: dict[str, str], capsys: pytest.CaptureFixture):
