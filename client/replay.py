@@ -13,6 +13,7 @@ import grpc
 from common.channels import EXECUTOR_CHANNEL_OPTIONS
 from common.executor import Executor
 from common.recording import RecordingError
+from common.replay import ExecutorGone
 from common.replay_cli import EXIT_UNAVAILABLE, open_recording, refuse, replay
 from common.security import TLSConfig, channel_credentials, secure_or_insecure_channel
 from common.step import ExecutorInfo, StepPlan, StepResult
@@ -41,7 +42,8 @@ class GrpcExecutor(Executor):
         try:
             return method(request, timeout=self.timeout_s)
         except grpc.RpcError as e:
-            raise ExecutorRefused(f"{e.code().name}: {e.details()}") from None
+            kind = ExecutorGone if e.code() == grpc.StatusCode.UNAVAILABLE else ExecutorRefused
+            raise kind(f"{e.code().name}: {e.details()}") from None
 
     def get_info(self) -> ExecutorInfo:
         return info_from_proto(self._call(self.stub.GetInfo, pb.GetInfoRequest()))
@@ -67,7 +69,7 @@ def run_replay(args: argparse.Namespace, tls: TLSConfig | None, argv: list[str])
     executor = GrpcExecutor(args.executor, tls, args.timeout)
     try:
         return replay(executor, recording, args)
-    except ExecutorRefused as e:  # unreachable, or refused a handshake or a reset
+    except (ExecutorRefused, ExecutorGone) as e:  # unreachable, or refused a handshake or a reset
         print(f"error: executor {args.executor}: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     finally:

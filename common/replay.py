@@ -97,6 +97,10 @@ class ReplayReport:
         return not self.diverged and not any(issue.difference for issue in self.issues)
 
 
+class ExecutorGone(RuntimeError):
+    """The executor can no longer be reached: the replay stops there (a refused plan is an outcome; this is not)."""
+
+
 class ReplayError(RecordingError):
     """The executor cannot take this recording's plans (another KV block size)."""
 
@@ -259,6 +263,8 @@ class Replayer:
         sent = plan if recorded is None or recorded.num_passes is None else cut_to(plan, recorded.num_passes)
         try:
             return rows, self.executor.step(sent)
+        except ExecutorGone:
+            raise
         except Exception as e:
             return rows, e
 

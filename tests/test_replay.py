@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from common.recording import Recording
+from common.replay import ExecutorGone
 from common.step import CachedRequests, NewRequest, SamplingSettings, StepPlan, StepResult
 from common.step_codec import plan_from_proto
 from executor_svc.core.request_table import ScheduledChunk
@@ -198,3 +199,26 @@ def test_a_plan_the_restarted_executor_answered_is_noted_not_compared(tmp_path: 
     assert report.num_restarts == 1
     assert [(i.step_id, i.replayed, i.difference) for i in report.issues] == [(2, "ran", False), (3, "ran", False)]
     assert restarted.get_info().instance_id in report.issues[1].recorded
+
+
+class GoneAfter(ShadowExecutor):
+    """A shadow executor that can no longer be reached from its ``gone_at``-th step on."""
+
+    def __init__(self, gone_at: int, **shadow: object) -> None:
+        super().__init__(**shadow)
+        self.gone_at, self.steps = gone_at, 0
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.steps += 1
+        if self.steps >= self.gone_at:
+            raise ExecutorGone("UNAVAILABLE: the executor went away")
+        return super().step(plan)
+
+
+def test_an_executor_that_goes_away_stops_the_replay_rather_than_refusing_every_plan_after(shadow_recording: Path):
+    info = recorded(shadow_recording)
+    gone = GoneAfter(3, num_blocks=info.num_blocks, block_size=info.block_size, vocab_size=info.vocab_size,
+                     eos_token_ids=info.eos_token_ids)
+    with pytest.raises(ExecutorGone):
+        replay(shadow_recording, gone)
+    assert gone.steps == 3, "plans were still sent to an executor that was gone"
