@@ -45,6 +45,8 @@ class FlakyExecutor(Executor):
         self.inner = ShadowExecutor(**self.shadow)
         self.down = False
         self.refuse_plans = False
+        # Refuse every decode (a prefill, a recovery's recompute too, still runs).
+        self.refuse_decodes = False
         # Seconds each step takes, as a real forward pass would.
         self.step_delay_s = 0.0
 
@@ -70,6 +72,8 @@ class FlakyExecutor(Executor):
         self._check()
         if self.refuse_plans and (plan.new_requests or plan.cached_requests.request_ids):
             raise PlanError("FAILED_PRECONDITION", "injected: plan refused")
+        if self.refuse_decodes and not plan.is_prefill:
+            raise PlanError("FAILED_PRECONDITION", "injected: decode refused")
         time.sleep(self.step_delay_s)
         return self.inner.step(plan)
 
@@ -248,6 +252,25 @@ def test_work_the_executor_keeps_refusing_fails_with_internal_and_the_scheduler_
 
     refused, after = asyncio.run(run())
     assert refused.code() == grpc.StatusCode.INTERNAL and "injected: plan refused" in refused.details()
+    assert after == expected_tokens([1, 2, 3], 5)
+
+
+@pytest.mark.parametrize("policy", ["nano-vllm", "mixed"])
+def test_a_decode_the_executor_always_refuses_fails_after_three_tries_not_a_token_per_recovery(policy):
+    executor = FlakyExecutor()
+
+    async def run():
+        async with scheduler(executor, scheduling_policy=policy) as s:
+            executor.refuse_decodes = True
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await s.stub.GenerateOnce(token_request([1, 2, 3], 30, ignore_eos=True))
+            executor.refuse_decodes = False
+            await wait_health(s, SERVING)
+            after = await s.stub.GenerateOnce(token_request([1, 2, 3], 5, ignore_eos=True))
+            return refused.value, list(after.token_ids)
+
+    refused, after = asyncio.run(run())
+    assert refused.code() == grpc.StatusCode.INTERNAL and "injected: decode refused" in refused.details()
     assert after == expected_tokens([1, 2, 3], 5)
 
 

@@ -49,13 +49,19 @@ def test_the_same_work_failing_repeatedly_is_given_up_even_across_recoveries():
     assert s.step_failed(10.0) is False, "the count starts over once it gave up"
 
 
-def test_a_successful_step_clears_the_failure_count():
+def test_a_decode_step_clears_the_failure_count_and_a_recompute_prefill_does_not():
     s = Supervisor(now=0.0)
+    s.step_succeeded(num_decode_steps=7)
     for _ in range(MAX_FAILED_STEPS - 1):
         s.step_failed(0.0)
         s.recovered(0.0)
-    s.step_succeeded()
-    assert s.step_failed(1.0) is False
+        s.step_succeeded(num_decode_steps=7)  # the recovery's recompute: prefill only
+    assert s.step_failed(1.0) is True, "the same decode failed after each recompute"
+    for _ in range(MAX_FAILED_STEPS - 1):
+        s.step_failed(2.0)
+        s.recovered(2.0)
+    s.step_succeeded(num_decode_steps=8)
+    assert s.step_failed(3.0) is False, "a decode got through: the count starts over"
 
 
 def test_an_incompatible_executor_keeps_requests_failing_until_the_right_one_is_back():

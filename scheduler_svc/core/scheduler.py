@@ -60,6 +60,9 @@ class Scheduler:
         # The sequence the last prefill scheduled first: ``advance`` finds it in the plan's order.
         self._prefill_head: Sequence | None = None
         self.speculator = Speculator(config) if config.speculative else None
+        # Steps settled that decoded a sequence, not only prefilled: the engine loop's sign that the executor got past
+        # a recovery's recompute (``Supervisor.step_succeeded``).
+        self.num_decode_steps = 0
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -273,6 +276,7 @@ class Scheduler:
         order they were scheduled, as nano-vLLM's postprocess takes them, which the prefix cache's
         names and the free list's order follow.
         """
+        self.num_decode_steps += bool(record.seqs) and record.slots[0] == record.starts[0] + 1  # decode rows go first
         if record.drafts is not None:
             return settle_verification(self, record, token_ids, logprobs, num_sampled or [])
         if num_passes is not None:
