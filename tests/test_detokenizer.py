@@ -123,6 +123,16 @@ def test_the_earliest_of_several_stop_strings_wins():
     assert matcher.push("hello world") == ("hel", True)
 
 
+def test_within_min_tokens_nothing_is_matched_but_a_stop_string_ending_after_it_is():
+    matcher = StopStringMatcher(["STOP", "a"])
+    assert matcher.push("a STO", match=False) == ("a ", False), "a stop string within min_tokens passes"
+    assert matcher.push("P!") == ("", True), "it began within min_tokens and ends after: vLLM's rule"
+    assert matcher.matched == "STOP"
+    matcher = StopStringMatcher(["ab", "abc"])
+    assert matcher.push("xab", match=False) == ("x", False) and matcher.held == "ab"
+    assert matcher.push("d") == ("abd", False), "a stop string wholly within min_tokens never ends it later"
+
+
 def test_without_stop_strings_nothing_is_held():
     matcher = StopStringMatcher([])
     assert matcher.push("abc") == ("abc", False)

@@ -196,21 +196,25 @@ def echo_request(text: str, max_tokens: int, **stopping: object) -> pb.GenerateR
 
 
 def test_min_tokens_holds_eos_and_stop_strings_back_until_reached():
-    prompt = "ab STOP cd"
+    prompt = "ab STOP cd"  # a token a character: "STOP" is completion tokens 3 to 6
     ids = TOKENIZER.encode(prompt, add_special_tokens=False) + [EOS_ID]
 
     async def work(stub):
         plain = collect([r async for r in stub.Generate(token_request(ids, 40))])
         held = collect([r async for r in stub.Generate(token_request(ids, 40, min_tokens=len(ids) + 1))])
         stopped = collect([r async for r in stub.Generate(echo_request(prompt * 3, 40, stop=["STOP"]))])
-        late = collect([r async for r in stub.Generate(echo_request(prompt * 3, 40, stop=["STOP"], min_tokens=6))])
-        return plain, held, stopped, late
+        within = collect([r async for r in stub.Generate(echo_request(prompt * 3, 40, stop=["STOP"], min_tokens=7))])
+        after = collect([r async for r in stub.Generate(echo_request(prompt * 3, 40, stop=["STOP"], min_tokens=6))])
+        first = collect([r async for r in stub.Generate(echo_request("\nab\ncd", 40, stop=["\n"], min_tokens=1))])
+        return plain, held, stopped, within, after, first
 
-    plain, held, stopped, late = run(echo(), work)
+    plain, held, stopped, within, after, first = run(echo(), work)
     assert plain.token_ids == ids and plain.finish_reason == pb.FINISH_REASON_STOP
     assert held.token_ids == ids + ids, "EOS ended the completion before min_tokens"
     assert stopped.text == "ab "
-    assert late.text == "ab STOP cdab ", "a stop string before min_tokens ended the completion"
+    assert within.text == "ab STOP cdab ", "a stop string within min_tokens ended the completion"
+    assert after.text == "ab " and after.finish_reason == pb.FINISH_REASON_STOP, "ending past min_tokens, it counts"
+    assert first.text == "\nab", "min_tokens 1: the first token's stop string does not end it (vLLM's rule)"
 
 
 def test_the_stop_string_stays_in_the_text_when_asked():

@@ -82,22 +82,23 @@ class StopStringMatcher:
     def push(self, text: str, match: bool = True) -> tuple[str, bool]:
         """Return the text safe to emit and whether a stop string ended the generation.
 
-        Text before the earliest stop string is emitted (with the stop string when ``include_stop``),
-        anything after it is dropped. Without a match, the longest tail that is the start of some
-        stop string is held back. ``match=False`` (before min_tokens) passes text through unmatched.
+        Text before the earliest stop string that ends in ``text`` is emitted (with the stop string when
+        ``include_stop``), anything after it is dropped; a stop string may begin in text held back before. Without a
+        match, the longest tail that is the start of some stop string is held back. ``match=False`` (a token within
+        min_tokens) matches nothing, but holds its tail back all the same: as vLLM's, a stop string that begins
+        within min_tokens and ends after it ends the generation.
         """
         if not self.stop:
             return text, False
         buffer = self.held + text
-        if not match:
-            self.held = ""
-            return buffer, False
-        matches = [(i, -len(s)) for i, s in ((buffer.find(s), s) for s in self.stop) if i >= 0]
-        if matches:
-            self.held = ""
-            start, minus_length = min(matches)
-            self.matched = buffer[start : start - minus_length]
-            return buffer[: start - minus_length if self.include_stop else start], True
+        if match:
+            lead = len(self.held)  # held text was searched already: a new match ends past it
+            found = ((buffer.find(s, max(0, lead - len(s) + 1)), s) for s in self.stop)
+            if matches := [(i, -len(s)) for i, s in found if i >= 0]:
+                self.held = ""
+                start, minus_length = min(matches)
+                self.matched = buffer[start : start - minus_length]
+                return buffer[: start - minus_length if self.include_stop else start], True
         keep = max((self._partial_match(buffer, s) for s in self.stop), default=0)
         self.held = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep], False

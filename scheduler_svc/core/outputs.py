@@ -70,7 +70,7 @@ class OutputProcessor:
         self.prompt_logprobs_due = params.prompt_logprobs is not None
         if self.text is not None:
             for k, token_id in enumerate(resumed or ()):
-                if self.text.push(token_id, k + 1 >= self.min_tokens)[1]:
+                if self.text.push(token_id, k >= self.min_tokens)[1]:
                     raise InvalidRequest("resume.completion_token_ids", f"a stop string ends the generation at "
                                                                         f"resumed token {k}: nothing left to resume")
 
@@ -121,12 +121,12 @@ class OutputProcessor:
                 text += self.text.finish()[0]
             return text, token_ids, False, None
         text, stopped, stop_at = "", False, None
-        # Completion tokens before token k: stop strings are matched from min_tokens on.
+        # Completion tokens before token k: a stop string ends the generation once it ends past min_tokens tokens.
         done = out.position - seq.num_prompt_tokens
         for k, token_id in enumerate(token_ids):
             if k == last and out.final and seq.finish_reason is FinishReason.STOP:
                 break  # an EOS or stop token ends the text without being part of it
-            piece, stopped = self.text.push(token_id, done + k + 1 >= self.min_tokens)
+            piece, stopped = self.text.push(token_id, done + k >= self.min_tokens)
             text += piece
             if stopped:
                 if k < last or not out.final:
