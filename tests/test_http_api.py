@@ -210,7 +210,7 @@ CHAT_ERRORS = [
      "response_format"),
     ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs"),
     ({"extra_body": {"top_k": -2}}, "top_k"),
-    ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),
     ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
     ({"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
     ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),

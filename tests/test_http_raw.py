@@ -10,12 +10,14 @@ import socket
 import ssl
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
 from common.step import StepPlan, StepResult
+from executor_svc.core.request_table import RequestTable
 from executor_svc.fakes.shadow import ShadowExecutor
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api import grpc_service as service
@@ -72,7 +74,7 @@ def test_a_stream_is_data_lines_ending_with_done(echo_api: Hosted):
     chunks = [json.loads(chunk) for chunk in chunks]
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
     assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                     "finish_reason": None}]
+                                     "finish_reason": None, "stop_reason": None}]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["choices"] == []
     assert chunks[-1]["usage"]["completion_tokens"] == 6
     completion = httpx.post(f"{echo_api.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True,
@@ -250,15 +252,53 @@ def test_tokenize_and_detokenize_speak_vllms_shapes(echo_api: Hosted):
     assert httpx.post(f"{url}/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
 
 
+def test_vllm_defaults_nulls_a_left_out_model_and_the_stop_reason(echo_api: Hosted):
+    url = echo_api.url
+    plain = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "ignore_eos": True, "stream": None,
+                                                      "echo": None, "return_token_ids": None, "logprobs": None})
+    assert plain.status_code == 200, plain.text
+    body = plain.json()
+    assert body["model"] == MODEL, "no model: the base model, as vLLM serves it"
+    assert body["usage"]["completion_tokens"] == 16, "a completion's max_tokens left out is OpenAI's and vLLM's 16"
+    assert body["choices"][0]["stop_reason"] is None and "token_ids" not in body["choices"][0]
+    stopped = httpx.post(f"{url}/v1/completions", json={"prompt": "ab STOP cd", "stop": ["STOP"], "max_tokens": 20})
+    assert stopped.json()["choices"][0]["finish_reason"] == "stop"
+    assert stopped.json()["choices"][0]["stop_reason"] == "STOP"
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": None, "top_logprobs": 0,
+            "stream": None, "seed": -1}
+    answer = httpx.post(f"{url}/v1/chat/completions", json=chat)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["logprobs"] is None
+    refused = httpx.post(f"{url}/v1/chat/completions", json={**chat, "stream_options": {"include_usage": True}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options"
+    echo_api.assert_idle()
+
+
+@pytest.mark.parametrize(("num_blocks", "longest"), [(1024, 1024), (100, 401)])
+def test_a_chat_completion_without_max_tokens_runs_to_the_room_left(num_blocks: int, longest: int):
+    """As vLLM's: the model's length (or the KV cache, where smaller: the last token needs no slot) less the
+    conversation, not the gRPC API's default of 256."""
+    executor = echo()
+    executor.info = replace(executor.info, max_model_len=1024, num_blocks=num_blocks)
+    executor.table = RequestTable(num_blocks, 4, executor.info.vocab_size, 1024)
+    with hosted(executor) as api:
+        answer = httpx.post(f"{api.url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True}, timeout=60).json()
+        usage = answer["usage"]
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert usage["completion_tokens"] == longest - usage["prompt_tokens"] > 256
+        api.assert_idle()
+
+
 def test_every_error_is_in_openais_shape(echo_api: Hosted):
     url = echo_api.url
     for response, status in ((httpx.get(f"{url}/v1/nothing-here"), 404), (httpx.get(f"{url}/v1/completions"), 405),
                              (httpx.post(f"{url}/v1/completions", content=b"{oops",
                                          headers={"content-type": "application/json"}), 400),
-                             (httpx.post(f"{url}/v1/completions", json={"prompt": "x"}), 400)):
+                             (httpx.post(f"{url}/v1/completions", json={"model": MODEL}), 400)):
         assert response.status_code == status
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
-    assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).json()["error"]["param"] == "model"
+    assert httpx.post(f"{url}/v1/completions", json={"model": MODEL}).json()["error"]["param"] == "prompt"
 
 
 def test_both_status_tables_cover_every_failure():

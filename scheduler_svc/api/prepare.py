@@ -149,7 +149,8 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
             raise InvalidRequest("stop", "stop strings need a tokenizer and this executor has none")
         requested = request.stopping.max_tokens if request.stopping.HasField("max_tokens") else None
         grammar = compile_grammar(request.structured_output, tokenizer, limits.vocab_size)
-        params = sampling_params(request, completion_budget(requested, len(token_ids), limits), grammar)
+        budget = completion_budget(requested, len(token_ids), limits, request.stopping.max_tokens_to_room)
+        params = sampling_params(request, budget, grammar)
         check_sampling(params)
         check_token_ids(params, limits)
         resumed = list(request.resume.completion_token_ids)

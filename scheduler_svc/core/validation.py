@@ -58,10 +58,14 @@ def check_prompt(token_ids: list[int], limits: ModelLimits, field: str = "token_
                                        f"within the model's maximum length of {limits.max_model_len} tokens")
 
 
-def completion_budget(requested: int | None, num_prompt_tokens: int, limits: ModelLimits) -> int:
-    """``requested`` max_tokens, or the default capped to the room the prompt leaves."""
+def completion_budget(requested: int | None, num_prompt_tokens: int, limits: ModelLimits,
+                      to_room: bool = False) -> int:
+    """``requested`` max_tokens, or the default capped to the room the prompt leaves; ``to_room``: that room, also
+    bounded by the KV cache (vLLM's chat completions without max_tokens)."""
     room = limits.max_model_len - num_prompt_tokens
     if requested is None:
+        if to_room:  # the last token sampled needs no KV slot (``max_kv_blocks``)
+            return max(1, min(room, limits.num_blocks * limits.block_size + 1 - num_prompt_tokens))
         return min(DEFAULTS["max_tokens"], room)
     if requested < 1:
         raise InvalidRequest("max_tokens", f"must be >= 1, got {requested}")

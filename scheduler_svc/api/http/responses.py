@@ -38,6 +38,8 @@ class Piece:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    # vLLM's stop_reason: the stop string or stop token id that ended a STOP.
+    stop_reason: str | int | None = None
     usage: RequestUsage | None = None
     # The prompt's token ids and the logprobs of the second on, on a first piece when the request asked.
     prompt: tuple[list[int], list[TokenLogprobs]] | None = None
@@ -46,6 +48,7 @@ class Piece:
         self.join(output.text, output.token_ids, output.logprobs, output.prompt_logprobs)
         if output.finish_reason is not None:
             self.finish_reason, self.usage = output.finish_reason.value, output.usage
+            self.stop_reason = output.matched_stop
 
     def join(self, text: str, token_ids: list[int], logprobs: list[TokenLogprobs],
              prompt: tuple[list[int], list[TokenLogprobs]] | None) -> None:
@@ -175,7 +178,7 @@ async def whole(t: Translated, generations: list[Generation]) -> tuple[list[Piec
         async for piece in pieces(t, generations):
             choice = choices[piece.index]
             choice.join(piece.text, piece.token_ids, piece.logprobs, piece.prompt)
-            choice.finish_reason = piece.finish_reason
+            choice.finish_reason, choice.stop_reason = piece.finish_reason, piece.stop_reason
             usage.add(piece.usage)
     except RequestFailed as e:
         raise api_error(e, t.renames) from e
@@ -192,7 +195,7 @@ async def chat_completion(t: Translated, generations: list[Generation],
     return schemas.ChatCompletion(id=t.id, created=t.created, model=t.model, usage=usage, choices=[
         schemas.ChatChoice(index=c.index, message=schemas.AssistantMessage(content=c.text),
                            logprobs=chat_logprobs(c, t, tokenizer), finish_reason=c.finish_reason,
-                           token_ids=token_ids(c, t))
+                           stop_reason=c.stop_reason, token_ids=token_ids(c, t))
         for c in choices])
 
 
@@ -207,7 +210,7 @@ async def completion(t: Translated, generations: list[Generation],
         if t.echo and logprobs is not None and prompt is not None:
             logprobs = echoed_logprobs(prompt, t, tokenizer, logprobs)
         out.append(schemas.CompletionChoice(index=c.index, text=echo + c.text, finish_reason=c.finish_reason,
-                                            logprobs=logprobs, token_ids=token_ids(c, t)))
+                                            stop_reason=c.stop_reason, logprobs=logprobs, token_ids=token_ids(c, t)))
     return schemas.TextCompletion(id=t.id, created=t.created, model=t.model, choices=out, usage=usage)
 
 
@@ -238,6 +241,7 @@ def chat_chunks(t: Translated, generations: list[Generation], tokenizer: ModelTo
     def chunk_of(piece: Piece) -> BaseModel:
         delta = schemas.Delta(content=piece.text) if piece.text or piece.finish_reason is None else schemas.Delta()
         return chunk([schemas.ChatChunkChoice(index=piece.index, delta=delta, finish_reason=piece.finish_reason,
+                                              stop_reason=piece.stop_reason,
                                               logprobs=chat_logprobs(piece, t, tokenizer),
                                               token_ids=token_ids(piece, t))])
 
@@ -266,7 +270,8 @@ def completion_chunks(t: Translated, generations: list[Generation],
             unscored.discard(piece.index)
             logprobs = echoed_logprobs(prompt, t, tokenizer, logprobs)
         return chunk([schemas.CompletionChoice(index=piece.index, text=piece.text, logprobs=logprobs,
-                                               finish_reason=piece.finish_reason, token_ids=token_ids(piece, t))])
+                                               finish_reason=piece.finish_reason, stop_reason=piece.stop_reason,
+                                               token_ids=token_ids(piece, t))])
 
     echoes = (chunk([schemas.CompletionChoice(index=i, text=t.echo[i // t.n])]) for i in range(len(offsets))
               if t.echo)

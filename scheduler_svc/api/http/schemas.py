@@ -21,7 +21,7 @@ class Request(BaseModel):
 
 
 class StreamOptions(Request):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class JsonSchema(Request):
@@ -49,18 +49,21 @@ class StructuredOutputs(Request):
 class GenerationParameters(Request):
     """What both completion endpoints take: OpenAI's parameters, then vLLM's."""
 
-    model: str
+    # Left out: the base model, as vLLM serves it.
+    model: str | None = None
     max_tokens: UInt32 | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: UInt32 | None = None
     stop: str | list[str] | None = None
-    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
+    # vLLM's range, a signed 64-bit integer (a negative seed samples as its unsigned twin).
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
-    stream: bool = False
+    # OpenAI's spec lets a client send null for every boolean: it reads as false.
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra parameters. top_k -1 disables, as vLLM spells it.
@@ -74,7 +77,7 @@ class GenerationParameters(Request):
     stop_token_ids: list[UInt32] | None = None
     truncate_prompt_tokens: UInt32 | None = None
     structured_outputs: StructuredOutputs | None = None
-    return_token_ids: bool = False
+    return_token_ids: bool | None = False
 
 
 class TextPart(Request):
@@ -90,7 +93,7 @@ class Message(Request):
 class ChatCompletionRequest(GenerationParameters):
     messages: list[Message]
     max_completion_tokens: UInt32 | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: UInt32 | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
@@ -103,23 +106,18 @@ class ChatCompletionRequest(GenerationParameters):
 class CompletionRequest(GenerationParameters):
     prompt: str | list[str] | list[UInt32] | list[list[UInt32]]
     logprobs: UInt32 | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool | None = None
 
 
 class CompletionRenderRequest(CompletionRequest):
-    """vLLM's /v1/completions/render: a completion request whose prompts are only tokenized; ``model`` may be left
-    out (routers strip it)."""
-
-    model: str | None = None
+    """vLLM's /v1/completions/render: a completion request whose prompts are only tokenized."""
 
 
 class ChatCompletionRenderRequest(ChatCompletionRequest):
     """vLLM's /v1/chat/completions/render: the conversation rendered with the chat template and tokenized."""
-
-    model: str | None = None
 
 
 class TokenizeRequest(Request):
@@ -177,6 +175,8 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string matched, or the stop token id sampled (null for EOS or any other finish).
+    stop_reason: str | int | None = None
     token_ids: list[int] | None = Omitted
 
 
@@ -199,6 +199,7 @@ class ChatChunkChoice(BaseModel):
     delta: Delta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     token_ids: list[int] | None = Omitted
 
 
@@ -224,6 +225,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     token_ids: list[int] | None = Omitted
 
 

@@ -21,6 +21,8 @@ from scheduler_svc.api.http.errors import ApiError, failure
 from scheduler_svc.core.errors import InvalidRequest, RequestFailed
 from scheduler_svc.core.tokenizer import ModelTokenizer
 
+# max_tokens of a /v1/completions request that leaves it out: OpenAI's and vLLM's.
+COMPLETION_MAX_TOKENS = 16
 # OpenAI's newer name for the system role.
 ROLE_ALIASES = {"developer": "system"}
 
@@ -163,9 +165,9 @@ def base_request(body: schemas.GenerationParameters, max_tokens: int | None, log
     """The settings every prompt of the request shares; records where the structured output came from."""
     sampling = pb.SamplingOptions(
         temperature=body.temperature, top_k=None if body.top_k == -1 else body.top_k, top_p=body.top_p,
-        min_p=body.min_p, seed=body.seed, logprobs=logprobs, repetition_penalty=body.repetition_penalty,
-        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        logit_bias=logit_bias(body.logit_bias), n=body.n)
+        min_p=body.min_p, seed=None if body.seed is None else body.seed % 2**64, logprobs=logprobs,
+        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias), n=body.n)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     stopping = pb.StoppingOptions(max_tokens=max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or [],
                                   ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
@@ -184,9 +186,11 @@ def translated(body: schemas.GenerationParameters, prefix: str, model: str, requ
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     for i, request in enumerate(requests):
         request.request_id = response_id if len(requests) == 1 else f"{response_id}-{i}"
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return Translated(response_id, model, requests, renames, body.n or 1, body.stream, include_usage, top_logprobs,
-                      body.return_token_ids, echo)
+    options = body.stream_options
+    if options is not None and not body.stream:
+        raise ApiError(400, "stream_options: only with stream set to true", "stream_options")
+    return Translated(response_id, model, requests, renames, body.n or 1, bool(body.stream),
+                      bool(options and options.include_usage), top_logprobs, bool(body.return_token_ids), echo)
 
 
 def message_text(message: schemas.Message, i: int) -> str:
@@ -217,12 +221,14 @@ def chat_request(body: schemas.ChatCompletionRequest, served: Served) -> Transla
         raise unsupported("functions", "function calling")
     if body.tool_choice not in (None, "none"):
         raise unsupported("tool_choice", "a tool_choice other than \"none\"")
-    if body.top_logprobs is not None and not body.logprobs:
+    if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     renames = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_param}
     request = base_request(body, getattr(body, max_param), top_logprobs, renames)
+    # Unset, as vLLM's chat completions: as long as the room the conversation leaves.
+    request.stopping.max_tokens_to_room = True
     request.chat.CopyFrom(chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs))
     request.lora = lora
     return translated(body, "chatcmpl", lora or served.model_id, [request], renames, top_logprobs, [])
@@ -248,7 +254,8 @@ def completion_request(body: schemas.CompletionRequest, served: Served,
     renames: dict[str, str] = {}
     requests, echo = [], []
     for prompt in prompts_of(body.prompt):
-        request = base_request(body, body.max_tokens, body.logprobs, renames)
+        request = base_request(body, COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
+                               body.logprobs, renames)
         request.lora = lora
         if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs too
             request.prompt_logprobs = body.logprobs
