@@ -14,6 +14,7 @@ import threading
 import time
 import zipfile
 from collections.abc import Iterator
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -23,6 +24,7 @@ from smg_grpc_proto.generated import common_pb2 as common
 from tokenizers import Tokenizer
 
 from common.step import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
+from executor_svc.core.request_table import RequestTable
 from executor_svc.fakes.shadow import ShadowExecutor
 from scheduler_svc.api.vllm_engine.requests import sampling_options
 from tests.http_fixtures import Hosted, hosted
@@ -107,6 +109,19 @@ def test_max_tokens_unset_or_past_the_room_is_the_room_the_prompt_leaves(engine,
     for sent in (unset, request(stream=False, max_tokens=10_000)):
         _, (complete,) = split(list(engine.Generate(sent)))
         assert (complete.finish_reason, complete.completion_tokens) == ("length", room)
+
+
+def test_a_text_prompt_without_max_tokens_runs_to_the_room_it_leaves() -> None:
+    executor = echo()
+    executor.info = replace(executor.info, max_model_len=1024)
+    executor.table = RequestTable(executor.info.num_blocks, 4, executor.info.vocab_size, 1024)
+    with hosted(executor) as api, grpc.insecure_channel(f"{HOST}:{api.server.port}") as channel:
+        sent = vllm.GenerateRequest(text="Hello world", sampling_params=vllm.SamplingParams(temperature=0,
+                                                                                            ignore_eos=True))
+        _, (complete,) = split(list(vllm_grpc.VllmEngineStub(channel).Generate(sent)))
+        assert complete.finish_reason == "length" and complete.completion_tokens > 256, "not the gRPC API's default"
+        assert complete.prompt_tokens + complete.completion_tokens == 1024
+        api.assert_idle()
 
 
 def test_not_streamed_each_choice_is_one_complete_with_all_its_tokens(engine) -> None:

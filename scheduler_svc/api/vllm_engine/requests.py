@@ -138,6 +138,8 @@ def generate_request(request: vllm.GenerateRequest, max_model_len: int) -> pb.Ge
         out.truncate_prompt_tokens = truncate
     if kind == "tokenized":
         cap_to_room(out, max_model_len)
+    else:  # a text's room is known once it is tokenized: unset, it is that room all the same
+        out.stopping.max_tokens_to_room = True
     constraint = structured_output(s)
     if constraint is not None:
         out.structured_output.CopyFrom(constraint)
