@@ -230,6 +230,7 @@ COMPLETION_ERRORS = [
     ({"extra_body": {"bad_words": ["Hi"]}}, "bad_words"),
     ({"extra_body": {"truncation_side": "right"}}, "truncation_side"),
     ({"extra_body": {"kv_transfer_params": {}}}, "kv_transfer_params"),
+    ({"extra_body": {"guided_regex": "[ab]+"}}, "guided_regex"),
 ]
 
 

@@ -105,6 +105,8 @@ UNSUPPORTED_EXTRAS: dict[str, tuple[Callable[[object], bool], str]] = {
     "truncation_side": (lambda side: side not in (None, "left"), "truncating the prompt on the right"),
     "prompt_logprobs": (is_set, "prompt logprobs over HTTP (the gRPC API's GenerateRequest.prompt_logprobs has them)"),
     "kv_transfer_params": (is_set, "KV cache transfer between instances"),
+    **{f"guided_{kind}": (is_set, f"guided_{kind}, vLLM's older name (send structured_outputs.{kind})")
+       for kind in ("json", "regex", "choice", "grammar")},
 }
 
 
