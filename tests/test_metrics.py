@@ -115,14 +115,17 @@ def test_a_known_workload_over_grpc_and_http_is_counted_exactly(api):
     assert scrape(metrics_url) == samples
 
 
-def test_n_choices_count_one_request_each_and_the_prompt_once(api):
+def test_n_choices_count_one_request_and_one_prompt_each(api):
+    """As vLLM's n child requests: the prompt counter and the prompt histogram both count each choice's prompt
+    (usage counts it once)."""
     h, _, _ = api
     reply = h.openai().completions.create(model=MODEL, prompt=[20, 21, 22], max_tokens=4, n=3)
     h.assert_idle()
     samples = scrape(h.url)
     assert value(samples, "request_success_total", finished_reason="length") == 3
     assert value(samples, "time_to_first_token_seconds_count") == 3
-    assert value(samples, "prompt_tokens_total") == reply.usage.prompt_tokens == 3
+    assert reply.usage.prompt_tokens == 3
+    assert value(samples, "prompt_tokens_total") == value(samples, "request_prompt_tokens_sum") == 3 * 3
     assert value(samples, "generation_tokens_total") == reply.usage.completion_tokens == 12
 
 
@@ -138,7 +141,8 @@ def test_metrics_need_no_api_key_on_either_port_and_the_metrics_port_serves_noth
         h.assert_idle()
 
 
-def test_preemptions_are_counted():
+def test_preemptions_are_counted_and_their_recompute_is_no_prefix_cache_query():
+    """As vLLM's: a preempted sequence's lookups at its recompute are not prefix-cache queries (nor hits)."""
     prompts = [[i, 2, 3, i + 4] for i in range(1, 7)]
     # 16 blocks of 4 tokens; six sequences of 24 tokens need 36 at their longest.
     with hosted(ShadowExecutor(num_blocks=16, block_size=4, vocab_size=VOCAB)) as h:
@@ -150,6 +154,8 @@ def test_preemptions_are_counted():
     assert value(samples, "num_preemptions_total") == stats.num_preemptions > 0
     assert value(samples, "request_success_total", finished_reason="length") == 6
     assert value(samples, "generation_tokens_total") == 6 * 20
+    assert value(samples, "prefix_cache_queries_total") == sum(map(len, prompts))
+    assert value(samples, "prefix_cache_hits_total") == 0
 
 
 def test_an_outage_turns_executor_up_to_0_and_only_a_new_instance_counts_as_a_restart():

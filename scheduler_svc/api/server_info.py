@@ -45,13 +45,15 @@ class ServerInfo:
     executor_instance_id: str
     # Now: what waits to be scheduled (the requests in flight, counted as they arrive, that no step has scheduled yet,
     # or the sequences waiting as of the last step, preempted ones included, whichever is more), the sequences
-    # scheduled (as of the last step), KV blocks held by requests, prompt tokens of the requests that produced
-    # nothing yet (prefix-cache hits included).
+    # scheduled (as of the last step: decoding, or part-way through a chunked prefill, as vLLM counts them running),
+    # KV blocks held by requests, prompt tokens of the requests that produced nothing yet (prefix-cache hits
+    # included).
     num_waiting: int
     num_running: int
     num_used_blocks: int
     num_queued_prompt_tokens: int
-    # Since start: the share of prompt tokens looked up in the prefix cache that were found there.
+    # Since start: the share of prompt tokens looked up in the prefix cache that were found there (each sequence's
+    # first lookup: a preempted or requeued one's recompute is left out, as vLLM leaves it out).
     prefix_cache_hit_rate: float
     # Share of the KV blocks requests hold, in [0, 1].
     kv_cache_usage: float

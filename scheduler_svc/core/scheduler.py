@@ -54,7 +54,8 @@ class Scheduler:
         # executor can drop their state (finished, aborted or preempted).
         self.released_seq_ids: list[int] = []
         self.num_preemptions = 0
-        # Tokens looked up in the prefix cache at each allocation (vLLM's prefix-cache queries), and those found.
+        # Tokens looked up in the prefix cache at each sequence's first allocation (vLLM's prefix-cache queries), and
+        # those found; a preempted or requeued sequence's recompute is left out, as vLLM leaves out preempted ones.
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
         # The sequence the last prefill scheduled first: ``advance`` finds it in the plan's order.
@@ -122,10 +123,10 @@ class Scheduler:
             charge = min(num_tokens, remaining)
             if not seq.block_table:
                 self.block_manager.allocate(seq, num_cached_blocks, revive=charge == num_tokens)
-                self.num_prefix_query_tokens += seq.num_tokens
-                self.num_prefix_hit_tokens += seq.num_cached_tokens
-                if seq.num_prefix_hit_tokens is None:  # of the prompt: a resumed completion may hit too
-                    seq.num_prefix_hit_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
+                if seq.num_prefix_hit_tokens is None:  # first lookup: as vLLM, a recompute's is not counted
+                    self.num_prefix_query_tokens += seq.num_tokens
+                    self.num_prefix_hit_tokens += seq.num_cached_tokens
+                    seq.num_prefix_hit_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)  # resumed may hit
             seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens if charge == num_tokens else charge
             num_batched_tokens += charge
             if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens:

@@ -63,7 +63,10 @@ class LiveRequests:
         self.by_seq_id: dict[int, Active] = {}
         self.outbox: list[tuple[RequestHandle, RequestOutput]] = []
         self.finished: dict[FinishReason, int] = dict.fromkeys(FinishReason, 0)
-        # Prompts of the requests whose first token is out (once per request, as usage counts them), tokens sent.
+        # Choices an engine-side failure ended (``fail``): vLLM's finish reason "error", not counted in ``finished``.
+        self.num_failed = 0
+        # Prompts of the choices whose first token is out, tokens sent. Each choice counts its prompt, as vLLM's n
+        # child requests each do (counter and histogram alike), though usage counts it once per request.
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         # Admitted choices whose outputs may end their sequence (stop strings), and requests whose other choices
@@ -145,8 +148,7 @@ class LiveRequests:
             active.last_token_at = now
             if last is None:
                 self.observer.first_token(now - handle.arrived_at)
-                if active.processor.index == 0:
-                    self.num_prompt_tokens += active.seq.num_prompt_tokens
+                self.num_prompt_tokens += active.seq.num_prompt_tokens
             else:
                 previous.append(last)
             if output.finish_reason is not None:
@@ -165,8 +167,8 @@ class LiveRequests:
             handle.dequeued = True
             self.admission.release(len(handle.prepared.prompt_token_ids))
 
-    def forget(self, active: Active, reason: FinishReason) -> None:
-        """The choice is done (its last output emitted, or it was aborted)."""
+    def forget(self, active: Active, reason: FinishReason, failed: bool = False) -> None:
+        """The choice is done (its last output emitted, or it was aborted; ``failed``: by an engine-side failure)."""
         handle = active.handle
         choices = self.by_handle[handle]
         choices.remove(active)
@@ -175,16 +177,23 @@ class LiveRequests:
         seq = active.seq
         del self.by_seq_id[seq.seq_id]
         self._stop_string_choices -= bool(seq.params.stop)
-        self.finished[reason] += 1
+        self._count_end(reason, failed)
         self.dequeue(handle)
         queued_s = None if seq.scheduled_at is None else seq.scheduled_at - handle.queued_at
         self.observer.finished(time.monotonic() - handle.arrived_at, queued_s, seq.num_prompt_tokens,
                                seq.num_completion_tokens)
 
-    def cancel(self, engine: Engine, handle: RequestHandle, answer: bool = False, drained: bool = False) -> None:
+    def _count_end(self, reason: FinishReason, failed: bool) -> None:
+        if failed:
+            self.num_failed += 1
+        else:
+            self.finished[reason] += 1
+
+    def cancel(self, engine: Engine, handle: RequestHandle, answer: bool = False, drained: bool = False,
+               failed: bool = False) -> None:
         """Abort every choice of the request and free its blocks now; with ``answer`` each ends with ABORT
-        and its usage (an Abort call; ``drained``: the server shuts down), else silently (the caller went away).
-        A request done is left alone."""
+        and its usage (an Abort call; ``drained``: the server shuts down), else silently (the caller went away, or
+        ``failed``: an engine-side failure ended it). A request done is left alone."""
         for active in list(self.by_handle.get(handle, ())):
             engine.abort(active.seq)
             if answer:
@@ -192,14 +201,14 @@ class LiveRequests:
                 usage = RequestUsage.of(active.seq, counts_prompt=index == 0)
                 self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage, index=index,
                                                 drained=drained))
-            self.forget(active, FinishReason.ABORT)
+            self.forget(active, FinishReason.ABORT, failed)
         if handle.pending_choices:
             ended_s = time.monotonic() - handle.arrived_at
             for index in handle.pending_choices:
                 if answer:
                     self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=RequestUsage(0, 0, 0),
                                                     index=index, drained=drained))
-                self.finished[FinishReason.ABORT] += 1
+                self._count_end(FinishReason.ABORT, failed)
                 self.observer.finished(ended_s, None, len(handle.prepared.prompt_token_ids), 0)
             handle.pending_choices = []
             self._pending_requests -= 1
@@ -213,9 +222,11 @@ class LiveRequests:
             self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage, index=index, drained=True))
 
     def fail(self, engine: Engine, handle: RequestHandle, error: RequestFailed) -> None:
-        """End the request with ``error``: one error answers the caller, its other choices stop too."""
+        """End the request with ``error``: one error answers the caller, its other choices stop too. Every caller
+        is an engine-side failure (the executor failing or gone, a bug, a restart that lost what the request
+        needs), so its choices count as finish reason "error", not as a client's abort."""
         self.emit(handle, RequestOutput(error=error))
-        self.cancel(engine, handle)
+        self.cancel(engine, handle, failed=True)
 
     def end_all(self, engine: Engine, error: RequestFailed | None = None) -> int:
         """Abort every request and free its blocks: answered with ``error``, or (the server drains) each choice

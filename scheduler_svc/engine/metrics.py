@@ -38,9 +38,9 @@ STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02,
 
 # (name, help, value) of each gauge and counter; counters get prometheus' ``_total`` suffix.
 GAUGES: tuple[tuple[str, str, Callable[[LoopStats], float]], ...] = (
-    ("num_requests_running", "Sequences past their prefill, decoding.", lambda s: s.num_running),
-    ("num_requests_waiting", "Sequences waiting for their prefill or in its middle (preempted ones included).",
-     lambda s: s.num_waiting),
+    ("num_requests_running", "Sequences scheduled: decoding, or part-way through a chunked prefill.",
+     lambda s: s.num_running),
+    ("num_requests_waiting", "Sequences waiting for their prefill (preempted ones included).", lambda s: s.num_waiting),
     ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use, 0 to 1.",
      lambda s: (s.num_blocks - s.num_free_blocks) / s.num_blocks if s.num_blocks else 0.0),
     ("executor_up", "1 while the executor serves, 0 while it is down or incompatible.", lambda s: int(s.executor_up)),
@@ -60,10 +60,12 @@ SPEC_COUNTERS: tuple[tuple[str, str, Callable[[LoopStats], float]], ...] = (
     ("spec_decode_num_draft_tokens", "Tokens proposed.", lambda s: s.num_spec_draft_tokens),
     ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", lambda s: s.num_spec_accepted_tokens),
 )
-FINISHED: tuple[tuple[FinishReason, Callable[[LoopStats], int]], ...] = (
-    (FinishReason.STOP, lambda s: s.num_finished_stop),
-    (FinishReason.LENGTH, lambda s: s.num_finished_length),
-    (FinishReason.ABORT, lambda s: s.num_aborted),
+# request_success's finished_reason labels: vLLM's, "error" for an engine-side failure apart from a client's abort.
+FINISHED: tuple[tuple[str, Callable[[LoopStats], int]], ...] = (
+    (FinishReason.STOP.value, lambda s: s.num_finished_stop),
+    (FinishReason.LENGTH.value, lambda s: s.num_finished_length),
+    (FinishReason.ABORT.value, lambda s: s.num_aborted),
+    ("error", lambda s: s.num_failed),
 )
 
 
@@ -112,8 +114,9 @@ class Metrics:
         self.prompt_tokens = Buckets(build_1_2_5_buckets(max_model_len))
         self.generation_tokens = Buckets(build_1_2_5_buckets(max_model_len))
         self.histograms = (
-            ("iteration_tokens_total", "Tokens computed per engine step.", self.iteration_tokens),
-            ("executor_step_seconds", "The executor's forward time per step, as it reports it.", self.executor_step),
+            ("iteration_tokens_total", "Tokens computed per plan (a multi-step decode's passes together).",
+             self.iteration_tokens),
+            ("executor_step_seconds", "The executor's forward time per plan, as it reports it.", self.executor_step),
             ("time_to_first_token_seconds", "Seconds from a request's arrival to a choice's first token.",
              self.time_to_first_token),
             ("inter_token_latency_seconds", "Seconds between a choice's successive outputs.", self.inter_token_latency),
@@ -160,7 +163,7 @@ class Metrics:
         success = CounterMetricFamily(PREFIX + "request_success", "Choices ended, by finish reason.",
                                       labels=[*LABELS, "finished_reason"])
         for reason, count in FINISHED:
-            success.add_metric([*labels, reason.value], count(stats))
+            success.add_metric([*labels, reason], count(stats))
         yield success
         for name, documentation, buckets in self.histograms:
             yield buckets.family(name, documentation, labels)

@@ -3,10 +3,13 @@ metrics to read from any thread, and what it reports as it goes to a ``LoopObser
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain, islice
 from typing import TYPE_CHECKING, Protocol
 
-from scheduler_svc.core.sequence import FinishReason
+from scheduler_svc.core.sequence import FinishReason, Sequence
 
 if TYPE_CHECKING:  # live_requests imports LoopObserver from here: importing it back would be a circle
     from scheduler_svc.engine.engine import Engine
@@ -40,8 +43,10 @@ class LoopStats:
     num_generation_tokens: int = 0
     num_executor_restarts: int = 0
     executor_up: bool = True
-    # With LoRA adapters served: --max-loras (else 0), and the adapters of the running and the waiting requests, each
-    # as sorted names joined by commas (the ``lora_requests_info`` gauge's labels).
+    # Choices an engine-side failure ended (vLLM's finish reason "error"); ``num_aborted`` counts client aborts.
+    num_failed: int = 0
+    # Where the executor can serve LoRA adapters: --max-loras (else 0), and the adapters of the running and the
+    # waiting requests, each as sorted names joined by commas (the ``lora_requests_info`` gauge's labels).
     max_loras: int = 0
     running_lora_adapters: str = ""
     waiting_lora_adapters: str = ""
@@ -49,9 +54,10 @@ class LoopStats:
     @classmethod
     def of(cls, engine: Engine, requests: LiveRequests, executor_up: bool) -> LoopStats:
         scheduler, blocks, finished = engine.scheduler, engine.block_manager, requests.finished
+        prefilling = num_prefilling(scheduler.waiting)
         return cls(
-            num_waiting=len(scheduler.waiting),
-            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting) - prefilling,
+            num_running=len(scheduler.running) + prefilling,
             num_blocks=blocks.num_blocks,
             num_free_blocks=blocks.num_free_blocks,
             num_cached_blocks=blocks.num_cached_blocks,
@@ -66,9 +72,17 @@ class LoopStats:
             num_generation_tokens=requests.num_generation_tokens,
             num_executor_restarts=engine.num_restarts,
             executor_up=executor_up,
+            num_failed=requests.num_failed,
             **lora_labels(engine),
             **spec_counts(engine),
         )
+
+
+def num_prefilling(waiting: deque[Sequence]) -> int:
+    """1 while the head of ``waiting`` is part-way through a chunked prefill (it holds blocks: only it can, as a
+    preempted sequence gives its blocks back and waits behind it, ``Scheduler``), else 0. vLLM counts a request
+    running from its first scheduled chunk; so do the gauges and GetStats."""
+    return int(bool(waiting) and bool(waiting[0].block_table))
 
 
 def spec_counts(engine: Engine) -> dict[str, object]:
@@ -84,23 +98,27 @@ def spec_counts(engine: Engine) -> dict[str, object]:
 
 
 def lora_labels(engine: Engine) -> dict[str, object]:
-    """The ``LoopStats`` LoRA fields: a look at every live request, only where the executor serves adapters."""
-    if not engine.info.max_lora_rank or not engine.adapters.by_name:
+    """The ``LoopStats`` LoRA fields: a look at every live request, wherever the executor can serve adapters (as
+    vLLM emits its gauge whenever LoRA is on, with no adapter loaded yet too: the endpoint picker then sees room)."""
+    if not engine.info.max_lora_rank:
         return {}
     scheduler, name_of = engine.scheduler, engine.adapters.name_of
+    waiting, prefilling = scheduler.waiting, num_prefilling(scheduler.waiting)  # running, as the gauges count it
 
-    def names(seqs: object) -> str:
+    def names(seqs: Iterable[Sequence]) -> str:
         return ",".join(sorted({name_of(seq.lora_id) for seq in seqs if seq.lora_id}))
 
-    return dict(max_loras=scheduler.max_loras or 0, running_lora_adapters=names(scheduler.running),
-                waiting_lora_adapters=names(scheduler.waiting))
+    return dict(max_loras=scheduler.max_loras or 0,
+                running_lora_adapters=names(chain(scheduler.running, islice(waiting, prefilling))),
+                waiting_lora_adapters=names(islice(waiting, prefilling, None)))
 
 
 class LoopObserver(Protocol):
     """Told, on the loop thread, the times and sizes that the stats' counters cannot carry; each call must be cheap."""
 
     def step(self, num_tokens: int, forward_s: float) -> None:
-        """An engine step computed ``num_tokens`` tokens; the executor's forward passes took ``forward_s``."""
+        """An engine step (one plan: a multi-step decode's passes together) computed ``num_tokens`` tokens; the
+        executor's forward passes took ``forward_s``."""
 
     def first_token(self, seconds: float) -> None:
         """A choice's first token came out ``seconds`` after its request arrived."""
