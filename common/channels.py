@@ -6,6 +6,8 @@ from __future__ import annotations
 EXECUTOR_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 # The public API's default largest message, each way (``--max-message-bytes``, the client's ``max_message_bytes``).
 PUBLIC_MAX_MESSAGE_BYTES = 16 << 20
+# gRPC's channel arguments are C ints: a larger message bound fails when the server is built (OverflowError).
+GRPC_MAX_MESSAGE_BYTES = (1 << 31) - 1
 
 GrpcOptions = list[tuple[str, int]]
 # Trailing-metadata key of a Generate stream a scheduler ended with ABORT because it shut down: a client that

@@ -10,6 +10,8 @@ import argparse
 import re
 from collections.abc import Callable, Mapping
 
+from common.channels import GRPC_MAX_MESSAGE_BYTES
+
 ENV_PREFIX = "NANOSERVE_"
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -32,6 +34,15 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def grpc_message_bytes(text: str) -> int:
+    """A gRPC message bound in bytes: gRPC takes it as an int32, so a larger one would fail only at bind."""
+    value = positive_int(text)
+    if value > GRPC_MAX_MESSAGE_BYTES:
+        raise argparse.ArgumentTypeError(f"must be at most {GRPC_MAX_MESSAGE_BYTES} (2**31 - 1: gRPC takes an int32), "
+                                         f"got {value}")
     return value
 
 

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from common.executor import LoraRefused
-from common.flags import EnvFlags, boolean, byte_size, port, positive_float, positive_int
+from common.flags import EnvFlags, boolean, byte_size, port, positive_int, share
 from common.security import TLSConfig
 from executor_svc.cpu.choice import parse_override
 from executor_svc.cpu.openmp import set_wait_policy
@@ -56,7 +56,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     add("--block-size", positive_int, 16, "tokens per KV-cache block")
     add("--kv-cache-memory", byte_size, None,
         "KV-cache bytes per rank, e.g. 2GiB (None: 1GiB on CPU, the free memory share on CUDA)")
-    add("--gpu-memory-utilization", positive_float, 0.9, "share of GPU memory to fill, KV cache included")
+    add("--gpu-memory-utilization", share, 0.9, "share of GPU memory to fill, KV cache included, in (0, 1]")
     add("--attention-backend", str, None, "cpu, torch, triton or flash_attn (None: the best for the device)")
     add("--max-model-len", positive_int, None, "longest context in tokens (None: the model's)")
     add("--threads", positive_int, None, "torch threads per rank on CPU (None: torch's choice)")
@@ -127,6 +127,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         options = options_from_args(args)
     except argparse.ArgumentTypeError as e:
         parser.error(f"--lora-modules: {e}")
+    from executor_svc.runtime.start_checks import FlagError, check_options
+
+    try:
+        check_options(options)
+    except FlagError as e:  # a value this machine or model cannot run: one line, no traceback
+        raise SystemExit(f"{parser.prog}: error: {e}") from None
     try:
         tls = TLSConfig.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
     except ValueError as e:

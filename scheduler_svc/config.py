@@ -13,6 +13,7 @@ from common.flags import (
     EnvFlags,
     boolean,
     byte_size,
+    grpc_message_bytes,
     non_negative_float,
     port,
     positive_float,
@@ -149,7 +150,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--max-queued-requests", positive_int, "requests waiting to be scheduled before RESOURCE_EXHAUSTED")
     add("--log-level", str.upper, "logging level", choices=LOG_LEVELS)
     add("--max-queued-tokens", positive_int, "prompt tokens waiting to be scheduled before RESOURCE_EXHAUSTED")
-    add("--max-message-bytes", positive_int, "largest public-API message, each way")
+    add("--max-message-bytes", grpc_message_bytes, "largest public-API message, each way (at most 2**31 - 1)")
     add("--step-timeout", positive_float, "seconds an executor call may take before the scheduler recovers")
     add("--shutdown-grace", non_negative_float, "seconds requests in flight get to finish on SIGTERM")
     add("--tls-cert", str, "PEM certificate chain of the public API (with --tls-key: serve TLS)")
@@ -226,4 +227,27 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         config.scheduler_config()
     except ValueError as e:
         parser.error(str(e).replace("_", "-"))
+    clash = port_clash(config)
+    if clash:
+        parser.error(clash)
     return config
+
+
+# What each port serves, for an error that tells apart vLLM's one --port (HTTP) and these.
+PORT_FLAGS = (("--port", "port", "the gRPC port"), ("--http-port", "http_port", "the OpenAI HTTP port"),
+              ("--metrics-port", "metrics_port", "the Prometheus /metrics port"))
+
+
+def port_clash(config: ServiceConfig) -> str:
+    """Two of the scheduler's ports on one number, which would fail later with a misleading "address already in
+    use" (a vLLM user's --port 8000 meets the default --http-port); "" when none. 0 is no clash: any free port for
+    --port, off for the other two."""
+    taken: dict[int, tuple[str, str]] = {}
+    for flag, field, serves in PORT_FLAGS:
+        number = getattr(config, field)
+        if number and number in taken:
+            other, other_serves = taken[number]
+            return (f"{other} and {flag} are both {number}: {other} is {other_serves} and {flag} {serves}; "
+                    f"give each its own port (a vLLM user's --port is --http-port here)")
+        taken[number] = flag, serves
+    return ""
