@@ -7,6 +7,7 @@ start-up naming the variable, and a flag on the command line wins over it.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections.abc import Callable, Mapping
 
@@ -44,6 +45,17 @@ def grpc_message_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be at most {GRPC_MAX_MESSAGE_BYTES} (2**31 - 1: gRPC takes an int32), "
                                          f"got {value}")
     return value
+
+
+def json_strings(text: str) -> tuple[str, ...]:
+    """A JSON list of strings, as vLLM's --allowed-origins takes it: '["https://a.example", "https://b.example"]'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r} ({e.msg})") from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+    return tuple(value)
 
 
 def positive_float(text: str) -> float:

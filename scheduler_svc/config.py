@@ -14,6 +14,7 @@ from common.flags import (
     boolean,
     byte_size,
     grpc_message_bytes,
+    json_strings,
     non_negative_float,
     port,
     positive_float,
@@ -21,6 +22,7 @@ from common.flags import (
     secret,
     share,
 )
+from scheduler_svc.api.http.cors import Cors
 from scheduler_svc.api.kv_events_config import kv_events_flag
 from scheduler_svc.core.scheduler_config import (
     DEFAULT_NGRAM_SIZE,
@@ -96,6 +98,11 @@ class ServiceConfig:
     http_port: int = 8000
     # Prometheus /metrics alone, asking no client certificate (for scrapers that cannot present one); 0 turns it off.
     metrics_port: int = 0
+    # What a browser page of another origin may call on the HTTP API (vLLM's flags and defaults, ``Cors``).
+    allowed_origins: tuple[str, ...] = Cors.origins
+    allowed_credentials: bool = Cors.credentials
+    allowed_methods: tuple[str, ...] = Cors.methods
+    allowed_headers: tuple[str, ...] = Cors.headers
     # vLLM's --kv-events-config JSON: publish the prefix cache's events over ZMQ (``api.kv_events_config``).
     kv_events_config: str = ""
     # Record the executor's handshake, plans and results into this directory (docs/replay.md); "": no recording.
@@ -113,6 +120,9 @@ class ServiceConfig:
     ngram_min: int | None = None
     ngram_max: int | None = None
     speculative_disable_by_batch_size: int | None = None
+
+    def cors(self) -> Cors:
+        return Cors(self.allowed_origins, self.allowed_credentials, self.allowed_methods, self.allowed_headers)
 
     def engine_options(self) -> dict[str, object]:
         """The ``Engine``'s own keyword arguments among these flags (its ``SchedulerConfig`` aside)."""
@@ -191,6 +201,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "token (give the executor the same flag)")
     add("--http-port", port, "port of the OpenAI-compatible HTTP API on --host, with the same TLS and API key "
         "(0 turns it off)")
+    add("--allowed-origins", json_strings, "JSON list of the origins whose browser pages may call the HTTP API "
+        "(vLLM's flag; default any: '[\"*\"]')")
+    add("--allowed-credentials", boolean, "let those pages send credentials (cookies, authorization headers)")
+    add("--allowed-methods", json_strings, "JSON list of the HTTP methods they may use (default any)")
+    add("--allowed-headers", json_strings, "JSON list of the request headers they may send (default any)")
     add("--metrics-port", port, "port of Prometheus /metrics alone on --host, with the same TLS certificate but "
         "without the API key or client certificates, for scrapers that send neither (0 turns it off)")
     add("--kv-events-config", kv_events_flag, "vLLM's KV-events JSON, e.g. '{\"endpoint\": \"tcp://*:5557\", "

@@ -15,6 +15,8 @@ import pytest
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api import frontend
+from scheduler_svc.api.http.cors import Cors
+from scheduler_svc.config import parse_config
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.tokenizer import ChatMessage
 from tests.http_fixtures import Hosted, hosted
@@ -282,6 +284,36 @@ def test_the_api_key_is_required_except_for_health():
         unauthenticated = httpx.post(f"{h.url}/v1/completions", content=b"not even JSON")
         assert unauthenticated.status_code == 401 and unauthenticated.json()["error"]["code"] == "invalid_api_key"
         h.assert_idle()
+
+
+@pytest.mark.parametrize("api_process", [True, False], ids=["api-process", "in-scheduler"])
+def test_a_browser_page_of_another_origin_may_call_as_the_cors_flags_say(api_process: bool):
+    preflight = {"origin": "https://ui.example", "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    with hosted(echo(), api_key="s3cret", api_process=api_process) as h:
+        allowed = httpx.options(f"{h.url}/v1/chat/completions", headers=preflight)
+        assert allowed.status_code == 200, "a preflight carries no API key: vLLM's defaults let any origin call"
+        assert allowed.headers["access-control-allow-origin"] == "*"
+        refused = httpx.post(f"{h.url}/v1/completions", json={"prompt": "Hi"}, headers={"origin": "https://ui.example"})
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*", \
+            "the page can read why it was refused"
+        answered = httpx.post(f"{h.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                              headers={"origin": "https://ui.example", "authorization": "Bearer s3cret"})
+        assert answered.status_code == 200 and answered.headers["access-control-allow-origin"] == "*"
+        assert len(answered.headers.get_list("access-control-allow-origin")) == 1, "one app in front answers"
+    with hosted(echo(), allowed_origins=("https://ui.example",), api_process=api_process) as h:
+        assert httpx.options(f"{h.url}/v1/completions", headers=preflight).status_code == 200
+        other = httpx.options(f"{h.url}/v1/completions", headers={**preflight, "origin": "https://evil.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        h.assert_idle()
+
+
+def test_the_cors_flags_take_json_lists_as_vllm_does(capsys: pytest.CaptureFixture[str]):
+    config = parse_config(["--allowed-origins", '["https://ui.example"]', "--allowed-credentials", "on"], {})
+    assert config.cors() == Cors(("https://ui.example",), True, ("*",), ("*",))
+    with pytest.raises(SystemExit):
+        parse_config([], {"NANOSERVE_ALLOWED_METHODS": "GET"})
+    assert "NANOSERVE_ALLOWED_METHODS='GET': must be a JSON list of strings" in capsys.readouterr().err
 
 
 def test_structured_output_reaches_the_generate_request(api: Hosted, monkeypatch: pytest.MonkeyPatch):

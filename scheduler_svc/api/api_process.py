@@ -25,7 +25,7 @@ import math
 import os
 import signal
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -40,6 +40,7 @@ from scheduler_svc.api.api_http import Forwarder, LinkGenerating, LinkGeneration
 from scheduler_svc.api.codec import responses, to_response
 from scheduler_svc.api.grpc_proxy import GrpcProxy
 from scheduler_svc.api.grpc_status import fail
+from scheduler_svc.api.http.cors import Cors
 from scheduler_svc.api.http.server import HttpServer
 from scheduler_svc.api.malformed import malformed
 from scheduler_svc.api.outbox import Outbox
@@ -80,6 +81,8 @@ class Settings:
     http_port: int = 0
     http_internal: str = ""
     cpu_share: float = 1.0  # --api-process-cpu-share
+    # --allowed-origins, --allowed-credentials, --allowed-methods, --allowed-headers (``Cors``'s fields, as JSON)
+    cors: dict[str, object] = field(default_factory=lambda: asdict(Cors()))
 
 
 class Call:
@@ -313,7 +316,9 @@ async def serve(settings: Settings) -> None:
         port = bind(server, settings.host, settings.port, tls)
         http = None
         if forwarder is not None:
-            app = create_api_app(LinkGenerating(link, settings.stream_interval), forwarder, settings.api_key)
+            cors = Cors(**{name: tuple(value) if isinstance(value, list) else value
+                           for name, value in settings.cors.items()})
+            app = create_api_app(LinkGenerating(link, settings.stream_interval), forwarder, settings.api_key, cors)
             http = HttpServer(app, settings.host, settings.http_port, tls)
     except OSError as e:
         link.send(("failed_to_listen", str(e)))

@@ -29,6 +29,7 @@ from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.frontend import Frontend, Generation
 from scheduler_svc.api.http import responses, schemas, translate
 from scheduler_svc.api.http.admin import recording_router
+from scheduler_svc.api.http.cors import ANY_ORIGIN, Cors
 from scheduler_svc.api.http.errors import ApiError, install_handlers
 from scheduler_svc.api.http.gateway import gateway_router
 from scheduler_svc.api.http.openapi import ERRORS, STREAMED, without_validation_errors
@@ -278,9 +279,9 @@ def answer_failures(app: FastAPI) -> None:
 
 
 def create_app(frontend: Frontend, serving: Callable[[], bool], registry: CollectorRegistry,
-               api_key: str = "", recording: RecordingControl | None = None) -> FastAPI:
+               api_key: str = "", recording: RecordingControl | None = None, cors: Cors | None = ANY_ORIGIN) -> FastAPI:
     """``serving``: what gRPC health would say (True: SERVING); ``registry``: what ``/metrics`` serves;
-    ``recording``: the switch of ``/admin/recording``."""
+    ``recording``: the switch of ``/admin/recording``; ``cors``: None where another app in front answers browsers."""
     app = FastAPI(title="nanoserve", version=engine_version(), redoc_url=None,
                   description="The OpenAI-compatible API of a nanoserve scheduler, and what gateways probe.")
     app.openapi = without_validation_errors(app)
@@ -293,4 +294,6 @@ def create_app(frontend: Frontend, serving: Callable[[], bool], registry: Collec
         app.include_router(recording_router(recording))
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if cors is not None:
+        cors.install(app)
     return app
