@@ -37,6 +37,7 @@ class Gateway:
     process: object
     url: str
     log_path: Path
+    metrics_url: str = ""  # its Prometheus endpoint's base URL
 
     def workers(self) -> list[dict]:
         return httpx.get(f"{self.url}/workers", timeout=10).json()["workers"]
@@ -54,11 +55,11 @@ def running_gateway(worker_urls: list[str], log_path: Path, *flags: str,
                     ready: dict[str, int] | None = None) -> Iterator[Gateway]:
     """``smg launch`` in front of ``worker_urls``, returned once every worker is registered and healthy and its log
     shows each line of ``ready`` as many times as it says."""
-    port = free_port()
-    argv = [smg_binary(), "launch", "--host", HOST, "--port", str(port), "--prometheus-port", str(free_port()),
+    port, metrics_port = free_port(), free_port()
+    argv = [smg_binary(), "launch", "--host", HOST, "--port", str(port), "--prometheus-port", str(metrics_port),
             "--log-level", "info", "--shutdown-grace-period-secs", "0", "--worker-urls", *worker_urls, *flags]
     process = spawn(argv, log_path)
-    gateway = Gateway(process, f"http://{HOST}:{port}", log_path)
+    gateway = Gateway(process, f"http://{HOST}:{port}", log_path, f"http://{HOST}:{metrics_port}")
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not registered(gateway, len(worker_urls), ready):

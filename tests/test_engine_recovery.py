@@ -51,6 +51,8 @@ def test_seeded_sampling_survives_a_restart():
     run_with_recovery(engine)
     for prompt, p, seq in zip(prompts, params, seqs, strict=True):
         assert seq.completion_token_ids == expected(engine, prompt, p)
+    assert_all_blocks_free(engine.block_manager)
+    assert len(executor.inner.table) == 0
 
 
 def test_requests_too_large_for_the_new_cache_are_aborted():

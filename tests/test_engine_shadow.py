@@ -19,7 +19,7 @@ from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.executor_client import RemoteExecutor
-from tests.conftest import EOS
+from tests.conftest import EOS, assert_all_blocks_free
 from tests.shadow_helpers import RecordingExecutor, assert_matches_reference, expected, shadow_prompt_logprobs
 
 
@@ -55,7 +55,7 @@ def test_chunked_prefill_runs_more_than_one_chunk_and_outputs_are_unchanged():
     ]
     assert len(chunks_of_first) >= 3, "a 20+ token prompt under an 8-token budget needs several chunks"
     assert_matches_reference(engine, prompts, params, outputs)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_all_blocks_free(engine.block_manager)
 
 
 def test_prefix_cache_hits_serve_tokens_and_outputs_are_unchanged(make_shadow_engine):
@@ -87,6 +87,7 @@ def test_two_sequences_with_the_same_prefix_in_one_step():
     assert_matches_reference(engine, [third], params[:1], later)
     bm = engine.block_manager
     assert len({bm.blocks[b].hash for b in tables[0][:2]} & set(bm.hash_to_block_ids)) == 2
+    assert_all_blocks_free(bm)
 
 
 def test_eos_finishes_unless_ignored(make_shadow_engine):
@@ -128,6 +129,7 @@ def test_shadow_executor_exposes_scheduler_mistakes(fault):
     outputs = engine.generate(prompts, params)
     with pytest.raises(AssertionError, match="diverged"):
         assert_matches_reference(engine, prompts, params, outputs)
+    assert_all_blocks_free(engine.block_manager)
 
 
 def test_rejected_plan_leaves_executor_state_unchanged():
@@ -154,7 +156,8 @@ def test_rejected_plan_leaves_executor_state_unchanged():
     while engine.has_unfinished():
         engine.step()
     engine.step()
-    assert len(executor.table) == 0 and engine.block_manager.num_free_blocks == 8
+    assert len(executor.table) == 0
+    assert_all_blocks_free(engine.block_manager)
 
 
 def two_held_requests() -> ShadowExecutor:
@@ -261,7 +264,7 @@ def test_tiny_blocks_decode_across_block_boundaries(block_size):
     prompts = random_prompts(rng, 5, lo=1, hi=7)
     params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True) for _ in prompts]
     assert_matches_reference(engine, prompts, params, engine.generate(prompts, params))
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_all_blocks_free(engine.block_manager)
 
 
 def computed_ends(plan: StepPlan) -> dict[int, int]:
@@ -294,7 +297,7 @@ def test_overlap_keeps_a_step_in_flight_and_outputs_unchanged():
         for rid, end in computed_ends(plan).items():
             assert end <= limits[rid], "a sequence whose last token was in flight was scheduled again"
     assert len(executor.table) == 0
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_all_blocks_free(engine.block_manager)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
@@ -316,7 +319,7 @@ def test_multi_step_decode_sends_fewer_plans_and_outputs_are_unchanged(overlap):
     decode_tokens = sum(len(out.token_ids) - 1 for out in outputs)
     assert len(decode_plans) < decode_tokens / 6 + len(prompts), "multi-step should need few decode plans"
     assert len(executor.table) == 0
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_all_blocks_free(engine.block_manager)
 
 
 @pytest.mark.parametrize(("overlap", "num_steps", "num_blocks"), [(True, 1, 48), (False, 4, 24), (True, 4, 24)],
@@ -335,7 +338,7 @@ def test_over_grpc_with_preemption(overlap, num_steps, num_blocks):
         assert_matches_reference(engine, prompts, params, outputs)
         assert engine.scheduler.num_preemptions > 0
         assert len(executor.table) == 0
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert_all_blocks_free(engine.block_manager)
     finally:
         remote.close()
         server.stop(None)
@@ -371,7 +374,8 @@ def test_multi_step_plans_the_executor_cannot_run_are_refused_whole():
     assert len(result.token_ids) == 3 and executor.table.requests[seq.seq_id].num_computed_tokens == 8
     engine.abort(seq)
     engine.step()
-    assert len(executor.table) == 0 and engine.block_manager.num_free_blocks == 8
+    assert len(executor.table) == 0
+    assert_all_blocks_free(engine.block_manager)
 
 
 def test_mixed_policy_preempting_beside_a_chunked_prompt_still_finishes():
@@ -392,7 +396,7 @@ def test_mixed_policy_preempting_beside_a_chunked_prompt_still_finishes():
     assert engine.scheduler.num_preemptions > 0
     assert [first.completion_token_ids, second.completion_token_ids] == \
         [expected(engine, prompt, p) for prompt, p in zip(prompts, params, strict=True)]
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_all_blocks_free(engine.block_manager)
 
 
 @pytest.mark.parametrize("top", [0, 3])
@@ -409,4 +413,4 @@ def test_prompt_logprobs_across_prefill_chunks_are_those_of_the_prompt(top: int)
         got = [(lp.logprob, list(lp.top_token_ids)) for lp in seq.prompt_logprobs]
         assert got == shadow_prompt_logprobs(prompt, 50, top)
     assert seqs[1].prompt_logprobs[4].logprob == pytest.approx(math.log(HIT))
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_all_blocks_free(engine.block_manager)

@@ -69,30 +69,50 @@ def test_a_result_for_another_step_is_refused_and_recovery_keeps_the_tokens():
     assert_all_blocks_free(engine.block_manager)
 
 
+class Hung(Future):
+    """A step's result that never comes; it counts the engine's waits on it."""
+
+    def __init__(self, waits: list[float | None]) -> None:
+        super().__init__()
+        self.waits = waits
+
+    def result(self, timeout: float | None = None) -> StepResult:
+        self.waits.append(timeout)
+        return super().result(timeout)
+
+
 class HangingStream(Wrapped):
-    """An executor with its own ordered stream (like ``RemoteExecutor``) whose steps hang from ``hang_at`` on.
+    """An executor with its own ordered stream (like ``RemoteExecutor``) whose steps hang from ``hang_at`` on, until
+    the next reset; ``waits`` holds the timeout of every wait on a hung step.
 
     Its reset returns at once, as a remote reset that cancels the stream does.
     """
 
     def __init__(self, hang_at: int) -> None:
         super().__init__()
-        self.hang_at, self.steps = hang_at, 0
+        self.hang_at, self.steps, self.hanging = hang_at, 0, True
+        self.waits: list[float | None] = []
 
     streams = True
 
+    def reset(self) -> int:
+        self.hanging = False
+        return super().reset()
+
     def submit(self, plan: StepPlan) -> Future[StepResult]:
         self.steps += 1
+        if self.hanging and self.steps >= self.hang_at:
+            return Hung(self.waits)
         future: Future[StepResult] = Future()
-        if self.steps < self.hang_at:
-            future.set_result(self.inner.step(plan))
+        future.set_result(self.inner.step(plan))
         return future
 
 
 def test_a_hung_step_under_overlap_costs_one_step_timeout_before_recovery():
-    timeout = 0.4
-    engine = Engine(HangingStream(hang_at=3), overlap=True, step_timeout_s=timeout)
-    engine.add_request([1, 2, 3, 4, 5], GREEDY)
+    timeout = 1.0
+    executor = HangingStream(hang_at=3)
+    engine = Engine(executor, overlap=True, step_timeout_s=timeout)
+    seq = engine.add_request([1, 2, 3, 4, 5], GREEDY)
     started = time.monotonic()
     with pytest.raises(TimeoutError):
         while engine.has_unfinished():
@@ -100,8 +120,16 @@ def test_a_hung_step_under_overlap_costs_one_step_timeout_before_recovery():
     failed = time.monotonic()
     assert engine.recover() == ([], [])
     recovered = time.monotonic()
-    assert failed - started < 2 * timeout
-    assert recovered - failed < timeout / 2, "recovery waited for the step queued behind the hung one"
+    assert executor.steps > executor.hang_at, "no step was queued behind the hung one"
+    assert executor.waits == [timeout], "the engine waited on more than the first hung step"
+    # Each bound is the least a second step timeout would cost: a loaded machine's delays stay far below it.
+    assert failed - started < 2 * timeout, "a second step timeout before the failure"
+    assert recovered - failed < timeout, "recovery waited for the step queued behind the hung one"
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()
+    assert seq.completion_token_ids == expected(engine, [1, 2, 3, 4, 5], GREEDY)
+    assert_all_blocks_free(engine.block_manager)
 
 
 class SlowWindow(Wrapped):

@@ -21,6 +21,12 @@ from tests.service_fixtures import assert_idle_async, collect, in_process_schedu
 VOCAB = 50
 
 
+# Bounds on a wait that must not happen, or must end at once: each is a third of what the bug costs (a turn's whole
+# ``LONG`` wait), so a loaded machine's delays stay far below it and a missed wake-up or a wait too many still fails.
+LONG = 30.0
+AT_ONCE = LONG / 3
+
+
 def timed_give_way(turn: Turn, since: float | None = None) -> float:
     """Seconds from ``since`` (by default the call) until ``give_way`` returns."""
     start = time.monotonic() if since is None else since
@@ -28,51 +34,63 @@ def timed_give_way(turn: Turn, since: float | None = None) -> float:
     return time.monotonic() - start
 
 
-def end_later(turn: Turn, delay_s: float) -> tuple[threading.Timer, float]:
-    ender = threading.Timer(delay_s, turn.end)
+def end_later(turn: Turn, delay_s: float, ended: threading.Event | None = None) -> tuple[threading.Timer, float]:
+    """End ``turn`` on a timer in ``delay_s``, setting ``ended`` just before."""
+
+    def end() -> None:
+        if ended is not None:
+            ended.set()
+        turn.end()
+
+    ender = threading.Timer(delay_s, end)
     started = time.monotonic()
     ender.start()
     return ender, started
 
 
 def test_the_event_loop_goes_on_at_once_when_no_turn_is_taken():
-    turn = Turn(max_wait_s=5.0)
-    assert timed_give_way(turn) < 0.5
+    turn = Turn(max_wait_s=LONG)
+    assert timed_give_way(turn) < AT_ONCE
     turn.end()  # ending a turn never taken changes nothing
     turn.take()
     turn.end()
-    assert timed_give_way(turn) < 0.5
+    assert timed_give_way(turn) < AT_ONCE
 
 
 def test_the_event_loop_waits_for_a_turn_to_end():
-    turn = Turn(max_wait_s=5.0)
+    turn = Turn(max_wait_s=LONG)
     turn.take()
-    ender, started = end_later(turn, 0.2)
+    ended = threading.Event()
+    ender, started = end_later(turn, 0.2, ended)
     waited = timed_give_way(turn, since=started)
+    assert ended.is_set(), "the event loop went on before the turn ended"
     ender.join()
-    assert 0.2 <= waited < 2.0
+    assert waited < AT_ONCE, "the end of the turn did not wake the event loop"
 
 
 def test_a_turn_never_ended_holds_the_event_loop_back_once_and_briefly():
-    turn = Turn(max_wait_s=0.2)
+    max_wait_s = 1.0
+    turn = Turn(max_wait_s=max_wait_s)
     taken = time.monotonic()
     turn.take()
     turn.take()  # a result arriving during the turn does not extend it
-    assert 0.2 <= timed_give_way(turn, since=taken) < 2.0
-    assert timed_give_way(turn) < 0.1  # its time is up: every later call goes on at once
+    assert max_wait_s <= timed_give_way(turn, since=taken) < max_wait_s + AT_ONCE
+    assert timed_give_way(turn) < max_wait_s / 2  # its time is up: every later call goes on at once
 
 
 def test_after_each_wait_the_event_loop_has_as_long_again_to_itself():
-    turn = Turn(max_wait_s=5.0)
+    turn = Turn(max_wait_s=LONG)
     turn.take()
     ender, _ = end_later(turn, 0.3)
     waited = timed_give_way(turn)
     ender.join()
     turn.take()  # the next turn, at once: not given way to within the event loop's own time
-    assert timed_give_way(turn) < 0.1
+    assert timed_give_way(turn) < AT_ONCE
     time.sleep(waited)
-    ender, started = end_later(turn, 0.2)
-    assert 0.2 <= timed_give_way(turn, since=started) < 2.0  # past it, the turn is given way to again
+    ended = threading.Event()
+    ender, started = end_later(turn, 0.2, ended)
+    assert timed_give_way(turn, since=started) < AT_ONCE  # past it, the turn is given way to again
+    assert ended.is_set(), "past its own time, the event loop did not give way to the turn"
     ender.join()
 
 

@@ -14,6 +14,7 @@ from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.model_executor import ModelExecutor
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.engine.engine import Engine
+from tests.conftest import assert_all_blocks_free
 from tests.model_fixtures import tiny_model_folders  # noqa: F401
 from tests.test_model_parity import random_prompts
 
@@ -130,7 +131,7 @@ def generate_with_overlap_as_in_turn(folder: Path, executor: ModelExecutor, plan
     engine = Engine(executor, overlap=True, plans_ahead=plans_ahead)
     overlapped = engine.generate(prompts, params)
     assert [c.token_ids for c in overlapped] == [c.token_ids for c in in_turn]
-    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+    assert_all_blocks_free(engine.scheduler.block_manager)
 
 
 def test_an_in_process_engine_with_overlap_prepares_ahead_and_keeps_every_token(

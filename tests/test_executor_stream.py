@@ -70,6 +70,18 @@ def unknown_request(step_id: int) -> pb.StepPlan:
     return pb.StepPlan(step_id=step_id, cached_requests=cached)
 
 
+def taken(plans: list[pb.StepPlan], done: threading.Event) -> Iterator[pb.StepPlan]:
+    """``plans``, then ``done`` set once the stream's reader asks for one more: it has handed every plan on."""
+    yield from plans
+    done.set()
+
+
+def wait_all_handed_on(done: threading.Event, calling: CallingThread) -> None:
+    """Wait until the stream's reader has handed on every plan and the calling thread has run all it was given."""
+    assert done.wait(10), "the stream's reader never took every plan"
+    calling.submit(lambda: None).result(timeout=10)
+
+
 @pytest.fixture
 def calling_thread() -> Iterator[tuple[CallingThread, threading.Thread]]:
     calling = CallingThread()
@@ -94,13 +106,13 @@ def test_the_next_step_runs_while_a_result_waits_to_be_taken(calling_thread):
 def test_a_refused_plan_ends_the_stream_and_no_plan_after_it_runs(calling_thread):
     calling, _ = calling_thread
     executor = Recording(slow_at=1)
-    plans = [new_request(0, 0), unknown_request(1), new_request(2, 2)]
-    results = ExecutorServicer(executor, calling.submit).StepStream(iter(plans), Context())
+    plans, done = [new_request(0, 0), unknown_request(1), new_request(2, 2)], threading.Event()
+    results = ExecutorServicer(executor, calling.submit).StepStream(taken(plans, done), Context())
     assert next(results).step_id == 0
     with pytest.raises(Aborted) as refused:
         next(results)
     assert refused.value.args[0] == grpc.StatusCode.FAILED_PRECONDITION
-    time.sleep(0.1)  # the third plan was queued during the slow second step: give it the chance to run
+    wait_all_handed_on(done, calling)  # the third plan, queued during the slow second step, had its turn
     assert [step_id for step_id, _ in executor.ran] == [0, 1]
     assert set(executor.inner.table.requests) == {0}
 
@@ -147,11 +159,11 @@ def test_a_plan_refused_while_prepared_ahead_ends_the_stream_after_the_steps_bef
     calling, _ = calling_thread
     executor = SlowFirst(32, 4, 50, (EOS,))
     assert executor.prepares_ahead
-    plans = [new_request(0, 0), new_request(1, 1), unknown_request(2), new_request(3, 3)]
-    results = ExecutorServicer(executor, calling.submit).StepStream(iter(plans), Context())
+    plans, done = [new_request(0, 0), new_request(1, 1), unknown_request(2), new_request(3, 3)], threading.Event()
+    results = ExecutorServicer(executor, calling.submit).StepStream(taken(plans, done), Context())
     assert [next(results).step_id, next(results).step_id] == [0, 1], "steps queued before the refusal still ran"
     with pytest.raises(Aborted) as refused:
         next(results)
     assert refused.value.args[0] == grpc.StatusCode.FAILED_PRECONDITION
-    time.sleep(0.1)
+    wait_all_handed_on(done, calling)
     assert set(executor.table.requests) == {0, 1}, "no plan after the refused one was applied"

@@ -20,9 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
+from smg_grpc_proto.generated import common_pb2 as common
 
 from nanoserve.v1 import generation_pb2 as pb
 from tests.gateway_fixtures import TOKENIZER_LOADED, Gateway, running_gateway, smg_binary
@@ -40,6 +44,7 @@ from tests.service_fixtures import (
 )
 
 MODEL = "echo"
+TOKENIZER = byte_level_tokenizer()
 BLOCK = 4
 KV_STREAM_CONNECTED = "KV event stream connected"
 # The gateway's warm-up slices send some requests to a worker with a thin cache whatever it holds: off here, so
@@ -58,7 +63,7 @@ class Worker:
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Worker]]:
     smg_binary()  # skip before starting anything when the gateway is not installed
     files = tmp_path_factory.mktemp("tokenizer")
-    (files / "tokenizer.json").write_text(byte_level_tokenizer().to_str())
+    (files / "tokenizer.json").write_text(TOKENIZER.to_str())
     (files / "chat_template.jinja").write_text(CHATML_TEMPLATE)
     # Room for the kill test's streams with the survivor's KV pressure far under the gateway's overload veto
     # (0.8): a veto from the last load poll steers new requests to the dead scheduler until the next one.
@@ -157,13 +162,45 @@ def test_cache_aware_routing_follows_the_kv_events_to_the_worker_holding_a_prefi
     finds it cached; by chance that would happen for all four once in sixteen runs."""
     for i in range(4):
         direct(workers[i % 2]).completions.create(model=MODEL, prompt=document(i) + " First?", max_tokens=1)
-    time.sleep(1.0)  # the last iteration's events reach the gateway
+    published = {f"grpc://{w.stack.target}": stored_through(w, [document(i) + " First?" for i in (n, n + 2)])
+                 for n, w in enumerate(workers)}
+    deadline = time.monotonic() + 30
+    while any((applied := gateway_stored(gateway)).get(url, 0) < n for url, n in published.items()):
+        assert time.monotonic() < deadline, f"the gateway applied {applied} stored blocks of {published}"
+        time.sleep(0.05)
     via = gateway.openai()
     for i in range(4):
         answer = via.completions.create(model=MODEL, prompt=document(i) + " Second?", max_tokens=1)
         prompt_tokens = direct(workers[i % 2]).completions.create(model=MODEL, prompt=document(i),
                                                                   max_tokens=1).usage.prompt_tokens
         assert answer.usage.prompt_tokens_details.cached_tokens >= prompt_tokens - BLOCK, f"document {i}"
+
+
+def stored_through(worker: Worker, prompts: list[str]) -> int:
+    """The blocks ``worker``'s KV events stored, from its first batch through the one that stores the last of
+    ``prompts`` (each a chain of its own), read back from the batches it keeps as a resuming gateway would."""
+    firsts = {tuple(TOKENIZER.encode(prompt).ids[:BLOCK]) for prompt in prompts}
+    with grpc.insecure_channel(worker.stack.target) as channel:
+        batches = vllm_grpc.VllmEngineStub(channel).SubscribeKvEvents(
+            common.SubscribeKvEventsRequest(start_sequence_number=1), timeout=30)
+        total = 0
+        for batch in batches:
+            for event in batch.events:
+                if event.WhichOneof("data") == "stored":
+                    total += len(event.stored.blocks)
+                    firsts.discard(tuple(event.stored.blocks[0].token_ids))
+            if not firsts:
+                batches.cancel()
+                return total
+    raise AssertionError(f"{worker.stack.target}'s KV events ended before storing every prompt")
+
+
+def gateway_stored(gateway: Gateway) -> dict[str, float]:
+    """The blocks the gateway applied from each worker's stored events, by the worker's URL."""
+    text = httpx.get(f"{gateway.metrics_url}/metrics", timeout=10).text
+    return {sample.labels["worker"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "smg_kv_event_blocks_total" and sample.labels.get("op") == "stored"}
 
 
 def loads(gateway: Gateway) -> dict[str, dict]:

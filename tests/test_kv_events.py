@@ -101,6 +101,7 @@ def test_nothing_is_recorded_until_someone_subscribes() -> None:
     assert engine.block_manager.events is None
     assert engine.block_manager.take_events() == []
     assert registered(engine.block_manager), "the cache itself works as before"
+    assert_all_blocks_free(engine.block_manager)
 
 
 def test_stored_blocks_chain_from_their_parent_and_a_shared_prefix_adds_only_its_new_blocks() -> None:
@@ -152,6 +153,7 @@ def test_a_flush_drops_what_no_request_holds_and_a_repeat_then_misses() -> None:
     mirror.apply(received)
     assert mirror.entries == {}
     assert run(engine, [prompt]) == [0]
+    assert_all_blocks_free(engine.block_manager)
 
 
 def test_a_flush_keeps_the_entries_of_blocks_in_use() -> None:
@@ -185,6 +187,7 @@ def test_an_executor_restart_clears_everything_and_events_go_on() -> None:
     run(engine, [list(range(1, 14))])
     mirror.apply(received)
     assert set(mirror.entries) == registered(engine.block_manager) != set()
+    assert_all_blocks_free(engine.block_manager)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -248,3 +251,4 @@ def test_events_arrive_batched_per_step(overlap: bool) -> None:
     assert received and all(batch.events for batch in received)
     assert batch_numbers(received) == list(range(1, len(received) + 1))
     assert len(received) <= engine.num_steps
+    assert_all_blocks_free(engine.block_manager)

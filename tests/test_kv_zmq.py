@@ -116,7 +116,9 @@ def test_a_served_prompt_is_published_with_the_cache_hashes() -> None:
         try:
             async with in_process_scheduler(ShadowExecutor(num_blocks=32, block_size=4, vocab_size=50),
                                             kv_events_config=config) as s:
-                await asyncio.sleep(0.3)  # the subscription reaches the publisher
+                # The subscription reaches the publisher: a batch published into the engine's log gets through.
+                await asyncio.to_thread(first_received, sub, s.server.loop.engine.kv_events)
+                await asyncio.to_thread(drain, sub)
                 await stream(s.stub, token_request(prompt, max_tokens=2))
                 await assert_idle_async(s.stub)
                 events = []

@@ -21,6 +21,7 @@ from executor_svc.runtime.model_executor import ModelExecutor
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.engine.engine import Engine
+from tests.conftest import assert_all_blocks_free
 from tests.lora_fixtures import ALL_PROJECTIONS, peft_greedy, save_random_adapter
 from tests.model_fixtures import TINY_VOCAB, tiny_model_folders  # noqa: F401
 
@@ -66,7 +67,7 @@ def mixed_batch(family: Family, engine: Engine) -> tuple[list[list[int]], list[l
     loras = [name for _ in family.prompts for name in names]
     prompts = [prompt for prompt in family.prompts for _ in names]
     outputs = engine.generate(prompts, PARAMS, loras)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_all_blocks_free(engine.block_manager)
     return [c.token_ids for c in outputs], [family.reference[name][i] for i in range(len(family.prompts))
                                             for name in names]
 
@@ -97,6 +98,7 @@ def test_adapters_never_share_prefix_cache_blocks(family: Family) -> None:
         assert out.token_ids == family.reference[name][2]
         hits.append(out.num_cached_prompt_tokens)
     assert hits == [0, 0, 0, 32]
+    assert_all_blocks_free(engine.block_manager)
 
 
 def test_at_most_max_loras_adapters_per_step_and_none_starves(family: Family) -> None:
@@ -179,6 +181,7 @@ def test_runtime_load_and_unload(family: Family) -> None:
     [out] = engine.generate([family.prompts[1]], PARAMS, ["a1"])
     assert out.token_ids == family.reference["a1"][1]
     assert out.num_cached_prompt_tokens == 0
+    assert_all_blocks_free(engine.block_manager)
 
 
 def test_runtime_loading_is_refused_unless_enabled(family: Family) -> None:

@@ -15,6 +15,7 @@ from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.core.sequence import FinishReason, Sequence
 from scheduler_svc.engine.adapters import Adapters
+from tests.conftest import assert_all_blocks_free
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
@@ -41,7 +42,7 @@ def test_adapters_hash_the_same_tokens_apart() -> None:
     assert manager.can_allocate(Sequence(2, tokens, PARAMS, 4, lora_id=2)) == 0
     assert manager.can_allocate(Sequence(3, tokens, PARAMS, 4)) == 0
     manager.deallocate(first)
-    assert manager.num_free_blocks == manager.num_blocks
+    assert_all_blocks_free(manager)
 
 
 def test_max_loras_admits_in_arrival_order_and_the_head_waits_for_its_turn() -> None:
@@ -57,7 +58,7 @@ def test_max_loras_admits_in_arrival_order_and_the_head_waits_for_its_turn() -> 
     assert [seq.lora_id for seq in seqs] == [3, 1, 0]
     for seq in seqs:
         scheduler.finish(seq, FinishReason.LENGTH)
-    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    assert_all_blocks_free(scheduler.block_manager)
 
 
 def test_lora_modules_flag(capsys: pytest.CaptureFixture) -> None:

@@ -29,6 +29,7 @@ from executor_svc.runtime.model_input import ModelInput
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.engine.engine import Engine
+from tests.conftest import assert_all_blocks_free
 from tests.model_fixtures import (  # noqa: F401
     TINY_VOCAB,
     hf_greedy,
@@ -107,7 +108,7 @@ def run_parity(
     del executor.runner.execute  # the class's again
     multi_step_engine = Engine(executor, SchedulerConfig(num_scheduler_steps=8))
     multi_step = [c.token_ids for c in multi_step_engine.generate(prompts, params)]
-    assert multi_step_engine.block_manager.num_free_blocks == multi_step_engine.block_manager.num_blocks
+    assert_all_blocks_free(multi_step_engine.block_manager)
     return ParityRun(
         reference,
         batched,

@@ -25,7 +25,7 @@ from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.core.sequence import Sequence
 from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.executor_client import RemoteExecutor
-from tests.conftest import EOS
+from tests.conftest import EOS, assert_all_blocks_free
 from tests.service_fixtures import assert_idle_async, collect, in_process_scheduler, token_request
 from tests.shadow_helpers import assert_matches_reference, expected
 
@@ -140,7 +140,7 @@ def test_windows_cut_after_any_pass_give_the_same_tokens_and_free_every_block(ov
         assert not booked_on
     assert engine.scheduler.num_preemptions > 0, "24 blocks for 6 sequences should preempt some"
     assert len(executor.table) == 0
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_all_blocks_free(engine.block_manager)
 
 
 def test_a_window_takes_no_more_steps_than_its_most_eager_reader():
@@ -152,13 +152,13 @@ def test_a_window_takes_no_more_steps_than_its_most_eager_reader():
     while engine.has_unfinished():
         engine.step()
     assert max(executor.decode_steps()) == 3, "a reader taking 3 tokens at a time caps every window at 3"
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_all_blocks_free(engine.block_manager)
 
     alone = WindowShadow(64, 4, 50, (EOS,))
     engine = Engine(alone, SchedulerConfig(num_scheduler_steps=8))
     outputs = engine.generate([[4, 5, 6, 7]], params)
     assert max(alone.decode_steps()) == 8 and len(outputs[0].token_ids) == 30
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_all_blocks_free(engine.block_manager)
 
 
 def test_a_token_by_token_stream_gets_one_step_plans_at_default_flags():
@@ -339,7 +339,7 @@ def test_cut_step_over_grpc_stops_the_window_after_its_pass_in_progress():
         assert [booked_on[step_id] for step_id in dropped] == [cut[0].step_id], "the window booked on it is dropped"
         assert [outputs[i] for i in (0, 1)] == [expected(engine, p, params) for p in prompts]
         assert len(executor.table) == 0
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert_all_blocks_free(engine.block_manager)
     finally:
         remote.close()
         server.stop(None)

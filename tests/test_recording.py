@@ -31,6 +31,7 @@ from tests.service_fixtures import (
     TOKENIZER_VOCAB_SIZE,
     GatedExecutor,
     assert_idle,
+    assert_idle_async,
     byte_level_tokenizer,
     executor_argv,
     free_port,
@@ -165,13 +166,20 @@ def test_the_admin_switch_starts_mid_stream_without_losing_a_token_and_stops(tmp
             stopped = await admin.StopRecording(rpb.StopRecordingRequest())
             await admin.StartRecording(rpb.StartRecordingRequest())
             second = await generate(s.stub, [9, 8, 7], 12)
+            await assert_idle_async(s.stub)
             return before, started, again, tokens, stopped, second
 
     before, started, again, tokens, stopped, second = asyncio.run(main())
     assert not before.active and not before.session and before.directory == str(tmp_path)
     assert started.active and not started.starting and started.session and again.session == started.session
     assert tokens == expected, "the executor's reset at the start lost or changed tokens"
-    assert len(Recording(tmp_path).sessions) >= 1 and tokens[:1], "the start came after the stream's end"
+    first = Recording(tmp_path)
+    resent = [list(n.token_ids) for r in first.records(first.sessions[0]) if r.HasField("plan")
+              for n in r.plan.new_requests]
+    # The executor's reset at the start sends the stream's request again with the tokens it had streamed so far.
+    assert any(t[:len(prompt)] == prompt and 0 < len(t) - len(prompt) < len(expected)
+               and t[len(prompt):] == expected[:len(t) - len(prompt)] for t in resent), \
+        "the first session holds no record of the first stream's request, resent mid-stream"
     assert not stopped.active and stopped.num_records > 4 and not stopped.error
     assert second == reference_generate([9, 8, 7], 12, VOCAB, {0}, True)
     recording = Recording(tmp_path)

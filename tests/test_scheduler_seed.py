@@ -74,17 +74,23 @@ def test_can_allocate_returns_cached_block_count_or_minus_one(make_scheduler):
 
 
 def test_prefill_stops_when_head_cannot_allocate(make_scheduler):
+    """FIFO: a head that cannot allocate blocks the prefill, even of a sequence behind it that would fit."""
     s = make_scheduler(num_blocks=4, block_size=4)
-    a, b, c = seq(8, max_tokens=1), seq(8, max_tokens=1, start=50), seq(1, max_tokens=1, start=90)
-    for x in (a, b, c):
-        s.add(x)
-    s.schedule()  # a and b take all 4 blocks
-    d = seq(2, max_tokens=1, start=200)
+    a, b = seq(6, max_tokens=4), seq(2, max_tokens=4, start=50)  # 2 blocks + 1 block, decoding needs no more
+    s.add(a)
+    s.add(b)
+    prefill_all(s)
+    d, c = seq(5, max_tokens=1, start=200), seq(2, max_tokens=1, start=300)  # d needs 2 blocks, c needs 1
     s.add(d)
-    s.waiting.rotate(1)  # put d at the head, c behind it: d needs a block, none is free
-    assert s.block_manager.num_free_blocks == 0
+    s.add(c)
+    assert s.block_manager.num_free_blocks == 1
+    assert s.block_manager.can_allocate(d) == -1 and s.block_manager.can_allocate(c) == 0
     seqs, is_prefill = s.schedule()
-    assert not is_prefill, "prefill must stop at a head that cannot allocate"
+    assert not is_prefill and seqs == [a, b], "prefill must stop at a head that cannot allocate"
+    assert list(s.waiting) == [d, c], "the waiting order is unchanged"
+    assert not d.block_table and not c.block_table
+    assert s.block_manager.num_free_blocks == 1
+    s.postprocess(seqs, [7] * len(seqs), False)
 
 
 def test_only_first_sequence_of_a_batch_is_chunked(make_scheduler):

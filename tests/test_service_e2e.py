@@ -31,6 +31,7 @@ from scheduler_svc.core.sequence import FinishReason
 from scheduler_svc.engine.engine import Engine, FinishedRequest
 from tests.service_fixtures import (
     HOST,
+    START_TIMEOUT_S,
     Stack,
     assert_idle,
     executor_argv,
@@ -374,7 +375,10 @@ def test_scheduler_waits_for_a_late_executor(tmp_path: Path):
             s.stub.GenerateOnce(token_request([1, 2], 2), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "connecting to the executor" in e.value.details()
+        deadline = time.monotonic() + START_TIMEOUT_S
         while "not ready" not in s.logs():
+            assert s.scheduler.poll() is None, f"the scheduler exited:\n{s.logs()[-3000:]}"
+            assert time.monotonic() < deadline, f"no 'not ready' in the scheduler's log:\n{s.logs()[-3000:]}"
             time.sleep(0.05)
         executor = spawn(executor_argv("shadow", port, SHADOW), tmp_path / "late-executor.log")
         try:

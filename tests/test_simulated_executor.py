@@ -15,6 +15,7 @@ from executor_svc.fakes.simulated import SPIN_S, SimulatedExecutor, accelerator_
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.engine.engine import Engine
+from tests.conftest import assert_all_blocks_free
 
 
 def executor(step_ms: float = 2.0) -> SimulatedExecutor:
@@ -31,6 +32,7 @@ def test_every_step_waits_and_samples_a_token_that_is_no_eos():
     assert time.perf_counter() - started >= 4 * 2e-3
     assert [o.token_ids for o in outputs] == [[2] * 4, [2] * 4]
     assert len(simulated.table) == 0
+    assert_all_blocks_free(engine.block_manager)
 
 
 def test_a_refused_plan_changes_nothing():
@@ -117,4 +119,4 @@ def test_a_multi_step_plan_launches_each_pass_from_the_one_before_and_stops_wher
     engine.step()
     assert [seq.completion_token_ids for seq in seqs] == [[2] * 17] * 2
     assert len(simulated.table) == 0
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_all_blocks_free(engine.block_manager)

@@ -205,7 +205,8 @@ def test_proposals_never_pass_max_tokens_nor_preempt() -> None:
     # a samples 3 tokens at most: one is out, so it proposes at most one; b proposes only what the free blocks hold.
     assert a.num_draft_tokens <= 1
     assert scheduler.num_preemptions == 0 and len(seqs) == 2
-    assert scheduler.block_manager.num_free_blocks >= 0
+    # Each holds 13 tokens (4 blocks) with a's one proposal in its 4th block: all 8 blocks taken, none overbooked.
+    assert len(a.block_table) == len(b.block_table) == 4 and scheduler.block_manager.num_free_blocks == 0
     plan, ordered = planner.build(seqs, False, [])
     record = scheduler.advance(ordered, False)
     scheduler.settle(record, [3] * (2 + sum(record.drafts or [0])), (), None,
@@ -306,12 +307,13 @@ def test_no_proposals_above_the_batch_size_limit() -> None:
         add(scheduler, [*p, *p], max_tokens=6 if p is PROMPTS[0] else 30)
     run_all(scheduler)
     assert scheduler.speculator.counters.num_drafts > 0  # once one finished, the other proposes
+    assert_all_blocks_free(scheduler.block_manager)
     scheduler2 = make(k=3, speculative_disable_by_batch_size=1)
     for p in PROMPTS[:2]:
         add(scheduler2, [*p, *p], max_tokens=1)
     run_all(scheduler2)
     assert scheduler2.speculator.counters.num_drafts == 0
-    assert_all_blocks_free(scheduler.block_manager)
+    assert_all_blocks_free(scheduler2.block_manager)
 
 
 def test_mixed_step_has_verification_rows_beside_a_prefill_chunk() -> None:

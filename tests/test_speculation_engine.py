@@ -106,6 +106,8 @@ def test_a_restarted_executor_without_its_draft_model_is_incompatible() -> None:
     with pytest.raises(IncompatibleExecutor, match="draft model"):
         engine.recover()
     engine.abort(seq)
+    assert seq.is_finished and seq.finish_reason.value == "abort"
+    assert_all_blocks_free(engine.block_manager)
 
 
 def test_on_a_cpu_proposals_stop_above_a_few_sequences_unless_the_flag_says() -> None:
