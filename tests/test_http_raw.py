@@ -30,6 +30,7 @@ from scheduler_svc.core.tokenizer import ChatMessage
 from tests.http_fixtures import Hosted, hosted
 from tests.service_fixtures import HOST, GatedExecutor, free_port
 from tests.shadow_helpers import shadow_prompt_logprobs
+from tests.test_reliability_recovery import FlakyExecutor
 from tests.test_service_loop import LogprobExecutor
 from tests.test_service_options import TOKENIZER, echo
 
@@ -272,6 +273,23 @@ def test_vllm_defaults_nulls_a_left_out_model_and_the_stop_reason(echo_api: Host
     refused = httpx.post(f"{url}/v1/chat/completions", json={**chat, "stream_options": {"include_usage": True}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options"
     echo_api.assert_idle()
+
+
+@pytest.mark.parametrize("api_process", [True, False], ids=["api-process", "in-scheduler"])
+def test_a_failure_after_the_stream_started_is_an_error_event_before_done(api_process: bool):
+    executor = FlakyExecutor()
+    executor.refuse_decodes = True  # the prefill's first token goes out; the scheduler gives up after three decodes
+    with hosted(executor, api_process=api_process) as api:
+        request = {"prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{api.url}/v1/completions", json=request, timeout=30) as response:
+            assert response.status_code == 200
+            *chunks, error, done = [line for line in response.iter_lines() if line.startswith("data: ")]
+        executor.refuse_decodes = False
+        assert done == "data: [DONE]" and chunks, "tokens first (a recompute brings one more), then the error"
+        assert all(json.loads(chunk.removeprefix("data: "))["choices"][0]["finish_reason"] is None for chunk in chunks)
+        body = json.loads(error.removeprefix("data: "))["error"]
+        assert body["type"] == "server_error" and "keeps failing" in body["message"]
+        api.assert_idle()
 
 
 @pytest.mark.parametrize(("num_blocks", "longest"), [(1024, 1024), (100, 401)])
