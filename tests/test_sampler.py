@@ -93,9 +93,13 @@ def test_default_params_sample_the_softmax() -> None:
         (SamplingSettings(min_p=0.0), set(range(VOCAB))),
         # Top-p sees the top-k survivors renormalised: 0.44, 0.72, 0.89, 1.00.
         (SamplingSettings(top_k=4, top_p=0.85), {3, 1, 5}),
-        # Top-p before min-p (Hugging Face order): top-p keeps 4, min-p 0.2 keeps the same 4.
-        (SamplingSettings(top_p=0.85, min_p=0.2), {3, 1, 5, 2}),
+        # Min-p before top-p (vLLM's order): min-p 0.2 keeps 4, renormalised 0.44, 0.72, 0.89, 1.00 by rank, of
+        # which top-p 0.85 keeps 3 (top-p first would have kept 4).
+        (SamplingSettings(top_p=0.85, min_p=0.2), {3, 1, 5}),
         (SamplingSettings(top_k=5, top_p=0.95, min_p=0.3), {3, 1, 5}),
+        # Min-p 0.5 keeps 0.40 and 0.25, of which top-p 0.6 keeps the first (0.62 of their mass); top-p first
+        # (Hugging Face's order) would have kept both.
+        (SamplingSettings(top_p=0.6, min_p=0.5), {3}),
     ],
 )
 def test_filters_keep_their_defined_set(params: SamplingSettings, allowed: set[int]) -> None:
@@ -157,15 +161,14 @@ def test_filters_apply_after_temperature() -> None:
 def reference_probs(logits: torch.Tensor, row: SamplingSettings) -> torch.Tensor:
     """The filter definitions applied one token at a time, in float64."""
     probs = (logits.double() / row.temperature).softmax(dim=-1)
-    ranked = probs.argsort(descending=True).tolist()
+    ranked = [i for i in probs.argsort(descending=True).tolist() if probs[i] >= row.min_p * probs.max()]
     kept = ranked[: row.top_k] if row.top_k else ranked
-    mass, total, nucleus = 0.0, sum(probs[i].item() for i in kept), []
+    mass, total, allowed = 0.0, sum(probs[i].item() for i in kept), []
     for i in kept:
-        if nucleus and mass >= row.top_p * total:
+        if allowed and mass >= row.top_p * total:
             break
-        nucleus.append(i)
+        allowed.append(i)
         mass += probs[i].item()
-    allowed = [i for i in nucleus if probs[i] >= row.min_p * probs[ranked[0]]]
     out = torch.zeros_like(probs)
     out[allowed] = probs[allowed] / probs[allowed].sum()
     return out

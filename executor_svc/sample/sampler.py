@@ -1,9 +1,9 @@
 """Turns the last-position logits of a batch into one token id per request.
 
 Rows with logits processors (min_tokens, logit bias, penalties: ``executor_svc.sample.logits_processors``) have
-them applied first, in float32. Pipeline for a sampled row (all in float32): logits / temperature, then top-k,
-top-p, min-p (the Hugging Face order; vLLM applies min-p first, which differs
-only when top-p and min-p are combined), then one draw. Greedy rows
+them applied first, in float32. Pipeline for a sampled row (all in float32): logits / temperature, then min-p,
+top-k, top-p (vLLM's order: min-p keeps the tokens within its share of the best one's probability, the others
+see what it kept; Hugging Face's applies min-p last), then one draw. Greedy rows
 (temperature below ``common.sampling.GREEDY_BELOW``) take the argmax, ties to the lowest id.
 Rows come as plain ``SamplingSettings``; logprobs leave as plain ``TokenLogprobs``.
 
@@ -157,10 +157,17 @@ class Sampler:
 
 
 def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingSettings]) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p; filtered tokens get exactly 0."""
+    """Probabilities after temperature, min-p, top-k and top-p; filtered tokens get exactly 0."""
     device = logits.device
     vocab = logits.shape[1]
     logits = logits / small_tensor([row.temperature for row in rows], device).unsqueeze(1)
+    # Above 1 min-p would drop even the best token.
+    min_p = [min(row.min_p, 1.0) for row in rows]
+    if any(m > 0 for m in min_p):
+        # Masked logits keep the rows without min-p bit-identical to a batch without it.
+        probs = logits.softmax(dim=-1)
+        threshold = small_tensor(min_p, device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        logits.masked_fill_(probs < threshold, float("-inf"))
     ranked = [i for i, row in enumerate(rows) if 0 < row.top_k < vocab or row.top_p < 1.0]
     if ranked:
         top_k = [rows[i].top_k if 0 < rows[i].top_k < vocab else vocab for i in ranked]
@@ -171,13 +178,6 @@ def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingSettings]) -> to
         else:
             index = small_tensor(ranked, device)
             logits.index_copy_(0, index, top_k_top_p(logits.index_select(0, index), top_k, top_p))
-    # Above 1 min-p would drop even the best token.
-    min_p = [min(row.min_p, 1.0) for row in rows]
-    if any(m > 0 for m in min_p):
-        # Masking logits and taking one softmax after leaves rows without min-p bit-identical to a batch without it.
-        probs = logits.softmax(dim=-1)
-        threshold = small_tensor(min_p, device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-        logits.masked_fill_(probs < threshold, float("-inf"))
     return logits.softmax(dim=-1)
 
 
