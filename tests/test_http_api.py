@@ -316,6 +316,23 @@ def test_the_cors_flags_take_json_lists_as_vllm_does(capsys: pytest.CaptureFixtu
     assert "NANOSERVE_ALLOWED_METHODS='GET': must be a JSON list of strings" in capsys.readouterr().err
 
 
+def test_top_k_and_seed_minus_one_mean_none_as_vllm_reads_them(api: Hosted, monkeypatch: pytest.MonkeyPatch):
+    seen: list[pb.GenerateRequest] = []
+    prepare = frontend.prepare
+
+    def recording(request: pb.GenerateRequest, *args: object) -> object:
+        seen.append(request)
+        return prepare(request, *args)
+
+    monkeypatch.setattr(frontend, "prepare", recording)
+    api.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2, seed=-1, extra_body={"top_k": -1})
+    api.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2, seed=-2)
+    off, twin = (request.sampling for request in seen)
+    assert off.HasField("top_k") and off.top_k == 0, "no top-k, not the model's generation_config default"
+    assert not off.HasField("seed"), "-1: a random seed each time, as vLLM's SamplingParams reads it"
+    assert twin.seed == 2**64 - 2
+
+
 def test_structured_output_reaches_the_generate_request(api: Hosted, monkeypatch: pytest.MonkeyPatch):
     seen: list[pb.GenerateRequest] = []
     prepare = frontend.prepare

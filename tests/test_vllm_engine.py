@@ -340,3 +340,4 @@ def test_a_negative_seed_is_taken_as_its_unsigned_twin() -> None:
     # The protocol's seed is int32, into which gateways clamp a client's seed: vLLM takes a negative one as any other.
     assert sampling_options(vllm.SamplingParams(seed=-3))[0].seed == 2**32 - 3
     assert sampling_options(vllm.SamplingParams(seed=7))[0].seed == 7
+    assert not sampling_options(vllm.SamplingParams(seed=-1))[0].HasField("seed"), "-1 is no seed, as vLLM reads it"

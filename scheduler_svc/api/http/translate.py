@@ -164,10 +164,11 @@ def structured_output(body: schemas.GenerationParameters) -> tuple[pb.Structured
 
 def base_request(body: schemas.GenerationParameters, max_tokens: int | None, logprobs: int | None,
                  renames: dict[str, str]) -> pb.GenerateRequest:
-    """The settings every prompt of the request shares; records where the structured output came from."""
+    """The settings every prompt of the request shares; records where the structured output came from. As vLLM reads
+    them, top_k -1 is no top-k (not the model's default) and seed -1 no seed (a random one each time)."""
     sampling = pb.SamplingOptions(
-        temperature=body.temperature, top_k=None if body.top_k == -1 else body.top_k, top_p=body.top_p,
-        min_p=body.min_p, seed=None if body.seed is None else body.seed % 2**64, logprobs=logprobs,
+        temperature=body.temperature, top_k=0 if body.top_k == -1 else body.top_k, top_p=body.top_p,
+        min_p=body.min_p, seed=None if body.seed in (None, -1) else body.seed % 2**64, logprobs=logprobs,
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias), n=body.n)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []

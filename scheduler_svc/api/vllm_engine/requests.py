@@ -71,8 +71,8 @@ def sampling_options(s: vllm.SamplingParams) -> tuple[pb.SamplingOptions, pb.Sto
         if s.logprobs < 0:
             raise InvalidRequest(f"{SAMPLING}.logprobs", "-1 (every token's logprob) is not supported; ask for 0-20")
         sampling.logprobs = s.logprobs
-    if s.HasField("seed"):  # int32, where gateways clamp a client's seed: a negative one is its unsigned twin
-        sampling.seed = s.seed % 2**32
+    if s.HasField("seed") and s.seed != -1:  # int32, where gateways clamp a client's seed: a negative one is its
+        sampling.seed = s.seed % 2**32  # unsigned twin, but -1 no seed at all, as vLLM's SamplingParams reads it
     for token_id, bias in s.logit_bias.items():
         if token_id < 0:
             raise InvalidRequest(f"{SAMPLING}.logit_bias", f"the key {token_id} is not a token id")
