@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.step import StepPlan, StepResult
+from common.step import StepPlan, StepResult, TokenLogprobs
 from executor_svc.core.request_table import RequestTable
 from executor_svc.fakes.shadow import ShadowExecutor
 from nanoserve.v1 import generation_pb2 as pb
@@ -289,6 +289,28 @@ def test_a_failure_after_the_stream_started_is_an_error_event_before_done(api_pr
         assert all(json.loads(chunk.removeprefix("data: "))["choices"][0]["finish_reason"] is None for chunk in chunks)
         body = json.loads(error.removeprefix("data: "))["error"]
         assert body["type"] == "server_error" and "keeps failing" in body["message"]
+        api.assert_idle()
+
+
+class BannedLogprobExecutor(LogprobExecutor):
+    """Logprobs as a grammar leaves them: the tokens it bans at -inf."""
+
+    def step(self, plan: StepPlan) -> StepResult:
+        result = super().step(plan)
+        result.logprobs = [TokenLogprobs(lp.logprob, [*lp.top_token_ids, 7], [*lp.top_logprobs, float("-inf")])
+                           for lp in result.logprobs]
+        return result
+
+
+def test_a_banned_tokens_logprob_is_vllms_lowest_float_not_null():
+    with hosted(BannedLogprobExecutor(echo())) as api:
+        chat = httpx.post(f"{api.url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 3})
+        tops = [entry["logprob"] for token in chat.json()["choices"][0]["logprobs"]["content"]
+                for entry in token["top_logprobs"]]
+        legacy = httpx.post(f"{api.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "logprobs": 3})
+        alternatives = [p for top in legacy.json()["choices"][0]["logprobs"]["top_logprobs"] for p in top.values()]
+        assert tops[2::3] == [-9999.0, -9999.0] and -9999.0 in alternatives and None not in tops + alternatives
         api.assert_idle()
 
 

@@ -116,8 +116,16 @@ def token_text(tokenizer: ModelTokenizer | None, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else f"token_id:{token_id}"
 
 
+# JSON has no -inf (a token a grammar bans): vLLM sends this in its place, a float every client can read.
+LOWEST_LOGPROB = -9999.0
+
+
+def finite(logprob: float) -> float:
+    return max(logprob, LOWEST_LOGPROB)
+
+
 def alternatives(lp: TokenLogprobs, top: int) -> Iterable[tuple[int, float]]:
-    return zip(lp.top_token_ids[:top], lp.top_logprobs[:top], strict=True)
+    return zip(lp.top_token_ids[:top], map(finite, lp.top_logprobs[:top]), strict=True)
 
 
 def chat_logprobs(piece: Piece, t: Translated, tokenizer: ModelTokenizer | None) -> schemas.ChatLogprobs | None:
@@ -126,7 +134,7 @@ def chat_logprobs(piece: Piece, t: Translated, tokenizer: ModelTokenizer | None)
 
     def entry(token_id: int, logprob: float) -> schemas.TopLogprob:
         text = token_text(tokenizer, token_id)
-        return schemas.TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+        return schemas.TopLogprob(token=text, logprob=finite(logprob), bytes=list(text.encode()))
 
     content = []
     for token_id, lp in zip(piece.token_ids, piece.logprobs, strict=False):
@@ -151,7 +159,7 @@ def add_legacy_logprobs(out: schemas.CompletionLogprobs, tokens: Iterable[tuple[
     for token_id, lp in tokens:
         text = token_text(tokenizer, token_id)
         out.tokens.append(text)
-        out.token_logprobs.append(None if lp is None else lp.logprob)
+        out.token_logprobs.append(None if lp is None else finite(lp.logprob))
         out.top_logprobs.append(None if lp is None else {token_text(tokenizer, t_id): p
                                                          for t_id, p in alternatives(lp, t.top_logprobs)})
         out.text_offset.append(offset)
