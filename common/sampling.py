@@ -7,6 +7,8 @@ and docs/client.md are tested against it (tests/test_defaults.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 MAX_LOGPROBS = 20
 # Every generated token is checked against every stop string: bound that work per request, as TGI does.
 MAX_STOP_STRINGS = 16
@@ -42,3 +44,21 @@ DEFAULTS: dict[str, object] = {
     "truncate_prompt_tokens": None,
     "prompt_logprobs": None,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationDefaults:
+    """The model's own defaults (its generation_config.json, as vLLM's ``--generation-config auto`` takes them): each
+    one set replaces its ``DEFAULTS`` entry for a request that leaves that field unset. None: the model gives none."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    # generation_config.json's max_new_tokens.
+    max_tokens: int | None = None
+
+    def given(self) -> dict[str, float | int]:
+        """The fields set, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}

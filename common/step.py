@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.sampling import DEFAULTS, GREEDY_BELOW
+from common.sampling import DEFAULTS, GREEDY_BELOW, GenerationDefaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +149,17 @@ class LoraAdapterInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class SpecialTokens:
+    """The tokenizer's own special tokens as text (tokenizer_config.json), which chat templates render as transformers
+    renders them; None where the tokenizer config gives none."""
+
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ExecutorInfo:
     """The handshake: what the scheduler must know of the executor before its first plan (defaults: the proto's)."""
 
@@ -175,6 +186,11 @@ class ExecutorInfo:
     runtime_lora: bool = False
     # The draft model's id (speculative proposals made by the executor); "" when it has none.
     draft_model_id: str = ""
+    # The tokenizer's special tokens; None where the executor read no tokenizer_config.json (the chat template then
+    # gets the tokens of bos_token_id and eos_token_ids[0]).
+    special_tokens: SpecialTokens | None = None
+    # The model's request defaults (generation_config.json); None: it gives none.
+    generation_defaults: GenerationDefaults | None = None
 
     @property
     def on_cpu(self) -> bool:

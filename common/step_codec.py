@@ -6,6 +6,9 @@ does the reverse. Columns go in and out with one call each: plans and results cr
 
 from __future__ import annotations
 
+from dataclasses import fields
+
+from common.sampling import GenerationDefaults
 from common.step import (
     CachedRequests,
     ExecutorInfo,
@@ -13,6 +16,7 @@ from common.step import (
     NewRequest,
     PromptLogprobs,
     SamplingSettings,
+    SpecialTokens,
     StepPlan,
     StepResult,
     TokenLogprobs,
@@ -131,14 +135,30 @@ INFO_FIELDS = ("instance_id", "model_id", "architecture", "dtype", "device", "vo
 def info_to_proto(info: ExecutorInfo) -> pb.ExecutorInfo:
     return pb.ExecutorInfo(**{name: getattr(info, name) for name in INFO_FIELDS},
                            eos_token_ids=info.eos_token_ids, bos_token_id=info.bos_token_id,
-                           lora_adapters=map(lora_to_proto, info.lora_adapters))
+                           lora_adapters=map(lora_to_proto, info.lora_adapters),
+                           special_tokens=_optionals_to_proto(info.special_tokens, pb.SpecialTokens),
+                           generation_defaults=_optionals_to_proto(info.generation_defaults, pb.GenerationDefaults))
 
 
 def info_from_proto(msg: pb.ExecutorInfo) -> ExecutorInfo:
     return ExecutorInfo(**{name: getattr(msg, name) for name in INFO_FIELDS},
                         eos_token_ids=tuple(msg.eos_token_ids),
                         bos_token_id=msg.bos_token_id if msg.HasField("bos_token_id") else None,
-                        lora_adapters=tuple(map(lora_from_proto, msg.lora_adapters)))
+                        lora_adapters=tuple(map(lora_from_proto, msg.lora_adapters)),
+                        special_tokens=_optionals_from_proto(msg, "special_tokens", SpecialTokens),
+                        generation_defaults=_optionals_from_proto(msg, "generation_defaults", GenerationDefaults))
+
+
+def _optionals_to_proto(value: object | None, message: type) -> object | None:
+    """A dataclass of optional fields as its message (None: absent); its None fields stay unset."""
+    return None if value is None else message(**{f.name: getattr(value, f.name) for f in fields(value)})
+
+
+def _optionals_from_proto(msg: pb.ExecutorInfo, name: str, cls: type) -> object | None:
+    if not msg.HasField(name):
+        return None
+    part = getattr(msg, name)
+    return cls(**{f.name: getattr(part, f.name) if part.HasField(f.name) else None for f in fields(cls)})
 
 
 def lora_to_proto(adapter: LoraAdapterInfo) -> pb.LoraAdapter:

@@ -16,7 +16,7 @@ from common.flags import EnvFlags, boolean, byte_size, port, positive_int, share
 from common.security import TLSConfig
 from executor_svc.cpu.choice import parse_override
 from executor_svc.cpu.openmp import set_wait_policy
-from executor_svc.runtime.config import DTYPES, ExecutorOptions
+from executor_svc.runtime.config import DTYPES, ExecutorOptions, UnsupportedModel
 from executor_svc.runtime.registry import DEFAULT_MODEL
 
 log = logging.getLogger("nanoserve.executor")
@@ -145,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         executor = ModelExecutor(options)
     except LoraRefused as e:  # an adapter of --lora-modules that does not fit: say which and why
         parser.error(str(e))
+    except UnsupportedModel as e:  # weights the checks before could not see (a tensor missing or out of place)
+        raise SystemExit(f"{parser.prog}: error: {e}") from None
     info = executor.get_info()
     log.info(
         "model %s (%s) on %s, %s, %d KV blocks of %d tokens, attention %s, tensor-parallel %d",

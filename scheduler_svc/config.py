@@ -34,6 +34,8 @@ from scheduler_svc.core.scheduler_config import (
 from scheduler_svc.engine.recorder import DEFAULT_MAX_FILE_BYTES
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# vLLM's --generation-config values: "auto" takes the model's request defaults (generation_config.json), "vllm" not.
+GENERATION_CONFIGS = ("auto", "vllm")
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ class ServiceConfig:
     ngram_min: int | None = None
     ngram_max: int | None = None
     speculative_disable_by_batch_size: int | None = None
+    # One of GENERATION_CONFIGS.
+    generation_config: str = "auto"
 
     def cors(self) -> Cors:
         return Cors(self.allowed_origins, self.allowed_credentials, self.allowed_methods, self.allowed_headers)
@@ -231,6 +235,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--speculative-disable-by-batch-size", positive_int, "with --speculative, propose nothing while more "
         "requests than this run (a large batch is bound by compute, where a proposed token costs what a decoded one "
         "does; absent: 4 on a CPU executor, never off on an accelerator)")
+    add("--generation-config", str, "auto: a request that leaves temperature, top_p, top_k, min_p, "
+        "repetition_penalty or max_tokens unset takes the model's generation_config.json value (max_new_tokens for "
+        "max_tokens), as vLLM's default does; vllm: the scheduler's own defaults", choices=GENERATION_CONFIGS)
     return parser
 
 

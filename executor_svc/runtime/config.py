@@ -48,10 +48,11 @@ class ModelConfig:
         config = json.loads(config_path.read_text())
         generation_path = folder / "generation_config.json"
         generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
-        return cls.from_dict(config, generation)
+        return cls.from_dict(config, generation, tokenizer_eos_token_id(folder))
 
     @classmethod
-    def from_dict(cls, config: dict, generation: dict | None = None) -> ModelConfig:
+    def from_dict(cls, config: dict, generation: dict | None = None,
+                  tokenizer_eos_id: int | None = None) -> ModelConfig:
         architectures = config.get("architectures") or []
         architecture = architectures[0] if architectures else "(none)"
         if architecture not in SUPPORTED_ARCHITECTURES:
@@ -83,7 +84,7 @@ class ModelConfig:
             o_proj_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(config.get("mlp_bias", False)),
             qk_norm=architecture == "Qwen3ForCausalLM",
-            eos_token_ids=_eos_token_ids(config, generation or {}),
+            eos_token_ids=_eos_token_ids(config, generation or {}, tokenizer_eos_id),
             bos_token_id=config.get("bos_token_id"),
         )
 
@@ -109,15 +110,43 @@ def _rope_theta(config: dict) -> float:
     return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
-def _eos_token_ids(config: dict, generation: dict) -> tuple[int, ...]:
-    """EOS ids of generation_config.json first, then config.json's, without duplicates."""
+def _eos_token_ids(config: dict, generation: dict, tokenizer_eos_id: int | None = None) -> tuple[int, ...]:
+    """EOS ids of generation_config.json first, then config.json's, then the tokenizer's own (vLLM always stops on
+    it too), without duplicates."""
     ids: list[int] = []
-    for source in (generation, config):
+    for source in (generation, config, {"eos_token_id": tokenizer_eos_id}):
         value = source.get("eos_token_id")
         for token_id in [value] if isinstance(value, int) else value or []:
             if token_id not in ids:
                 ids.append(token_id)
     return tuple(ids)
+
+
+def tokenizer_config(folder: Path) -> dict | None:
+    """tokenizer_config.json, or None where the folder has none."""
+    path = Path(folder) / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def special_token_text(value: object) -> str | None:
+    """A special token of tokenizer_config.json as text: a string, or an AddedToken's ``content``; None if unset."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def tokenizer_eos_token_id(folder: Path) -> int | None:
+    """The id tokenizer.json gives tokenizer_config.json's eos_token; None without either, or an unknown token."""
+    eos = special_token_text((tokenizer_config(folder) or {}).get("eos_token"))
+    path = Path(folder) / "tokenizer.json"
+    if eos is None or not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path)).token_to_id(eos)
+    except Exception:  # a tokenizer.json the library cannot read: the scheduler refuses it, naming why
+        return None
 
 
 DTYPES = ("float32", "bfloat16", "float16")

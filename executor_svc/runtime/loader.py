@@ -1,4 +1,4 @@
-"""Loads ``*.safetensors`` from a Hugging Face folder into the packed, sharded model.
+"""Loads a Hugging Face folder's safetensors (``hf_folder.weight_files``) into the packed, sharded model.
 
 Checkpoint names map one to one onto parameters except the packed ones:
 q/k/v projections go into ``qkv_proj`` and gate/up into ``gate_up_proj``, each
@@ -20,6 +20,7 @@ from executor_svc.cpu.choice import ALL_C, KernelChoice
 from executor_svc.layers.linear import prepack_for_cpu
 from executor_svc.models import MODEL_CLASSES
 from executor_svc.runtime.config import ModelConfig, UnsupportedModel
+from executor_svc.runtime.hf_folder import weight_files
 
 PACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -40,9 +41,7 @@ def checkpoint_to_param(name: str) -> tuple[str, int]:
 
 
 def load_weights(model: nn.Module, folder: str | Path, tie_word_embeddings: bool) -> None:
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise UnsupportedModel(f"{folder} has no *.safetensors weights")
+    files = weight_files(folder)
     params = dict(model.named_parameters(remove_duplicate=False))
     # Every parameter needs each of its packed shards (one for an unpacked parameter).
     missing = {
@@ -58,7 +57,7 @@ def load_weights(model: nn.Module, folder: str | Path, tie_word_embeddings: bool
                     continue
                 param_name, shard = checkpoint_to_param(name)
                 if param_name not in params:
-                    raise UnsupportedModel(f"checkpoint tensor {name} has no place in the model")
+                    raise UnsupportedModel(f"checkpoint tensor {name} has no place in the model (in {file})")
                 module_name, attr = param_name.rsplit(".", 1)
                 module = model.get_submodule(module_name)
                 tensor = f.get_tensor(name)

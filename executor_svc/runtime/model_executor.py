@@ -10,10 +10,8 @@ processes it starts and stops.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -24,20 +22,16 @@ from executor_svc.lora.adapter import LoraError
 from executor_svc.lora.manager import LoraManager
 from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.distributed import free_init_method, init_group, spawn_workers, tp_size
+from executor_svc.runtime.hf_folder import (
+    generation_defaults,
+    read_chat_template,
+    read_tokenizer_json,
+    special_tokens,
+)
 from executor_svc.runtime.model_runner import LaunchedForward, ModelRunner, PreparedInput, rank_device, worker_main
 from executor_svc.runtime.registry import resolve_model
 from executor_svc.sample.sampler import SamplerOutput
 from executor_svc.spec.draft import check_draft_options
-
-
-def read_chat_template(folder: Path) -> str:
-    """chat_template.jinja (transformers 5) or the chat_template entry of tokenizer_config.json."""
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text()
-    config = folder / "tokenizer_config.json"
-    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
-    return template if isinstance(template, str) else ""
 
 
 class ModelExecutor(TableExecutor):
@@ -60,7 +54,6 @@ class ModelExecutor(TableExecutor):
         self.table.has_draft_model = runner.draft is not None
         if runner.lora is not None:
             self.table.lora_ids = runner.lora.ids
-        tokenizer = self.folder / "tokenizer.json"
         self.info = ExecutorInfo(
             instance_id=uuid.uuid4().hex,
             model_id=options.model,
@@ -74,13 +67,15 @@ class ModelExecutor(TableExecutor):
             block_size=runner.block_size,
             num_blocks=runner.num_blocks,
             tensor_parallel_size=options.tensor_parallel_size,
-            tokenizer_json=tokenizer.read_text() if tokenizer.is_file() else "",
+            tokenizer_json=read_tokenizer_json(self.folder),
             chat_template=read_chat_template(self.folder),
             attention_backend=runner.backend.name,
             lora_adapters=self.lora_adapters(),
             max_lora_rank=options.max_lora_rank if runner.lora is not None else 0,
             runtime_lora=options.runtime_lora,
             draft_model_id=runner.draft.model_id if runner.draft is not None else "",
+            special_tokens=special_tokens(self.folder),
+            generation_defaults=generation_defaults(self.folder),
         )
 
     def lora_adapters(self) -> tuple[LoraAdapterInfo, ...]:

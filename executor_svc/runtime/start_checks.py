@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from executor_svc.runtime.config import ExecutorOptions, ModelConfig, UnsupportedModel
+from executor_svc.runtime.hf_folder import weight_files
 from executor_svc.runtime.registry import resolve_model
 
 if TYPE_CHECKING:
@@ -60,11 +61,17 @@ def check_attention_backend(name: str | None, device: torch.device) -> None:
 
 
 def check_model(model: str, max_model_len: int | None) -> None:
-    """The model's config.json only: its weights are read once every flag is known to be good."""
+    """The model's config.json, and that it has weights this executor reads: they are read once every flag is known
+    to be good."""
     try:
-        config = ModelConfig.from_folder(resolve_model(model))
+        folder = resolve_model(model)
+        config = ModelConfig.from_folder(folder)
     except UnsupportedModel as e:
         raise FlagError(f"--model: {e}") from None
     if max_model_len is not None and max_model_len > config.max_position_embeddings:
         raise FlagError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
                         f"{config.max_position_embeddings}; it may only shrink the model's context")
+    try:
+        weight_files(folder)
+    except UnsupportedModel as e:
+        raise FlagError(f"--model: {e}") from None

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable
 
-from common.step import LoraAdapterInfo
+from common.step import ExecutorInfo, LoraAdapterInfo
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.codec import model_info, scheduler_stats
 from scheduler_svc.api.outbox import ChoicesReader, Outbox
@@ -29,6 +30,23 @@ from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.kv_events import KvEventBatch, KvEventLog
 from scheduler_svc.engine.loop import EngineLoop, RequestHandle
 from scheduler_svc.engine.turn import Turn
+
+log = logging.getLogger("nanoserve.scheduler")
+
+
+def model_defaults(info: ExecutorInfo, generation_config: str = "auto") -> dict[str, object]:
+    """The handshake's request defaults the scheduler uses, by field (none with ``--generation-config vllm``), logged
+    once as vLLM logs them."""
+    given = info.generation_defaults.given() if info.generation_defaults is not None else {}
+    if not given:
+        return {}
+    named = ", ".join(f"{name}={value:g}" for name, value in given.items())
+    if generation_config == "vllm":
+        log.info("the model's generation_config.json defaults (%s) are ignored (--generation-config vllm)", named)
+        return {}
+    log.warning("requests that leave them unset take the model's generation_config.json defaults: %s (start with "
+                "--generation-config vllm to ignore them)", named)
+    return given
 
 
 def public(error: RequestFailed) -> RequestFailed:
@@ -111,14 +129,17 @@ class Frontend:
         self.turn = turn or Turn()
         self.loop: EngineLoop | None = None
         self.tokenizer: ModelTokenizer | None = None
+        # The model's request defaults in use (``model_defaults``), by field.
+        self.model_defaults: dict[str, object] = {}
         # Requests in flight by the id the caller gave (or was given), for Abort.
         self.by_request_id: dict[str, set[RequestHandle]] = {}
         # When the scheduler started, and when the last request arrived (time.time), for GetServerInfo.
         self.started_at = time.time()
         self.last_request_at = 0.0
 
-    def attach(self, loop: EngineLoop, tokenizer: ModelTokenizer | None) -> None:
+    def attach(self, loop: EngineLoop, tokenizer: ModelTokenizer | None, generation_config: str = "auto") -> None:
         self.loop, self.tokenizer = loop, tokenizer
+        self.model_defaults = model_defaults(loop.info, generation_config)
 
     def ready(self) -> EngineLoop:
         if self.loop is None:
@@ -128,7 +149,7 @@ class Frontend:
     async def render(self, request: pb.GenerateRequest) -> PreparedRequest:
         """What ``submit`` would queue for ``request``, checked the same way (InvalidRequest), without running it."""
         loop = self.ready()
-        return await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
+        return await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer, self.model_defaults)
 
     async def submit(self, request: pb.GenerateRequest, whole: bool = False) -> Generation:
         """Validate (off the event loop: tokenizing and templating take time) and queue ``request``; its latency
@@ -143,7 +164,8 @@ class Frontend:
         request's outputs to (an ``Outbox``, or the API process's link). Forget the handle with ``forget``."""
         arrived_at, self.last_request_at = time.monotonic(), time.time()
         loop = self.ready()
-        prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer)
+        prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer,
+                                           self.model_defaults)
         interval = math.inf if whole else prepared.stream_interval or self.stream_interval
         handle = loop.submit(prepared, sink_of(interval), arrived_at, interval)
         self.by_request_id.setdefault(prepared.request_id, set()).add(handle)

@@ -7,6 +7,7 @@ Every refusal names the GenerateRequest field a caller sets (``PROTO_FIELD``); t
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 
 from google.protobuf import json_format
 
@@ -92,8 +93,8 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: ModelTokenizer | No
 
 
 # Fields whose absence means their default (proto3 optional), as SamplingParams names them.
-OPTIONAL_SAMPLING = ("temperature", "top_p", "seed", "logprobs", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty", "n")
+OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty", "n")
 OPTIONAL_STOPPING = ("ignore_eos", "min_tokens", "include_stop_str_in_output")
 
 
@@ -129,19 +130,24 @@ def detokenize(request: pb.DetokenizeRequest, tokenizer: ModelTokenizer | None, 
     return tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
 
 
-def sampling_params(request: pb.GenerateRequest, budget: int, grammar: str | None = None) -> SamplingParams:
-    """Unset fields take ``sampling.DEFAULTS`` (SamplingParams' own defaults)."""
+def sampling_params(request: pb.GenerateRequest, budget: int, grammar: str | None = None,
+                    model_defaults: Mapping[str, object] | None = None) -> SamplingParams:
+    """Unset fields take the model's defaults (``model_defaults``: generation_config.json's, by field), else
+    ``sampling.DEFAULTS`` (SamplingParams' own defaults)."""
     s, stopping = request.sampling, request.stopping
-    given = {name: getattr(s, name) for name in OPTIONAL_SAMPLING if s.HasField(name)}
+    given = {name: value for name, value in (model_defaults or {}).items() if name != "max_tokens"}
+    given.update((name, getattr(s, name)) for name in OPTIONAL_SAMPLING if s.HasField(name))
     given.update((name, getattr(stopping, name)) for name in OPTIONAL_STOPPING if stopping.HasField(name))
     given.update((name, getattr(request, name)) for name in OPTIONAL_REQUEST if request.HasField(name))
-    return SamplingParams(top_k=s.top_k, min_p=s.min_p, max_tokens=budget, stop=list(stopping.stop),
-                          stop_token_ids=stopping.stop_token_ids, logit_bias=dict(s.logit_bias), grammar=grammar,
-                          **given)
+    return SamplingParams(max_tokens=budget, stop=list(stopping.stop), stop_token_ids=stopping.stop_token_ids,
+                          logit_bias=dict(s.logit_bias), grammar=grammar, **given)
 
 
-def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTokenizer | None) -> PreparedRequest:
-    """Validate and translate ``request``; raise InvalidRequest naming the first bad GenerateRequest field."""
+def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTokenizer | None,
+            model_defaults: Mapping[str, object] | None = None) -> PreparedRequest:
+    """Validate and translate ``request``; raise InvalidRequest naming the first bad GenerateRequest field.
+    ``model_defaults``: the model's request defaults (``GenerationDefaults.given()``), for the fields it leaves
+    unset; max_tokens only where ``stopping.max_tokens`` is unset (an HTTP completion always sets it)."""
     try:
         token_ids = truncated(prompt_token_ids(request, tokenizer), request)
         check_prompt(token_ids, limits)
@@ -149,8 +155,9 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
             raise InvalidRequest("stop", "stop strings need a tokenizer and this executor has none")
         requested = request.stopping.max_tokens if request.stopping.HasField("max_tokens") else None
         grammar = compile_grammar(request.structured_output, tokenizer, limits.vocab_size)
-        budget = completion_budget(requested, len(token_ids), limits, request.stopping.max_tokens_to_room)
-        params = sampling_params(request, budget, grammar)
+        budget = completion_budget(requested, len(token_ids), limits, request.stopping.max_tokens_to_room,
+                                   (model_defaults or {}).get("max_tokens"))
+        params = sampling_params(request, budget, grammar, model_defaults)
         check_sampling(params)
         check_token_ids(params, limits)
         resumed = list(request.resume.completion_token_ids)

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 
 import jinja2
-from jinja2.ext import loopcontrols
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from common.step import ExecutorInfo
+from common.step import ExecutorInfo, SpecialTokens
 from scheduler_svc.core.errors import InvalidRequest
+
+log = logging.getLogger("nanoserve.scheduler")
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # What the server passes every chat template itself.
-TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "pad_token",
+                                "unk_token"})
 
 
 @dataclass(frozen=True)
@@ -30,26 +36,69 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: object, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' ``tojson`` filter (Jinja's own escapes HTML and takes only indent)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    """transformers' ``strftime_now``: templates date their system prompt with it."""
+    return datetime.now().strftime(format)
+
+
+class GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers marks assistant text with it for training masks
+    (TRL fine-tunes' templates keep it); serving renders the body alone."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _body(caller: object) -> str:
+        return caller()
 
 
 class ModelTokenizer:
     """Encodes prompts, renders chat conversations and decodes completion tokens."""
 
     def __init__(self, tokenizer_json: str, chat_template: str = "", bos_token_id: int | None = None,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), special_tokens: SpecialTokens | None = None) -> None:
+        """``special_tokens``: the tokenizer's own, which the template renders; None (an executor that sent none):
+        the tokens of ``bos_token_id`` and ``eos_token_ids[0]``."""
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
-        self.template = self._compile(chat_template) if chat_template else None
-        self.bos_token = self._token_text(bos_token_id)
-        self.eos_token = self._token_text(eos_token_ids[0] if eos_token_ids else None)
+        self.template: jinja2.Template | None = None
+        # Why the chat template does not compile: chat prompts are refused with it, the rest still work.
+        self.template_error = ""
+        if chat_template:
+            try:
+                self.template = self._compile(chat_template)
+            except jinja2.TemplateError as e:
+                line = f"line {e.lineno}: " if getattr(e, "lineno", None) else ""
+                self.template_error = f"{line}{e.message or type(e).__name__}"
+        if special_tokens is None:
+            special_tokens = SpecialTokens(self._token_text(bos_token_id),
+                                           self._token_text(eos_token_ids[0] if eos_token_ids else None))
+        self.bos_token = special_tokens.bos_token or ""
+        self.eos_token = special_tokens.eos_token or ""
+        self.pad_token = special_tokens.pad_token or ""
+        self.unk_token = special_tokens.unk_token or ""
 
     @classmethod
     def from_info(cls, info: ExecutorInfo) -> ModelTokenizer | None:
         """The handshake's tokenizer, or None when the executor has none (then only token prompts work)."""
         if not info.tokenizer_json:
             return None
-        return cls(info.tokenizer_json, info.chat_template, info.bos_token_id, tuple(info.eos_token_ids))
+        tokenizer = cls(info.tokenizer_json, info.chat_template, info.bos_token_id, tuple(info.eos_token_ids),
+                        info.special_tokens)
+        if tokenizer.template_error:
+            log.error("the model's chat template does not compile (%s): chat requests will be refused; text and "
+                      "token prompts work", tokenizer.template_error)
+        return tokenizer
 
     @property
     def has_chat_template(self) -> bool:
@@ -57,9 +106,12 @@ class ModelTokenizer:
 
     @staticmethod
     def _compile(source: str) -> jinja2.Template:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        """In the environment transformers renders chat templates in (``chat_template_utils``)."""
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[GenerationBlock, loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
         return env.from_string(source)
 
     def _token_text(self, token_id: int | None) -> str:
@@ -79,6 +131,9 @@ class ModelTokenizer:
         ``template_kwargs``: more variables for the template (vLLM's ``chat_template_kwargs``), not its own."""
         if taken := sorted(TEMPLATE_VARIABLES.intersection(template_kwargs or ())):
             raise InvalidRequest("chat.template_kwargs", f"{', '.join(taken)}: set by the server, not by a request")
+        if self.template_error:
+            raise InvalidRequest("chat", f"the model's chat template does not compile ({self.template_error}); fix "
+                                         "it in the model folder, or send a text or token prompt instead")
         if self.template is None:
             raise InvalidRequest("chat", "the model has no chat template; send a text or token prompt instead")
         if not messages:
@@ -95,6 +150,8 @@ class ModelTokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                pad_token=self.pad_token,
+                unk_token=self.unk_token,
             )
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise InvalidRequest("chat", f"the chat template refused the conversation: {e}") from e

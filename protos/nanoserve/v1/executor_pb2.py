@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bnanoserve/v1/executor.proto\x12\x0cnanoserve.v1\"\x10\n\x0eGetInfoRequest\"\xdf\x03\n\x0c\x45xecutorInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x12\n\nnum_blocks\x18\x0b \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\r\x12\x16\n\x0etokenizer_json\x18\r \x01(\t\x12\x15\n\rchat_template\x18\x0e \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x0f \x01(\t\x12\x30\n\rlora_adapters\x18( \x03(\x0b\x32\x19.nanoserve.v1.LoraAdapter\x12\x15\n\rmax_lora_rank\x18) \x01(\r\x12\x14\n\x0cruntime_lora\x18* \x01(\x08\x12\x16\n\x0e\x64raft_model_id\x18+ \x01(\tB\x0f\n\r_bos_token_id\"H\n\x0bLoraAdapter\x12\x0f\n\x07lora_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\"4\n\x16LoadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"(\n\x18UnloadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x8d\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x19\n\x0cnum_logprobs\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12?\n\nlogit_bias\x18\n \x03(\x0b\x32+.nanoserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x14\n\x07grammar\x18\x0e \x01(\tH\t\x88\x01\x01\x12 \n\x13num_prompt_logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0f\n\r_num_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\n\n\x08_grammarB\x16\n\x14_num_prompt_logprobs\"\xfa\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.nanoserve.v1.SamplingParams\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x01(\r\x12\x1e\n\x11num_prompt_tokens\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07lora_id\x18( \x01(\rB\x14\n\x12_num_prompt_tokens\"\xdc\x01\n\x0e\x43\x61\x63hedRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\x04\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\r\x12\x15\n\rnew_block_ids\x18\x05 \x03(\r\x12\x18\n\x10num_decode_steps\x18\x06 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x07 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x08 \x03(\r\"\xee\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x12\n\nis_prefill\x18\x02 \x01(\x08\x12.\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x18.nanoserve.v1.NewRequest\x12\x35\n\x0f\x63\x61\x63hed_requests\x18\x04 \x01(\x0b\x32\x1c.nanoserve.v1.CachedRequests\x12\x1c\n\x14\x66inished_request_ids\x18\x05 \x03(\x04\x12 \n\x13\x61\x66ter_whole_step_id\x18\x06 \x01(\x04H\x00\x88\x01\x01\x42\x16\n\x14_after_whole_step_id\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x96\x02\n\nStepResult\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.nanoserve.v1.TokenLogprobs\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\x12\x11\n\tsample_ms\x18\x06 \x01(\x01\x12\x35\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1c.nanoserve.v1.PromptLogprobs\x12\x17\n\nnum_passes\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\x12num_sampled_tokens\x18\t \x03(\rB\r\n\x0b_num_passes\"k\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.nanoserve.v1.TokenLogprobs\"!\n\x0e\x43utStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\"\x11\n\x0f\x43utStepResponse\"\x0e\n\x0cResetRequest\"-\n\rResetResponse\x12\x1c\n\x14num_dropped_requests\x18\x01 \x01(\r2\x83\x04\n\x08\x45xecutor\x12\x43\n\x07GetInfo\x12\x1c.nanoserve.v1.GetInfoRequest\x1a\x1a.nanoserve.v1.ExecutorInfo\x12\x38\n\x04Step\x12\x16.nanoserve.v1.StepPlan\x1a\x18.nanoserve.v1.StepResult\x12\x42\n\nStepStream\x12\x16.nanoserve.v1.StepPlan\x1a\x18.nanoserve.v1.StepResult(\x01\x30\x01\x12@\n\x05Reset\x12\x1a.nanoserve.v1.ResetRequest\x1a\x1b.nanoserve.v1.ResetResponse\x12\x46\n\x07\x43utStep\x12\x1c.nanoserve.v1.CutStepRequest\x1a\x1d.nanoserve.v1.CutStepResponse\x12R\n\x0fLoadLoraAdapter\x12$.nanoserve.v1.LoadLoraAdapterRequest\x1a\x19.nanoserve.v1.LoraAdapter\x12V\n\x11UnloadLoraAdapter\x12&.nanoserve.v1.UnloadLoraAdapterRequest\x1a\x19.nanoserve.v1.LoraAdapterb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bnanoserve/v1/executor.proto\x12\x0cnanoserve.v1\"\x10\n\x0eGetInfoRequest\"\xd3\x04\n\x0c\x45xecutorInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x12\n\nnum_blocks\x18\x0b \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\r\x12\x16\n\x0etokenizer_json\x18\r \x01(\t\x12\x15\n\rchat_template\x18\x0e \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x0f \x01(\t\x12\x30\n\rlora_adapters\x18( \x03(\x0b\x32\x19.nanoserve.v1.LoraAdapter\x12\x15\n\rmax_lora_rank\x18) \x01(\r\x12\x14\n\x0cruntime_lora\x18* \x01(\x08\x12\x16\n\x0e\x64raft_model_id\x18+ \x01(\t\x12\x33\n\x0especial_tokens\x18, \x01(\x0b\x32\x1b.nanoserve.v1.SpecialTokens\x12=\n\x13generation_defaults\x18- \x01(\x0b\x32 .nanoserve.v1.GenerationDefaultsB\x0f\n\r_bos_token_id\"\xa7\x01\n\rSpecialTokens\x12\x16\n\tbos_token\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x16\n\teos_token\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x16\n\tpad_token\x18\x03 \x01(\tH\x02\x88\x01\x01\x12\x16\n\tunk_token\x18\x04 \x01(\tH\x03\x88\x01\x01\x42\x0c\n\n_bos_tokenB\x0c\n\n_eos_tokenB\x0c\n\n_pad_tokenB\x0c\n\n_unk_token\"\xf8\x01\n\x12GenerationDefaults\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokens\"H\n\x0bLoraAdapter\x12\x0f\n\x07lora_id\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\"4\n\x16LoadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"(\n\x18UnloadLoraAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x8d\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x19\n\x0cnum_logprobs\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12?\n\nlogit_bias\x18\n \x03(\x0b\x32+.nanoserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x14\n\x07grammar\x18\x0e \x01(\tH\t\x88\x01\x01\x12 \n\x13num_prompt_logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0f\n\r_num_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\n\n\x08_grammarB\x16\n\x14_num_prompt_logprobs\"\xfa\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.nanoserve.v1.SamplingParams\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x01(\r\x12\x1e\n\x11num_prompt_tokens\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07lora_id\x18( \x01(\rB\x14\n\x12_num_prompt_tokens\"\xdc\x01\n\x0e\x43\x61\x63hedRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\x04\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x03(\r\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\r\x12\x15\n\rnew_block_ids\x18\x05 \x03(\r\x12\x18\n\x10num_decode_steps\x18\x06 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x07 \x03(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x08 \x03(\r\"\xee\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x12\n\nis_prefill\x18\x02 \x01(\x08\x12.\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x18.nanoserve.v1.NewRequest\x12\x35\n\x0f\x63\x61\x63hed_requests\x18\x04 \x01(\x0b\x32\x1c.nanoserve.v1.CachedRequests\x12\x1c\n\x14\x66inished_request_ids\x18\x05 \x03(\x04\x12 \n\x13\x61\x66ter_whole_step_id\x18\x06 \x01(\x04H\x00\x88\x01\x01\x42\x16\n\x14_after_whole_step_id\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x96\x02\n\nStepResult\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.nanoserve.v1.TokenLogprobs\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\x12\x11\n\tsample_ms\x18\x06 \x01(\x01\x12\x35\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1c.nanoserve.v1.PromptLogprobs\x12\x17\n\nnum_passes\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\x12num_sampled_tokens\x18\t \x03(\rB\r\n\x0b_num_passes\"k\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.nanoserve.v1.TokenLogprobs\"!\n\x0e\x43utStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\"\x11\n\x0f\x43utStepResponse\"\x0e\n\x0cResetRequest\"-\n\rResetResponse\x12\x1c\n\x14num_dropped_requests\x18\x01 \x01(\r2\x83\x04\n\x08\x45xecutor\x12\x43\n\x07GetInfo\x12\x1c.nanoserve.v1.GetInfoRequest\x1a\x1a.nanoserve.v1.ExecutorInfo\x12\x38\n\x04Step\x12\x16.nanoserve.v1.StepPlan\x1a\x18.nanoserve.v1.StepResult\x12\x42\n\nStepStream\x12\x16.nanoserve.v1.StepPlan\x1a\x18.nanoserve.v1.StepResult(\x01\x30\x01\x12@\n\x05Reset\x12\x1a.nanoserve.v1.ResetRequest\x1a\x1b.nanoserve.v1.ResetResponse\x12\x46\n\x07\x43utStep\x12\x1c.nanoserve.v1.CutStepRequest\x1a\x1d.nanoserve.v1.CutStepResponse\x12R\n\x0fLoadLoraAdapter\x12$.nanoserve.v1.LoadLoraAdapterRequest\x1a\x19.nanoserve.v1.LoraAdapter\x12V\n\x11UnloadLoraAdapter\x12&.nanoserve.v1.UnloadLoraAdapterRequest\x1a\x19.nanoserve.v1.LoraAdapterb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,37 +36,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINFOREQUEST']._serialized_start=45
   _globals['_GETINFOREQUEST']._serialized_end=61
   _globals['_EXECUTORINFO']._serialized_start=64
-  _globals['_EXECUTORINFO']._serialized_end=543
-  _globals['_LORAADAPTER']._serialized_start=545
-  _globals['_LORAADAPTER']._serialized_end=617
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=619
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=671
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=673
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=713
-  _globals['_SAMPLINGPARAMS']._serialized_start=716
-  _globals['_SAMPLINGPARAMS']._serialized_end=1369
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1147
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1195
-  _globals['_NEWREQUEST']._serialized_start=1372
-  _globals['_NEWREQUEST']._serialized_end=1622
-  _globals['_CACHEDREQUESTS']._serialized_start=1625
-  _globals['_CACHEDREQUESTS']._serialized_end=1845
-  _globals['_STEPPLAN']._serialized_start=1848
-  _globals['_STEPPLAN']._serialized_end=2086
-  _globals['_TOKENLOGPROBS']._serialized_start=2088
-  _globals['_TOKENLOGPROBS']._serialized_end=2165
-  _globals['_STEPRESULT']._serialized_start=2168
-  _globals['_STEPRESULT']._serialized_end=2446
-  _globals['_PROMPTLOGPROBS']._serialized_start=2448
-  _globals['_PROMPTLOGPROBS']._serialized_end=2555
-  _globals['_CUTSTEPREQUEST']._serialized_start=2557
-  _globals['_CUTSTEPREQUEST']._serialized_end=2590
-  _globals['_CUTSTEPRESPONSE']._serialized_start=2592
-  _globals['_CUTSTEPRESPONSE']._serialized_end=2609
-  _globals['_RESETREQUEST']._serialized_start=2611
-  _globals['_RESETREQUEST']._serialized_end=2625
-  _globals['_RESETRESPONSE']._serialized_start=2627
-  _globals['_RESETRESPONSE']._serialized_end=2672
-  _globals['_EXECUTOR']._serialized_start=2675
-  _globals['_EXECUTOR']._serialized_end=3190
+  _globals['_EXECUTORINFO']._serialized_end=659
+  _globals['_SPECIALTOKENS']._serialized_start=662
+  _globals['_SPECIALTOKENS']._serialized_end=829
+  _globals['_GENERATIONDEFAULTS']._serialized_start=832
+  _globals['_GENERATIONDEFAULTS']._serialized_end=1080
+  _globals['_LORAADAPTER']._serialized_start=1082
+  _globals['_LORAADAPTER']._serialized_end=1154
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1156
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1208
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1210
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1250
+  _globals['_SAMPLINGPARAMS']._serialized_start=1253
+  _globals['_SAMPLINGPARAMS']._serialized_end=1906
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1684
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1732
+  _globals['_NEWREQUEST']._serialized_start=1909
+  _globals['_NEWREQUEST']._serialized_end=2159
+  _globals['_CACHEDREQUESTS']._serialized_start=2162
+  _globals['_CACHEDREQUESTS']._serialized_end=2382
+  _globals['_STEPPLAN']._serialized_start=2385
+  _globals['_STEPPLAN']._serialized_end=2623
+  _globals['_TOKENLOGPROBS']._serialized_start=2625
+  _globals['_TOKENLOGPROBS']._serialized_end=2702
+  _globals['_STEPRESULT']._serialized_start=2705
+  _globals['_STEPRESULT']._serialized_end=2983
+  _globals['_PROMPTLOGPROBS']._serialized_start=2985
+  _globals['_PROMPTLOGPROBS']._serialized_end=3092
+  _globals['_CUTSTEPREQUEST']._serialized_start=3094
+  _globals['_CUTSTEPREQUEST']._serialized_end=3127
+  _globals['_CUTSTEPRESPONSE']._serialized_start=3129
+  _globals['_CUTSTEPRESPONSE']._serialized_end=3146
+  _globals['_RESETREQUEST']._serialized_start=3148
+  _globals['_RESETREQUEST']._serialized_end=3162
+  _globals['_RESETRESPONSE']._serialized_start=3164
+  _globals['_RESETRESPONSE']._serialized_end=3209
+  _globals['_EXECUTOR']._serialized_start=3212
+  _globals['_EXECUTOR']._serialized_end=3727
 # @@protoc_insertion_point(module_scope)

@@ -11,7 +11,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("instance_id", "model_id", "architecture", "dtype", "device", "vocab_size", "eos_token_ids", "bos_token_id", "max_model_len", "block_size", "num_blocks", "tensor_parallel_size", "tokenizer_json", "chat_template", "attention_backend", "lora_adapters", "max_lora_rank", "runtime_lora", "draft_model_id")
+    __slots__ = ("instance_id", "model_id", "architecture", "dtype", "device", "vocab_size", "eos_token_ids", "bos_token_id", "max_model_len", "block_size", "num_blocks", "tensor_parallel_size", "tokenizer_json", "chat_template", "attention_backend", "lora_adapters", "max_lora_rank", "runtime_lora", "draft_model_id", "special_tokens", "generation_defaults")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,8 @@ class ExecutorInfo(_message.Message):
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_LORA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_id: str
     architecture: str
@@ -50,7 +52,37 @@ class ExecutorInfo(_message.Message):
     max_lora_rank: int
     runtime_lora: bool
     draft_model_id: str
-    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., attention_backend: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., max_lora_rank: _Optional[int] = ..., runtime_lora: _Optional[bool] = ..., draft_model_id: _Optional[str] = ...) -> None: ...
+    special_tokens: SpecialTokens
+    generation_defaults: GenerationDefaults
+    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., attention_backend: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., max_lora_rank: _Optional[int] = ..., runtime_lora: _Optional[bool] = ..., draft_model_id: _Optional[str] = ..., special_tokens: _Optional[_Union[SpecialTokens, _Mapping]] = ..., generation_defaults: _Optional[_Union[GenerationDefaults, _Mapping]] = ...) -> None: ...
+
+class SpecialTokens(_message.Message):
+    __slots__ = ("bos_token", "eos_token", "pad_token", "unk_token")
+    BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PAD_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    UNK_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    bos_token: str
+    eos_token: str
+    pad_token: str
+    unk_token: str
+    def __init__(self, bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., pad_token: _Optional[str] = ..., unk_token: _Optional[str] = ...) -> None: ...
+
+class GenerationDefaults(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    max_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("lora_id", "name", "path", "rank")
