@@ -316,15 +316,21 @@ def test_the_cors_flags_take_json_lists_as_vllm_does(capsys: pytest.CaptureFixtu
     assert "NANOSERVE_ALLOWED_METHODS='GET': must be a JSON list of strings" in capsys.readouterr().err
 
 
-def test_top_k_and_seed_minus_one_mean_none_as_vllm_reads_them(api: Hosted, monkeypatch: pytest.MonkeyPatch):
-    seen: list[pb.GenerateRequest] = []
+@pytest.fixture
+def seen(monkeypatch: pytest.MonkeyPatch) -> list[pb.GenerateRequest]:
+    """Every GenerateRequest the HTTP API sends on, as the scheduler prepares it."""
+    requests: list[pb.GenerateRequest] = []
     prepare = frontend.prepare
 
     def recording(request: pb.GenerateRequest, *args: object) -> object:
-        seen.append(request)
+        requests.append(request)
         return prepare(request, *args)
 
     monkeypatch.setattr(frontend, "prepare", recording)
+    return requests
+
+
+def test_top_k_and_seed_minus_one_mean_none_as_vllm_reads_them(api: Hosted, seen: list[pb.GenerateRequest]):
     api.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2, seed=-1, extra_body={"top_k": -1})
     api.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2, seed=-2)
     off, twin = (request.sampling for request in seen)
@@ -333,15 +339,7 @@ def test_top_k_and_seed_minus_one_mean_none_as_vllm_reads_them(api: Hosted, monk
     assert twin.seed == 2**64 - 2
 
 
-def test_structured_output_reaches_the_generate_request(api: Hosted, monkeypatch: pytest.MonkeyPatch):
-    seen: list[pb.GenerateRequest] = []
-    prepare = frontend.prepare
-
-    def recording(request: pb.GenerateRequest, *args: object) -> object:
-        seen.append(request)
-        return prepare(request, *args)
-
-    monkeypatch.setattr(frontend, "prepare", recording)
+def test_structured_output_reaches_the_generate_request(api: Hosted, seen: list[pb.GenerateRequest]):
     client = api.openai()
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, response_format={

@@ -237,39 +237,32 @@ def test_a_deadline_passing_during_an_outage_frees_the_request():
     assert stats.num_aborted == 1
 
 
-def test_work_the_executor_keeps_refusing_fails_with_internal_and_the_scheduler_carries_on():
+def refused_then_served(refusing: str, max_tokens: int, **config: object) -> tuple[grpc.aio.AioRpcError, list[int]]:
+    """A request while the executor refuses (``FlakyExecutor``'s switch ``refusing`` on), then one after."""
     executor = FlakyExecutor()
 
     async def run():
-        async with scheduler(executor) as s:
-            executor.refuse_plans = True
+        async with scheduler(executor, **config) as s:
+            setattr(executor, refusing, True)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await s.stub.GenerateOnce(token_request([1, 2, 3], 5))
-            executor.refuse_plans = False
+                await s.stub.GenerateOnce(token_request([1, 2, 3], max_tokens, ignore_eos=True))
+            setattr(executor, refusing, False)
             await wait_health(s, SERVING)
             after = await s.stub.GenerateOnce(token_request([1, 2, 3], 5, ignore_eos=True))
             return refused.value, list(after.token_ids)
 
-    refused, after = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_work_the_executor_keeps_refusing_fails_with_internal_and_the_scheduler_carries_on():
+    refused, after = refused_then_served("refuse_plans", 5)
     assert refused.code() == grpc.StatusCode.INTERNAL and "injected: plan refused" in refused.details()
     assert after == expected_tokens([1, 2, 3], 5)
 
 
 @pytest.mark.parametrize("policy", ["nano-vllm", "mixed"])
 def test_a_decode_the_executor_always_refuses_fails_after_three_tries_not_a_token_per_recovery(policy):
-    executor = FlakyExecutor()
-
-    async def run():
-        async with scheduler(executor, scheduling_policy=policy) as s:
-            executor.refuse_decodes = True
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await s.stub.GenerateOnce(token_request([1, 2, 3], 30, ignore_eos=True))
-            executor.refuse_decodes = False
-            await wait_health(s, SERVING)
-            after = await s.stub.GenerateOnce(token_request([1, 2, 3], 5, ignore_eos=True))
-            return refused.value, list(after.token_ids)
-
-    refused, after = asyncio.run(run())
+    refused, after = refused_then_served("refuse_decodes", 30, scheduling_policy=policy)
     assert refused.code() == grpc.StatusCode.INTERNAL and "injected: decode refused" in refused.details()
     assert after == expected_tokens([1, 2, 3], 5)
 
