@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.sequence import Sequence
 from scheduler_svc.engine.backoff import Backoff
 from scheduler_svc.engine.supervision import IDLE_PROBE_S, MAX_FAILED_STEPS, ExecutorState, Supervisor
 
@@ -51,16 +57,16 @@ def test_the_same_work_failing_repeatedly_is_given_up_even_across_recoveries():
 
 def test_a_decode_step_clears_the_failure_count_and_a_recompute_prefill_does_not():
     s = Supervisor(now=0.0)
-    s.step_succeeded(num_decode_steps=7)
+    s.step_succeeded(num_progress_steps=7)
     for _ in range(MAX_FAILED_STEPS - 1):
         s.step_failed(0.0)
         s.recovered(0.0)
-        s.step_succeeded(num_decode_steps=7)  # the recovery's recompute: prefill only
+        s.step_succeeded(num_progress_steps=7)  # the recovery's recompute: prefill only
     assert s.step_failed(1.0) is True, "the same decode failed after each recompute"
     for _ in range(MAX_FAILED_STEPS - 1):
         s.step_failed(2.0)
         s.recovered(2.0)
-    s.step_succeeded(num_decode_steps=8)
+    s.step_succeeded(num_progress_steps=8)
     assert s.step_failed(3.0) is False, "a decode got through: the count starts over"
 
 
@@ -88,3 +94,25 @@ def test_a_resync_recovers_at_once_though_serving_and_keeps_health():
     assert s.serving and not s.retry_due(5.05) and s.retry_due(5.1)
     s.recovered(6.0)
     assert s.serving and not s.retry_due(1e9) and s.wake_at(has_work=True) is None
+
+
+def test_a_first_prefill_and_decodes_are_progress_and_a_recompute_is_not(make_scheduler: Callable[..., Scheduler]):
+    """What ``Supervisor.step_succeeded`` is told: a recovery's recompute is no progress, even where its last chunk
+    computes one token as a decode does (chunks of 8, 8 and 1 here)."""
+    s = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=8)
+    s.add(Sequence(0, list(range(1, 10)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), 4))
+    gained = []
+
+    def step() -> None:
+        before = s.num_progress_steps
+        seqs, is_prefill = s.schedule()
+        s.postprocess(seqs, [7] * len(seqs), is_prefill)
+        gained.append(s.num_progress_steps - before)
+
+    for _ in range(9):  # the 9-token prompt's two chunks, then seven decodes: 17 tokens
+        step()
+    assert gained == [1, 0] + [1] * 7, "the first chunk of a first prefill, then every decode"
+    s.requeue_all(BlockManager(16, 4))  # an executor restart: recompute
+    for _ in range(4):
+        step()
+    assert gained[9:] == [0, 0, 0, 1], "the recompute's chunks of 8, 8 and 1, then a decode"

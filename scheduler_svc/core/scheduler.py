@@ -33,13 +33,8 @@ class Scheduler:
     proposed tokens instead (``core.speculation``, ``core.verification``).
     """
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        block_manager: BlockManager,
-        eos_token_ids: set[int],
-        max_model_len: int,
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int],
+                 max_model_len: int) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.num_scheduler_steps = config.num_scheduler_steps
@@ -61,9 +56,9 @@ class Scheduler:
         # The sequence the last prefill scheduled first: ``advance`` finds it in the plan's order.
         self._prefill_head: Sequence | None = None
         self.speculator = Speculator(config) if config.speculative else None
-        # Steps settled that decoded a sequence, not only prefilled: the engine loop's sign that the executor got past
-        # a recovery's recompute (``Supervisor.step_succeeded``).
-        self.num_decode_steps = 0
+        # Steps settled that decoded a sequence or began one's first prefill (a recovery's recompute is neither): the
+        # engine loop's sign that the executor gets past the work it failed (``Supervisor.step_succeeded``).
+        self.num_progress_steps, self._progress = 0, False
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -73,10 +68,8 @@ class Scheduler:
         blocks_needed = max(seq.num_blocks, max_kv_blocks(seq.num_prompt_tokens, seq.params.max_tokens,
                                                           self.max_model_len, self.block_size))
         if blocks_needed > self.block_manager.num_blocks:
-            raise ValueError(
-                f"sequence needs {blocks_needed} KV blocks at its longest but the cache has "
-                f"{self.block_manager.num_blocks}; shorten the prompt or max_tokens"
-            )
+            raise ValueError(f"sequence needs {blocks_needed} KV blocks at its longest but the cache has "
+                             f"{self.block_manager.num_blocks}; shorten the prompt or max_tokens")
         seq.stop_rule = StopRule.of(seq.params, seq.num_prompt_tokens, self.eos_token_ids, self.max_model_len)
         if self.speculator is not None:
             self.speculator.attach(seq)
@@ -85,11 +78,14 @@ class Scheduler:
     def schedule(self, propose: bool = True) -> tuple[list[Sequence], bool]:
         """Return this step's sequences and whether the step is a prefill; with speculation, ``propose`` False
         (a plan booked on a window in flight) proposes nothing."""
+        self._progress = False
         scheduled = self._schedule_prefills([], self.max_num_batched_tokens, self.max_num_seqs)
         if scheduled:
             self._prefill_head = scheduled[0]
             return scheduled, True
-        return self._schedule_decodes(self.num_scheduler_steps, self.max_num_seqs, propose=propose), False
+        scheduled = self._schedule_decodes(self.num_scheduler_steps, self.max_num_seqs, propose=propose)
+        self._progress = bool(scheduled)
+        return scheduled, False
 
     def _schedule_prefills(self, scheduled: list[Sequence], token_budget: int, seq_budget: int) -> list[Sequence]:
         """Prefill FIFO from the head of ``waiting`` into ``scheduled`` within the budgets; only the first prefill
@@ -124,6 +120,7 @@ class Scheduler:
             if not seq.block_table:
                 self.block_manager.allocate(seq, num_cached_blocks, revive=charge == num_tokens)
                 if seq.num_prefix_hit_tokens is None:  # first lookup: as vLLM, a recompute's is not counted
+                    self._progress = True
                     self.num_prefix_query_tokens += seq.num_tokens
                     self.num_prefix_hit_tokens += seq.num_cached_tokens
                     seq.num_prefix_hit_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)  # resumed may hit
@@ -261,7 +258,8 @@ class Scheduler:
             slots.append(slot)
         # The plan lists a prefill's continued chunk, scheduled first, after its new requests.
         first = len(seqs) - 1 if is_prefill and len(seqs) > 1 and seqs[-1] is self._prefill_head else 0
-        return StepRecord(seqs, starts, counts, slots, is_prefill, first, drafts if drafts and any(drafts) else None)
+        return StepRecord(seqs, starts, counts, slots, is_prefill, first, drafts if drafts and any(drafts) else None,
+                          self._progress)
 
     def settle(self, record: StepRecord, token_ids: list[int], logprobs: Collection[Any] = (),
                num_passes: int | None = None, num_sampled: list[int] | None = None) -> list[TokenOutput]:
@@ -277,7 +275,7 @@ class Scheduler:
         order they were scheduled, as nano-vLLM's postprocess takes them, which the prefix cache's
         names and the free list's order follow.
         """
-        self.num_decode_steps += bool(record.seqs) and record.slots[0] == record.starts[0] + 1  # decode rows go first
+        self.num_progress_steps += record.progress
         if record.drafts is not None:
             return settle_verification(self, record, token_ids, logprobs, num_sampled or [])
         if num_passes is not None:

@@ -39,6 +39,8 @@ class StepRecord:
     first: int = 0
     # Per row, the proposals it verifies (``core.verification``); None for a step without any.
     drafts: list[int] | None = None
+    # It decodes a sequence or begins one's first prefill (``Scheduler.num_progress_steps``).
+    progress: bool = False
 
 
 def in_schedule_order(record: StepRecord, token_ids: list[int],

@@ -201,7 +201,7 @@ class EngineLoop(EngineCalls):
         """``Engine.step``; None when the executor failed it (the loop then waits for the executor)."""
         outputs = self._executor_call(self.engine.step)
         if outputs is not None:
-            self.supervisor.step_succeeded(self.engine.scheduler.num_decode_steps)
+            self.supervisor.step_succeeded(self.engine.scheduler.num_progress_steps)
         return outputs
 
     def _executor_call(self, call: Callable[[], T]) -> T | None:

@@ -5,10 +5,10 @@ sockets (tests/test_supervision.py); the engine loop feeds it what happened and 
 
 - A failed step, a failed probe or a restarted executor puts it DOWN: health turns NOT_SERVING and
   recovery is tried at once, then with exponential backoff.
-- Steps failing ``MAX_FAILED_STEPS`` times with no decode step settled in between (recoveries and their recompute
-  prefills in between) mean the executor refuses this very work: the requests in flight are failed so the rest can
-  carry on. A recompute prefill is no progress: a decode that fails every time would otherwise advance each of its
-  sequences a token per executor restart.
+- Steps failing ``MAX_FAILED_STEPS`` times with no progress in between (a step that decodes, or begins a request's
+  first prefill; recoveries and their recompute prefills are no progress) mean the executor refuses this very work:
+  the requests in flight are failed so the rest can carry on. A decode that fails every time would otherwise
+  advance each of its sequences a token per executor restart, by the recompute's prefill.
 - An executor that came back serving another model is INCOMPATIBLE: requests fail fast until the
   right one is back.
 - An idle loop probes every ``IDLE_PROBE_S`` so health turns NOT_SERVING without waiting for a request.
@@ -43,8 +43,8 @@ class Supervisor:
     retry_at: float = 0.0
     probe_at: float = field(init=False)
     failed_steps: int = 0
-    # The engine's decode steps settled, as of the last step that succeeded.
-    num_decode_steps: int = 0
+    # The engine's steps of progress settled, as of the last step that succeeded.
+    num_progress_steps: int = 0
     # Recover at the next retry though serving (``resync``).
     resync_due: bool = False
 
@@ -55,11 +55,12 @@ class Supervisor:
     def serving(self) -> bool:
         return self.state is ExecutorState.SERVING
 
-    def step_succeeded(self, num_decode_steps: int) -> None:
-        """A step settled; ``num_decode_steps``: the engine's decode steps so far. Only a decode clears the count."""
-        if num_decode_steps > self.num_decode_steps:
+    def step_succeeded(self, num_progress_steps: int) -> None:
+        """A step settled; ``num_progress_steps``: the engine's ``Scheduler.num_progress_steps``. Only progress (a
+        decode, a request's first prefill) clears the count."""
+        if num_progress_steps > self.num_progress_steps:
             self.failed_steps = 0
-        self.num_decode_steps = num_decode_steps
+        self.num_progress_steps = num_progress_steps
 
     def step_failed(self, now: float) -> bool:
         """Go DOWN; True when the work in flight should be failed (the same work failed too often)."""
