@@ -111,17 +111,28 @@ def test_max_tokens_unset_or_past_the_room_is_the_room_the_prompt_leaves(engine,
         assert (complete.finish_reason, complete.completion_tokens) == ("length", room)
 
 
-def test_a_text_prompt_without_max_tokens_runs_to_the_room_it_leaves() -> None:
+@pytest.mark.parametrize(("num_blocks", "longest"), [(256, 1024), (100, 401)])
+def test_a_prompt_without_max_tokens_runs_to_the_room_it_leaves(num_blocks: int, longest: int) -> None:
+    """Text or token ids: the model's length, or the KV cache where smaller (the last token needs no slot), less the
+    prompt; not the gRPC API's default, and not refused for a cache smaller than the model's length."""
     executor = echo()
-    executor.info = replace(executor.info, max_model_len=1024)
-    executor.table = RequestTable(executor.info.num_blocks, 4, executor.info.vocab_size, 1024)
+    executor.info = replace(executor.info, max_model_len=1024, num_blocks=num_blocks)
+    executor.table = RequestTable(num_blocks, 4, executor.info.vocab_size, 1024)
+    params = vllm.SamplingParams(temperature=0, ignore_eos=True)
     with hosted(executor) as api, grpc.insecure_channel(f"{HOST}:{api.server.port}") as channel:
-        sent = vllm.GenerateRequest(text="Hello world", sampling_params=vllm.SamplingParams(temperature=0,
-                                                                                            ignore_eos=True))
-        _, (complete,) = split(list(vllm_grpc.VllmEngineStub(channel).Generate(sent)))
-        assert complete.finish_reason == "length" and complete.completion_tokens > 256, "not the gRPC API's default"
-        assert complete.prompt_tokens + complete.completion_tokens == 1024
+        for sent in (vllm.GenerateRequest(text="Hello world", sampling_params=params),
+                     vllm.GenerateRequest(tokenized=vllm.TokenizedInput(input_ids=PROMPT), sampling_params=params)):
+            _, (complete,) = split(list(vllm_grpc.VllmEngineStub(channel).Generate(sent)))
+            assert complete.finish_reason == "length" and complete.completion_tokens > 256
+            assert complete.prompt_tokens + complete.completion_tokens == longest
         api.assert_idle()
+
+
+def test_top_k_and_min_p_left_at_zero_are_unset_so_the_models_defaults_apply() -> None:
+    unset, _ = sampling_options(vllm.SamplingParams(top_p=0.5))
+    assert not unset.HasField("top_k") and not unset.HasField("min_p") and unset.top_p == 0.5
+    given, _ = sampling_options(vllm.SamplingParams(top_k=5, min_p=0.25))
+    assert (given.top_k, given.min_p) == (5, 0.25)
 
 
 def test_not_streamed_each_choice_is_one_complete_with_all_its_tokens(engine) -> None:

@@ -61,10 +61,10 @@ def refuse_unsupported(request: vllm.GenerateRequest) -> None:
 
 
 def sampling_options(s: vllm.SamplingParams) -> tuple[pb.SamplingOptions, pb.StoppingOptions]:
-    sampling = pb.SamplingOptions(top_k=s.top_k, min_p=s.min_p)
+    sampling = pb.SamplingOptions()
     if s.HasField("temperature"):
         sampling.temperature = s.temperature
-    for name in ("top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "n"):
+    for name in ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "n"):
         if value := getattr(s, name):  # zero: unset (nanoserve's default), as vLLM's servicer reads it
             setattr(sampling, name, value)
     if s.HasField("logprobs"):
@@ -99,13 +99,17 @@ def structured_output(s: vllm.SamplingParams) -> pb.StructuredOutput | None:
 
 
 def cap_to_room(request: pb.GenerateRequest, max_model_len: int) -> None:
-    """max_tokens as vLLM's engine takes it: unset, or more than the room the prompt leaves, is that room (a prompt
-    that leaves none is refused where it is checked)."""
+    """max_tokens as vLLM's engine takes it: more than the room the prompt leaves is that room (a prompt that leaves
+    none is refused where it is checked); unset, the room too, also bounded by the KV cache and the model's
+    generation_config.json (``stopping.max_tokens_to_room``, as for a text prompt, whose room is known later)."""
+    if not request.stopping.HasField("max_tokens"):
+        request.stopping.max_tokens_to_room = True
+        return
     prompt = len(request.tokens.token_ids)
     if request.HasField("truncate_prompt_tokens"):
         prompt = min(prompt, request.truncate_prompt_tokens)
     room = max_model_len - prompt
-    if room >= 1 and (not request.stopping.HasField("max_tokens") or request.stopping.max_tokens > room):
+    if room >= 1 and request.stopping.max_tokens > room:
         request.stopping.max_tokens = room
 
 
@@ -138,7 +142,7 @@ def generate_request(request: vllm.GenerateRequest, max_model_len: int) -> pb.Ge
         out.truncate_prompt_tokens = truncate
     if kind == "tokenized":
         cap_to_room(out, max_model_len)
-    else:  # a text's room is known once it is tokenized: unset, it is that room all the same
+    elif not out.stopping.HasField("max_tokens"):  # a text's room is known once it is tokenized
         out.stopping.max_tokens_to_room = True
     constraint = structured_output(s)
     if constraint is not None:
