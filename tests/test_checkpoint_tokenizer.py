@@ -17,7 +17,7 @@ import pytest
 from common.step import ExecutorInfo, SpecialTokens
 from executor_svc.fakes.shadow import ShadowExecutor
 from executor_svc.runtime.config import ExecutorOptions, ModelConfig
-from executor_svc.runtime.hf_folder import read_chat_template, read_tokenizer_json
+from executor_svc.runtime.hf_folder import read_chat_template, read_tokenizer_json, special_tokens
 from executor_svc.runtime.model_executor import ModelExecutor
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.core.errors import InvalidRequest
@@ -68,6 +68,16 @@ def test_the_handshake_carries_the_tokenizers_special_tokens_and_default_templat
     assert (info.eos_token_ids, info.bos_token_id, info.chat_template) == ((2, 0), 1, CHATML_TEMPLATE)
 
 
+def test_special_tokens_missing_from_tokenizer_config_come_from_the_map_then_the_config_ids(tmp_path: Path):
+    with_tokenizer(tmp_path, {"pad_token": None})
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"bos_token": {"content": "<|im_start|>"}}))
+    ids = {"bos_token": 0, "eos_token": 2}
+    assert special_tokens(tmp_path, TOKENIZER_JSON, ids) == SpecialTokens("<|im_start|>", "<|im_end|>", None, None)
+    (tmp_path / "special_tokens_map.json").unlink()
+    (tmp_path / "tokenizer_config.json").unlink()
+    assert special_tokens(tmp_path, TOKENIZER_JSON, ids) is None, "no file: the scheduler renders the ids' tokens"
+
+
 def test_the_template_renders_the_tokenizers_special_tokens_not_the_config_ids():
     # DeepSeek-R1-Distill-Qwen's config.json names its end-of-sentence token as bos_token_id.
     info = ExecutorInfo(eos_token_ids=(2,), bos_token_id=0, tokenizer_json=TOKENIZER_JSON, chat_template=SPECIALS,
@@ -83,7 +93,9 @@ def test_transformers_template_helpers_render():
                 "{{ {'b': 'é', 'a': 1} | tojson(ensure_ascii=True, separators=(',', ':'), sort_keys=True) }}"
                 "{{ strftime_now('%Y') }}")
     tokenizer = ModelTokenizer(TOKENIZER_JSON, template)
-    assert tokenizer.render_chat(USER) == '{"a":1,"b":"\\u00e9"}'.join(["hi", str(datetime.now().year)])
+    year = datetime.now().year
+    rendered = tokenizer.render_chat(USER)
+    assert rendered in {'{"a":1,"b":"\\u00e9"}'.join(["hi", str(y)]) for y in (year, datetime.now().year)}
 
 
 def test_a_template_that_does_not_compile_refuses_chat_requests_only(caplog: pytest.LogCaptureFixture):

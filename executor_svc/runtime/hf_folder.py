@@ -69,13 +69,24 @@ def read_tokenizer_json(folder: Path) -> str:
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
-def special_tokens(folder: Path) -> SpecialTokens | None:
-    """The tokenizer's own special tokens (what transformers renders in a chat template); None without a
-    tokenizer_config.json."""
-    config = tokenizer_config(folder)
-    if config is None:
+def special_tokens(folder: Path, tokenizer_json: str, ids: dict[str, int | None]) -> SpecialTokens | None:
+    """The tokenizer's own special tokens (what transformers renders in a chat template): each as
+    tokenizer_config.json gives it, else special_tokens_map.json (where older checkpoints keep them), else the token
+    of its id in ``ids`` (config.json's); one either file gives as null is none. None without either file."""
+    path = folder / "special_tokens_map.json"
+    configs = [c for c in (tokenizer_config(folder), json.loads(path.read_text()) if path.is_file() else None) if c]
+    if not configs:
         return None
-    return SpecialTokens(**{name: special_token_text(config.get(name)) for name in SPECIAL_TOKENS})
+    texts = {}
+    for name in SPECIAL_TOKENS:
+        given = next((config for config in configs if name in config), None)
+        if given is not None:
+            texts[name] = special_token_text(given[name])
+        elif ids.get(name) is not None and tokenizer_json:
+            from tokenizers import Tokenizer
+
+            texts[name] = Tokenizer.from_str(tokenizer_json).id_to_token(ids[name])
+    return SpecialTokens(**texts)
 
 
 # generation_config.json key -> (request field, whether a value is in range), the keys vLLM takes.

@@ -67,14 +67,15 @@ class ModelExecutor(TableExecutor):
             block_size=runner.block_size,
             num_blocks=runner.num_blocks,
             tensor_parallel_size=options.tensor_parallel_size,
-            tokenizer_json=read_tokenizer_json(self.folder),
+            tokenizer_json=(tokenizer_json := read_tokenizer_json(self.folder)),
             chat_template=read_chat_template(self.folder),
             attention_backend=runner.backend.name,
             lora_adapters=self.lora_adapters(),
             max_lora_rank=options.max_lora_rank if runner.lora is not None else 0,
             runtime_lora=options.runtime_lora,
             draft_model_id=runner.draft.model_id if runner.draft is not None else "",
-            special_tokens=special_tokens(self.folder),
+            special_tokens=special_tokens(self.folder, tokenizer_json, {
+                "bos_token": config.bos_token_id, "eos_token": next(iter(config.eos_token_ids), None)}),
             generation_defaults=generation_defaults(self.folder),
         )
 
