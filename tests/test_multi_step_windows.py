@@ -14,7 +14,8 @@ from dataclasses import replace
 import pytest
 
 from common.executor import Executor
-from common.step import StepPlan, StepResult
+from common.step import CachedRequests, StepPlan, StepResult
+from executor_svc.core.request_table import PlanError
 from executor_svc.core.step_pipeline import PreparedStep
 from executor_svc.fakes.shadow import ShadowExecutor
 from executor_svc.service import build_server
@@ -358,3 +359,37 @@ def test_a_plan_given_back_sends_its_new_blocks_and_drops_again():
     again, _ = planner.build([kept], False, [gone.seq_id])
     assert again.finished_request_ids == [gone.seq_id]
     assert (again.cached_requests.num_new_blocks, again.cached_requests.new_block_ids) == ([1], [2])
+
+
+def test_multi_step_plans_the_executor_cannot_run_are_refused_whole():
+    executor = ShadowExecutor(8, 4, 50, (EOS,))
+    engine = Engine(executor, SchedulerConfig(8, 64))
+    seq = engine.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=4))
+    engine.step()  # prefill: 6 tokens held, 5 computed, 2 blocks
+    before = {k: (list(v.token_ids), list(v.block_table), v.num_computed_tokens)
+              for k, v in executor.table.requests.items()}
+
+    def decode(**fields):
+        cached = dict(request_ids=[seq.seq_id], num_computed_tokens=[5], num_scheduled_tokens=[1], num_new_blocks=[0])
+        return StepPlan(cached_requests=CachedRequests(**(cached | fields)))
+
+    bad_plans = {
+        "more steps than its blocks hold": decode(num_decode_steps=[4]),
+        "zero steps": decode(num_decode_steps=[0]),
+        "two scheduled tokens": decode(num_decode_steps=[2], num_scheduled_tokens=[2]),
+        "one entry too many": decode(num_decode_steps=[2, 2]),
+        "a prefill plan": StepPlan(is_prefill=True, cached_requests=decode(num_decode_steps=[2]).cached_requests),
+    }
+    for why, plan in bad_plans.items():
+        with pytest.raises(PlanError) as err:
+            executor.step(plan)
+        assert err.value.code == "INVALID_ARGUMENT", why
+        after = {k: (list(v.token_ids), list(v.block_table), v.num_computed_tokens)
+                 for k, v in executor.table.requests.items()}
+        assert after == before, why
+    result = executor.step(decode(num_decode_steps=[3]))  # positions 5..7: the two blocks hold them
+    assert len(result.token_ids) == 3 and executor.table.requests[seq.seq_id].num_computed_tokens == 8
+    engine.abort(seq)
+    engine.step()
+    assert len(executor.table) == 0
+    assert_all_blocks_free(engine.block_manager)
