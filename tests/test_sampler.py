@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.step import SamplingSettings
-from executor_svc.sample.sampler import NUCLEUS_WINDOW, Sampler, filtered_probs
+from executor_svc.sample.sampler import NUCLEUS_WINDOW, TIE_MARGIN, Sampler, filtered_probs
 
 # Ids deliberately not in rank order: ranked, the ids are 3, 1, 5, 2, 4, 0.
 PROBS = [0.04, 0.25, 0.10, 0.40, 0.06, 0.15]
@@ -106,6 +106,13 @@ def test_filters_keep_their_defined_set(params: SamplingSettings, allowed: set[i
     assert_follows(draw(LOGITS, params), restricted(PROBS, allowed))
 
 
+def test_top_k_keeps_the_tokens_tied_with_its_kth_as_hugging_face_and_vllm_do() -> None:
+    weights = [0.1, 0.4, 0.2, 0.05, 0.2, 0.05]  # ranked 1, then 2 and 4 tied, then 0
+    logits = torch.tensor(weights).log()
+    assert_follows(draw(logits, SamplingSettings(top_k=2)), restricted(weights, {1, 2, 4}))
+    assert_follows(draw(logits, SamplingSettings(top_k=2, top_p=0.9)), restricted(weights, {1, 2, 4}))
+
+
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
 def test_temperature_sharpens_or_flattens(temperature: float) -> None:
     scaled = [p ** (1 / temperature) for p in PROBS]
@@ -113,10 +120,10 @@ def test_temperature_sharpens_or_flattens(temperature: float) -> None:
     assert_follows(draw(LOGITS, SamplingSettings(temperature=temperature)), expected)
 
 
-def test_top_k_keeps_exactly_k_of_tied_tokens() -> None:
-    tokens = draw(torch.zeros(VOCAB), SamplingSettings(top_k=2))
-    assert_follows(tokens, restricted([1.0] * VOCAB, set(tokens)))
-    assert len(set(tokens)) == 2
+def test_top_k_keeps_ties_past_its_kth_up_to_its_margin() -> None:
+    tokens = draw(torch.zeros(100), SamplingSettings(top_k=2))
+    assert_follows(tokens, restricted([1.0] * 100, set(tokens)))
+    assert len(set(tokens)) == 2 + TIE_MARGIN, "more ties than the margin are cut, not ranked on the whole vocabulary"
 
 
 UNRANKED_CASES = [
@@ -162,7 +169,7 @@ def reference_probs(logits: torch.Tensor, row: SamplingSettings) -> torch.Tensor
     """The filter definitions applied one token at a time, in float64."""
     probs = (logits.double() / row.temperature).softmax(dim=-1)
     ranked = [i for i in probs.argsort(descending=True).tolist() if probs[i] >= row.min_p * probs.max()]
-    kept = ranked[: row.top_k] if row.top_k else ranked
+    kept = [i for i in ranked if probs[i] >= probs[ranked[min(row.top_k, len(ranked)) - 1]]] if row.top_k else ranked
     mass, total, allowed = 0.0, sum(probs[i].item() for i in kept), []
     for i in kept:
         if allowed and mass >= row.top_p * total:

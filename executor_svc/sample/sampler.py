@@ -37,6 +37,9 @@ from executor_svc.sample.logits_processors import RequestTokens, apply_logits_pr
 
 # Top-p without top-k first ranks only this many best tokens; a row whose nucleus may be wider sorts the vocabulary.
 NUCLEUS_WINDOW = 1024
+# Top-k keeps the tokens tied with its k-th best found among this many more (Hugging Face and vLLM keep every tie:
+# bfloat16 logits tie often); ranking no further keeps a GPU step's sampling free of waits on the device.
+TIE_MARGIN = 8
 
 
 @dataclass
@@ -184,15 +187,15 @@ def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingSettings]) -> to
 def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask to -inf all but each row's ``top_k`` best tokens, then all outside its top-``top_p`` nucleus.
 
-    Top-k keeps exactly k tokens (which of several tied at the k-th place is
-    unspecified). The nucleus is the smallest set of best tokens whose share of
+    Top-k keeps the k best tokens and those tied with the k-th among the next
+    ``TIE_MARGIN`` (which of more ties is unspecified). The nucleus is the smallest set of best tokens whose share of
     the top-k mass (the whole row's without top-k) reaches top_p; the best
     token is always kept. Only as many best tokens as the filters can keep are
     ranked, sparing a sort of the whole vocabulary where possible.
     """
     vocab = logits.shape[1]
     if max(top_k) < vocab:
-        return rank_and_mask(logits, max(top_k), top_k, top_p)
+        return rank_and_mask(logits, min(vocab, max(top_k) + TIE_MARGIN), top_k, top_p)
     if vocab > NUCLEUS_WINDOW:
         masked = rank_and_mask(logits, NUCLEUS_WINDOW, top_k, top_p)
         if masked is not None:
@@ -209,7 +212,8 @@ def rank_and_mask(logits: torch.Tensor, width: int, top_k: list[int], top_p: lis
         ordered, order = logits.topk(width, dim=-1)
     else:
         ordered, order = logits.sort(dim=-1, descending=True, stable=True)
-    ordered.masked_fill_(torch.arange(width, device=device) >= k, float("-inf"))
+    kth = ordered.gather(1, (k - 1).clamp(max=width - 1))  # a row without top-k masks nothing: k is the vocabulary
+    ordered.masked_fill_((torch.arange(width, device=device) >= k) & (ordered < kth), float("-inf"))
     log_mass = ordered.logsumexp(dim=-1, keepdim=True)
     if max(top_k) == vocab:
         log_mass = torch.where(k < vocab, log_mass, logits.logsumexp(dim=-1, keepdim=True))
