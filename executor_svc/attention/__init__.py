@@ -9,7 +9,10 @@ import torch
 
 from executor_svc.attention.base import AttentionBackend, AttentionMetadata
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "available_backends", "get_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "available_backends", "get_backend"]
+
+# Every backend there is; which of them run depends on the device (``available_backends``).
+BACKENDS = ("cpu", "torch", "triton", "flash_attn")
 
 
 def _importable(module: str) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import fields
 from pathlib import Path
 
 from common.sampling import GenerationDefaults
@@ -66,9 +67,6 @@ def read_tokenizer_json(folder: Path) -> str:
     return ""
 
 
-SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
-
-
 def special_tokens(folder: Path, tokenizer_json: str, ids: dict[str, int | None]) -> SpecialTokens | None:
     """The tokenizer's own special tokens (what transformers renders in a chat template): each as
     tokenizer_config.json gives it, else special_tokens_map.json (where older checkpoints keep them), else the token
@@ -77,15 +75,17 @@ def special_tokens(folder: Path, tokenizer_json: str, ids: dict[str, int | None]
     configs = [c for c in (tokenizer_config(folder), json.loads(path.read_text()) if path.is_file() else None) if c]
     if not configs:
         return None
-    texts = {}
-    for name in SPECIAL_TOKENS:
+    texts, by_id = {}, {name: token_id for name, token_id in ids.items() if token_id is not None}
+    for name in (field.name for field in fields(SpecialTokens)):
         given = next((config for config in configs if name in config), None)
         if given is not None:
             texts[name] = special_token_text(given[name])
-        elif ids.get(name) is not None and tokenizer_json:
-            from tokenizers import Tokenizer
+            by_id.pop(name, None)
+    if by_id and tokenizer_json:  # parsed once, and only where a token comes from its id
+        from tokenizers import Tokenizer
 
-            texts[name] = Tokenizer.from_str(tokenizer_json).id_to_token(ids[name])
+        tokenizer = Tokenizer.from_str(tokenizer_json)
+        texts.update((name, tokenizer.id_to_token(token_id)) for name, token_id in by_id.items())
     return SpecialTokens(**texts)
 
 

@@ -13,8 +13,6 @@ if TYPE_CHECKING:
     import torch
 
 DEVICE_TYPES = ("cpu", "cuda")
-# Every attention backend there is (``executor_svc.attention``); which of them run depends on the device.
-ATTENTION_BACKENDS = ("cpu", "torch", "triton", "flash_attn")
 
 
 class FlagError(ValueError):
@@ -49,11 +47,11 @@ def check_device(name: str) -> torch.device:
 def check_attention_backend(name: str | None, device: torch.device) -> None:
     if name is None or name == "auto":
         return
-    if name not in ATTENTION_BACKENDS:
-        raise FlagError(f"--attention-backend {name!r} is not a backend; choose one of {', '.join(ATTENTION_BACKENDS)} "
-                        "(or leave it out: the best for the device)")
-    from executor_svc.attention import available_backends
+    from executor_svc.attention import BACKENDS, available_backends
 
+    if name not in BACKENDS:
+        raise FlagError(f"--attention-backend {name!r} is not a backend; choose one of {', '.join(BACKENDS)} "
+                        "(or leave it out: the best for the device)")
     choices = available_backends(device)
     if name not in choices:
         raise FlagError(f"--attention-backend {name!r} is not available on {device}; choose one of "
@@ -66,12 +64,9 @@ def check_model(model: str, max_model_len: int | None) -> None:
     try:
         folder = resolve_model(model)
         config = ModelConfig.from_folder(folder)
-    except UnsupportedModel as e:
-        raise FlagError(f"--model: {e}") from None
-    if max_model_len is not None and max_model_len > config.max_position_embeddings:
-        raise FlagError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
-                        f"{config.max_position_embeddings}; it may only shrink the model's context")
-    try:
+        if max_model_len is not None and max_model_len > config.max_position_embeddings:
+            raise FlagError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+                            f"{config.max_position_embeddings}; it may only shrink the model's context")
         weight_files(folder)
     except UnsupportedModel as e:
         raise FlagError(f"--model: {e}") from None

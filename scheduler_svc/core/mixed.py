@@ -34,7 +34,6 @@ class MixedScheduler(Scheduler):
         scheduled = self._schedule_decodes(num_steps, self.max_num_seqs, prefill_may_follow=True, propose=propose,
                                            proposal_budget=self.max_num_batched_tokens - reserved)
         num_decodes = len(scheduled)
-        self._progress = num_decodes > 0  # a prefill below may set it too
         decode_tokens = sum(seq.num_scheduled_tokens for seq in scheduled)
         # A multi-step decode is a step of its own: it preempted what now waits (nothing waited when it began).
         # Verification rows (1 + k tokens each) are single steps: prefill chunks join them in the budget left.

@@ -83,9 +83,7 @@ class Scheduler:
         if scheduled:
             self._prefill_head = scheduled[0]
             return scheduled, True
-        scheduled = self._schedule_decodes(self.num_scheduler_steps, self.max_num_seqs, propose=propose)
-        self._progress = bool(scheduled)
-        return scheduled, False
+        return self._schedule_decodes(self.num_scheduler_steps, self.max_num_seqs, propose=propose), False
 
     def _schedule_prefills(self, scheduled: list[Sequence], token_budget: int, seq_budget: int) -> list[Sequence]:
         """Prefill FIFO from the head of ``waiting`` into ``scheduled`` within the budgets; only the first prefill
@@ -197,6 +195,7 @@ class Scheduler:
             raise RuntimeError("nothing can be scheduled: a sequence needs more KV blocks than exist")
         running.extendleft(reversed(held))
         running.extendleft(reversed(scheduled))
+        self._progress = bool(scheduled)  # a prefill scheduled after the decodes may set it too
         return scheduled
 
     def _reserve_drafts(self, seq: Sequence) -> None:

@@ -73,7 +73,7 @@ class LoopStats:
             num_executor_restarts=engine.num_restarts,
             executor_up=executor_up,
             num_failed=requests.num_failed,
-            **lora_labels(engine),
+            **lora_labels(engine, prefilling),
             **spec_counts(engine),
         )
 
@@ -97,13 +97,16 @@ def spec_counts(engine: Engine) -> dict[str, object]:
                 spec_accepted_per_position=tuple(counters.accepted_per_position))
 
 
-def lora_labels(engine: Engine) -> dict[str, object]:
+def lora_labels(engine: Engine, prefilling: int) -> dict[str, object]:
     """The ``LoopStats`` LoRA fields: a look at every live request, wherever the executor can serve adapters (as
-    vLLM emits its gauge whenever LoRA is on, with no adapter loaded yet too: the endpoint picker then sees room)."""
+    vLLM emits its gauge whenever LoRA is on, with no adapter loaded yet too: the endpoint picker then sees room).
+    ``prefilling``: the head of waiting part-way through its prefill, running as the gauges count it."""
     if not engine.info.max_lora_rank:
         return {}
     scheduler, name_of = engine.scheduler, engine.adapters.name_of
-    waiting, prefilling = scheduler.waiting, num_prefilling(scheduler.waiting)  # running, as the gauges count it
+    if not engine.adapters.by_name:  # no adapter loaded: no request runs through one
+        return dict(max_loras=scheduler.max_loras or 0)
+    waiting = scheduler.waiting
 
     def names(seqs: Iterable[Sequence]) -> str:
         return ",".join(sorted({name_of(seq.lora_id) for seq in seqs if seq.lora_id}))

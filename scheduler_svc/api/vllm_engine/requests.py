@@ -99,12 +99,8 @@ def structured_output(s: vllm.SamplingParams) -> pb.StructuredOutput | None:
 
 
 def cap_to_room(request: pb.GenerateRequest, max_model_len: int) -> None:
-    """max_tokens as vLLM's engine takes it: more than the room the prompt leaves is that room (a prompt that leaves
-    none is refused where it is checked); unset, the room too, also bounded by the KV cache and the model's
-    generation_config.json (``stopping.max_tokens_to_room``, as for a text prompt, whose room is known later)."""
-    if not request.stopping.HasField("max_tokens"):
-        request.stopping.max_tokens_to_room = True
-        return
+    """A token prompt's max_tokens as vLLM's engine takes it: more than the room the prompt leaves is that room (a
+    prompt that leaves none is refused where it is checked)."""
     prompt = len(request.tokens.token_ids)
     if request.HasField("truncate_prompt_tokens"):
         prompt = min(prompt, request.truncate_prompt_tokens)
@@ -140,10 +136,10 @@ def generate_request(request: vllm.GenerateRequest, max_model_len: int) -> pb.Ge
         if truncate < 1:
             raise InvalidRequest(f"{SAMPLING}.truncate_prompt_tokens", f"must be >= 1 or -1, got {truncate}")
         out.truncate_prompt_tokens = truncate
-    if kind == "tokenized":
-        cap_to_room(out, max_model_len)
-    elif not out.stopping.HasField("max_tokens"):  # a text's room is known once it is tokenized
+    if not out.stopping.HasField("max_tokens"):  # the room, bounded by the KV cache and the model's max_new_tokens
         out.stopping.max_tokens_to_room = True
+    elif kind == "tokenized":
+        cap_to_room(out, max_model_len)
     constraint = structured_output(s)
     if constraint is not None:
         out.structured_output.CopyFrom(constraint)
