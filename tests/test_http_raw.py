@@ -85,6 +85,27 @@ def test_a_stream_is_data_lines_ending_with_done(echo_api: Hosted):
     echo_api.assert_idle()
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_continuous_usage_stats_put_each_choices_usage_so_far_on_every_chunk(echo_api: Hosted, path: str):
+    prompt = {"messages": [{"role": "user", "content": "Hello world"}]} if "chat" in path else {"prompt": "Hello"}
+    request = {**prompt, "max_tokens": 5, "n": 2, "ignore_eos": True, "stream": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    *chunks, done = events(httpx.post(f"{echo_api.url}{path}", json=request).text)
+    chunks = [json.loads(chunk) for chunk in chunks]
+    final = chunks.pop()["usage"]
+    assert done == "[DONE]" and all("usage" in chunk for chunk in chunks)
+    so_far: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in chunks:
+        assert chunk["usage"]["prompt_tokens"] == final["prompt_tokens"]
+        assert chunk["usage"]["total_tokens"] == final["prompt_tokens"] + chunk["usage"]["completion_tokens"]
+        so_far[chunk["choices"][0]["index"]].append(chunk["usage"]["completion_tokens"])
+    assert all(counts == sorted(counts) and counts[-1] == 5 for counts in so_far.values()), so_far
+    assert final["completion_tokens"] == 10
+    without = httpx.post(f"{echo_api.url}{path}", json={**request, "stream_options": {"include_usage": True}}).text
+    assert sum('"usage"' in event for event in events(without)) == 1, "only the last chunk, as before"
+    echo_api.assert_idle()
+
+
 def test_streamed_chunks_are_not_held_back_on_a_kept_alive_connection(echo_api: Hosted):
     """Nagle off: with it on, each first chunk after a connection's first response waited ~40 ms for an ACK."""
     request = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "stream": True}

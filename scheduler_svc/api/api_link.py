@@ -173,7 +173,8 @@ class ApiProcess:
         if self._reading > 1:
             self.frontend.set_reading([handle], self._reading)
         reading = () if kind == "submit" else (ResponseWriter.reading(handle.prepared),)
-        self.send(("accepted", key, handle.prepared.request_id, handle.prepared.params.n, *reading))
+        prepared = handle.prepared
+        self.send(("accepted", key, prepared.request_id, prepared.params.n, len(prepared.prompt_token_ids), *reading))
 
     def _served(self, key: int, with_tokenizer: bool) -> None:
         """What the HTTP routes' ``model`` may name now (the base model, the adapters loaded) and, when asked, the

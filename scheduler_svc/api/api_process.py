@@ -129,7 +129,7 @@ class Link:
         except BaseException:
             self.close(key, cancel=True)
             raise
-        return accepted, LinkGeneration(self, key, call, accepted[1])
+        return accepted, LinkGeneration(self, key, call, *accepted[1:3])
 
     def ask(self, kind: str, *args: object) -> asyncio.Future[tuple]:
         """A question for the scheduler (``served``): its answer, or the RequestFailed it raised."""
@@ -270,7 +270,7 @@ class ApiHandler(grpc.GenericRpcHandler):
 
     async def generate(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         interval = await self._interval(data, context)
-        async for (request_id, n), outputs in self._outputs("submit", data, False, interval, context):
+        async for (request_id, n, _), outputs in self._outputs("submit", data, False, interval, context):
             if outputs[-1].drained:  # read by clients that resume: ABORT here means "try elsewhere"
                 context.set_trailing_metadata(DRAINED_METADATA)
             for response in responses(request_id, outputs, n == 1):
@@ -288,7 +288,7 @@ class ApiHandler(grpc.GenericRpcHandler):
         async for accepted, outputs in self._outputs("submit_vllm", data, not request.stream, interval, context,
                                                      vllm_failure):
             if writer is None:
-                prompt_ids, *asked = accepted[2]  # ResponseWriter.reading, done in the scheduler
+                prompt_ids, *asked = accepted[3]  # ResponseWriter.reading, done in the scheduler
                 writer = ResponseWriter(prompt_ids, request.stream, *asked)
             for response in writer.responses(outputs):
                 yield response

@@ -64,6 +64,7 @@ class Generation(ChoicesReader):
         self._handle = handle
         self.prepared: PreparedRequest = handle.prepared
         self.request_id = handle.prepared.request_id
+        self.num_prompt_tokens = len(handle.prepared.prompt_token_ids)
 
     def give_way(self) -> None:
         self._frontend.turn.give_way()

@@ -4,8 +4,9 @@ length, over a Unix socket in a folder only this user can open.
 The API process sends ``("listening", port, http_port)`` once, then ``("submit", key, GenerateRequest bytes, whole)``
 and ``("close", key, cancel)`` (its caller is done; ``cancel``: before the request finished), and for its HTTP routes
 ``("served", key, with_tokenizer)``, and ``("reading", tokens)`` when what each stream takes at a time while its
-pacing holds outputs changes (``pacing.PacedReading``). The scheduler answers ``("accepted", key, request_id, n)``
-(to ``served``: ``("accepted", key, model_id, adapter names, tokenizer or None)``) or ``("failed", key, error)``,
+pacing holds outputs changes (``pacing.PacedReading``). The scheduler answers ``("accepted", key, request_id, n,
+prompt length)`` (to ``served``: ``("accepted", key, model_id, adapter names, tokenizer or None)``) or ``("failed",
+key, error)``,
 sends each step's ``("outputs", items)`` for every request of the link at once, and ``("yield_cpu",)``,
 ``("beside_accelerator",)`` and ``("stop", grace_s)``. A decode step's plain token travels as ``(key, index, text,
 token_ids)``, anything else as ``(key, RequestOutput)``: a step of 256 streams then costs the engine loop tens of

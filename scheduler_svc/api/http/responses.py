@@ -225,14 +225,26 @@ async def completion(t: Translated, generations: list[Generation],
 async def streamed(t: Translated, generations: list[Generation], first: Iterable[BaseModel],
                    chunk_of: Callable[[Piece], BaseModel],
                    last: Callable[[schemas.CompletionUsage], BaseModel]) -> AsyncIterator[str]:
-    """The SSE framing both endpoints share: ``first`` chunks, one chunk per piece, the usage, ``[DONE]``."""
+    """The SSE framing both endpoints share: ``first`` chunks, one chunk per piece, the usage, ``[DONE]``. With
+    vLLM's continuous usage each chunk carries its choice's usage so far."""
+    completed = [0] * (len(generations) * t.n)  # each choice's completion tokens so far
+
+    def with_usage(message: BaseModel, index: int) -> BaseModel:
+        if t.continuous_usage:
+            prompt = generations[index // t.n].num_prompt_tokens
+            message.usage = schemas.CompletionUsage(prompt_tokens=prompt, completion_tokens=completed[index],
+                                                    total_tokens=prompt + completed[index])
+        return message
+
     for message in first:
-        yield sse(message)
+        yield sse(with_usage(message, message.choices[0].index))
     usage = UsageTotal()
     try:
         async for piece in pieces(t, generations):
             usage.add(piece.usage)
-            yield sse(chunk_of(piece))
+            completed[piece.index] = piece.usage.completion_tokens if piece.usage else (
+                completed[piece.index] + len(piece.token_ids))
+            yield sse(with_usage(chunk_of(piece), piece.index))
         if t.include_usage:
             yield sse(last(usage.usage()))
     except RequestFailed as e:

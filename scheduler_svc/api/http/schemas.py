@@ -22,6 +22,8 @@ class Request(BaseModel):
 
 class StreamOptions(Request):
     include_usage: bool | None = False
+    # vLLM's: every chunk carries its choice's usage so far.
+    continuous_usage_stats: bool | None = False
 
 
 class JsonSchema(Request):

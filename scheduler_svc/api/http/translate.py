@@ -44,6 +44,8 @@ class Translated:
     return_token_ids: bool
     # Per request: the text its choices start with (``echo``); empty when not asked.
     echo: list[str]
+    # vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far.
+    continuous_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -193,7 +195,8 @@ def translated(body: schemas.GenerationParameters, prefix: str, model: str, requ
     if options is not None and not body.stream:
         raise ApiError(400, "stream_options: only with stream set to true", "stream_options")
     return Translated(response_id, model, requests, renames, body.n or 1, bool(body.stream),
-                      bool(options and options.include_usage), top_logprobs, bool(body.return_token_ids), echo)
+                      bool(options and options.include_usage), top_logprobs, bool(body.return_token_ids), echo,
+                      bool(options and options.include_usage and options.continuous_usage_stats))
 
 
 def message_text(message: schemas.Message, i: int) -> str:
