@@ -237,7 +237,17 @@ def test_echo_with_logprobs_scores_the_prompt_as_vllm_does():
         whole = httpx.post(f"{h.url}/v1/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
         streamed = httpx.post(f"{h.url}/v1/completions", json={**body, "stream": True}, timeout=30).text
         pair = httpx.post(f"{h.url}/v1/completions", json={**body, "n": 2}, timeout=30).json()["choices"]
+        scoring = {**body, "max_tokens": 0}  # vLLM's prompt scoring: the prompt alone, with its logprobs
+        alone = httpx.post(f"{h.url}/v1/completions", json=scoring, timeout=30).json()["choices"][0]
+        alone_streamed = httpx.post(f"{h.url}/v1/completions", json={**scoring, "stream": True}, timeout=30).text
+        refused = httpx.post(f"{h.url}/v1/completions", json={**scoring, "echo": False}, timeout=30)
         h.assert_idle()
+    assert alone["logprobs"]["token_logprobs"] == whole["token_logprobs"][:4], "the prompt's, not the token generated"
+    assert alone["logprobs"]["tokens"] == whole["tokens"][:4] and alone["finish_reason"] == "length"
+    streamed_alone = [choice for e in events(alone_streamed) if e != "[DONE]" for choice in json.loads(e)["choices"]]
+    assert [t for choice in streamed_alone if choice.get("logprobs") for t in choice["logprobs"]["tokens"]] == \
+        whole["tokens"][:4]
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens", "0 without echo"
     scored = shadow_prompt_logprobs(prompt, vocab, 2)
     assert whole["tokens"][:4] == [f"token_id:{t}" for t in prompt] and len(whole["tokens"]) == 4 + 3
     assert whole["token_logprobs"][0] is None and whole["top_logprobs"][0] is None

@@ -108,6 +108,8 @@ async def pieces(t: Translated, generations: list[Generation]) -> AsyncIterator[
             piece = Piece(position * t.n + index)
             for output in run:
                 piece.add(output)
+            if t.echo_only:  # the prompt alone: what was generated is not shown
+                piece.text, piece.token_ids, piece.logprobs = "", [], []
             yield piece
 
 

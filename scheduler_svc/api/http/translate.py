@@ -46,6 +46,8 @@ class Translated:
     echo: list[str]
     # vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far.
     continuous_usage: bool = False
+    # echo with max_tokens 0: the choices are their prompts alone (the token generated is left out).
+    echo_only: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -259,9 +261,11 @@ def completion_request(body: schemas.CompletionRequest, served: Served,
         raise unsupported("best_of", "best_of other than 1")
     renames: dict[str, str] = {}
     requests, echo = [], []
+    # vLLM's scoring of a prompt: echo with max_tokens 0 generates one token and answers the prompt alone.
+    echo_only = bool(body.echo) and body.max_tokens == 0
+    max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else 1 if echo_only else body.max_tokens
     for prompt in prompts_of(body.prompt):
-        request = base_request(body, COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
-                               body.logprobs, renames)
+        request = base_request(body, max_tokens, body.logprobs, renames)
         request.lora = lora
         if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs too
             request.prompt_logprobs = body.logprobs
@@ -276,7 +280,9 @@ def completion_request(body: schemas.CompletionRequest, served: Served,
         if body.echo:
             as_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt, False) if tokenizer else ""
             echo.append(as_text)
-    return translated(body, "cmpl", lora or served.model_id, requests, renames, body.logprobs, echo)
+    t = translated(body, "cmpl", lora or served.model_id, requests, renames, body.logprobs, echo)
+    t.echo_only = echo_only
+    return t
 
 
 def tokenize_request(body: schemas.TokenizeRequest, served: Served) -> pb.TokenizeRequest:
