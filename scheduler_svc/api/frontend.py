@@ -64,7 +64,10 @@ class Generation(ChoicesReader):
         self._handle = handle
         self.prepared: PreparedRequest = handle.prepared
         self.request_id = handle.prepared.request_id
-        self.num_prompt_tokens = len(handle.prepared.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prepared.prompt_token_ids)
 
     def give_way(self) -> None:
         self._frontend.turn.give_way()
