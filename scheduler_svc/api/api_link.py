@@ -184,8 +184,8 @@ class ApiProcess:
         except RequestFailed as e:
             self.send(("failed", key, public(e)))
             return
-        tokenizer = ((info.tokenizer_json, info.chat_template, info.bos_token_id, tuple(info.eos_token_ids))
-                     if with_tokenizer and info.tokenizer_json else None)
+        tokenizer = ((info.tokenizer_json, info.chat_template, info.bos_token_id, tuple(info.eos_token_ids),
+                      info.special_tokens) if with_tokenizer and info.tokenizer_json else None)
         adapters = frozenset(adapter.name for adapter in self.frontend.adapters())
         self.send(("accepted", key, info.model_id, adapters, tokenizer))
 
