@@ -266,6 +266,35 @@ def test_the_scheduler_stops_when_its_api_process_dies(tmp_path: Path):
         assert "the API process ended" in s.logs()
 
 
+def test_ctrl_c_drains_the_stream_in_flight_through_the_api_process(tmp_path: Path):
+    """Ctrl-C reaches the scheduler and its API process together (one process group): the API process leaves the
+    stop to the scheduler, which lets the stream in flight finish, then both exit cleanly."""
+    port = free_port()
+    with running_stack(executor_argv("shadow", port, {}), tmp_path, executor_port=port, api_process="on") as s:
+        responses = s.stub.Generate(token_request([1, 2, 3], 380, ignore_eos=True))
+        first = next(responses)
+        api = api_process_pid(s.scheduler.pid)
+        for pid in (s.scheduler.pid, api):  # as the terminal sends it: to every process of the group
+            os.kill(pid, signal.SIGINT)
+        rest = list(responses)
+        assert rest, "the stream was still running when Ctrl-C came"
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH, "drained, not aborted"
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 380
+        assert s.scheduler.wait(timeout=30) == 0
+        deadline = time.monotonic() + 15
+        while alive(api) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(api), "the API process outlived its scheduler"
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (a zombie waiting to be reaped is done)."""
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
 def test_http_routes_not_answered_here_pass_through_with_status_headers_and_body():
     """Completions are answered by the API process; every other route reaches the scheduler's app unchanged, as
     without it: methods, query strings, bodies, statuses, headers, errors naming the field."""
