@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -51,10 +52,36 @@ TOKENIZER_VOCAB_SIZE = 300
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
+def ephemeral_floor() -> int:
+    """Where the kernel's ephemeral ports start: it hands those to bind(0) and to every outgoing connection."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Ports this process handed out: a test starts several services, each on a port of its own.
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, for a service started next. Drawn below the ephemeral range, so that no outgoing
+    connection of either test worker takes it as its source port before the service binds it (bind(0) would hand out
+    a port from that very range), and never the same twice in this process."""
+    floor = ephemeral_floor()
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, floor - 12000), floor)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def byte_level_tokenizer() -> Tokenizer:
