@@ -244,8 +244,9 @@ async def streamed(t: Translated, generations: list[Generation], first: Iterable
     try:
         async for piece in pieces(t, generations):
             usage.add(piece.usage)
-            completed[piece.index] = piece.usage.completion_tokens if piece.usage else (
-                completed[piece.index] + len(piece.token_ids))
+            if t.continuous_usage:
+                completed[piece.index] = piece.usage.completion_tokens if piece.usage else (
+                    completed[piece.index] + len(piece.token_ids))
             yield sse(with_usage(chunk_of(piece), piece.index))
         if t.include_usage:
             yield sse(last(usage.usage()))

@@ -188,7 +188,8 @@ def base_request(body: schemas.GenerationParameters, max_tokens: int | None, log
 
 
 def translated(body: schemas.GenerationParameters, prefix: str, model: str, requests: list[pb.GenerateRequest],
-               renames: dict[str, str], top_logprobs: int | None, echo: list[str]) -> Translated:
+               renames: dict[str, str], top_logprobs: int | None, echo: list[str],
+               echo_only: bool = False) -> Translated:
     """Name the requests after the response (``<id>`` or ``<id>-<i>``), so the gRPC Abort can end them."""
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     for i, request in enumerate(requests):
@@ -198,7 +199,7 @@ def translated(body: schemas.GenerationParameters, prefix: str, model: str, requ
         raise ApiError(400, "stream_options: only with stream set to true", "stream_options")
     return Translated(response_id, model, requests, renames, body.n or 1, bool(body.stream),
                       bool(options and options.include_usage), top_logprobs, bool(body.return_token_ids), echo,
-                      bool(options and options.include_usage and options.continuous_usage_stats))
+                      bool(options and options.include_usage and options.continuous_usage_stats), echo_only)
 
 
 def message_text(message: schemas.Message, i: int) -> str:
@@ -280,9 +281,7 @@ def completion_request(body: schemas.CompletionRequest, served: Served,
         if body.echo:
             as_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt, False) if tokenizer else ""
             echo.append(as_text)
-    t = translated(body, "cmpl", lora or served.model_id, requests, renames, body.logprobs, echo)
-    t.echo_only = echo_only
-    return t
+    return translated(body, "cmpl", lora or served.model_id, requests, renames, body.logprobs, echo, echo_only)
 
 
 def tokenize_request(body: schemas.TokenizeRequest, served: Served) -> pb.TokenizeRequest:
