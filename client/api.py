@@ -36,6 +36,10 @@ def channel_args(target: str, servers: Sequence[str] | None, max_message_bytes: 
     return target, [*options, ROUND_ROBIN] if balanced else options
 
 
+def lora_request(name: str, path: str, load_inplace: bool) -> pb.LoadLoraRequest:
+    return pb.LoadLoraRequest(lora_name=name, lora_path=path, load_inplace=load_inplace)
+
+
 def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     """The bearer token a scheduler started with --api-key (or a gateway in front of it) asks for."""
     return (("authorization", f"Bearer {api_key}"),) if api_key else None
@@ -135,13 +139,15 @@ class Client:
         """Live queue and KV-block counters."""
         return self._unary(self.stub.GetStats, pb.GetStatsRequest())
 
-    def load_lora(self, name: str, path: str) -> pb.LoraAdapterCard:
+    def load_lora(self, name: str, path: str, *, load_inplace: bool = False) -> pb.LoraAdapterCard:
         """Load a PEFT LoRA adapter (a folder on the executor's machine) as ``name``; requests then pass ``lora=name``.
-        Refused unless the executor runs with --runtime-lora."""
-        return self._unary(self.stub.LoadLoraAdapter, pb.LoadLoraRequest(lora_name=name, lora_path=path))
+        Refused unless the executor runs with --runtime-lora. ``load_inplace``: replace the adapter already served
+        as ``name`` (vLLM's option; refused while requests use it)."""
+        return self._unary(self.stub.LoadLoraAdapter, lora_request(name, path, load_inplace))
 
     def unload_lora(self, name: str) -> pb.LoraAdapterCard:
-        """Unload an adapter; refused (FAILED_PRECONDITION) while requests use it."""
+        """Unload an adapter: new requests naming it are refused at once, the ones through it run to their end (the
+        server drops its weights then); NOT_FOUND if none is served under ``name``."""
         return self._unary(self.stub.UnloadLoraAdapter, pb.UnloadLoraRequest(lora_name=name))
 
     def health(self, service: str = "") -> str:
@@ -250,6 +256,14 @@ class AsyncClient:
 
     async def stats(self) -> pb.SchedulerStats:
         return await self._unary(self.stub.GetStats, pb.GetStatsRequest())
+
+    async def load_lora(self, name: str, path: str, *, load_inplace: bool = False) -> pb.LoraAdapterCard:
+        """As ``Client.load_lora``."""
+        return await self._unary(self.stub.LoadLoraAdapter, lora_request(name, path, load_inplace))
+
+    async def unload_lora(self, name: str) -> pb.LoraAdapterCard:
+        """As ``Client.unload_lora``."""
+        return await self._unary(self.stub.UnloadLoraAdapter, pb.UnloadLoraRequest(lora_name=name))
 
     async def health(self, service: str = "") -> str:
         """The grpc.health.v1 status name, e.g. "SERVING" or "NOT_SERVING"."""

@@ -61,6 +61,9 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     # Unset options are not sent; "server default" is what the scheduler then applies (tests/test_defaults.py).
     parser.add_argument("--max-tokens", type=int,
                         help="completion tokens at most (server default 256, capped by the model length)")
+    parser.add_argument("--max-tokens-to-room", action="store_true", default=None,
+                        help="without --max-tokens: up to the room the prompt leaves in the model length, as vLLM's "
+                             "chat completions (server default false: 256)")
     parser.add_argument("--temperature", type=float, help="0 is greedy (server default 1.0)")
     parser.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] (server default 1.0)")
     parser.add_argument("--top-k", type=int, help="keep the k most likely tokens, 0 disables (server default 0)")
@@ -92,7 +95,7 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false", default=None,
                         help="show special tokens in the text (server default true: skip_special_tokens)")
     parser.add_argument("--truncate-prompt-tokens", type=int,
-                        help="keep only the last N prompt tokens (server default none)")
+                        help="keep only the last N prompt tokens; -1: the model length (server default none)")
     parser.add_argument("--prompt-logprobs", type=int,
                         help="with --json: each prompt token's logprob and N top alternatives (server default none)")
     constraint = parser.add_mutually_exclusive_group()
@@ -167,11 +170,10 @@ def file_text(path: str) -> str:
 
 
 def generation_options(args: argparse.Namespace) -> dict:
-    names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-             "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "n",
-             "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
-             "prompt_logprobs",
-             "json_schema", "regex", "choice", "grammar", "json_object", "lora")
+    names = ("max_tokens", "max_tokens_to_room", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+             "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty",
+             "n", "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+             "prompt_logprobs", "json_schema", "regex", "choice", "grammar", "json_object", "lora")
     options = {name: getattr(args, name) for name in names}
     options["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     return options
@@ -216,7 +218,8 @@ def run_generation(client: Client, args: argparse.Namespace, prompt: dict) -> in
             reasons = [chunk.finish_reason]
         sys.stdout.write("\n")
     if "abort" in reasons:
-        print("error: ABORTED: the server ended the generation early (it is shutting down)", file=sys.stderr)
+        # The stream does not say which: an Abort call (from any client) or a shutdown look the same here.
+        print("error: ABORTED: the server aborted the generation (an Abort call, or its shutdown)", file=sys.stderr)
         return EXIT_ERROR
     return 0
 

@@ -11,6 +11,9 @@ from nanoserve.v1 import generation_pb2 as pb
 M = TypeVar("M")
 
 Message = Mapping[str, str]
+# truncate_prompt_tokens -1 (vLLM's "the model's length") as the proto's uint32 can carry it: its largest value. Of
+# any prompt the server accepts (shorter than the model's length) both keep all, so the client needs no ModelInfo.
+WHOLE_PROMPT = 2**32 - 1
 
 
 def build_request(
@@ -19,6 +22,7 @@ def build_request(
     messages: Sequence[Message] | None = None,
     token_ids: Sequence[int] | None = None,
     max_tokens: int | None = None,
+    max_tokens_to_room: bool | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -53,10 +57,12 @@ def build_request(
     structured-output constraint (``json_schema`` as JSON text or a dict, ``regex``, ``choice``, ``grammar``
     in Lark or GBNF, ``json_object``). ``lora``: the LoRA adapter to run through, by name (None: the base model).
     ``chat_template_kwargs``: more variables for the chat template with ``messages`` (vLLM's option).
+    ``max_tokens_to_room``: without ``max_tokens``, generate up to the room the prompt leaves (vLLM's chat default).
 
     Options left as None are not sent, so the server applies its documented defaults; ``top_k`` -1 disables it, as
-    in vLLM (0 in the proto). Range checks are the server's job (INVALID_ARGUMENT naming the field), but for values
-    the proto's types cannot hold (a negative count): ValueError naming the option.
+    in vLLM (0 in the proto), and ``truncate_prompt_tokens`` -1 keeps the model's length of the prompt, as vLLM's.
+    Range checks are the server's job (INVALID_ARGUMENT naming the field), but for values the proto's types cannot
+    hold (a negative count): ValueError naming the option.
     """
     given = [name for name, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
              if value is not None]
@@ -70,7 +76,9 @@ def build_request(
                        logit_bias=logit_bias or {}, n=n)
     stopping = message(pb.StoppingOptions, max_tokens=max_tokens, stop=stop or [], stop_token_ids=stop_token_ids or [],
                        ignore_eos=ignore_eos, min_tokens=min_tokens,
-                       include_stop_str_in_output=include_stop_str_in_output)
+                       include_stop_str_in_output=include_stop_str_in_output, max_tokens_to_room=max_tokens_to_room)
+    if truncate_prompt_tokens == -1:
+        truncate_prompt_tokens = WHOLE_PROMPT
     request = message(pb.GenerateRequest, request_id=request_id, sampling=sampling, stopping=stopping,
                       add_special_tokens=add_special_tokens, skip_special_tokens=skip_special_tokens,
                       truncate_prompt_tokens=truncate_prompt_tokens, prompt_logprobs=prompt_logprobs,

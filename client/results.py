@@ -54,6 +54,8 @@ class Chunk:
     index: int = 0
     # On the first chunk, when asked: prompt tokens from the second on, each with its logprob.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With finish_reason "stop": the stop string matched or the stop token id sampled; None for EOS (vLLM's).
+    stop_reason: str | int | None = None
 
     @classmethod
     def from_proto(cls, response: pb.GenerateResponse) -> Chunk:
@@ -69,6 +71,7 @@ class Chunk:
             usage=Usage.from_proto(response.usage) if response.HasField("usage") else None,
             index=response.index,
             prompt_logprobs=[TokenLogprob.from_proto(lp) for lp in response.prompt_logprobs],
+            stop_reason=stop_reason(response),
         )
 
 
@@ -84,12 +87,14 @@ class Completion:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     index: int = 0
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # As Chunk's: what ended a "stop".
+    stop_reason: str | int | None = None
 
     @classmethod
     def from_proto(cls, response: pb.GenerateResponse) -> Completion:
         chunk = Chunk.from_proto(response)
         return cls(chunk.request_id, chunk.text, chunk.token_ids, chunk.finish_reason, chunk.usage, chunk.logprobs,
-                   chunk.index, chunk.prompt_logprobs)
+                   chunk.index, chunk.prompt_logprobs, chunk.stop_reason)
 
     @classmethod
     def from_chunks(cls, chunks: list[Chunk]) -> list[Completion]:
@@ -102,4 +107,11 @@ class Completion:
             done.logprobs += c.logprobs
             done.prompt_logprobs += c.prompt_logprobs
             done.finish_reason, done.usage = c.finish_reason or done.finish_reason, c.usage or done.usage
+            done.stop_reason = c.stop_reason if c.finish_reason else done.stop_reason
         return [by_index[i] for i in sorted(by_index)]
+
+
+def stop_reason(response: pb.GenerateResponse) -> str | int | None:
+    """The response's stop string or stop token id, whichever is set."""
+    kind = response.WhichOneof("stop_reason")
+    return None if kind is None else getattr(response, kind)

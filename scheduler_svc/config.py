@@ -124,6 +124,9 @@ class ServiceConfig:
     speculative_disable_by_batch_size: int | None = None
     # One of GENERATION_CONFIGS.
     generation_config: str = "auto"
+    # vLLM's --served-model-name: the names a request's ``model`` may give the base model, the first reported as its
+    # id everywhere; empty: the executor's model id alone.
+    served_model_name: tuple[str, ...] = ()
 
     def cors(self) -> Cors:
         return Cors(self.allowed_origins, self.allowed_credentials, self.allowed_methods, self.allowed_headers)
@@ -142,6 +145,21 @@ class ServiceConfig:
                                self.ngram_min, self.ngram_max, self.speculative_disable_by_batch_size)
 
 
+def model_names(text: str) -> tuple[str, ...]:
+    """One --served-model-name word, or the environment's whole value: names separated by whitespace."""
+    names = tuple(text.split())
+    if not names:
+        raise argparse.ArgumentTypeError("is empty: give a name, or leave it unset for the executor's model id")
+    return names
+
+
+def served_names(given: Sequence[tuple[str, ...]] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """--served-model-name as one tuple, first given first, each once: the command line gives a tuple per word, the
+    environment one tuple."""
+    words = () if given is None else (given,) if given and isinstance(given[0], str) else given
+    return tuple(dict.fromkeys(name for names in words for name in names))
+
+
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     """The parser; an environment variable sets a flag's default, so a flag on the command line wins."""
     defaults = ServiceConfig()
@@ -157,6 +175,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         flags.add(flag, type_, default, help_text, secret=secret, **kwargs)
 
     add("--executor", str, "executor service address HOST:PORT")
+    flags.add("--served-model-name", model_names, None, "vLLM's flag: the names a request's 'model' may give the "
+              "base model, the first reported everywhere (/v1/models, responses, the metrics' model_name, the gateway "
+              "protocol's model info), e.g. '--served-model-name llama-3 llama'; the environment's value is the names "
+              "separated by spaces (absent: the executor's model id)", nargs="+")
     add("--host", str, "address to serve the public API on")
     add("--port", port, "port to serve the public API on (0 picks a free one)")
     add("--max-num-seqs", positive_int, "most sequences in one step")
@@ -244,7 +266,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ServiceConfig:
     parser = build_parser(os.environ if env is None else env)
     args = parser.parse_args(argv)
-    config = ServiceConfig(**{**vars(args), "api_key": args.api_key or ""})
+    config = ServiceConfig(**{**vars(args), "api_key": args.api_key or "",
+                              "served_model_name": served_names(args.served_model_name)})
     try:
         config.scheduler_config()
     except ValueError as e:

@@ -162,3 +162,101 @@ def test_a_chunk_reads_every_field_whichever_path_it_takes() -> None:
                                usage=pb.Usage(prompt_tokens=3, completion_tokens=4))
     chunk = Chunk.from_proto(last)
     assert (chunk.token_ids, chunk.finish_reason, chunk.usage) == ([7], "length", Usage(3, 4, 0))
+
+
+def test_a_stop_reason_says_which_stop_ended_the_completion(client: Client) -> None:
+    assert client.generate(PROMPT, max_tokens=30, stop=["xyz", " world"]).stop_reason == " world"
+    assert client.generate(token_ids=[5, 6, 7], max_tokens=7, stop_token_ids=[7]).stop_reason == 7
+    assert client.generate(PROMPT, max_tokens=3).stop_reason is None, "a length finish has none"
+    chunks = list(client.stream(token_ids=[5, 6, 7], max_tokens=7, stop_token_ids=[6], stream_interval=1))
+    assert [c.stop_reason for c in chunks] == [None] * (len(chunks) - 1) + [6]
+    (choice,) = client.choices(token_ids=[5, 6, 7], max_tokens=7, stop_token_ids=[6])
+    assert choice.stop_reason == 6
+
+
+def test_a_chunk_reads_the_stop_reason_of_either_kind() -> None:
+    from client.results import Chunk, Completion
+    from nanoserve.v1 import generation_pb2 as pb
+
+    stop = pb.FINISH_REASON_STOP
+    assert Chunk.from_proto(pb.GenerateResponse(finish_reason=stop, stop_string="\n\n")).stop_reason == "\n\n"
+    assert Completion.from_proto(pb.GenerateResponse(finish_reason=stop, stop_token_id=0)).stop_reason == 0
+    assert Chunk.from_proto(pb.GenerateResponse(finish_reason=stop)).stop_reason is None, "an EOS: none"
+
+
+def test_the_async_client_loads_and_unloads_lora_adapters_as_the_sync_one(client: Client,
+                                                                         echo_server: EchoServer) -> None:
+    async def run() -> list[NanoserveError]:
+        errors = []
+        async with AsyncClient(echo_server.target, timeout=30) as aclient:
+            for call in (aclient.load_lora("a1", "/adapters/a1"), aclient.unload_lora("a1")):
+                with pytest.raises(NanoserveError) as error:
+                    await call
+                errors.append(error.value)
+        return errors
+
+    refused, unknown = asyncio.run(run())
+    with pytest.raises(NanoserveError) as sync_refused:
+        client.load_lora("a1", "/adapters/a1")
+    # The echo executor loads no adapters at run time, and none is served.
+    assert (refused.code, refused.message) == (sync_refused.value.code, sync_refused.value.message)
+    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION and unknown.code == grpc.StatusCode.NOT_FOUND
+
+
+class LoraStub:
+    """Records the LoadLoraRequests a client sends."""
+
+    def __init__(self, asynchronous: bool) -> None:
+        self.requests: list = []
+        self.asynchronous = asynchronous
+
+    def LoadLoraAdapter(self, request, **_):  # noqa: N802 (the stub's name)
+        from nanoserve.v1 import generation_pb2 as pb
+
+        self.requests.append(request)
+        card = pb.LoraAdapterCard(name=request.lora_name, path=request.lora_path)
+        if not self.asynchronous:
+            return card
+
+        async def answer():
+            return card
+        return answer()
+
+
+def test_load_inplace_reaches_the_request_from_both_clients() -> None:
+    sync_stub, async_stub = LoraStub(False), LoraStub(True)
+    with Client(f"127.0.0.1:{free_port()}") as sync_client:
+        sync_client.stub = sync_stub
+        sync_client.load_lora("a1", "/adapters/a1-v2", load_inplace=True)
+        sync_client.load_lora("a1", "/adapters/a1")
+
+    async def run() -> None:
+        async with AsyncClient(f"127.0.0.1:{free_port()}") as async_client:
+            async_client._connect()
+            async_client._stub = async_stub
+            assert (await async_client.load_lora("a1", "/adapters/a1-v2", load_inplace=True)).name == "a1"
+            await async_client.load_lora("a1", "/adapters/a1")
+
+    asyncio.run(run())
+    for stub in (sync_stub, async_stub):
+        assert [(r.lora_name, r.lora_path, r.load_inplace) for r in stub.requests] == [
+            ("a1", "/adapters/a1-v2", True), ("a1", "/adapters/a1", False)]
+
+
+def test_max_tokens_to_room_and_truncate_prompt_tokens_minus_one(tmp_path: Path) -> None:
+    room = build_request(token_ids=[1], max_tokens_to_room=True)
+    assert room.stopping.HasField("max_tokens_to_room") and room.stopping.max_tokens_to_room
+    assert not build_request(token_ids=[1]).stopping.HasField("max_tokens_to_room")
+    assert build_request(token_ids=[1], truncate_prompt_tokens=-1).truncate_prompt_tokens == 2**32 - 1
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        build_request(token_ids=[1], truncate_prompt_tokens=-2)
+    port, prompt = free_port(), [5, 6, 7]
+    # A model of 300 tokens: the room a prompt leaves is more than the default 256.
+    executor = executor_argv("shadow", port, {"max_model_len": 300})
+    with running_stack(executor, tmp_path, executor_port=port) as stack, Client(stack.target, timeout=60) as client:
+        whole = client.generate(token_ids=prompt, max_tokens_to_room=True, ignore_eos=True)
+        default = client.generate(token_ids=prompt, ignore_eos=True)
+        kept = client.generate(token_ids=prompt, max_tokens=2, truncate_prompt_tokens=-1)
+    assert whole.finish_reason == "length" and whole.usage.completion_tokens == 300 - len(prompt)
+    assert default.usage.completion_tokens == 256
+    assert kept.usage.prompt_tokens == len(prompt), "-1 keeps the model's length: all of a prompt that fits"

@@ -8,12 +8,24 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from client.cli import EXIT_REJECTED, EXIT_UNAVAILABLE, build_parser, main
+from client.api import Client
+from client.cli import (
+    EXIT_ERROR,
+    EXIT_REJECTED,
+    EXIT_UNAVAILABLE,
+    build_parser,
+    generation_options,
+    main,
+    run_generation,
+)
+from client.request_builder import build_request
+from client.results import Chunk, Usage
 from nanoserve.v1 import generation_pb2 as pb
 from tests.service_fixtures import TOKENIZER_VOCAB_SIZE, executor_argv, free_port, running_stack
 
@@ -24,6 +36,8 @@ pytest_plugins = ["tests.client_fixtures"]
 
 PROMPT = "Hello world"
 NANOSERVE = Path(sys.executable).parent / "nanoserve"
+# An ABORT does not say who asked for it: any client's Abort call, or the server's shutdown.
+ABORTED = "error: ABORTED: the server aborted the generation (an Abort call, or its shutdown)\n"
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -154,7 +168,7 @@ def test_a_generation_cut_short_by_a_server_shutdown_exits_1(tmp_path: Path) -> 
             time.sleep(0.02)
         stack.scheduler.terminate()
         _, err = cli.communicate(timeout=60)
-    assert (cli.returncode, err) == (1, "error: ABORTED: the server ended the generation early (it is shutting down)\n")
+    assert (cli.returncode, err) == (1, ABORTED)
 
 
 def test_the_server_ca_has_its_own_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,3 +220,35 @@ def test_tokenize_detokenize_and_abort(capsys: pytest.CaptureFixture[str], echo_
     assert (code, out) == (0, PROMPT + "\n")
     code, out, _ = run_cli(capsys, "abort", "--server", echo_server.target, "no-such-request")
     assert code == 0 and json.loads(out) == {"aborted_request_ids": []}
+
+
+def test_a_generation_another_client_aborted_exits_1_without_blaming_a_shutdown(
+    capsys: pytest.CaptureFixture[str], echo_server: EchoServer
+) -> None:
+    class AbortedElsewhere(Client):
+        """The stream an Abort call from another client ends: some text, then ABORT."""
+
+        def stream(self, prompt: str | None = None, **options: object) -> Iterator[Chunk]:
+            build_request(prompt, **options)
+            yield Chunk("r", "Hel", [1], [], None, None)
+            yield Chunk("r", "", [], [], "abort", Usage(2, 1, 0))
+
+    args = build_parser().parse_args(["generate", "--server", echo_server.target, PROMPT])
+    with AbortedElsewhere(echo_server.target) as client:
+        assert run_generation(client, args, {"prompt": PROMPT}) == EXIT_ERROR
+    out, err = capsys.readouterr()
+    assert (out, err) == ("Hel\n", ABORTED)
+    assert "shutting down" not in err
+
+
+def test_max_tokens_to_room_and_a_whole_prompt_from_the_command_line(
+    capsys: pytest.CaptureFixture[str], echo_server: EchoServer
+) -> None:
+    # The echo server's model holds 256 tokens: the room a prompt of 3 leaves is 253.
+    code, out, err = run_cli(capsys, "generate", "--server", echo_server.target, "--token-ids", "5,6,7",
+                             "--max-tokens-to-room", "--ignore-eos", "--truncate-prompt-tokens", "-1", "--json")
+    assert (code, err) == (0, "")
+    assert json.loads(out)["usage"] == {"prompt_tokens": 3, "completion_tokens": 253, "cached_prompt_tokens": 0}
+    options = generation_options(build_parser().parse_args(["generate", "--max-tokens-to-room", PROMPT]))
+    assert options["max_tokens_to_room"] is True
+    assert generation_options(build_parser().parse_args(["generate", PROMPT]))["max_tokens_to_room"] is None

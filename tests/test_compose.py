@@ -23,6 +23,8 @@ import pytest
 import yaml
 
 from client import Client, stack
+from scheduler_svc.api.grpc_service import SERVER_STOP_GRACE_S
+from scheduler_svc.config import parse_config
 from tests.service_fixtures import ROOT, free_port
 
 COMPOSE_FILES = ["docker-compose.yml", "docker-compose.cpu.yml"]
@@ -122,6 +124,15 @@ def test_only_the_scheduler_is_published_and_it_waits_for_a_healthy_executor(com
     assert services["scheduler"]["environment"]["NANOSERVE_HTTP_PORT"] == "8000"
     assert services["scheduler"]["depends_on"] == {"executor": {"condition": "service_healthy"}}
     assert services["scheduler"]["environment"]["NANOSERVE_EXECUTOR"] == EXECUTOR_ADDRESS
+
+
+@pytest.mark.parametrize("compose_file", COMPOSE_FILES)
+def test_compose_waits_for_the_schedulers_drain_and_its_stop(compose_file: str) -> None:
+    scheduler = load_services(ROOT / compose_file)["scheduler"]
+    grace = parse_config([], as_strings(scheduler["environment"])).shutdown_grace
+    # The drain, then its API process and its gRPC server stop; at least 10 s to spare before compose kills it.
+    stopped = grace + 2 * SERVER_STOP_GRACE_S
+    assert stopped + 10 <= float(scheduler["stop_grace_period"].removesuffix("s")) <= stopped + 30
 
 
 def test_the_gpu_stack_reserves_a_gpu_and_the_cpu_stack_none() -> None:

@@ -221,3 +221,16 @@ def test_sentencepiece_style_spaces_and_byte_fallback_stream_back(text: str):
     detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("The fox", add_special_tokens=False))
     streamed = [detokenizer.push(t) for t in [special, *ids, special]] + [detokenizer.flush()]
     assert "".join(streamed) == " " + text
+
+
+def test_release_gives_back_a_held_stop_string_start_and_an_unfinished_character(tokenizer: ModelTokenizer):
+    # An aborted generation: what was held back is final, and no stop string is matched in it (not even one the
+    # unfinished character's U+FFFD would match, as finish() would).
+    ids = tokenizer.encode("x ST🦀")[:-1]
+    stream = TextStream(tokenizer, [], ["STOP", "\ufffd"])
+    emitted = "".join(stream.push(t)[0] for t in ids)
+    assert emitted == "x "
+    released = stream.release()
+    assert released.startswith("ST") and REPLACEMENT_CHAR in released
+    assert emitted + released == tokenizer.decode(ids)
+    assert stream.release() == ""

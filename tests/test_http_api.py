@@ -227,6 +227,7 @@ COMPLETION_ERRORS = [
     ({"best_of": 2}, "best_of"),
     ({"extra_body": {"min_tokens": 50}}, "min_tokens"),
     ({"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
+    ({"extra_body": {"truncate_prompt_tokens": -2}}, "truncate_prompt_tokens"),
     ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
     ({"extra_body": {"allowed_token_ids": [1, 2]}}, "allowed_token_ids"),
     ({"extra_body": {"bad_words": ["Hi"]}}, "bad_words"),
@@ -253,6 +254,12 @@ def test_bad_completion_input_is_a_bad_request_naming_the_parameter(api: Hosted,
     assert (refused.value.status_code, refused.value.param) == (400, param)
 
 
+def test_truncate_prompt_tokens_minus_one_keeps_the_whole_prompt_as_vllm_reads_it(api: Hosted):
+    whole, cut = (api.openai().completions.create(model=MODEL, prompt=list(range(5, 45)), max_tokens=1, echo=True,
+                                                  extra_body={"truncate_prompt_tokens": n}) for n in (-1, 8))
+    assert (whole.usage.prompt_tokens, cut.usage.prompt_tokens) == (40, 8)
+
+
 def test_vllms_parameters_at_their_defaults_are_accepted(api: Hosted):
     # Refused only when they would change the answer: at vLLM's defaults they change nothing.
     defaults = {"use_beam_search": False, "allowed_token_ids": [], "bad_words": [], "truncation_side": "left",
@@ -273,7 +280,7 @@ def test_an_unknown_model_is_not_found(api: Hosted):
     assert client.models.retrieve(MODEL).model_extra["max_model_len"] == 256
 
 
-def test_the_api_key_is_required_except_for_health():
+def test_the_api_key_is_required_on_the_openai_routes_not_on_health():
     with hosted(echo(), api_key="s3cret") as h:
         with pytest.raises(openai.AuthenticationError) as refused:
             h.openai(api_key="wrong").models.list()

@@ -1,11 +1,10 @@
 """The Kubernetes manifests: valid against the API's schemas, and their commands and environment start the services.
 
-No cluster is needed. Each overlay is rendered with ``kubectl kustomize`` (or ``kustomize build``),
-every object is validated strictly (unknown fields fail) against the Kubernetes OpenAPI schemas that
-kubernetes-validate ships, and the InferencePool against the vendored CRD's schema. Then the pod's
-scheduler runs here as a local process with the manifest's command and environment, re-pointed at
-127.0.0.1 and free ports as tests/test_compose.py does, beside the model-free shadow executor; both must
-become SERVING on the ports the probes name.
+No cluster is needed. Each overlay is rendered with ``kubectl kustomize`` (or ``kustomize build``), every object is
+validated strictly (unknown fields fail) against the Kubernetes OpenAPI schemas that kubernetes-validate ships, and the
+InferencePool against the vendored CRD's schema. Then the pod's scheduler runs here as a local process with the
+manifest's command and environment, re-pointed at 127.0.0.1 and free ports as tests/test_compose.py does, beside the
+model-free shadow executor: every probe must pass, and the scheduler's liveness still once the executor is gone.
 """
 
 from __future__ import annotations
@@ -14,8 +13,10 @@ import copy
 import functools
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -29,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client import stack
 from executor_svc.__main__ import build_parser as executor_parser
 from executor_svc.__main__ import options_from_args
+from scheduler_svc.api.grpc_service import SERVER_STOP_GRACE_S
 from scheduler_svc.config import parse_config
 from tests.service_fixtures import ROOT, free_port
 
@@ -39,24 +41,23 @@ SCHEMA_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
 OVERLAYS = ["cpu", "gpu", "tp2"]
 # The Shepherd Model Gateway in front of the cpu overlay's pods, in place of the InferencePool's picker.
 GATEWAY = "smg"
-# An overlay plus the optional components, as docs/deploy.md tells to combine them.
-SECURED = ("cpu", ["api-key", "tls"])
-TARGETS = ["base", *OVERLAYS, "cpu+api-key+tls"]
+TARGETS = ["base", *OVERLAYS, "cpu+api-key+tls"]  # the last: an overlay plus components, as docs/deploy.md has it
 GPUS = {"cpu": 0, "gpu": 1, "tp2": 2}
 GAUGES = {"queuedRequestsSpec": "nanoserve:num_requests_waiting",
           "runningRequestsSpec": "nanoserve:num_requests_running",
-          "kvUsageSpec": "nanoserve:kv_cache_usage_perc"}
+          "kvUsageSpec": "nanoserve:kv_cache_usage_perc", "cacheInfoSpec": "nanoserve:cache_config_info"}
+# The json names of the fields of EndpointPickerConfig (TypeMeta inline) at gateway-api-inference-extension v1.5.0,
+# the picker the manifests pin: it decodes its config strictly, so any other key stops it.
+EPP_CONFIG_KEYS = {"apiVersion", "kind", "featureGates", "plugins", "schedulingProfiles", "saturationDetector",
+                   "dataLayer", "flowControl", "parser"}
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 30.0
 
 
 @functools.cache
 def kustomize_tool() -> list[str] | None:
-    if shutil.which("kubectl"):
-        return ["kubectl", "kustomize"]
-    if shutil.which("kustomize"):
-        return ["kustomize", "build"]
-    return None
+    return next((tool for tool in (["kubectl", "kustomize"], ["kustomize", "build"]) if shutil.which(tool[0])), None)
 
 
 @functools.cache
@@ -94,31 +95,24 @@ def containers(objects: tuple[dict, ...]) -> dict[str, dict]:
 
 def env_of(container: dict) -> dict[str, str]:
     """The container's environment; a Secret's value stands in as ``secret:<name>/<key>``."""
-    env = {}
-    for item in container.get("env", []):
-        if "value" in item:
-            env[item["name"]] = item["value"]
-        else:
-            ref = item["valueFrom"]["secretKeyRef"]
-            env[item["name"]] = f"secret:{ref['name']}/{ref['key']}"
-    return env
+    def value(item: dict) -> str:
+        return item["value"] if "value" in item else "secret:{name}/{key}".format(**item["valueFrom"]["secretKeyRef"])
+
+    return {item["name"]: value(item) for item in container.get("env", [])}
 
 
 def strict(schema: dict) -> dict:
     """The CRD schema as the API server's strict field validation applies it: unknown fields fail."""
-    schema = copy.deepcopy(schema)
 
-    def close(node: dict) -> None:
+    def close(node: dict) -> dict:
         if "properties" in node:
             node.setdefault("additionalProperties", False)
-            for child in node["properties"].values():
-                close(child)
-        for key in ("items", "additionalProperties"):
-            if isinstance(node.get(key), dict):
-                close(node[key])
+        nested = [node[key] for key in ("items", "additionalProperties") if isinstance(node.get(key), dict)]
+        for child in (*node.get("properties", {}).values(), *nested):
+            close(child)
+        return node
 
-    close(schema)
-    return schema
+    return close(copy.deepcopy(schema))
 
 
 @functools.cache
@@ -161,27 +155,33 @@ def test_the_validation_is_strict() -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_one_pod_holds_a_scheduler_and_its_executor_on_localhost(overlay: str) -> None:
     objects = render(overlay)
-    pod = containers(objects)
+    pod, spec = containers(objects), find(objects, "Deployment", "nanoserve")["spec"]["template"]["spec"]
     assert set(pod) == {"scheduler", "executor"}
     scheduler_env, executor_env = env_of(pod["scheduler"]), env_of(pod["executor"])
     scheduler = parse_config(pod["scheduler"].get("args", []), scheduler_env)
     executor = executor_parser(executor_env).parse_args(pod["executor"].get("args", []))
     assert scheduler.executor == f"127.0.0.1:{executor.port}"
-    assert (scheduler.host, executor.host) == ("0.0.0.0", "0.0.0.0"), "the kubelet probes the pod IP"
+    assert (scheduler.host, executor.host) == ("0.0.0.0", "127.0.0.1"), "only the scheduler may call the executor"
     assert {p["containerPort"] for p in pod["scheduler"]["ports"]} == {scheduler.port, scheduler.http_port} \
         == {50051, 8000}
-    assert [p["containerPort"] for p in pod["executor"]["ports"]] == [executor.port]
+    assert "ports" not in pod["executor"]
+    assert {"cpu", "memory"} <= set(pod["executor"]["resources"]["requests"]), "not the node's first to OOM-kill"
     options = options_from_args(executor)
-    gpus = int(pod["executor"].get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
+    gpus = int(pod["executor"]["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
     assert gpus == GPUS[overlay]
     assert "nvidia.com/gpu" not in str(pod["scheduler"].get("resources")), "the scheduler needs no GPU"
     if gpus:
         assert (options.device, options.dtype, options.tensor_parallel_size) == ("cuda", "bfloat16", gpus)
         assert options.model == "/models", "the model comes from the volume"
-        spec = find(objects, "Deployment", "nanoserve")["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "nanoserve-models"
-        find(objects, "PersistentVolumeClaim", "nanoserve-models")
+        claim = find(objects, "PersistentVolumeClaim", "nanoserve-models")["spec"]
+        assert claim["accessModes"] == ["ReadWriteOnce"], "what dynamic provisioners give, and a pod can fill"
+        fill = yaml.safe_load((KUBERNETES / "components" / "model-volume" / "fill.yaml").read_text())
+        for version in SCHEMA_VERSIONS:
+            validate(fill, version)
+        assert [v["persistentVolumeClaim"] for v in fill["spec"]["volumes"]] == [{"claimName": "nanoserve-models"}]
+        assert fill["spec"]["containers"][0]["volumeMounts"] == [{"name": "models", "mountPath": "/models"}], "writable"
         assert pod["executor"]["image"] == "nanoserve-executor:cuda"
     else:
         assert (options.device, options.dtype, options.tensor_parallel_size) == ("cpu", None, 1), "the CPU's choice"
@@ -189,6 +189,11 @@ def test_one_pod_holds_a_scheduler_and_its_executor_on_localhost(overlay: str) -
         assert executor_env["NANOSERVE_CACHE"] == "/cache"
         assert pod["executor"]["image"] == "nanoserve-executor:cpu"
     assert pod["scheduler"]["image"] == "nanoserve-scheduler:latest"
+    # Service links would give the pods NANOSERVE_PORT=tcp://<IP>:8000 for the Service nanoserve: no --port.
+    link = f"tcp://10.96.0.12:{find(objects, 'Service', 'nanoserve')['spec']['ports'][0]['port']}"
+    with pytest.raises(SystemExit):
+        parse_config([], {"NANOSERVE_PORT": link})
+    assert spec["enableServiceLinks"] is False
 
 
 def pre_stop_seconds(container: dict) -> float:
@@ -199,13 +204,17 @@ def pre_stop_seconds(container: dict) -> float:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_grace_period_covers_the_drain(overlay: str) -> None:
-    spec = find(render(overlay), "Deployment", "nanoserve")["spec"]["template"]["spec"]
+    objects = render(overlay)
+    spec = find(objects, "Deployment", "nanoserve")["spec"]["template"]["spec"]
     pod = {c["name"]: c for c in spec["containers"]}
     grace = parse_config([], env_of(pod["scheduler"])).shutdown_grace
     scheduler_stop = pre_stop_seconds(pod["scheduler"])
     assert grace == 30.0
-    # SIGTERM comes after the preStop; the drain then takes up to --shutdown-grace; a little to spare.
-    assert scheduler_stop + grace < spec["terminationGracePeriodSeconds"] <= scheduler_stop + grace + 15
+    # SIGTERM after the preStop, the drain (--shutdown-grace), then its API process and gRPC server stop; 10 s spare.
+    stopped = scheduler_stop + grace + 2 * SERVER_STOP_GRACE_S
+    assert stopped + 10 <= spec["terminationGracePeriodSeconds"] <= stopped + 30
+    picker = find(objects, "Deployment", "nanoserve-epp")["spec"]["template"]["spec"]
+    assert picker["terminationGracePeriodSeconds"] >= spec["terminationGracePeriodSeconds"]
     # The executor gets SIGTERM only after the scheduler's drain is over.
     assert pre_stop_seconds(pod["executor"]) >= scheduler_stop + grace
     for name, container in pod.items():
@@ -215,18 +224,28 @@ def test_the_grace_period_covers_the_drain(overlay: str) -> None:
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_probe_names_a_port_the_services_bind(target: str) -> None:
-    for name, container in containers(render(target)).items():
+    pod = containers(render(target))
+    for name, container in pod.items():
         env = env_of(container)
-        declared = {p["containerPort"] for p in container["ports"]}
-        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        declared = {p["containerPort"] for p in container.get("ports", [])}
+        for kind in PROBES:
             probe = container[kind]
             if "grpc" in probe:
                 assert probe["grpc"] == {"port": int(env["NANOSERVE_PORT"]), "service": ""}, f"{name} {kind}"
                 assert "NANOSERVE_TLS_CERT" not in env, "the kubelet's gRPC probes speak plaintext only"
-            else:  # the TLS component: HTTPS /health on the HTTP API
+            elif "httpGet" in probe:  # the TLS component: HTTPS /health on the HTTP API
                 assert probe["httpGet"] == {"path": "/health", "port": int(env["NANOSERVE_HTTP_PORT"]),
                                             "scheme": "HTTPS" if "NANOSERVE_TLS_CERT" in env else "HTTP"}
-            assert (probe.get("grpc") or probe.get("httpGet"))["port"] in declared
+            elif "tcpSocket" in probe:
+                assert probe["tcpSocket"] == {"port": int(env["NANOSERVE_PORT"])}, f"{name} {kind}"
+            else:  # the executor on loopback: the CLI inside its container, as docker/services.yml asks it
+                server = f"127.0.0.1:{env['NANOSERVE_PORT']}"
+                assert probe["exec"]["command"] == ["nanoserve", "health", "--server", server, "--timeout", "5"]
+                assert probe["timeoutSeconds"] > 5, "the CLI's start, then up to 5 s for its call"
+            port = next((probe[k]["port"] for k in ("grpc", "httpGet", "tcpSocket") if k in probe), None)
+            assert port is None or port in declared, f"{name} {kind}"
+    # Only that the scheduler listens: its health is NOT_SERVING through an executor outage it reconnects from.
+    assert set(pod["scheduler"]["livenessProbe"]) & {"grpc", "httpGet", "exec"} == set()
 
 
 def test_the_components_add_the_secrets() -> None:
@@ -243,7 +262,7 @@ def test_services_pdb_and_inference_pool_select_the_pods() -> None:
     objects = render("cpu")
     template = find(objects, "Deployment", "nanoserve")["spec"]["template"]
     labels = template["metadata"]["labels"]
-    port_names = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c["ports"]}
+    port_names = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
     for name in ("nanoserve", "nanoserve-grpc-headless"):
         service = find(objects, "Service", name)["spec"]
         assert service["selector"].items() <= labels.items()
@@ -268,6 +287,9 @@ def test_the_endpoint_picker_reads_nanoserves_gauges() -> None:
     mount = next(m for m in epp["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
     config = yaml.safe_load(find(objects, "ConfigMap", "nanoserve-epp")["data"][Path(path).name])
     assert mount["name"] == "config" and config["kind"] == "EndpointPickerConfig"
+    assert set(config) <= EPP_CONFIG_KEYS, f"the picker refuses {set(config) - EPP_CONFIG_KEYS}"
+    sources = [(s["pluginRef"], [e["pluginRef"] for e in s["extractors"]]) for s in config["dataLayer"]["sources"]]
+    assert sources == [("metrics-data-source", ["core-metrics-extractor"])]
     plugins = {p.get("name", p["type"]): p for p in config["plugins"]}
     extractor = plugins["core-metrics-extractor"]["parameters"]
     (engine,) = [e for e in extractor["engineConfigs"] if e["name"] == extractor["defaultEngine"]]
@@ -275,12 +297,25 @@ def test_the_endpoint_picker_reads_nanoserves_gauges() -> None:
     assert plugins["metrics-data-source"]["parameters"]["path"] == "/metrics"
     scored = {p["pluginRef"] for p in config["schedulingProfiles"][0]["plugins"]}
     assert {"queue-scorer", "kv-cache-utilization-scorer"} <= scored
+    # The picker serves ext-proc over TLS unless --secure-serving=false: only then is the port cleartext h2c.
+    (ext_proc,) = [p for p in find(objects, "Service", "nanoserve-epp")["spec"]["ports"] if p["port"] == 9002]
+    assert ext_proc.get("appProtocol") == ("kubernetes.io/h2c" if "--secure-serving=false" in args else None)
 
 
-def health(target: str) -> str:
-    with grpc.insecure_channel(target) as channel:
-        response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+def passes(probe: dict, ports: dict[int, int]) -> bool:
+    """What the kubelet asks, without a key, of the port the probe names moved to where the test runs its service."""
+    if "grpc" in probe:
+        with grpc.insecure_channel(f"{stack.HOST}:{ports[probe['grpc']['port']]}") as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        return check.status == health_pb2.HealthCheckResponse.SERVING
+    if "tcpSocket" in probe:
+        with socket.create_connection((stack.HOST, ports[probe["tcpSocket"]["port"]]), timeout=5):
+            return True
+    argv, at = probe["exec"]["command"], probe["exec"]["command"].index("--server") + 1
+    host, port = argv[at].rsplit(":", 1)
+    argv = [str(BIN / argv[0]), *argv[1:at], f"{host}:{ports[int(port)]}", *argv[at + 1:]]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    return (result.returncode, result.stdout) == (0, "SERVING\n")
 
 
 @pytest.mark.parametrize("target", ["cpu", "cpu+api-key"])
@@ -288,9 +323,8 @@ def test_the_pods_commands_and_environment_start_the_services(target: str) -> No
     """The scheduler exactly as the pod runs it, only host and ports moved, in front of a model-free executor."""
     pod = containers(render(target))
     env = env_of(pod["scheduler"])
-    ports = {int(env["NANOSERVE_PORT"]): free_port(), int(env["NANOSERVE_HTTP_PORT"]): free_port()}
     executor_port = int(env_of(pod["executor"])["NANOSERVE_PORT"])
-    ports[executor_port] = free_port()
+    ports = {int(env[k]): free_port() for k in ("NANOSERVE_PORT", "NANOSERVE_HTTP_PORT")} | {executor_port: free_port()}
     assert env.pop("NANOSERVE_HOST") == "0.0.0.0"
     assert env["NANOSERVE_EXECUTOR"] == f"127.0.0.1:{executor_port}"
     env.update(NANOSERVE_HOST=stack.HOST, NANOSERVE_PORT=str(ports[int(env["NANOSERVE_PORT"])]),
@@ -309,12 +343,17 @@ def test_the_pods_commands_and_environment_start_the_services(target: str) -> No
         for service in (executor, scheduler):
             processes.start(service)
             assert processes.wait_serving(service, START_TIMEOUT_S), f"the {service.name} never became SERVING"
-        # What the kubelet asks: grpc.health.v1 Check with service "" on each probe's port, without a key.
-        for container in pod.values():
-            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert health(f"{stack.HOST}:{ports[container[kind]['grpc']['port']]}") == "SERVING", kind
+        for name, container in pod.items():
+            assert all(passes(container[kind], ports) for kind in PROBES), name
         answer = httpx.get(f"http://{stack.HOST}:{ports[8000]}/health", timeout=10)
         assert answer.status_code == 200
+        # The executor gone: the scheduler leaves the Services (readiness) but is not restarted (liveness).
+        processes.running[0][1].terminate()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while passes(pod["scheduler"]["readinessProbe"], ports):
+            assert time.monotonic() < deadline, "the scheduler stayed ready without its executor"
+            time.sleep(0.1)
+        assert passes(pod["scheduler"]["livenessProbe"], ports)
     finally:
         processes.stop()
     assert [p.returncode for _, p in processes.running] == [0, 0], "SIGTERM (the pod's stop) must end both cleanly"

@@ -87,7 +87,7 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int = 3) -> list[i
             for p in prompts]
     while engine.has_unfinished():
         engine.step()
-        engine.kv_events.collect(engine.block_manager)
+        engine.kv_events.collect(engine.block_manager, engine.adapters.name_of)
     return [seq.num_prefix_hit_tokens for seq in seqs]
 
 
@@ -147,7 +147,7 @@ def test_a_flush_drops_what_no_request_holds_and_a_repeat_then_misses() -> None:
     prompt = list(range(1, 14))
     run(engine, [prompt])
     dropped = engine.block_manager.flush()
-    engine.kv_events.collect(engine.block_manager)
+    engine.kv_events.collect(engine.block_manager, engine.adapters.name_of)
     assert dropped == 3 and not registered(engine.block_manager)
     assert isinstance(received[-1].events[-1], AllBlocksCleared)
     mirror.apply(received)
@@ -163,9 +163,9 @@ def test_a_flush_keeps_the_entries_of_blocks_in_use() -> None:
     held = engine.add_request(list(range(30, 43)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for _ in range(2):
         engine.step()
-    engine.kv_events.collect(engine.block_manager)
+    engine.kv_events.collect(engine.block_manager, engine.adapters.name_of)
     assert engine.block_manager.flush() == 3
-    engine.kv_events.collect(engine.block_manager)
+    engine.kv_events.collect(engine.block_manager, engine.adapters.name_of)
     mirror.apply(received)
     assert set(mirror.entries) == registered(engine.block_manager) != set()
     assert all(engine.block_manager.blocks[b].ref_count for ids in engine.block_manager.hash_to_block_ids.values()
@@ -182,7 +182,7 @@ def test_an_executor_restart_clears_everything_and_events_go_on() -> None:
     run(engine, [list(range(1, 14))])
     engine.executor.reset()
     engine.recover()
-    engine.kv_events.collect(engine.block_manager)
+    engine.kv_events.collect(engine.block_manager, engine.adapters.name_of)
     assert received[-1].events == (AllBlocksCleared(),)
     run(engine, [list(range(1, 14))])
     mirror.apply(received)
@@ -205,7 +205,7 @@ def test_after_any_workload_the_router_holds_exactly_the_cache_entries(seed: int
         run(engine, prompts, rng.randrange(1, 6))
         if rng.random() < 0.2:
             engine.block_manager.flush()
-            engine.kv_events.collect(engine.block_manager)
+            engine.kv_events.collect(engine.block_manager, engine.adapters.name_of)
     mirror.apply(received)
     assert set(mirror.entries) == registered(engine.block_manager)
     for prefix in prefixes:

@@ -77,11 +77,14 @@ def test_batches_arrive_as_vllm_publishes_them_and_a_replay_resends_the_kept_one
         drain(sub)
         h1 = chain_hash([1, 2], NO_HASH)
         h2 = chain_hash([3, 4], h1)
-        log.publish([BlockStored([h1, h2], None, [1, 2, 3, 4], 2), BlockRemoved([h1])])
+        log.publish([BlockStored([h1, h2], None, [1, 2, 3, 4], 2), BlockRemoved([h1]),
+                     BlockStored([h2], None, [3, 4], 2, lora_id=3, lora_name="a1")])
         topic, number, payload = sub.recv_multipart()
         timestamp, events = msgpack.unpackb(payload)
         assert abs(timestamp - time.time()) < 60
-        assert events == [["BlockStored", [h1, h2], None, [1, 2, 3, 4], 2, None, None], ["BlockRemoved", [h1], None]]
+        # llm-d's reader's order: ..., block_size, lora_id, medium, lora_name (nil lora: the base model's blocks)
+        assert events == [["BlockStored", [h1, h2], None, [1, 2, 3, 4], 2, None, None, None],
+                          ["BlockRemoved", [h1], None], ["BlockStored", [h2], None, [3, 4], 2, 3, None, "a1"]]
         last = int.from_bytes(number, "big")
         replay = context.socket(zmq.DEALER)
         replay.setsockopt(zmq.RCVTIMEO, RECEIVE_TIMEOUT_MS)

@@ -145,42 +145,65 @@ def test_a_misfit_adapter_is_refused_and_serving_goes_on(family: Family, tmp_pat
         "other-model": (save_random_adapter(tiny_model_folders["llama" if family.base.name == "qwen3" else "qwen3"],
                                             tmp_path / "other", ["q_proj"], 4, seed=7), "on this model needs"),
     }
+    # Malformed folders, refused as misfits (they raised past the refusal: HTTP 500, a traceback at start).
+    good = family.adapters["a2"]
+    for name, config, weights in (("list", "[]", None), ("alpha", '{"r": 4, "lora_alpha": "16"}', None),
+                                  ("torn", None, b"not safetensors")):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(config or (good / "adapter_config.json").read_text())
+        (folder / "adapter_model.safetensors").write_bytes(weights or (good / "adapter_model.safetensors").read_bytes())
+        misfits[name] = (folder, {"list": "not a JSON object", "alpha": "number lora_alpha",
+                                  "torn": "not a readable safetensors file"}[name])
     for name, (path, reason) in misfits.items():
         with pytest.raises(LoraRefused, match=reason) as refused:
-            engine.adapters.load(engine.executor, name, str(path))
+            engine.load_lora(name, str(path))
         assert refused.value.code == "INVALID_ARGUMENT"
         assert name not in engine.adapters
     outputs, reference = mixed_batch(family, engine)
     assert outputs == reference
 
 
-def test_runtime_load_and_unload(family: Family) -> None:
-    engine = Engine(family.executor(lora_modules={}, runtime_lora=True))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_runtime_load_and_unload(family: Family, overlap: bool) -> None:
+    """vLLM's unload: the name is refused to new requests at once, the request through it runs to its end, and the
+    executor drops the weights once it has dropped that request, also while other requests keep a step in flight."""
+    engine = Engine(family.executor(lora_modules={}, runtime_lora=True), overlap=overlap)
     with pytest.raises(Exception, match="no LoRA adapter named 'a1'"):
         engine.add_request(family.prompts[0], PARAMS, "a1")
     for name, path in family.adapters.items():
-        engine.adapters.load(engine.executor, name, str(path))
+        engine.load_lora(name, str(path))
     assert [a.name for a in engine.executor.get_info().lora_adapters] == ["a1", "a2"]
     seq = engine.add_request(family.prompts[1], PARAMS, "a1")
+    base = engine.add_request(family.prompts[0], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
     engine.step()
-    with pytest.raises(LoraRefused, match="serves waiting or running requests") as refused:
-        engine.unload_lora("a1")
-    assert refused.value.code == "FAILED_PRECONDITION"
-    while engine.has_unfinished():
-        engine.step()
-    assert seq.completion_token_ids == family.reference["a1"][1]
     engine.unload_lora("a1")
+    with pytest.raises(Exception, match="no LoRA adapter named 'a1'"):
+        engine.add_request(family.prompts[0], PARAMS, "a1")
     with pytest.raises(LoraRefused) as missing:
         engine.unload_lora("a1")
     assert missing.value.code == "NOT_FOUND"
+    while not seq.is_finished:
+        engine.step()
+    assert seq.completion_token_ids == family.reference["a1"][1]
+    for _ in range(3):  # the executor drops a1's request with the next plan, and a1 with it
+        engine.step()
+    assert not base.is_finished
+    assert [a.name for a in engine.executor.get_info().lora_adapters] == ["a2"] and not engine.adapters.retiring
     # a1 gone, a2 still serves, and a1 loads again under a new id (its old blocks can never be hit)
+    while engine.has_unfinished():
+        engine.step()
     [out] = engine.generate([family.prompts[2]], PARAMS, ["a2"])
     assert out.token_ids == family.reference["a2"][2]
-    again = engine.adapters.load(engine.executor, "a1", str(family.adapters["a1"]))
+    again = engine.load_lora("a1", str(family.adapters["a1"]))
     assert again.lora_id == 3
     [out] = engine.generate([family.prompts[1]], PARAMS, ["a1"])
     assert out.token_ids == family.reference["a1"][1]
     assert out.num_cached_prompt_tokens == 0
+    # load_inplace: a2's name now serves a1's weights
+    engine.load_lora("a2", str(family.adapters["a1"]), inplace=True)
+    [out] = engine.generate([family.prompts[1]], PARAMS, ["a2"])
+    assert out.token_ids == family.reference["a1"][1]
     assert_all_blocks_free(engine.block_manager)
 
 

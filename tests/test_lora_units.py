@@ -7,7 +7,8 @@ from argparse import ArgumentTypeError
 
 import pytest
 
-from common.step import LoraAdapterInfo
+from common.executor import LoraRefused
+from common.step import ExecutorInfo, LoraAdapterInfo
 from executor_svc.__main__ import build_parser, options_from_args
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.errors import InvalidRequest
@@ -20,16 +21,96 @@ from tests.conftest import assert_all_blocks_free
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
-def test_a_restarted_executor_renumbers_adapters_and_requests_follow_by_name() -> None:
-    adapters = Adapters([LoraAdapterInfo(1, "a1"), LoraAdapterInfo(2, "a2")], "base")
+class AdapterExecutor:
+    """The executor's adapter calls, as the scheduler sees them: ids never reused, an unload refused while the
+    executor still holds a request through the adapter (``holding``), a load from the folder ``refuse`` refused."""
+
+    def __init__(self, first_id: int = 1, refuse: str = "") -> None:
+        self.ids = iter(range(first_id, 100))
+        self.held: dict[str, LoraAdapterInfo] = {}
+        self.holding: set[int] = set()
+        self.refuse = refuse
+
+    def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
+        if path == self.refuse:
+            raise LoraRefused(f"{path} has no adapter_config.json")
+        adapter = self.held[name] = LoraAdapterInfo(next(self.ids), name, path, 4)
+        return adapter
+
+    def unload_lora(self, name: str) -> LoraAdapterInfo:
+        if self.held[name].lora_id in self.holding:
+            raise LoraRefused(f"adapter {name!r} serves running requests", "FAILED_PRECONDITION")
+        return self.held.pop(name)
+
+
+def restarted(executor: AdapterExecutor, started_with: list[LoraAdapterInfo]) -> ExecutorInfo:
+    executor.held = {a.name: a for a in started_with}
+    return ExecutorInfo(lora_adapters=tuple(started_with), runtime_lora=True, tensor_parallel_size=1)
+
+
+def test_a_restarted_executor_renumbers_adapters_loads_run_time_ones_again_and_requests_follow_by_name() -> None:
+    executor = AdapterExecutor(first_id=2)
+    adapters = Adapters([LoraAdapterInfo(1, "a1", "/a1")], "base", runtime=True)
+    for name in ("a2", "a3"):
+        adapters.load(executor, name, f"/{name}")
     assert (adapters.lora_id(None), adapters.lora_id("base"), adapters.lora_id("a2")) == (0, 0, 2)
-    with pytest.raises(InvalidRequest, match="no LoRA adapter named 'a3'") as refused:
-        adapters.lora_id("a3")
+    with pytest.raises(InvalidRequest, match="no LoRA adapter named 'a4'") as refused:
+        adapters.lora_id("a4")
     assert refused.value.field == "lora"
-    seqs = [Sequence(i, [5, 6, 7], PARAMS, 4, lora_id=lora_id) for i, lora_id in enumerate((1, 2, 0))]
-    lost = adapters.renumber(seqs, [LoraAdapterInfo(1, "a2")])  # a1 was loaded at run time: gone with the executor
-    assert lost == [seqs[0]]
-    assert [seq.lora_id for seq in seqs[1:]] == [1, 0]
+    seqs = [Sequence(i, [5, 6, 7], PARAMS, 4, lora_id=lora_id) for i, lora_id in enumerate((1, 2, 3, 0))]
+    # The new executor was started with a1 only; a2 and a3 were loaded at run time, and a3's folder is gone since.
+    executor = AdapterExecutor(first_id=2, refuse="/a3")
+    lost = adapters.renumber(executor, seqs, restarted(executor, [LoraAdapterInfo(1, "a1", "/a1")]))
+    assert lost == [seqs[2]]
+    assert adapters.names() == ["a1", "a2"] and sorted(executor.held) == ["a1", "a2"]
+    assert [seq.lora_id for seq in (seqs[0], seqs[1], seqs[3])] == [1, 2, 0]
+
+
+def test_an_unload_refuses_new_requests_at_once_and_retires_once_the_last_request_through_it_is_dropped() -> None:
+    executor = AdapterExecutor()
+    adapters = Adapters([], "base", runtime=True)
+    a1 = adapters.load(executor, "a1", "/a1")
+    live = [Sequence(0, [5, 6, 7], PARAMS, 4, lora_id=a1.lora_id)]
+    assert adapters.unload("a1") == a1
+    with pytest.raises(InvalidRequest, match="no LoRA adapter named 'a1'"):
+        adapters.lora_id("a1")
+    with pytest.raises(LoraRefused, match="being unloaded") as busy:
+        adapters.load(executor, "a1", "/a1")
+    assert busy.value.code == "FAILED_PRECONDITION"
+    with pytest.raises(LoraRefused) as missing:
+        adapters.unload("a1")
+    assert missing.value.code == "NOT_FOUND"
+    adapters.retire(executor, live)  # a request still runs through it
+    assert "a1" in executor.held and adapters.name_of(a1.lora_id) == "a1"
+    executor.holding.add(a1.lora_id)
+    adapters.retire(executor, [])  # it ended, but the executor holds it until the next plan drops it
+    assert "a1" in executor.held and adapters.retiring
+    executor.holding.clear()
+    adapters.retire(executor, [])
+    assert not executor.held and not adapters.retiring
+    assert adapters.load(executor, "a1", "/a1").lora_id == 2
+
+
+def test_an_unload_is_refused_where_the_executor_cannot_unload() -> None:
+    adapters = Adapters([LoraAdapterInfo(1, "a1", "/a1")], "base", runtime=False)
+    with pytest.raises(LoraRefused, match="--runtime-lora") as refused:
+        adapters.unload("a1")
+    assert refused.value.code == "FAILED_PRECONDITION" and adapters.lora_id("a1") == 1
+
+
+def test_an_in_place_load_replaces_an_idle_adapter_and_keeps_it_when_the_replacement_does_not_fit() -> None:
+    executor = AdapterExecutor()
+    adapters = Adapters([], "base", runtime=True)
+    a1 = adapters.load(executor, "a1", "/a1")
+    busy = [Sequence(0, [5, 6, 7], PARAMS, 4, lora_id=a1.lora_id)]
+    with pytest.raises(LoraRefused, match="replace it once they finish"):
+        adapters.load(executor, "a1", "/a1-v2", busy, inplace=True)
+    replaced = adapters.load(executor, "a1", "/a1-v2", [], inplace=True)
+    assert (replaced.lora_id, replaced.path) == (2, "/a1-v2") and adapters.lora_id("a1") == 2
+    executor.refuse = "/broken"
+    with pytest.raises(LoraRefused, match="no adapter_config.json"):
+        adapters.load(executor, "a1", "/broken", [], inplace=True)
+    assert adapters.by_name["a1"].path == "/a1-v2" and executor.held["a1"].path == "/a1-v2"
 
 
 def test_adapters_hash_the_same_tokens_apart() -> None:

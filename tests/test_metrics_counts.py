@@ -1,9 +1,11 @@
 """What the metrics count as vLLM's V1 counts it: a request part-way through a chunked prefill runs, a request an
-engine-side failure ended finishes with "error", and the LoRA gauge is there wherever adapters can be served."""
+engine-side failure ended finishes with "error", the LoRA gauge is there wherever adapters can be served, and the
+cache-config gauge reports the executor's KV cache."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 
 import grpc
@@ -27,7 +29,7 @@ from tests.test_reliability_recovery import FlakyExecutor, scheduler
 
 def scraped(engine: Engine) -> Samples:
     """/metrics as the engine loop would publish it now, parsed."""
-    metrics = Metrics("m", engine.info.max_model_len, lambda: stats)
+    metrics = Metrics("m", lambda: stats, lambda: engine.info)
     stats = LoopStats.of(engine, LiveRequests(Admission(QueueLimits()), metrics), executor_up=True)
     registry = CollectorRegistry()
     registry.register(metrics)
@@ -76,3 +78,29 @@ def test_the_lora_gauge_is_there_with_runtime_lora_before_any_adapter_is_loaded(
     labels = {"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     assert value(samples, "lora_requests_info", **labels) > 0
     assert not any(name == "nanoserve:lora_requests_info" for name, _ in scraped(Engine(ShadowExecutor())))
+
+
+def cache_configs(samples: Samples) -> list[dict[str, str]]:
+    return [dict(labels) for (name, labels), v in samples.items() if name == "nanoserve:cache_config_info" and v == 1]
+
+
+def test_the_cache_config_info_gauge_has_vllms_labels_and_follows_an_executor_restart():
+    """vLLM's vllm:cache_config_info, from whose labels the endpoint picker sizes its prefix index of each pod
+    (cacheInfoSpec in deploy/kubernetes/base/epp.yaml)."""
+    executor = FlakyExecutor(num_blocks=64, block_size=4)
+
+    async def run() -> list[list[dict[str, str]]]:
+        async with scheduler(executor, metrics_port=free_port()) as s, httpx.AsyncClient() as http:
+            url = f"http://127.0.0.1:{s.server.metrics_http.port}/metrics"
+            seen = [cache_configs(parse((await http.get(url)).text))]
+            executor.restart(num_blocks=96, block_size=8)  # a new instance, another KV cache
+            deadline = time.monotonic() + 10
+            while (configs := cache_configs(parse((await http.get(url)).text))) == seen[0]:
+                assert time.monotonic() < deadline, "the gauge never followed the restarted executor"
+                await asyncio.sleep(0.02)
+            return [*seen, configs]
+
+    dtype = executor.get_info().dtype
+    assert asyncio.run(run()) == [
+        [{"block_size": "4", "num_gpu_blocks": "64", "cache_dtype": dtype, "enable_prefix_caching": "True"}],
+        [{"block_size": "8", "num_gpu_blocks": "96", "cache_dtype": dtype, "enable_prefix_caching": "True"}]]

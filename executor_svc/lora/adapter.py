@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from common.executor import LoraRefused
@@ -64,11 +65,13 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     folder = Path(path)
     settings = _read_config(folder)
     rank = settings.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise LoraError(f"adapter {name!r}: adapter_config.json needs a positive integer r, got {rank!r}")
     if rank > max_rank:
         raise LoraError(f"adapter {name!r}: rank {rank} is above --max-lora-rank {max_rank}")
     alpha = settings.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise LoraError(f"adapter {name!r}: adapter_config.json needs a number lora_alpha, got {alpha!r}")
     scaling = alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
     tensors = _read_tensors(name, folder)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -105,6 +108,8 @@ def _read_config(folder: Path) -> dict:
         settings = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise LoraError(f"{config_path} is not JSON: {e}") from None
+    if not isinstance(settings, dict):
+        raise LoraError(f"{config_path} holds a {type(settings).__name__}, not a JSON object")
     if settings.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"{folder} is a {settings['peft_type']} adapter; only LORA adapters are served")
     for key, default in _UNSUPPORTED.items():
@@ -119,4 +124,7 @@ def _read_tensors(name: str, folder: Path) -> dict[str, torch.Tensor]:
     weights = folder / "adapter_model.safetensors"
     if not weights.is_file():
         raise LoraError(f"adapter {name!r}: {folder} has no adapter_model.safetensors (only safetensors are read)")
-    return load_file(weights)
+    try:
+        return load_file(weights)
+    except (SafetensorError, OSError) as e:
+        raise LoraError(f"adapter {name!r}: {weights} is not a readable safetensors file: {e}") from None

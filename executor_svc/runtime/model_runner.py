@@ -96,6 +96,8 @@ class ModelRunner:
                                  self.max_model_len)
         self.graphs = None  # before the CUDA memory profile, whose forward runs eagerly
         self._waited_at = 0.0  # time.perf_counter when ``finish`` last waited for the device
+        # On CUDA the adapters of --lora-modules load before the memory profile, which so leaves their room.
+        self.lora = self._load_adapters(options) if not on_cpu else None
         self.num_blocks = self._allocate_kv_cache()
         self.kernels = ALL_C
         if on_cpu:
@@ -110,16 +112,21 @@ class ModelRunner:
             if options.cpu_decode_stack and cpu_decode_stack.attach(self.model, self.backend, self.dtype):
                 log.info("CPU decode steps run the decoder layers in the C stack (with torch projections where "
                          "linear runs torch)")
-        self.lora = None
-        if options.lora_enabled:
-            self.lora = LoraManager(self.model, self.config, options.max_lora_rank, self.dtype, self.device)
-            for name, path in options.lora_modules.items():
-                self.lora.load(name, path)
+        if on_cpu:  # after the kernels are chosen and installed
+            self.lora = self._load_adapters(options)
         self.sampler = Sampler(eos_token_ids=self.config.eos_token_ids)
         self.constraints = GrammarConstraints(Path(folder) / "tokenizer.json", self.config.vocab_size,
                                               self.config.eos_token_ids)
         if self.device.type == "cuda" and not options.enforce_eager:
             self.graphs = DecodeGraphs.capture(self.model, self.max_model_len, self.block_size, self.device)
+
+    def _load_adapters(self, options: ExecutorOptions) -> LoraManager | None:
+        if not options.lora_enabled:
+            return None
+        lora = LoraManager(self.model, self.config, options.max_lora_rank, self.dtype, self.device)
+        for name, path in options.lora_modules.items():
+            lora.load(name, path)
+        return lora
 
     def _kernel_shape(self) -> tuple[object, ...]:
         """What the CPU kernel choice depends on besides the machine: it is cached under these."""

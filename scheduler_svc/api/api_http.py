@@ -65,15 +65,15 @@ class LinkGenerating:
         executor's handshake brings its tokenizer (the same for every executor the scheduler accepts after it);
         requests that come while it is built wait for it, so none is answered without it."""
         if self._has_tokenizer:
-            model_id, adapters, _ = await self._link.ask("served", False)
-            return translate.Served(model_id, adapters)
+            names, adapters, _ = await self._link.ask("served", False)
+            return translate.Served.of(names, adapters)
         async with self._tokenizer_lock:
             first = not self._has_tokenizer
-            model_id, adapters, tokenizer = await self._link.ask("served", first)
+            names, adapters, tokenizer = await self._link.ask("served", first)
             if first:
                 self.tokenizer = await asyncio.to_thread(ModelTokenizer, *tokenizer) if tokenizer is not None else None
                 self._has_tokenizer = True
-        return translate.Served(model_id, adapters)
+        return translate.Served.of(names, adapters)
 
     async def submit(self, request: pb.GenerateRequest, whole: bool) -> LinkGeneration:
         interval = math.inf if whole else request.stream_interval or self._stream_interval

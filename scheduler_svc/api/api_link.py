@@ -177,8 +177,8 @@ class ApiProcess:
         self.send(("accepted", key, prepared.request_id, prepared.params.n, len(prepared.prompt_token_ids), *reading))
 
     def _served(self, key: int, with_tokenizer: bool) -> None:
-        """What the HTTP routes' ``model`` may name now (the base model, the adapters loaded) and, when asked, the
-        handshake's tokenizer, which the API process's HTTP responses decode logprobs and echoes with."""
+        """What the HTTP routes' ``model`` may name now (the base model's names, the adapters loaded) and, when asked,
+        the handshake's tokenizer, which the API process's HTTP responses decode logprobs and echoes with."""
         try:
             info = self.frontend.ready().info
         except RequestFailed as e:
@@ -187,7 +187,7 @@ class ApiProcess:
         tokenizer = ((info.tokenizer_json, info.chat_template, info.bos_token_id, tuple(info.eos_token_ids),
                       info.special_tokens) if with_tokenizer and info.tokenizer_json else None)
         adapters = frozenset(adapter.name for adapter in self.frontend.adapters())
-        self.send(("accepted", key, info.model_id, adapters, tokenizer))
+        self.send(("accepted", key, self.frontend.model_names(), adapters, tokenizer))
 
     def _lost(self, on_lost: Callable[[], None]) -> None:
         """The API process is gone: its requests are cancelled (their callers went with it)."""

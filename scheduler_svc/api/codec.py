@@ -47,6 +47,11 @@ def to_response(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateRes
         u = last.usage
         response.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                                          cached_prompt_tokens=u.cached_prompt_tokens))
+        stop = last.matched_stop
+        if isinstance(stop, str):
+            response.stop_string = stop
+        elif stop is not None:
+            response.stop_token_id = stop
     return response
 
 

@@ -127,8 +127,11 @@ class Frontend:
     (``engine.turn``), which every reader gives way to.
     """
 
-    def __init__(self, executor_target: str, stream_interval: int = 1, turn: Turn | None = None) -> None:
+    def __init__(self, executor_target: str, stream_interval: int = 1, turn: Turn | None = None,
+                 served_model_names: tuple[str, ...] = ()) -> None:
         self.executor_target = executor_target
+        # --served-model-name (``model_names``).
+        self.served_model_names = served_model_names
         self.stream_interval = stream_interval
         self.turn = turn or Turn()
         self.loop: EngineLoop | None = None
@@ -209,17 +212,24 @@ class Frontend:
     def model_info(self) -> pb.ModelInfo:
         return model_info(self.ready().info, self.tokenizer, self.adapters())
 
+    def model_names(self, info: ExecutorInfo | None = None) -> tuple[str, ...]:
+        """The names a request's ``model`` may give the base model, the first its id in every answer: vLLM's
+        --served-model-name, else the model id of the executor (``info``, or the one attached)."""
+        return self.served_model_names or ((info or self.ready().info).model_id,)
+
     def adapters(self) -> list[LoraAdapterInfo]:
         """The LoRA adapters requests may name now, by name (a copy of the loop thread's map)."""
         return sorted(dict(self.ready().engine.adapters.by_name).values(), key=lambda adapter: adapter.name)
 
-    async def load_lora(self, name: str, path: str) -> LoraAdapterInfo:
-        """Have the executor load an adapter, between steps; LoraRefused with the executor's reason if not."""
-        call = self.ready().call(lambda engine: engine.adapters.load(engine.executor, name, path))
+    async def load_lora(self, name: str, path: str, inplace: bool = False) -> LoraAdapterInfo:
+        """Have the executor load an adapter (``inplace``: replacing the one of that name), between steps; LoraRefused
+        with the reason if not."""
+        call = self.ready().call(lambda engine: engine.load_lora(name, path, inplace))
         return await asyncio.wrap_future(call)
 
     async def unload_lora(self, name: str) -> LoraAdapterInfo:
-        """Unload an adapter, between steps; LoraRefused while requests wait or run through it."""
+        """Unload an adapter, between steps: refused to new requests at once, its weights dropped once the requests
+        already through it finish; LoraRefused if none is served under ``name``."""
         return await asyncio.wrap_future(self.ready().call(lambda engine: engine.unload_lora(name)))
 
     def stats(self) -> pb.SchedulerStats:
@@ -227,7 +237,7 @@ class Frontend:
 
     def server_info(self) -> ServerInfo:
         num_requests = sum(len(handles) for handles in self.by_request_id.values())
-        return server_info(self.ready(), self.started_at, num_requests)
+        return server_info(self.ready(), self.started_at, num_requests, self.model_names()[0])
 
     async def flush_cache(self) -> int:
         """Drop the prefix cache's entries no request holds, before the next step; the number of blocks dropped."""

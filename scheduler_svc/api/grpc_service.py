@@ -141,7 +141,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                               ) -> pb.LoraAdapterCard:
         await self._ready(context)
         try:
-            return lora_card(await self.frontend.load_lora(request.lora_name, request.lora_path))
+            return lora_card(await self.frontend.load_lora(request.lora_name, request.lora_path, request.load_inplace))
         except LoraRefused as e:
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
 
@@ -175,7 +175,7 @@ class SchedulerServer:
         self.config = config
         # Taken by the executor's stream from each step's result to the next plan; the API's readers give way to it.
         self.turn = Turn()
-        self.frontend = Frontend(config.executor, config.stream_interval, self.turn)
+        self.frontend = Frontend(config.executor, config.stream_interval, self.turn, config.served_model_name)
         self.servicer = GenerationServicer(self.frontend)
         self.health = health.aio.HealthServicer()
         self.tls = TLSConfig.from_flags(config.tls_cert, config.tls_key, config.tls_ca)
@@ -321,7 +321,7 @@ class SchedulerServer:
         tokenizer = ModelTokenizer.from_info(info)
         aio_loop = asyncio.get_running_loop()
         limits = QueueLimits(self.config.max_queued_requests, self.config.max_queued_tokens)
-        metrics = Metrics(info.model_id, info.max_model_len, lambda: self.loop.stats)
+        metrics = Metrics(self.frontend.model_names(info)[0], lambda: self.loop.stats, lambda: engine.info)
         deliver = deliver_to_event_loop(aio_loop, self.turn)
         self.loop = EngineLoop(engine, tokenizer, deliver if self.api is None else link_deliver(deliver), limits,
                                metrics, self._on_serving(aio_loop))

@@ -2,8 +2,9 @@
 
 Each batch is one PUB message of three frames: the topic, the batch's sequence number (8 bytes, big-endian) and
 the batch in msgpack: ``[timestamp, [event, ...]]``, each event an array led by its type's name:
-``["BlockStored", hashes, parent_hash, token_ids, block_size, lora_id, medium]``, ``["BlockRemoved", hashes,
-medium]``, ``["AllBlocksCleared"]`` (``lora_id`` and ``medium`` are nil: no adapter, the executor's own cache).
+``["BlockStored", hashes, parent_hash, token_ids, block_size, lora_id, medium, lora_name]``, ``["BlockRemoved",
+hashes, medium]``, ``["AllBlocksCleared"]`` (``medium`` nil: the executor's own cache; ``lora_id`` and ``lora_name``
+nil for the base model's blocks). Tagged arrays, as llm-d's event readers decode them.
 Hashes are the prefix cache's chained xxh64, unsigned 64-bit.
 
 A thread of its own encodes and sends, so the engine loop never waits for ZMQ; it reads the batches from a
@@ -36,8 +37,8 @@ POLL_S = 0.05
 def event_fields(event: KvEvent) -> list[object]:
     """One event as vLLM's tagged array."""
     if isinstance(event, BlockStored):
-        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, None,
-                None]
+        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                event.lora_id, None, event.lora_name]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", event.block_hashes, None]
     assert isinstance(event, AllBlocksCleared)

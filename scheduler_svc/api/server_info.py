@@ -25,7 +25,9 @@ def engine_version() -> str:
 class ServerInfo:
     engine: str
     version: str
+    # The executor's model id (vLLM's model path), and the name answers report it by (--served-model-name's first).
     model: str
+    served_model_name: str
     architecture: str
     dtype: str
     device: str
@@ -60,13 +62,15 @@ class ServerInfo:
     uptime_s: float
 
 
-def server_info(loop: EngineLoop, started_at: float, num_requests: int) -> ServerInfo:
+def server_info(loop: EngineLoop, started_at: float, num_requests: int, served_model_name: str = "") -> ServerInfo:
     """``started_at``: time.time() when the scheduler started; ``num_requests``: requests in flight now, the engine
-    loop's or still on their way to it, so that the queue shows at once even while a step holds the loop."""
+    loop's or still on their way to it, so that the queue shows at once even while a step holds the loop;
+    ``served_model_name``: "" for the executor's model id."""
     info, engine, stats = loop.info, loop.engine, loop.stats
     config = engine.config
     return ServerInfo(
-        engine=ENGINE, version=engine_version(), model=info.model_id, architecture=info.architecture, dtype=info.dtype,
+        engine=ENGINE, version=engine_version(), model=info.model_id,
+        served_model_name=served_model_name or info.model_id, architecture=info.architecture, dtype=info.dtype,
         device=info.device, block_size=info.block_size, num_kv_blocks=info.num_blocks,
         max_model_len=info.max_model_len, vocab_size=info.vocab_size,
         tensor_parallel_size=info.tensor_parallel_size, max_num_seqs=config.max_num_seqs,

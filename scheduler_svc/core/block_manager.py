@@ -289,7 +289,8 @@ class BlockManager:
                 if copies:
                     stored = None
                 elif stored is None:
-                    stored = BlockStored([h], None if i == 0 else parent, list(token_ids), self.block_size)
+                    stored = BlockStored([h], None if i == 0 else parent, list(token_ids), self.block_size,
+                                         seq.lora_id or None)
                     events.append(stored)
                 else:
                     stored.block_hashes.append(h)

@@ -143,3 +143,9 @@ class TextStream:
         """The remaining text once the generation ended, and whether a stop string was matched in it."""
         text, stopped = self.matcher.push(self.detokenizer.flush())
         return (text, True) if stopped else (text + self.matcher.flush(), False)
+
+    def release(self) -> str:
+        """Everything held back, unmatched, once the generation was cut short (aborted): no stop string can end it
+        any more."""
+        held = self.matcher.flush()
+        return held + self.detokenizer.flush()

@@ -20,13 +20,16 @@ class BlockStored:
     """Full blocks whose KV was computed, now prefix-cache entries: a chain, each block the parent of the next.
 
     ``token_ids`` holds ``block_size`` tokens per hash, in order; ``parent_block_hash`` is the hash of the block
-    before the first one (None: the first block of a prompt).
+    before the first one (None: the first block of a prompt). ``lora_id``: the adapter whose KV they hold (None: the
+    base model's), whose name the engine fills in (``KvEventLog.collect``), as a router keys blocks by it.
     """
 
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)

@@ -58,7 +58,9 @@ class OutputProcessor:
     hits), so that the usage of a request's choices adds up to its prompt once. ``resumed`` completion tokens
     (a stream another scheduler started) are replayed through the text state, their text dropped: the
     caller has it, and text held back at the boundary (a partial stop string, an unfinished character)
-    comes out with the next token, exactly as in an undisturbed run.
+    comes out with the next token, exactly as in an undisturbed run. The token that ends a STOP (EOS, a stop
+    token) shows its text only with ``include_stop_str_in_output``, as vLLM's detokenizer has it (an EOS, being a
+    special token, then shows only without ``skip_special_tokens``).
     """
 
     def __init__(self, tokenizer: ModelTokenizer | None, prompt_token_ids: list[int], params: SamplingParams,
@@ -67,6 +69,7 @@ class OutputProcessor:
             tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
         self.index = index
         self.min_tokens = params.min_tokens
+        self.include_stop = params.include_stop_str_in_output
         self.prompt_logprobs_due = params.prompt_logprobs is not None
         if self.text is not None:
             for k, token_id in enumerate(resumed or ()):
@@ -102,6 +105,11 @@ class OutputProcessor:
             output.matched_stop = self._matched_stop(seq, token_ids)
         return output, stop_at
 
+    def release(self) -> str:
+        """The text held back (a partial stop string, an unfinished character) when the choice is aborted: no token
+        follows, so no stop string can match it any more and it is final."""
+        return "" if self.text is None else self.text.release()
+
     def _matched_stop(self, seq: Sequence, token_ids: list[int]) -> str | int | None:
         """What ended a STOP: a stop string, or a stop token id (not an EOS, which the model ends on by itself)."""
         if self.text is not None and self.text.matcher.matched is not None:
@@ -114,8 +122,10 @@ class OutputProcessor:
         sequence must end when it matched before the step's last token."""
         seq, token_ids = out.seq, out.token_ids
         last = len(token_ids) - 1
-        if not self.text.matches_stop_strings:  # a window's tokens decode at once; an EOS or stop token shows no text
-            shown = last if out.final and seq.finish_reason is FinishReason.STOP else last + 1
+        # The EOS or stop token that ends the generation shows no text, unless include_stop_str_in_output.
+        hides_last = out.final and seq.finish_reason is FinishReason.STOP and not self.include_stop
+        if not self.text.matches_stop_strings:  # a window's tokens decode at once
+            shown = last if hides_last else last + 1
             text = self.text.push_many(token_ids[:shown])
             if out.final:
                 text += self.text.finish()[0]
@@ -124,8 +134,8 @@ class OutputProcessor:
         # Completion tokens before token k: a stop string ends the generation once it ends past min_tokens tokens.
         done = out.position - seq.num_prompt_tokens
         for k, token_id in enumerate(token_ids):
-            if k == last and out.final and seq.finish_reason is FinishReason.STOP:
-                break  # an EOS or stop token ends the text without being part of it
+            if k == last and hides_last:
+                break
             piece, stopped = self.text.push(token_id, done + k >= self.min_tokens)
             text += piece
             if stopped:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
 from scheduler_svc.core.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from common.step import PromptLogprobs
     from scheduler_svc.core.speculation import SequenceSpeculation
     from scheduler_svc.core.stop_rules import StopRule
 
@@ -113,3 +115,12 @@ class Sequence:
     def block(self, i: int) -> list[int]:
         """Token ids of logical block ``i``."""
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+
+def keep_prompt_logprobs(seqs: Iterable[Sequence], runs: Iterable[PromptLogprobs]) -> None:
+    """Append each run of prompt logprobs to its sequence from where the sequence's own end: a recomputed prompt
+    (after a preemption or a restart) sends runs it has already, which are dropped."""
+    by_id = {run.request_id: run for run in runs}
+    for seq in seqs:
+        if (run := by_id.get(seq.seq_id)) is not None:
+            seq.prompt_logprobs += run.logprobs[max(0, len(seq.prompt_logprobs) + 1 - run.first_position):]

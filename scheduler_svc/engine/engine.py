@@ -29,9 +29,9 @@ from scheduler_svc.core.mixed import POLICIES
 from scheduler_svc.core.planner import Planner
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig, TokenOutput
-from scheduler_svc.core.sequence import FinishReason, Sequence
+from scheduler_svc.core.sequence import FinishReason, Sequence, keep_prompt_logprobs
 from scheduler_svc.core.validation import ModelLimits, check_request
-from scheduler_svc.engine.adapters import Adapters
+from scheduler_svc.engine.adapters import Adapters, loads_at_run_time
 from scheduler_svc.engine.checks import (
     ExecutorRestarted,
     IncompatibleExecutor,
@@ -41,10 +41,9 @@ from scheduler_svc.engine.checks import (
     serving_plans_ahead,
 )
 from scheduler_svc.engine.kv_events import KvEventLog
-from scheduler_svc.engine.launched import Launched, StepTimings
+from scheduler_svc.engine.launched import Launched, StepTimings, Submit, submitter
 from scheduler_svc.engine.window import Window
 
-Submit = Callable[[StepPlan], Future[StepResult]]
 # Told each collected step's computed tokens and the executor's forward seconds (the engine loop's metrics).
 OnStep = Callable[[int, float], None]
 
@@ -100,7 +99,7 @@ class Engine:
         self.on_step: OnStep = _unobserved
         self.kv_events = KvEventLog()  # the prefix cache's, collected by the engine loop after each iteration
         self.window = Window(executor)
-        self.adapters = Adapters(self.info.lora_adapters, self.info.model_id)
+        self.adapters = Adapters(self.info.lora_adapters, self.info.model_id, loads_at_run_time(self.info))
 
     @property
     def block_manager(self) -> BlockManager:
@@ -218,18 +217,9 @@ class Engine:
 
     @cached_property
     def _submit(self) -> Submit:
-        """Sends a plan without waiting for its result: the executor's own ordered stream when it has one, else one
-        worker thread (which keeps order). An executor that ``prepares_ahead`` (its step in two halves, ``prepare``
-        and ``execute``: ``executor_svc.core.step_pipeline``) gets a second thread that prepares each plan as it
-        comes, while the worker still executes the one before."""
-        if self.executor.streams:
-            return self.executor.submit
-        self._worker = worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor")
-        if not self.executor.prepares_ahead:
-            return lambda plan: worker.submit(self.executor.step, plan)
-        prepare, execute = self.executor.prepare, self.executor.execute
-        packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-prepare")
-        return lambda plan: worker.submit(lambda prepared: execute(prepared.result()), packer.submit(prepare, plan))
+        """``launched.submitter``: how plans go out without waiting for their results."""
+        submit, self._worker = submitter(self.executor)
+        return submit
 
     def _launch(self, run: Callable[[StepPlan], Future[StepResult] | StepResult],
                 after_whole: int | None = None) -> Launched | None:
@@ -293,8 +283,7 @@ class Engine:
         result = self._result(launched)
         t1 = time.perf_counter()
         self.num_steps += 1
-        if result.prompt_logprobs:
-            self._keep_prompt_logprobs(launched.record.seqs, result)
+        keep_prompt_logprobs(launched.record.seqs, result.prompt_logprobs)
         num_passes = result.num_passes
         ahead = self._in_flight
         if num_passes is not None and ahead is not None and ahead.plan.after_whole_step_id == launched.plan.step_id:
@@ -310,23 +299,14 @@ class Engine:
         self.last_timings = StepTimings(
             launched.schedule_s, launched.plan_s, launched.send_s + t1 - t0, time.perf_counter() - t1
         )
+        if self.adapters.retiring:
+            self.retire_adapters()
         return outputs
 
     def _unbook(self, ahead: Launched) -> None:
         """The window ``ahead`` was booked on was cut: the executor drops it, so its booking is given back."""
         ahead.dropped = True
         Window.give_back(self.scheduler, self.planner, ahead.record, ahead.plan)
-
-    @staticmethod
-    def _keep_prompt_logprobs(seqs: list[Sequence], result: StepResult) -> None:
-        """Append each run of prompt logprobs from where the sequence's own end; a recomputed prompt (after a
-        preemption or a restart) sends runs it already has, which are dropped."""
-        runs = {run.request_id: run for run in result.prompt_logprobs}
-        for seq in seqs:
-            run = runs.get(seq.seq_id)
-            if run is not None:
-                have = len(seq.prompt_logprobs) + 1
-                seq.prompt_logprobs += run.logprobs[max(0, have - run.first_position):]
 
     def probe(self) -> bool:
         """Whether the executor still answers as the same instance (it raises when it does not answer)."""
@@ -356,16 +336,32 @@ class Engine:
         self.info = info
         self.scheduler.max_model_len = info.max_model_len
         self.planner.forget_all()
-        lost = self.adapters.renumber([*self.scheduler.running, *self.scheduler.waiting], info.lora_adapters)
+        lost = self.adapters.renumber(self.executor, self._live(), info)
         for seq in lost:  # its adapter is gone with the old executor
             self.abort(seq)
         return lost, self.scheduler.requeue_all(BlockManager(info.num_blocks, info.block_size))
 
+    def load_lora(self, name: str, path: str, inplace: bool = False) -> LoraAdapterInfo:
+        """``Adapters.load``; to replace one ``inplace``, an idle executor first drops the ended requests it served."""
+        if inplace and name in self.adapters:
+            self.retire_adapters()
+        return self.adapters.load(self.executor, name, path, self._live(), inplace)
+
     def unload_lora(self, name: str) -> LoraAdapterInfo:
-        """``Adapters.unload``, once an idle executor has dropped the requests that ended (busy, it may refuse)."""
-        if self._in_flight is None:
+        """``Adapters.unload``: refused to new requests now, dropped once the requests through it end (``retire``)."""
+        adapter = self.adapters.unload(name)
+        self.retire_adapters()
+        return adapter
+
+    def retire_adapters(self) -> None:
+        """``Adapters.retire``, once an idle executor has dropped the requests that ended (busy, after a later step)."""
+        if self._in_flight is None and not self._ahead:
             self._flush_released()
-        return self.adapters.unload(self.executor, name, [*self.scheduler.running, *self.scheduler.waiting])
+        else:
+            self.adapters.retire(self.executor, self._live())
+
+    def _live(self) -> list[Sequence]:
+        return [*self.scheduler.running, *self.scheduler.waiting]
 
     def _abandon_in_flight(self) -> None:
         """Forget the step in flight before a reset; its outcome no longer matters.
@@ -380,11 +376,13 @@ class Engine:
             wait([self._worker.submit(lambda: None)], timeout=self.step_timeout_s)
 
     def _flush_released(self) -> None:
-        """Tell an idle executor to drop requests that finished in the last step."""
+        """Tell an idle executor to drop requests that finished in the last step, then retire adapters they kept."""
         released = self.scheduler.drain_released()
         plan, _ = self.planner.build([], False, released)
         if plan.finished_request_ids:
             self.executor.step(plan)
+        if self.adapters.retiring:
+            self.adapters.retire(self.executor, self._live())
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  loras: list[str | None] | None = None) -> list[FinishedRequest]:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_svc.core.block_manager import BlockManager
-from scheduler_svc.core.kv_events import KvEvent
+from scheduler_svc.core.kv_events import BlockStored, KvEvent
 
 # Batches kept for subscribers that resume (vLLM's buffer_steps default).
 HISTORY_BATCHES = 10_000
@@ -68,10 +68,15 @@ class KvEventLog:
         self._sequence_numbers = itertools.count(1)
         self._next_event_id = 1
 
-    def collect(self, block_manager: BlockManager) -> None:
-        """The loop thread, after each iteration: what the cache recorded becomes the next batch."""
+    def collect(self, block_manager: BlockManager, lora_name: Callable[[int], str]) -> None:
+        """The loop thread, after each iteration: what the cache recorded becomes the next batch, each stored block
+        of an adapter named (``lora_name`` of its id)."""
         if block_manager.events:
-            self.publish(block_manager.take_events())
+            events = block_manager.take_events()
+            for event in events:
+                if isinstance(event, BlockStored) and event.lora_id:
+                    event.lora_name = lora_name(event.lora_id)
+            self.publish(events)
 
     def publish(self, events: list[KvEvent]) -> None:
         with self._lock:

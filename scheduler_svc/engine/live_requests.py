@@ -191,15 +191,18 @@ class LiveRequests:
 
     def cancel(self, engine: Engine, handle: RequestHandle, answer: bool = False, drained: bool = False,
                failed: bool = False) -> None:
-        """Abort every choice of the request and free its blocks now; with ``answer`` each ends with ABORT
-        and its usage (an Abort call; ``drained``: the server shuts down), else silently (the caller went away, or
-        ``failed``: an engine-side failure ended it). A request done is left alone."""
+        """Abort every choice of the request and free its blocks now; with ``answer`` each ends with ABORT, its
+        usage and the text it held back (an Abort call; ``drained``: the server shuts down), else silently (the
+        caller went away, or ``failed``: an engine-side failure ended it). A request done is left alone."""
         for active in list(self.by_handle.get(handle, ())):
             engine.abort(active.seq)
             if answer:
                 index = active.processor.index
                 usage = RequestUsage.of(active.seq, counts_prompt=index == 0)
-                self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage, index=index,
+                # Held-back text is final once no token follows; a drained stream keeps it for its resumption,
+                # whose first response brings it.
+                text = "" if drained else active.processor.release()
+                self.emit(handle, RequestOutput(text, finish_reason=FinishReason.ABORT, usage=usage, index=index,
                                                 drained=drained))
             self.forget(active, FinishReason.ABORT, failed)
         if handle.pending_choices:

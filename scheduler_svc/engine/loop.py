@@ -243,7 +243,7 @@ class EngineLoop(EngineCalls):
         """End of an iteration: refresh the stats, deliver the outputs and the KV events, postpone the probe."""
         self._refresh_stats()
         self._deliver()
-        self.engine.kv_events.collect(self.engine.block_manager)
+        self.engine.kv_events.collect(self.engine.block_manager, self.engine.adapters.name_of)
         self.supervisor.postpone_probe(time.monotonic())
 
     def _refresh_stats(self) -> None:

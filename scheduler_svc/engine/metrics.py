@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from common.step import ExecutorInfo
 from scheduler_svc.core.sequence import FinishReason
 from scheduler_svc.engine.stats import LoopStats
 
@@ -101,10 +102,13 @@ class Buckets:
 class Metrics:
     """The engine loop's ``LoopObserver`` and a prometheus collector: register it once the loop runs."""
 
-    def __init__(self, model_name: str, max_model_len: int, stats: Callable[[], LoopStats]) -> None:
-        """``stats``: the loop's latest published stats."""
+    def __init__(self, model_name: str, stats: Callable[[], LoopStats], info: Callable[[], ExecutorInfo]) -> None:
+        """``stats``: the loop's latest published stats; ``info``: the executor's handshake, the latest one after a
+        recovery."""
         self.labels = [model_name]
         self.stats = stats
+        self.info = info
+        max_model_len = info().max_model_len
         self.iteration_tokens = Buckets(ITERATION_TOKENS_BUCKETS)
         self.executor_step = Buckets(STEP_SECONDS_BUCKETS)
         self.time_to_first_token = Buckets(TTFT_BUCKETS)
@@ -169,6 +173,20 @@ class Metrics:
             yield buckets.family(name, documentation, labels)
         if stats.max_loras:
             yield lora_requests_info(stats)
+        yield cache_config_info(self.info())
+
+
+def cache_config_info(info: ExecutorInfo) -> GaugeMetricFamily:
+    """vLLM's info gauge of its cache config (value 1, the config in the labels, no ``model_name``): the endpoint
+    picker sizes its index of each pod's prefix cache from ``num_gpu_blocks`` and cuts prompts at ``block_size``.
+    The blocks are the executor's whatever its device, the KV cache is in the model's dtype, and the prefix cache is
+    always on."""
+    labels = {"block_size": str(info.block_size), "cache_dtype": info.dtype, "enable_prefix_caching": "True",
+              "num_gpu_blocks": str(info.num_blocks)}
+    gauge = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the executor's KV cache.",
+                              labels=list(labels))
+    gauge.add_metric(list(labels.values()), 1)
+    return gauge
 
 
 def lora_requests_info(stats: LoopStats) -> GaugeMetricFamily:

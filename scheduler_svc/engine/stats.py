@@ -104,7 +104,7 @@ def lora_labels(engine: Engine, prefilling: int) -> dict[str, object]:
     if not engine.info.max_lora_rank:
         return {}
     scheduler, name_of = engine.scheduler, engine.adapters.name_of
-    if not engine.adapters.by_name:  # no adapter loaded: no request runs through one
+    if not engine.adapters.by_name and not engine.adapters.retiring:  # no request runs through an adapter
         return dict(max_loras=scheduler.max_loras or 0)
     waiting = scheduler.waiting
 

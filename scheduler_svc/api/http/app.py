@@ -3,10 +3,10 @@ them through the same ``Frontend``, and translates the outputs back; no engine l
 
 A streamed response whose client goes away is cancelled by Starlette (``GenerationStream``), and a whole
 response's by ``unless_disconnected``; either way its generations close, which cancels their requests, so their KV
-blocks are free before the next step. ``/metrics`` is Prometheus' (``metrics_router``), open like ``/health`` (every
-other route is behind the API key); ``create_metrics_app`` serves it alone on --metrics-port. ``/openapi.json`` and
-``/docs`` describe every route (``openapi``); ``gateway`` adds what gateways probe (``/version``, ``/server_info``,
-the render routes).
+blocks are free before the next step. ``/metrics`` is Prometheus' (``metrics_router``), open like ``/health`` and
+every route outside ``GUARDED_PREFIXES``; ``create_metrics_app`` serves it alone on --metrics-port.
+``/openapi.json`` and ``/docs`` describe every route (``openapi``); ``gateway`` adds what gateways probe
+(``/version``, ``/server_info``, the render routes).
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ from scheduler_svc.api.server_info import engine_version
 from scheduler_svc.core.errors import RequestFailed
 from scheduler_svc.core.tokenizer import ModelTokenizer
 
-# Open without the API key, as vLLM's --api-key leaves them: probes and scrapers carry none (the endpoint picker
-# cannot send one), and they tell only health, counts and the model id, nothing of a request.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# What the API key guards, by path prefix: vLLM's --api-key guards exactly its API prefixes (the first four) and
+# leaves the rest open (/health, /metrics, /version, /server_info, /tokenize, ...), which probes, scrapers and
+# gateways call without a key (the Shepherd Model Gateway tells a vLLM worker by /version); "/admin" is nanoserve's
+# own, which no vLLM route matches: the recording's switch writes to the disk.
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/admin")
 # Sent instead of a response nobody is left to read.
 CLIENT_CLOSED = 499
 # ``responses``' two ways to answer: SSE chunks, or one whole object.
@@ -49,14 +51,17 @@ Whole = Callable[[translate.Translated, list[Generation], ModelTokenizer | None]
 
 
 class ApiKeyMiddleware:
-    """Answer 401 before anything else (the body is not even read) unless ``Authorization: Bearer <key>``."""
+    """Answer 401 before anything else (the body is not even read) unless ``Authorization: Bearer <key>``, on a
+    guarded path; a CORS preflight (OPTIONS) never, as vLLM's, since a browser sends it without the key."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.api_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        if (scope["type"] in ("http", "websocket") and scope.get("method") != "OPTIONS"
+                and path.startswith(GUARDED_PREFIXES)):
             token = bearer_token(tuple((k.decode("latin-1"), v) for k, v in scope["headers"]))
             if token is None or not hmac.compare_digest(token, self.api_key):
                 message = "this server needs an API key: send the header 'Authorization: Bearer <key>'"
@@ -104,8 +109,8 @@ class GenerationStream(StreamingResponse):
 
 
 def served_by(frontend: Frontend) -> Callable[[], translate.Served]:
-    """What a request's ``model`` may name now: the base model or a LoRA adapter loaded at the time."""
-    return lambda: translate.Served(frontend.ready().info.model_id, frozenset(a.name for a in frontend.adapters()))
+    """What a request's ``model`` may name now: the base model (by any served name) or a LoRA adapter loaded then."""
+    return lambda: translate.Served.of(frontend.model_names(), frozenset(a.name for a in frontend.adapters()))
 
 
 class Generating(Protocol):
@@ -189,12 +194,13 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
     served_model = served_by(frontend)
 
     def model_cards() -> list[schemas.ModelCard]:
-        """The base model, then each LoRA adapter, with the base model as its parent."""
-        info = frontend.ready().info
-        base = schemas.ModelCard(id=info.model_id, created=started, root=info.model_id,
-                                 max_model_len=info.max_model_len)
-        return [base, *(schemas.ModelCard(id=a.name, created=started, root=a.path, parent=info.model_id,
-                                          max_model_len=info.max_model_len) for a in frontend.adapters())]
+        """As vLLM's: the base model under each served name (its root the executor's model id), then each LoRA
+        adapter, its parent the first served name."""
+        info, names = frontend.ready().info, frontend.model_names()
+        base = [schemas.ModelCard(id=name, created=started, root=info.model_id, max_model_len=info.max_model_len)
+                for name in names]
+        return [*base, *(schemas.ModelCard(id=a.name, created=started, root=a.path, parent=names[0],
+                                           max_model_len=info.max_model_len) for a in frontend.adapters())]
 
     @router.get("/v1/models", response_model=schemas.ModelList)
     async def models() -> Response:
@@ -202,21 +208,21 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
 
     @router.get("/v1/models/{model:path}", response_model=schemas.ModelCard)
     async def model(model: str) -> Response:
-        name = translate.check_model(model, served_model()) or frontend.ready().info.model_id
-        return json_response(next(card for card in model_cards() if card.id == name))
+        translate.check_model(model, served_model())  # 404 unless a card has this id
+        return json_response(next(card for card in model_cards() if card.id == model))
 
     @router.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: schemas.LoadLoraAdapterRequest) -> Response:
         """Refused unless the executor runs with --runtime-lora."""
         try:
-            await frontend.load_lora(body.lora_name, body.lora_path)
+            await frontend.load_lora(body.lora_name, body.lora_path, body.load_inplace)
         except LoraRefused as e:
             raise lora_error(e) from e
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
     @router.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: schemas.UnloadLoraAdapterRequest) -> Response:
-        """Refused while requests wait or run through the adapter; they are never disturbed."""
+        """New requests naming the adapter are refused at once; those through it already run to their end."""
         try:
             await frontend.unload_lora(body.lora_name)
         except LoraRefused as e:

@@ -77,7 +77,8 @@ class GenerationParameters(Request):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     stop_token_ids: list[UInt32] | None = None
-    truncate_prompt_tokens: UInt32 | None = None
+    # -1: the model's length, as vLLM reads it.
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, lt=2**32)] | None = None
     structured_outputs: StructuredOutputs | None = None
     return_token_ids: bool | None = False
 
@@ -254,10 +255,11 @@ class ModelCard(BaseModel):
 
 
 class LoadLoraAdapterRequest(BaseModel):
-    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+    """vLLM's ``POST /v1/load_lora_adapter`` body; ``load_inplace`` replaces the adapter served under ``lora_name``."""
 
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
 
 
 class UnloadLoraAdapterRequest(BaseModel):

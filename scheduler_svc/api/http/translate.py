@@ -73,20 +73,33 @@ def api_error(error: RequestFailed, renames: Mapping[str, str]) -> ApiError:
 
 
 class Served(NamedTuple):
-    """What a request's ``model`` may name: the base model, or a LoRA adapter by its name (as vLLM serves them)."""
+    """What a request's ``model`` may name: the base model by any of its names, or a LoRA adapter by its name (as
+    vLLM serves them)."""
 
+    # The base model's name that answers report (--served-model-name's first, else the executor's model id).
     model_id: str
     adapters: frozenset[str] = frozenset()
+    # --served-model-name's other names, which name the base model too.
+    aliases: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, names: tuple[str, ...], adapters: frozenset[str]) -> Served:
+        return cls(names[0], adapters, names[1:])
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.model_id, *self.aliases)
 
 
 def check_model(requested: str | None, served: Served) -> str:
     """The LoRA adapter ``requested`` names ("" for the base model); 404 when it names nothing served."""
-    if requested is None or requested == served.model_id:
+    if requested is None or requested in served.names:
         return ""
     if requested in served.adapters:
         return requested
+    names = ", ".join(f"`{name}`" for name in served.names)
     adapters = f" and the LoRA adapters {', '.join(sorted(served.adapters))}" if served.adapters else ""
-    raise ApiError(404, f"The model `{requested}` does not exist; this server serves `{served.model_id}`{adapters}",
+    raise ApiError(404, f"The model `{requested}` does not exist; this server serves {names}{adapters}",
                    "model", "model_not_found")
 
 
@@ -135,6 +148,12 @@ def logit_bias(bias: Mapping[str, float] | None) -> dict[int, float]:
     return out
 
 
+def whole_prompt_if_minus_one(truncate_prompt_tokens: int | None) -> int | None:
+    """vLLM's -1 ("the model's length") as the proto's uint32 carries it: its largest value, which keeps every prompt
+    the model can take (a longer one is refused either way)."""
+    return 2**32 - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+
+
 def structured_output(body: schemas.GenerationParameters) -> tuple[pb.StructuredOutput | None, str]:
     """The one constraint of ``response_format`` or vLLM's ``structured_outputs``, and which of the two set it."""
     fmt, outputs = body.response_format, body.structured_outputs
@@ -180,7 +199,7 @@ def base_request(body: schemas.GenerationParameters, max_tokens: int | None, log
                                   ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                                   include_stop_str_in_output=body.include_stop_str_in_output)
     request = pb.GenerateRequest(sampling=sampling, stopping=stopping, skip_special_tokens=body.skip_special_tokens,
-                                 truncate_prompt_tokens=body.truncate_prompt_tokens)
+                                 truncate_prompt_tokens=whole_prompt_if_minus_one(body.truncate_prompt_tokens))
     constraint, renames["structured_output"] = structured_output(body)
     if constraint is not None:
         request.structured_output.CopyFrom(constraint)

@@ -23,9 +23,10 @@ SERVER_TYPE = "nanoserve-grpc"
 TOKENIZER_CHUNK_BYTES = 64 << 10
 
 
-def model_info(info: ExecutorInfo) -> vllm.GetModelInfoResponse:
+def model_info(info: ExecutorInfo, served_model_name: str = "") -> vllm.GetModelInfoResponse:
+    """``served_model_name``: what the gateway names the model by (--served-model-name's first; "": the model id)."""
     return vllm.GetModelInfoResponse(
-        model_path=info.model_id, served_model_name=info.model_id, is_generation=True,
+        model_path=info.model_id, served_model_name=served_model_name or info.model_id, is_generation=True,
         max_context_length=info.max_model_len, max_req_input_len=info.max_model_len - 1, vocab_size=info.vocab_size,
         supports_vision=False, architectures=[info.architecture] if info.architecture else [],
         eos_token_ids=info.eos_token_ids, bos_token_id=info.bos_token_id or 0)
@@ -60,7 +61,7 @@ def kv_event(event_id: int, event: KvEvent) -> common.KvCacheEvent:
     if isinstance(event, BlockStored):
         size = event.block_size
         blocks = [common.KvBlock(block_hash=signed(h), token_ids=event.token_ids[i * size:(i + 1) * size],
-                                 block_size=size) for i, h in enumerate(event.block_hashes)]
+                                 block_size=size, lora_id=event.lora_id) for i, h in enumerate(event.block_hashes)]
         stored = common.KvBlocksStored(blocks=blocks)
         if event.parent_block_hash is not None:
             stored.parent_block_hash = signed(event.parent_block_hash)

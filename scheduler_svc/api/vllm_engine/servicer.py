@@ -95,7 +95,7 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
     async def GetModelInfo(self, request: vllm.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> vllm.GetModelInfoResponse:
         await self._ready(context)
-        return info.model_info(self.frontend.ready().info)
+        return info.model_info(self.frontend.ready().info, self.frontend.model_names()[0])
 
     async def GetServerInfo(self, request: vllm.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> vllm.GetServerInfoResponse:
