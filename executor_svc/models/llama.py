@@ -111,7 +111,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, dtype)
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, dtype,
+                                 config.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # On the CPU, the layers of a decode step in the C stack where they fit (``cpu_decode_stack.attach``).

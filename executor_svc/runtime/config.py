@@ -11,11 +11,40 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Mistral's is Llama's without a sliding window (v0.2 on).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# transformers' defaults for what a config.json may leave out, where they differ by family: (num_key_value_heads,
+# head_dim, max_position_embeddings); None: derived from the attention heads.
+_FAMILY_DEFAULTS = {"LlamaForCausalLM": (None, None, 2048), "MistralForCausalLM": (None, None, 4096 * 32),
+                    "Qwen2ForCausalLM": (32, None, 32768), "Qwen3ForCausalLM": (32, 128, 32768)}
+# RoPE frequency scalings computed as transformers computes them (``layers.rotary``); "dynamic", whose frequencies
+# change with a sequence's length, and "longrope" are refused.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# What each needs besides ``factor``.
+_ROPE_KEYS = {"llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "yarn": ("original_max_position_embeddings",)}
 
 
 class UnsupportedModel(ValueError):
     """A model folder this executor cannot run; the message says why."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE's frequency scaling, from ``rope_scaling`` or ``rope_parameters``; unset fields are transformers'
+    defaults."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -38,6 +67,9 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # The dtype the checkpoint was saved in (config.json's dtype or torch_dtype), where it says.
+    checkpoint_dtype: str | None = None
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
@@ -59,13 +91,20 @@ class ModelConfig:
             raise UnsupportedModel(
                 f"architecture {architecture} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if config.get("hidden_act", "silu") != "silu":
+        if config.get("hidden_act", "silu") not in ("silu", "swish"):  # one function under two names
             raise UnsupportedModel(f"activation {config['hidden_act']} is not supported; only silu is")
-        if config.get("use_sliding_window"):
-            raise UnsupportedModel("sliding-window attention is not supported")
+        if config.get("quantization_config"):
+            method = config["quantization_config"].get("quant_method", "unnamed")
+            raise UnsupportedModel(f"the checkpoint is quantized ({method}); only unquantized weights are served")
+        _refuse_sliding_windows(config, architecture)
+        kv_heads, default_head_dim, default_positions = _FAMILY_DEFAULTS[architecture]
         num_heads = config["num_attention_heads"]
         attention_bias = bool(config.get("attention_bias", False))
         is_qwen2 = architecture == "Qwen2ForCausalLM"
+        rope_theta, rope_scaling = _rope(config)
+        # Linear scaling stretches the positions the model was trained on (as vLLM takes it); YaRN's and Llama 3's
+        # max_position_embeddings are scaled already.
+        stretch = rope_scaling.factor if rope_scaling.rope_type == "linear" else 1
         return cls(
             architecture=architecture,
             vocab_size=config["vocab_size"],
@@ -73,11 +112,11 @@ class ModelConfig:
             intermediate_size=config["intermediate_size"],
             num_layers=config["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or kv_heads or num_heads,
+            head_dim=config.get("head_dim") or default_head_dim or config["hidden_size"] // num_heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(config),
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(config.get("max_position_embeddings", default_positions) * stretch),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases and no o_proj bias; Llama and Qwen3 follow attention_bias for all four.
             qkv_bias=is_qwen2 or attention_bias,
@@ -86,6 +125,8 @@ class ModelConfig:
             qk_norm=architecture == "Qwen3ForCausalLM",
             eos_token_ids=_eos_token_ids(config, generation or {}, tokenizer_eos_id),
             bos_token_id=config.get("bos_token_id"),
+            rope_scaling=rope_scaling,
+            checkpoint_dtype=config.get("dtype") or config.get("torch_dtype"),
         )
 
     def check_tensor_parallel(self, tp_size: int) -> None:
@@ -101,13 +142,42 @@ class ModelConfig:
             raise UnsupportedModel(f"tensor-parallel size {tp_size} does not divide {', '.join(bad)}")
 
 
-def _rope_theta(config: dict) -> float:
-    """Plain RoPE only: transformers-5 ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise UnsupportedModel(f"rope scaling type {rope_type!r} is not supported; only plain rope ('default') is")
-    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+def _refuse_sliding_windows(config: dict, architecture: str) -> None:
+    """Refuse a window any layer would attend through: Mistral's ``sliding_window`` (v0.1's), Qwen2's where
+    ``use_sliding_window`` and a layer at or past ``max_window_layers`` (as transformers reads them), or a
+    ``layer_types`` entry; a window as long as the model's positions attends to everything and is no window."""
+    window = config.get("sliding_window")
+    if not window or window >= config.get("max_position_embeddings", _FAMILY_DEFAULTS[architecture][2]):
+        return
+    if architecture == "MistralForCausalLM":
+        raise UnsupportedModel(f"sliding-window attention (sliding_window {window}) is not supported")
+    slides = config.get("use_sliding_window") and config.get("max_window_layers", 0) < config["num_hidden_layers"]
+    if slides or "sliding_attention" in (config.get("layer_types") or ()):
+        raise UnsupportedModel(f"sliding-window attention (sliding_window {window}) is not supported")
+
+
+def _rope(config: dict) -> tuple[float, RopeScaling]:
+    """The base and scaling of RoPE: ``rope_scaling`` where given (as transformers prefers it, model cards add it to
+    a transformers-5 config that has ``rope_parameters``), else ``rope_parameters``; the base from either, or the
+    older ``rope_theta``."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if any(isinstance(value, dict) for value in scaling.values()):
+        raise UnsupportedModel("rope parameters per layer type are not supported")
+    base = config.get("rope_parameters") or {}
+    theta = float(scaling.get("rope_theta", base.get("rope_theta", config.get("rope_theta", 10000.0))))
+    partial = scaling.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise UnsupportedModel(f"partial_rotary_factor {partial} is not supported: every head dimension rotates")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModel(f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, RopeScaling()
+    missing = [key for key in ("factor", *_ROPE_KEYS.get(rope_type, ())) if scaling.get(key) is None]
+    if missing:
+        raise UnsupportedModel(f"rope scaling {rope_type!r} needs {', '.join(missing)} in the config")
+    known = {name: scaling[name] for name in RopeScaling.__dataclass_fields__ if scaling.get(name) is not None}
+    return theta, RopeScaling(**{**known, "rope_type": rope_type})
 
 
 def _eos_token_ids(config: dict, generation: dict, tokenizer_eos_id: int | None = None) -> tuple[int, ...]:
@@ -195,17 +265,18 @@ class ExecutorOptions:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def resolved_dtype(self) -> str:
-        """Unless given: bfloat16 on CUDA and on a CPU that names a bfloat16 multiply (AVX512_BF16, AMX), where it
-        runs about twice float32's speed (docs/benchmarks.md, W1); float32 on other CPUs, where it does not."""
-        dtype = self.dtype or self._default_dtype()
+    def resolved_dtype(self, checkpoint_dtype: str | None = None) -> str:
+        """Unless given: on CUDA the checkpoint's half precision (float16 stays float16, as vLLM's auto keeps it),
+        else bfloat16; on a CPU that names a bfloat16 multiply (AVX512_BF16, AMX) bfloat16, where it runs about twice
+        float32's speed (docs/benchmarks.md, W1); float32 on other CPUs, where it does not."""
+        dtype = self.dtype or self._default_dtype(checkpoint_dtype)
         if dtype not in DTYPES:
             raise UnsupportedModel(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
         return dtype
 
-    def _default_dtype(self) -> str:
+    def _default_dtype(self, checkpoint_dtype: str | None) -> str:
         if self.resolved_device() != "cpu":
-            return "bfloat16"
+            return "float16" if checkpoint_dtype == "float16" else "bfloat16"
         from executor_svc.cpu.kernels import names_bfloat16_instructions
 
         return "bfloat16" if names_bfloat16_instructions() else "float32"

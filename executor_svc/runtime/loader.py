@@ -3,12 +3,14 @@
 Checkpoint names map one to one onto parameters except the packed ones:
 q/k/v projections go into ``qkv_proj`` and gate/up into ``gate_up_proj``, each
 at its shard index. A tied LM head is skipped (it is the embedding). Every
-parameter must be filled exactly by the checkpoint, otherwise loading fails
-naming what is missing.
+parameter must be filled exactly by the checkpoint, each tensor of the shape the
+config gives it, otherwise loading fails naming what is missing or misshapen.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 
 import torch
@@ -32,6 +34,42 @@ PACKED = {
 # Rotary tables some older checkpoints saved with the weights: the model computes its own (vLLM skips them too).
 ROTARY_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
+log = logging.getLogger("nanoserve.executor")
+
+
+def checkpoint_shape(name: str, config: ModelConfig) -> tuple[int, ...] | None:
+    """The full (unsharded) shape ``config`` gives checkpoint tensor ``name``; None for one it does not know."""
+    *_, module, param = name.split(".")
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    out_in = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
+              "up_proj": (i, h), "down_proj": (h, i), "embed_tokens": (config.vocab_size, h),
+              "lm_head": (config.vocab_size, h)}
+    if module in out_in:
+        return out_in[module] if param == "weight" else out_in[module][:1]
+    if module in ("q_norm", "k_norm"):
+        return (d,)
+    return (h,) if module.endswith("norm") else None
+
+
+def untie_a_different_head(folder: str | Path, config: ModelConfig) -> ModelConfig:
+    """A config that ties the LM head to the embedding over a checkpoint whose own ``lm_head.weight`` differs: that
+    head is used, untied, as transformers loads it (a warning says so)."""
+    if not config.tie_word_embeddings:
+        return config
+    tensors = {}
+    for file in weight_files(folder):
+        with safe_open(file, framework="pt") as f:
+            for name in ("lm_head.weight", "model.embed_tokens.weight"):
+                if name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    tensors[name] = f.get_tensor(name)
+    head, embedding = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if head is None or embedding is None or torch.equal(head, embedding):
+        return config
+    log.warning("config.json ties the LM head to the embedding, but the checkpoint's lm_head.weight differs: "
+                "serving that head, untied, as transformers does")
+    return dataclasses.replace(config, tie_word_embeddings=False)
+
 
 def checkpoint_to_param(name: str) -> tuple[str, int]:
     """``model.layers.0.self_attn.k_proj.weight`` -> (``model.layers.0.self_attn.qkv_proj.weight``, 1)."""
@@ -40,7 +78,8 @@ def checkpoint_to_param(name: str) -> tuple[str, int]:
     return ".".join([*path, packed, param]), shard
 
 
-def load_weights(model: nn.Module, folder: str | Path, tie_word_embeddings: bool) -> None:
+def load_weights(model: nn.Module, folder: str | Path, config: ModelConfig) -> None:
+    tie_word_embeddings = config.tie_word_embeddings
     files = weight_files(folder)
     params = dict(model.named_parameters(remove_duplicate=False))
     # Every parameter needs each of its packed shards (one for an unpacked parameter).
@@ -61,6 +100,9 @@ def load_weights(model: nn.Module, folder: str | Path, tie_word_embeddings: bool
                 module_name, attr = param_name.rsplit(".", 1)
                 module = model.get_submodule(module_name)
                 tensor = f.get_tensor(name)
+                if (shape := checkpoint_shape(name, config)) is not None and tuple(tensor.shape) != shape:
+                    raise UnsupportedModel(f"checkpoint tensor {name} is {tuple(tensor.shape)}; config.json makes "
+                                           f"it {shape} (in {file})")
                 if hasattr(module, "load"):
                     module.load(attr, tensor, shard)
                 else:
@@ -87,7 +129,7 @@ def load_model(
             model = MODEL_CLASSES[config.architecture](config, backend, dtype)
     finally:
         torch.set_default_dtype(default_dtype)
-    load_weights(model, folder, config.tie_word_embeddings)
+    load_weights(model, folder, config)
     if kernels is not None:
         prepack_for_cpu(model, c_kernel=kernels.uses("linear", "c"), torch_copy=kernels.uses("linear", "torch"))
     return model.eval()

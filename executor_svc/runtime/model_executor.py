@@ -58,7 +58,7 @@ class ModelExecutor(TableExecutor):
             instance_id=uuid.uuid4().hex,
             model_id=options.model,
             architecture=config.architecture,
-            dtype=options.resolved_dtype(),
+            dtype=str(runner.dtype).removeprefix("torch."),
             device=str(runner.device),
             vocab_size=config.vocab_size,
             eos_token_ids=tuple(config.eos_token_ids),

@@ -30,7 +30,7 @@ from executor_svc.layers.linear import prepack_for_cpu
 from executor_svc.lora.manager import LoraManager
 from executor_svc.runtime.config import DEFAULT_CPU_KV_CACHE_BYTES, ExecutorOptions, ModelConfig, UnsupportedModel
 from executor_svc.runtime.distributed import all_reduce_min, broadcast_object, init_group, tp_rank, tp_size
-from executor_svc.runtime.loader import load_model
+from executor_svc.runtime.loader import load_model, untie_a_different_head
 from executor_svc.runtime.model_input import DecodeTables, ModelInput, prepare_input
 from executor_svc.runtime.sampled_ahead import SampledAhead
 from executor_svc.sample.constraints import GrammarConstraints
@@ -71,10 +71,10 @@ class LaunchedForward(NamedTuple):
 class ModelRunner:
     def __init__(self, folder: str | Path, options: ExecutorOptions) -> None:
         self.options = options
-        self.config = ModelConfig.from_folder(folder)
+        self.config = untie_a_different_head(folder, ModelConfig.from_folder(folder))
         self.config.check_tensor_parallel(tp_size())
         self.device = rank_device(options.resolved_device(), tp_rank())
-        self.dtype = getattr(torch, options.resolved_dtype())
+        self.dtype = getattr(torch, options.resolved_dtype(self.config.checkpoint_dtype))
         if self.device.type == "cpu":
             # Ranks on one CPU share its cores instead of each taking all of them.
             torch.set_num_threads(options.threads or max(1, torch.get_num_threads() // tp_size()))
