@@ -52,12 +52,16 @@ def build_request(
     stream_interval: int | None = None,
     lora: str | None = None,
     chat_template_kwargs: Mapping[str, object] | None = None,
+    allowed_token_ids: Sequence[int] | None = None,
+    bad_words: Sequence[str] | str | None = None,
 ) -> pb.GenerateRequest:
     """Exactly one of ``prompt`` (text), ``messages`` (chat) or ``token_ids`` must be given, and at most one
     structured-output constraint (``json_schema`` as JSON text or a dict, ``regex``, ``choice``, ``grammar``
     in Lark or GBNF, ``json_object``). ``lora``: the LoRA adapter to run through, by name (None: the base model).
     ``chat_template_kwargs``: more variables for the chat template with ``messages`` (vLLM's option).
     ``max_tokens_to_room``: without ``max_tokens``, generate up to the room the prompt leaves (vLLM's chat default).
+    ``allowed_token_ids``: only these may be sampled (an empty list is sent, and refused, as vLLM refuses it);
+    ``bad_words``: words the completion must not produce, tokenized by the server as vLLM tokenizes them.
 
     Options left as None are not sent, so the server applies its documented defaults; ``top_k`` -1 disables it, as
     in vLLM (0 in the proto), and ``truncate_prompt_tokens`` -1 keeps the model's length of the prompt, as vLLM's.
@@ -70,10 +74,13 @@ def build_request(
         raise ValueError(f"give exactly one of prompt, messages or token_ids (got {', '.join(given) or 'none'})")
     if isinstance(stop, str):
         stop = [stop]
+    if isinstance(bad_words, str):
+        bad_words = [bad_words]
+    allowed = None if allowed_token_ids is None else token_id_list("allowed_token_ids", allowed_token_ids)
     sampling = message(pb.SamplingOptions, temperature=temperature, top_k=0 if top_k == -1 else top_k, top_p=top_p,
                        min_p=min_p, seed=seed, logprobs=logprobs, repetition_penalty=repetition_penalty,
                        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                       logit_bias=logit_bias or {}, n=n)
+                       logit_bias=logit_bias or {}, n=n, allowed_token_ids=allowed, bad_words=bad_words or [])
     stopping = message(pb.StoppingOptions, max_tokens=max_tokens, stop=stop or [], stop_token_ids=stop_token_ids or [],
                        ignore_eos=ignore_eos, min_tokens=min_tokens,
                        include_stop_str_in_output=include_stop_str_in_output, max_tokens_to_room=max_tokens_to_room)
@@ -100,6 +107,15 @@ def chat_prompt(messages: Sequence[Message], template_kwargs: Mapping[str, objec
     if template_kwargs:
         chat.template_kwargs.update(template_kwargs)
     return chat
+
+
+def token_id_list(name: str, token_ids: Sequence[int]) -> pb.TokenIdList:
+    """A ``TokenIdList``, even empty (a message, so the server tells it from one not given); ValueError naming
+    ``name`` for an id the proto cannot hold."""
+    try:
+        return pb.TokenIdList(token_ids=list(token_ids))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def message(cls: type[M], **fields: object) -> M:

@@ -40,6 +40,11 @@ class SamplingSettings:
     grammar: str | None = None
     # Score the prompt's tokens with this many alternatives each (``prompt_logprobs``).
     num_prompt_logprobs: int | None = DEFAULTS["prompt_logprobs"]
+    # Only these ids may be sampled (ascending, distinct); empty: any token.
+    allowed_token_ids: tuple[int, ...] = ()
+    # The bad words as token-id sequences (the scheduler tokenizes them, so the executor needs no tokenizer): the
+    # last id of each is banned wherever the completion ends with the ones before it.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     greedy: bool = field(init=False, repr=False, compare=False)
     plain_greedy: bool = field(init=False, repr=False, compare=False)
     penalized: bool = field(init=False, repr=False, compare=False)
@@ -47,7 +52,8 @@ class SamplingSettings:
 
     def __post_init__(self) -> None:
         penalized = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        processors = penalized or bool(self.logit_bias) or self.min_tokens > 0
+        processors = (penalized or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.allowed_token_ids)
+                      or bool(self.bad_words_token_ids))
         object.__setattr__(self, "greedy", self.temperature < GREEDY_BELOW)
         object.__setattr__(self, "plain_greedy", self.greedy and self.num_logprobs is None and not processors)
         object.__setattr__(self, "penalized", penalized)

@@ -22,7 +22,10 @@ from common.flags import (
     secret,
     share,
 )
+from scheduler_svc.api.http.chat_output import ChatParsing
 from scheduler_svc.api.http.cors import Cors
+from scheduler_svc.api.http.reasoning import REASONING_PARSERS
+from scheduler_svc.api.http.tool_calls import TOOL_PARSERS
 from scheduler_svc.api.kv_events_config import kv_events_flag
 from scheduler_svc.core.scheduler_config import (
     DEFAULT_NGRAM_SIZE,
@@ -127,9 +130,19 @@ class ServiceConfig:
     # vLLM's --served-model-name: the names a request's ``model`` may give the base model, the first reported as its
     # id everywhere; empty: the executor's model id alone.
     served_model_name: tuple[str, ...] = ()
+    # vLLM's tool calling flags: tool_choice "auto" is taken only with both, its answers read for calls in the format
+    # of --tool-call-parser (``api.http.tool_calls``); "required" and a named function need neither.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str = ""
+    # vLLM's --reasoning-parser: a chat answer's thinking goes to the message's "reasoning" (``api.http.reasoning``).
+    reasoning_parser: str = ""
 
     def cors(self) -> Cors:
         return Cors(self.allowed_origins, self.allowed_credentials, self.allowed_methods, self.allowed_headers)
+
+    def chat_parsing(self) -> ChatParsing:
+        """What reads chat answers: the HTTP routes', in this process or the API process (``Settings``)."""
+        return ChatParsing(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser)
 
     def engine_options(self) -> dict[str, object]:
         """The ``Engine``'s own keyword arguments among these flags (its ``SchedulerConfig`` aside)."""
@@ -260,6 +273,16 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--generation-config", str, "auto: a request that leaves temperature, top_p, top_k, min_p, "
         "repetition_penalty or max_tokens unset takes the model's generation_config.json value (max_new_tokens for "
         "max_tokens), as vLLM's default does; vllm: the scheduler's own defaults", choices=GENERATION_CONFIGS)
+    add("--enable-auto-tool-choice", boolean, "vLLM's flag: take tool_choice 'auto' (the default of a chat request "
+        "with tools), reading the answer for tool calls with --tool-call-parser; without it such a request is a 400. "
+        "tool_choice 'required' and a named function need neither flag")
+    add("--tool-call-parser", str, "vLLM's flag: the model's tool-call format, read out of 'auto' answers: hermes "
+        "(Qwen2.5, Qwen3, Hermes: <tool_call>{...}</tool_call>) or llama3_json (Llama 3.x JSON calls)",
+        choices=tuple(TOOL_PARSERS))
+    add("--reasoning-parser", str, "vLLM's flag: take a chat answer's thinking (<think>...</think>) out of its content "
+        "into the message's 'reasoning', whole and streamed: qwen3 (Qwen3, QwQ; 'enable_thinking': false in "
+        "chat_template_kwargs turns it off) or deepseek_r1 (DeepSeek-R1 and its distillations)",
+        choices=tuple(REASONING_PARSERS))
     return parser
 
 
@@ -275,6 +298,8 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     clash = port_clash(config)
     if clash:
         parser.error(clash)
+    if config.enable_auto_tool_choice and not config.tool_call_parser:  # as vLLM refuses it
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     return config
 
 

@@ -204,7 +204,8 @@ CHAT_ERRORS = [
     ({"stop": [""]}, "stop"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
     ({"messages": []}, "messages"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # "auto" needs the flags
+    ({"tools": []}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs"),
@@ -228,9 +229,10 @@ COMPLETION_ERRORS = [
     ({"extra_body": {"min_tokens": 50}}, "min_tokens"),
     ({"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
     ({"extra_body": {"truncate_prompt_tokens": -2}}, "truncate_prompt_tokens"),
-    ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
-    ({"extra_body": {"allowed_token_ids": [1, 2]}}, "allowed_token_ids"),
-    ({"extra_body": {"bad_words": ["Hi"]}}, "bad_words"),
+    ({"extra_body": {"prompt_logprobs": -1}}, "prompt_logprobs"),
+    ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
+    ({"extra_body": {"allowed_token_ids": [1, TOKENIZER_VOCAB_SIZE]}}, "allowed_token_ids"),
+    ({"extra_body": {"bad_words": [" "]}}, "bad_words"),
     ({"extra_body": {"truncation_side": "right"}}, "truncation_side"),
     ({"extra_body": {"kv_transfer_params": {}}}, "kv_transfer_params"),
     ({"extra_body": {"guided_regex": "[ab]+"}}, "guided_regex"),
@@ -262,7 +264,7 @@ def test_truncate_prompt_tokens_minus_one_keeps_the_whole_prompt_as_vllm_reads_i
 
 def test_vllms_parameters_at_their_defaults_are_accepted(api: Hosted):
     # Refused only when they would change the answer: at vLLM's defaults they change nothing.
-    defaults = {"use_beam_search": False, "allowed_token_ids": [], "bad_words": [], "truncation_side": "left",
+    defaults = {"use_beam_search": False, "allowed_token_ids": None, "bad_words": [], "truncation_side": "left",
                 "continue_final_message": False, "chat_template": None, "prompt_logprobs": None}
     reply = api.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body=defaults)
     assert reply.choices[0].finish_reason == "length"

@@ -1,5 +1,6 @@
 """The options of vLLM's gRPC engine API that the scheduler serves: n choices, Abort, Tokenize and Detokenize,
-min_tokens, stop strings kept in the text, special tokens, prompt truncation, and what reaches the executor."""
+min_tokens, stop strings kept in the text, special tokens, prompt truncation, allowed_token_ids and bad_words, and
+what reaches the executor."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import time
 import grpc
 import pytest
 
+from client.request_builder import build_request
 from common.step import ExecutorInfo, StepPlan, StepResult
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from executor_svc.fakes.shadow_server import EchoExecutor
 from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc.core.bad_words import bad_words_token_ids
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.tokenizer import ChatMessage, ModelTokenizer
 from tests.service_fixtures import (
@@ -310,3 +313,71 @@ def test_a_request_chooses_its_own_stream_interval_over_the_servers():
     assert [len(r.token_ids) for r in gathered] == [1, 5, 5]
     assert [len(r.token_ids) for r in each] == [1] * 11
 
+
+
+def test_allowed_token_ids_and_bad_words_reach_the_executor_once_per_request_as_token_ids():
+    executor = RecordingExecutor(echo())
+    words = ["world", " Hello", "world", "héllo wörld"]
+
+    async def work(stub):  # as the Python client sends them
+        request = build_request(token_ids=[5, 6], max_tokens=4, allowed_token_ids=[9, 3, 9, 5], bad_words=words)
+        return await stub.GenerateOnce(request)
+
+    run(executor, work)
+    news = list(itertools.chain.from_iterable(plan.new_requests for plan in executor.plans))
+    assert len(news) == 1
+    sampling = news[0].sampling
+    assert sampling.allowed_token_ids == (3, 5, 9)
+    expected = bad_words_token_ids(words, TOKENIZER)
+    assert sampling.bad_words_token_ids == tuple(map(tuple, expected))
+    assert len(expected) >= 4 and all(expected), "vLLM's rule keeps each word and, where it differs, its spaced form"
+
+
+def test_allowed_token_ids_and_bad_words_are_refused_naming_the_field():
+    def request(allowed: list[int] | None = None, words: tuple[str, ...] | list[str] = (),
+                resumed: tuple[int, ...] | list[int] = ()) -> pb.GenerateRequest:
+        r = echo_request("ab cd", 8)
+        if allowed is not None:
+            r.sampling.allowed_token_ids.SetInParent()
+            r.sampling.allowed_token_ids.token_ids.extend(allowed)
+        r.sampling.bad_words.extend(words)
+        r.resume.completion_token_ids.extend(resumed)
+        return r
+
+    ab = TOKENIZER.encode("ab", add_special_tokens=False)
+    bad = {
+        "empty allowed list": (build_request(token_ids=[5], allowed_token_ids=[]),
+                               "sampling.allowed_token_ids: when given, it must hold at least one"),
+        "id outside the vocabulary": (request([3, TOKENIZER_VOCAB_SIZE]), "sampling.allowed_token_ids: token id 300"),
+        "empty word": (request(words=["fine", ""]), "sampling.bad_words: bad words must not be empty"),
+        "blank word": (request(words=["   "]), "sampling.bad_words: '   ' encodes to no tokens"),
+        "too many": (request(words=[f"w{i}" for i in range(129)]), "sampling.bad_words: at most 128 token"),
+        "resumed outside": (request([ab[0]], resumed=ab), "resume.completion_token_ids: token id"),
+        "resumed word": (request(words=["ab"], resumed=ab), "resume.completion_token_ids: token id"),
+    }
+
+    async def work(stub):
+        refusals = {}
+        for name, (r, _) in bad.items():
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.GenerateOnce(r)
+            refusals[name] = refused.value
+        fine = await stub.GenerateOnce(request(sorted(set(ab)), words=["zz"], resumed=ab[:1]))
+        return refusals, fine
+
+    refusals, fine = run(echo(), work)
+    for name, (_, details) in bad.items():
+        assert refusals[name].code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert refusals[name].details().startswith(details), (name, refusals[name].details())
+    assert fine.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+
+    async def without_tokenizer(stub):
+        r = token_request([1, 2], 2)
+        r.sampling.bad_words.append("x")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.GenerateOnce(r)
+        return refused.value
+
+    refused = run(shadow(), without_tokenizer)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.details() == "sampling.bad_words: bad words need a tokenizer and this executor has none"

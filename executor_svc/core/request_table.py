@@ -52,6 +52,8 @@ class RequestState:
     # A penalized request's token counts (logits_processors.TokenCounts), made at its first sample and grown as it
     # samples; dropped with the state, so a preempted request rebuilds them from the tokens it comes back with.
     token_counts: Any = None
+    # Its allowed ids and bad words made ready for the sampler (``token_masks.TokenMasks``), at its first sample.
+    token_masks: Any = None
     # The grammar's llguidance matcher, built by the model runner at the first sampled token; it goes with the state.
     matcher: object | None = None
     # What num_computed_tokens and len(token_ids) will be once every step applied so far has run: a plan is
@@ -251,6 +253,13 @@ class RequestTable:
             if not 0 <= token_id < self.vocab_size or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise PlanError(INVALID, f"request {request_id}: logit_bias {token_id}: {bias} needs a token id in "
                                          f"the vocabulary and a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        bad = next((t for t in params.allowed_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise PlanError(INVALID, f"request {request_id}: allowed token id {bad} is outside the vocabulary")
+        for word in params.bad_words_token_ids:
+            if not word or not all(0 <= t < self.vocab_size for t in word):
+                raise PlanError(INVALID, f"request {request_id}: bad word {list(word)} needs one token id at least, "
+                                         "each in the vocabulary")
 
     def _validate(self, plan: StepPlan) -> None:
         # Each id at most once among the finished, and once among the new and cached: applying drops each

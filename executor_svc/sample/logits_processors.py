@@ -1,9 +1,10 @@
-"""Per-request logits processors: the min_tokens mask, logit bias and the repetition/presence/frequency penalties.
+"""Per-request logits processors: the allowed ids and bad words (``token_masks``), the min_tokens mask, logit bias and
+the repetition/presence/frequency penalties.
 
 They run on the float32 logits of the rows that use any (``SamplingSettings.has_logits_processors``), before
-temperature and the filters, in vLLM's order: min_tokens mask, logit bias, penalties. The repetition penalty
-follows transformers (each distinct token of prompt and completion: a positive logit divided by it, any other
-multiplied); presence and frequency penalties follow OpenAI and count completion tokens only:
+temperature and the filters, in vLLM's order: allowed ids, bad words, min_tokens mask, logit bias, penalties. The
+repetition penalty follows transformers (each distinct token of prompt and completion: a positive logit divided by
+it, any other multiplied); presence and frequency penalties follow OpenAI and count completion tokens only:
 ``logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)``.
 
 A batch's work is a few gathers, element-wise ops and scatters over the rows' distinct tokens (never a loop over
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from common.step import SamplingSettings
+from executor_svc.sample.token_masks import ban_bad_words, mask_allowed
 
 # Room for this many distinct tokens at least when a request's counts grow (they double), so a decode rarely
 # reallocates.
@@ -32,6 +34,7 @@ class RequestTokens(Protocol):
     token_ids: list[int]
     num_prompt_tokens: int
     token_counts: Any
+    token_masks: Any
 
 
 class TokenCounts:
@@ -93,6 +96,8 @@ def apply_logits_processors(
     (logprobs describe the model). ``requests[i]`` holds row i's tokens."""
     out = logits.clone(memory_format=torch.contiguous_format)  # penalize indexes it flat
     index = [i for i, row in enumerate(rows) if row.has_logits_processors]
+    mask_allowed(out, rows, requests, index)
+    ban_bad_words(out, rows, requests, index)
     mask_min_tokens(out, rows, requests, index, eos_token_ids)
     add_logit_bias(out, rows, index)
     penalized = [i for i in index if rows[i].penalized]

@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.http import translate
 from scheduler_svc.api.http.app import ApiKeyMiddleware, answer_failures, generation_router
+from scheduler_svc.api.http.chat_output import ChatParsing
 from scheduler_svc.api.http.cors import Cors
 from scheduler_svc.api.http.errors import ApiError
 from scheduler_svc.api.outbox import ChoicesReader
@@ -119,11 +120,12 @@ class Forwarder:
         await self.client.aclose()
 
 
-def create_api_app(source: LinkGenerating, forwarder: Forwarder, api_key: str, cors: Cors) -> FastAPI:
+def create_api_app(source: LinkGenerating, forwarder: Forwarder, api_key: str, cors: Cors,
+                   parsing: ChatParsing) -> FastAPI:
     """The public HTTP app of the API process. The OpenAPI document and its page are the scheduler's (passed on)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     answer_failures(app)
-    app.include_router(generation_router(source))
+    app.include_router(generation_router(source, parsing))
     app.include_router(forwarder.router())
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)

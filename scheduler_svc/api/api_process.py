@@ -40,6 +40,7 @@ from scheduler_svc.api.api_http import Forwarder, LinkGenerating, LinkGeneration
 from scheduler_svc.api.codec import responses, to_response
 from scheduler_svc.api.grpc_proxy import GrpcProxy
 from scheduler_svc.api.grpc_status import fail
+from scheduler_svc.api.http.chat_output import ChatParsing
 from scheduler_svc.api.http.cors import Cors
 from scheduler_svc.api.http.server import HttpServer
 from scheduler_svc.api.malformed import malformed
@@ -83,6 +84,8 @@ class Settings:
     cpu_share: float = 1.0  # --api-process-cpu-share
     # --allowed-origins, --allowed-credentials, --allowed-methods, --allowed-headers (``Cors``'s fields, as JSON)
     cors: dict[str, object] = field(default_factory=lambda: asdict(Cors()))
+    # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser (``ChatParsing``'s fields)
+    chat_parsing: dict[str, object] = field(default_factory=lambda: asdict(ChatParsing()))
 
 
 class Call:
@@ -318,7 +321,8 @@ async def serve(settings: Settings) -> None:
         if forwarder is not None:
             cors = Cors(**{name: tuple(value) if isinstance(value, list) else value
                            for name, value in settings.cors.items()})
-            app = create_api_app(LinkGenerating(link, settings.stream_interval), forwarder, settings.api_key, cors)
+            app = create_api_app(LinkGenerating(link, settings.stream_interval), forwarder, settings.api_key, cors,
+                                 ChatParsing(**settings.chat_parsing))
             http = HttpServer(app, settings.host, settings.http_port, tls)
     except OSError as e:
         link.send(("failed_to_listen", str(e)))

@@ -13,6 +13,7 @@ from google.protobuf import json_format
 
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.structured import compile_grammar
+from scheduler_svc.core.bad_words import bad_words_token_ids
 from scheduler_svc.core.errors import InvalidRequest
 from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.sampling import SamplingParams
@@ -46,6 +47,8 @@ PROTO_FIELD = {
     "logit_bias": "sampling.logit_bias",
     "n": "sampling.n",
     "min_tokens": "stopping.min_tokens",
+    "allowed_token_ids": "sampling.allowed_token_ids",
+    "bad_words": "sampling.bad_words",
 }
 # Fields of the GenerateRequest itself that SamplingParams holds.
 OPTIONAL_REQUEST = ("skip_special_tokens", "prompt_logprobs")
@@ -131,16 +134,20 @@ def detokenize(request: pb.DetokenizeRequest, tokenizer: ModelTokenizer | None, 
 
 
 def sampling_params(request: pb.GenerateRequest, budget: int, grammar: str | None = None,
-                    model_defaults: Mapping[str, object] | None = None) -> SamplingParams:
+                    model_defaults: Mapping[str, object] | None = None,
+                    tokenizer: ModelTokenizer | None = None) -> SamplingParams:
     """Unset fields take the model's defaults (``model_defaults``: generation_config.json's, by field), else
-    ``sampling.DEFAULTS`` (SamplingParams' own defaults)."""
+    ``sampling.DEFAULTS`` (SamplingParams' own defaults). ``tokenizer`` turns the bad words into token ids."""
     s, stopping = request.sampling, request.stopping
     given = {name: value for name, value in (model_defaults or {}).items() if name != "max_tokens"}
     given.update((name, getattr(s, name)) for name in OPTIONAL_SAMPLING if s.HasField(name))
     given.update((name, getattr(stopping, name)) for name in OPTIONAL_STOPPING if stopping.HasField(name))
     given.update((name, getattr(request, name)) for name in OPTIONAL_REQUEST if request.HasField(name))
+    if s.HasField("allowed_token_ids"):  # a message, so that a list given empty is refused, as vLLM refuses it
+        given["allowed_token_ids"] = list(s.allowed_token_ids.token_ids)
     return SamplingParams(max_tokens=budget, stop=list(stopping.stop), stop_token_ids=stopping.stop_token_ids,
-                          logit_bias=dict(s.logit_bias), grammar=grammar, **given)
+                          logit_bias=dict(s.logit_bias), grammar=grammar,
+                          bad_words_token_ids=bad_words_token_ids(s.bad_words, tokenizer), **given)
 
 
 def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTokenizer | None,
@@ -157,7 +164,7 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
         grammar = compile_grammar(request.structured_output, tokenizer, limits.vocab_size)
         budget = completion_budget(requested, len(token_ids), limits, request.stopping.max_tokens_to_room,
                                    (model_defaults or {}).get("max_tokens"))
-        params = sampling_params(request, budget, grammar, model_defaults)
+        params = sampling_params(request, budget, grammar, model_defaults, tokenizer)
         check_sampling(params)
         check_token_ids(params, limits)
         resumed = list(request.resume.completion_token_ids)

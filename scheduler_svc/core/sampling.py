@@ -37,6 +37,10 @@ class SamplingParams:
     prompt_logprobs: int | None = DEFAULTS["prompt_logprobs"]
     # An llguidance grammar (its JSON form) the completion follows, compiled and checked by ``structured``.
     grammar: str | None = None
+    # Only these token ids may be sampled (vLLM's allowed_token_ids); None: any. Given, it must hold one at least.
+    allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words as the token-id sequences its rule bans (``bad_words.bad_words_token_ids`` makes them).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # What the executor's sampler needs of these, made once: every plan that sends the request whole carries it.
     settings: SamplingSettings = field(init=False, repr=False, compare=False)
 
@@ -51,6 +55,8 @@ class SamplingParams:
             stop_token_ids=tuple(sorted(self.stop_token_ids)) if self.min_tokens else (),
             ignore_eos=self.ignore_eos if self.min_tokens else False,
             grammar=self.grammar, num_prompt_logprobs=self.prompt_logprobs,
+            allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
+            bad_words_token_ids=tuple(map(tuple, self.bad_words_token_ids)),
         )
 
     def for_choice(self, index: int) -> SamplingParams:

@@ -20,6 +20,7 @@ from common.sampling import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
+from scheduler_svc.core.bad_words import check_bad_words, first_banned
 from scheduler_svc.core.errors import InvalidRequest
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.sequence import FinishReason, max_kv_blocks
@@ -89,6 +90,12 @@ def check_token_ids(params: SamplingParams, limits: ModelLimits) -> None:
     bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidRequest("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+    bad = next((t for t in params.allowed_token_ids or () if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest("allowed_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+    bad = next((t for word in params.bad_words_token_ids for t in word if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest("bad_words", f"a word tokenizes to id {bad}, outside the model's vocabulary [0, {vocab})")
 
 
 def check_resume(completion: list[int], params: SamplingParams, limits: ModelLimits,
@@ -112,6 +119,16 @@ def check_resume(completion: list[int], params: SamplingParams, limits: ModelLim
     if reason is FinishReason.STOP:
         raise InvalidRequest(field, f"token id {completion[kept - 1]} at position {kept - 1} is an EOS or stop "
                                     "token, which would have ended the generation there")
+    if params.allowed_token_ids is not None:
+        allowed = set(params.allowed_token_ids)
+        bad = next((i for i, t in enumerate(completion) if t not in allowed), None)
+        if bad is not None:
+            raise InvalidRequest(field, f"token id {completion[bad]} at position {bad} is not among "
+                                        "allowed_token_ids, so it could not have been sampled")
+    bad = first_banned(completion, params.bad_words_token_ids)
+    if bad is not None:
+        raise InvalidRequest(field, f"token id {completion[bad]} at position {bad} completes a bad word, so it "
+                                    "could not have been sampled")
 
 
 def check_at_least_one(field: str, value: int | None) -> None:
@@ -178,3 +195,6 @@ def check_sampling(params: SamplingParams) -> None:
         raise InvalidRequest("n", f"must be in [1, {MAX_N}], got {params.n}")
     if params.min_tokens > params.max_tokens:
         raise InvalidRequest("min_tokens", f"must be at most max_tokens ({params.max_tokens}), got {params.min_tokens}")
+    if params.allowed_token_ids is not None and not params.allowed_token_ids:
+        raise InvalidRequest("allowed_token_ids", "when given, it must hold at least one token id")
+    check_bad_words(params.bad_words_token_ids)

@@ -29,6 +29,8 @@ from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.frontend import Frontend, Generation
 from scheduler_svc.api.http import responses, schemas, translate
 from scheduler_svc.api.http.admin import recording_router
+from scheduler_svc.api.http.chat_output import NO_PARSING, ChatParsing
+from scheduler_svc.api.http.chat_render import needs_rendering
 from scheduler_svc.api.http.cors import ANY_ORIGIN, Cors
 from scheduler_svc.api.http.errors import ApiError, install_handlers
 from scheduler_svc.api.http.gateway import gateway_router
@@ -109,8 +111,10 @@ class GenerationStream(StreamingResponse):
 
 
 def served_by(frontend: Frontend) -> Callable[[], translate.Served]:
-    """What a request's ``model`` may name now: the base model (by any served name) or a LoRA adapter loaded then."""
-    return lambda: translate.Served.of(frontend.model_names(), frozenset(a.name for a in frontend.adapters()))
+    """What a request's ``model`` may name now: the base model (by any served name) or a LoRA adapter loaded then;
+    with the tokenizer, which renders a conversation with tools."""
+    return lambda: translate.Served.of(frontend.model_names(), frozenset(a.name for a in frontend.adapters()),
+                                       frontend.tokenizer)
 
 
 class Generating(Protocol):
@@ -143,8 +147,9 @@ class FrontendGenerating:
         return await self.frontend.submit(request, whole)
 
 
-def generation_router(source: Generating) -> APIRouter:
-    """``/v1/chat/completions`` and ``/v1/completions``, answered from ``source``."""
+def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
+    """``/v1/chat/completions`` and ``/v1/completions``, answered from ``source``; chat answers read with the
+    scheduler's flags (``parsing``)."""
     router = APIRouter()
 
     async def submit(t: translate.Translated) -> list[Generation]:
@@ -177,7 +182,11 @@ def generation_router(source: Generating) -> APIRouter:
 
     @router.post("/v1/chat/completions", response_model=schemas.ChatCompletion, responses=STREAMED)
     async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
-        t = translate.chat_request(body, await source.served())
+        served = (await source.served())._replace(tokenizer=source.tokenizer)
+        if needs_rendering(body.messages, body.tools):  # rendered here: off the event loop, as the scheduler does
+            t = await asyncio.to_thread(translate.chat_request, body, served, parsing)
+        else:
+            t = translate.chat_request(body, served, parsing)
         return await generate(request, t, responses.chat_chunks, responses.chat_completion)
 
     @router.post("/v1/completions", response_model=schemas.TextCompletion, responses=STREAMED)
@@ -285,16 +294,18 @@ def answer_failures(app: FastAPI) -> None:
 
 
 def create_app(frontend: Frontend, serving: Callable[[], bool], registry: CollectorRegistry,
-               api_key: str = "", recording: RecordingControl | None = None, cors: Cors | None = ANY_ORIGIN) -> FastAPI:
+               api_key: str = "", recording: RecordingControl | None = None, cors: Cors | None = ANY_ORIGIN,
+               parsing: ChatParsing = NO_PARSING) -> FastAPI:
     """``serving``: what gRPC health would say (True: SERVING); ``registry``: what ``/metrics`` serves;
-    ``recording``: the switch of ``/admin/recording``; ``cors``: None where another app in front answers browsers."""
+    ``recording``: the switch of ``/admin/recording``; ``cors``: None where another app in front answers browsers;
+    ``parsing``: the flags that read chat answers."""
     app = FastAPI(title="nanoserve", version=engine_version(), redoc_url=None,
                   description="The OpenAI-compatible API of a nanoserve scheduler, and what gateways probe.")
     app.openapi = without_validation_errors(app)
     answer_failures(app)
-    app.include_router(generation_router(FrontendGenerating(frontend)), responses=ERRORS)
+    app.include_router(generation_router(FrontendGenerating(frontend), parsing), responses=ERRORS)
     app.include_router(routes(frontend, serving), responses=ERRORS)
-    app.include_router(gateway_router(frontend, served_by(frontend)), responses=ERRORS)
+    app.include_router(gateway_router(frontend, served_by(frontend), parsing), responses=ERRORS)
     app.include_router(metrics_router(registry))
     if recording is not None:
         app.include_router(recording_router(recording))

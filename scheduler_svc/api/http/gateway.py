@@ -16,6 +16,7 @@ from pydantic import TypeAdapter
 
 from scheduler_svc.api.frontend import Frontend
 from scheduler_svc.api.http import schemas, translate
+from scheduler_svc.api.http.chat_output import NO_PARSING, ChatParsing
 from scheduler_svc.api.server_info import ServerInfo, engine_version
 from scheduler_svc.core.errors import RequestFailed
 from scheduler_svc.core.request import PreparedRequest
@@ -45,7 +46,8 @@ def rendered(prepared: PreparedRequest, model: str) -> schemas.RenderedPrompt:
                                   sampling_params=sampling)
 
 
-def gateway_router(frontend: Frontend, served_model: Callable[[], translate.Served]) -> APIRouter:
+def gateway_router(frontend: Frontend, served_model: Callable[[], translate.Served],
+                   parsing: ChatParsing = NO_PARSING) -> APIRouter:
     """``served_model``: what a request's ``model`` may name now (the OpenAI routes' own)."""
     router = APIRouter()
 
@@ -75,7 +77,7 @@ def gateway_router(frontend: Frontend, served_model: Callable[[], translate.Serv
     @router.post("/v1/chat/completions/render", response_model=schemas.RenderedPrompt)
     async def chat_completions_render(body: schemas.ChatCompletionRenderRequest) -> Response:
         """The conversation rendered with the chat template, as ``/v1/chat/completions`` would compute it."""
-        (prompt,) = await render(translate.chat_request(body, served_model()))
+        (prompt,) = await render(translate.chat_request(body, served_model(), parsing))
         return json_response(prompt)
 
     return router

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from common.step import TokenLogprobs
 from scheduler_svc.api.frontend import Generation
 from scheduler_svc.api.http import schemas
+from scheduler_svc.api.http.tool_schemas import CompletionTokensDetails
 from scheduler_svc.api.http.translate import Translated, api_error
 from scheduler_svc.core.errors import RequestFailed
 from scheduler_svc.core.outputs import RequestOutput, RequestUsage
@@ -168,6 +169,22 @@ def add_legacy_logprobs(out: schemas.CompletionLogprobs, tokens: Iterable[tuple[
         offset += len(text)
 
 
+def prompt_logprobs(prompt: tuple[list[int], list[TokenLogprobs]] | None, tokenizer: ModelTokenizer | None
+                    ) -> schemas.PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` of a scored prompt: none for its first token, then each token's logprob and its
+    alternatives', by token id."""
+    if prompt is None:
+        return None
+    out: schemas.PromptLogprobs = [None]
+    for token_id, lp in zip(prompt[0][1:], prompt[1], strict=True):
+        ranked = {t_id: schemas.PromptLogprob(logprob=finite(p), rank=rank, decoded_token=token_text(tokenizer, t_id))
+                  for rank, (t_id, p) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1)}
+        own = ranked.get(token_id) or schemas.PromptLogprob(logprob=finite(lp.logprob),
+                                                            decoded_token=token_text(tokenizer, token_id))
+        out.append({token_id: own, **ranked})
+    return out
+
+
 def echoed_logprobs(prompt: tuple[list[int], list[TokenLogprobs]], t: Translated, tokenizer: ModelTokenizer | None,
                     after: schemas.CompletionLogprobs) -> schemas.CompletionLogprobs:
     """``after`` (the completion's) behind the echoed prompt's tokens, as vLLM answers ``echo`` with ``logprobs``:
@@ -202,11 +219,30 @@ def token_ids(piece: Piece, t: Translated) -> list[int] | None:
 async def chat_completion(t: Translated, generations: list[Generation],
                           tokenizer: ModelTokenizer | None) -> schemas.ChatCompletion:
     choices, usage = await whole(t, generations)
-    return schemas.ChatCompletion(id=t.id, created=t.created, model=t.model, usage=usage, choices=[
-        schemas.ChatChoice(index=c.index, message=schemas.AssistantMessage(content=c.text),
-                           logprobs=chat_logprobs(c, t, tokenizer), finish_reason=c.finish_reason,
-                           stop_reason=c.stop_reason, token_ids=token_ids(c, t))
-        for c in choices])
+    output = t.chat_output
+    hidden = output is not None and output.hides_tokens
+    counters = [output.reasoning_tokens(tokenizer) for _ in choices] if output is not None else []
+    if counters and counters[0] is not None:  # --reasoning-parser: the thinking's tokens, as vLLM counts them
+        usage.completion_tokens_details = CompletionTokensDetails(
+            reasoning_tokens=sum(counter.add(c.token_ids) for counter, c in zip(counters, choices, strict=True)))
+    return schemas.ChatCompletion(id=t.id, created=t.created, model=t.model, usage=usage,
+                                  prompt_logprobs=prompt_logprobs(choices[0].prompt, tokenizer), choices=[
+        schemas.ChatChoice(index=c.index, message=message, logprobs=None if hidden else chat_logprobs(c, t, tokenizer),
+                           finish_reason=finish_reason, stop_reason=c.stop_reason,
+                           token_ids=None if hidden else token_ids(c, t))
+        for c in choices for message, finish_reason in [chat_message(c, t)]])
+
+
+def chat_message(choice: Piece, t: Translated) -> tuple[schemas.AssistantMessage, str | None]:
+    """A whole choice's message (its thinking and tool calls read out of its text, when the request or the server
+    asks) and its finish reason."""
+    output = t.chat_output
+    if output is None or not output.active:
+        return schemas.AssistantMessage(content=choice.text), choice.finish_reason
+    parsed = output.reader().whole(choice.text)
+    message = schemas.AssistantMessage(content=parsed.content, tool_calls=output.one_call(parsed.calls) or None,
+                                       reasoning=parsed.reasoning)
+    return message, output.finish_reason(choice.finish_reason, bool(parsed.calls), streamed=False)
 
 
 async def completion(t: Translated, generations: list[Generation],
@@ -220,22 +256,26 @@ async def completion(t: Translated, generations: list[Generation],
         if t.echo and logprobs is not None and prompt is not None:
             logprobs = echoed_logprobs(prompt, t, tokenizer, logprobs)
         out.append(schemas.CompletionChoice(index=c.index, text=echo + c.text, finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason, logprobs=logprobs, token_ids=token_ids(c, t)))
+                                            stop_reason=c.stop_reason, logprobs=logprobs, token_ids=token_ids(c, t),
+                                            prompt_logprobs=prompt_logprobs(prompt, tokenizer)))
     return schemas.TextCompletion(id=t.id, created=t.created, model=t.model, choices=out, usage=usage)
 
 
 async def streamed(t: Translated, generations: list[Generation], first: Iterable[BaseModel],
-                   chunk_of: Callable[[Piece], BaseModel],
-                   last: Callable[[schemas.CompletionUsage], BaseModel]) -> AsyncIterator[str]:
-    """The SSE framing both endpoints share: ``first`` chunks, one chunk per piece, the usage, ``[DONE]``. With
-    vLLM's continuous usage each chunk carries its choice's usage so far."""
+                   chunk_of: Callable[[Piece], BaseModel | None],
+                   last: Callable[[schemas.CompletionUsage], BaseModel],
+                   details: Callable[[int], CompletionTokensDetails | None] = lambda index: None) -> AsyncIterator[str]:
+    """The SSE framing both endpoints share: ``first`` chunks, one chunk per piece (none where ``chunk_of`` has
+    nothing to send), the usage, ``[DONE]``. With vLLM's continuous usage each chunk carries its choice's usage so
+    far (and its ``details``)."""
     completed = [0] * (len(generations) * t.n)  # each choice's completion tokens so far
 
     def with_usage(message: BaseModel, index: int) -> BaseModel:
         if t.continuous_usage:
             prompt = generations[index // t.n].num_prompt_tokens
             message.usage = schemas.CompletionUsage(prompt_tokens=prompt, completion_tokens=completed[index],
-                                                    total_tokens=prompt + completed[index])
+                                                    total_tokens=prompt + completed[index],
+                                                    completion_tokens_details=details(index))
         return message
 
     for message in first:
@@ -247,7 +287,8 @@ async def streamed(t: Translated, generations: list[Generation], first: Iterable
             if t.continuous_usage:
                 completed[piece.index] = piece.usage.completion_tokens if piece.usage else (
                     completed[piece.index] + len(piece.token_ids))
-            yield sse(with_usage(chunk_of(piece), piece.index))
+            if (message := chunk_of(piece)) is not None:
+                yield sse(with_usage(message, piece.index))
         if t.include_usage:
             yield sse(last(usage.usage()))
     except RequestFailed as e:
@@ -256,21 +297,52 @@ async def streamed(t: Translated, generations: list[Generation], first: Iterable
 
 
 def chat_chunks(t: Translated, generations: list[Generation], tokenizer: ModelTokenizer | None) -> AsyncIterator[str]:
-    """Each choice's role first, then its content as it is decoded."""
+    """Each choice's role first, then its content as it is decoded (and its tool calls as they are read, when the
+    request or the server asks: ``chat_output``)."""
+    output = t.chat_output if t.chat_output is not None and t.chat_output.active else None
+    readers = [output.reader() for _ in range(len(generations) * t.n)] if output is not None else []
+    # With --reasoning-parser, each choice's thinking tokens so far (for the usage).
+    counters = [output.reasoning_tokens(tokenizer) for _ in readers] if output is not None else []
+    counting = bool(counters) and counters[0] is not None
+    hidden = output is not None and output.hides_tokens
 
     def chunk(choices: list[schemas.ChatChunkChoice], usage: schemas.CompletionUsage | None = None) -> BaseModel:
         return schemas.ChatCompletionChunk(id=t.id, created=t.created, model=t.model, choices=choices, usage=usage)
 
-    def chunk_of(piece: Piece) -> BaseModel:
-        delta = schemas.Delta(content=piece.text) if piece.text or piece.finish_reason is None else schemas.Delta()
-        return chunk([schemas.ChatChunkChoice(index=piece.index, delta=delta, finish_reason=piece.finish_reason,
-                                              stop_reason=piece.stop_reason,
-                                              logprobs=chat_logprobs(piece, t, tokenizer),
-                                              token_ids=token_ids(piece, t))])
+    def chunk_of(piece: Piece) -> BaseModel | None:
+        logprobs, ids, finish_reason = chat_logprobs(piece, t, tokenizer), token_ids(piece, t), piece.finish_reason
+        if counting:
+            counters[piece.index].add(piece.token_ids)
+        if hidden:
+            logprobs = ids = None
+        if output is None:
+            delta = schemas.Delta(content=piece.text) if piece.text or finish_reason is None else schemas.Delta()
+        else:
+            reader = readers[piece.index]
+            parts = reader.delta(piece.text, finished=finish_reason is not None)
+            if parts is None and finish_reason is None and logprobs is None and ids is None:
+                return None
+            delta = schemas.Delta() if parts is None else schemas.Delta(
+                content=parts.content, reasoning=parts.reasoning, tool_calls=output.one_call(parts.calls) or None)
+            if finish_reason is not None:
+                finish_reason = output.finish_reason(finish_reason, reader.called, streamed=True)
+        return chunk([schemas.ChatChunkChoice(index=piece.index, delta=delta, finish_reason=finish_reason,
+                                              stop_reason=piece.stop_reason, logprobs=logprobs, token_ids=ids)])
+
+    def details(index: int | None) -> CompletionTokensDetails | None:
+        """The thinking tokens of a choice so far (None: of all), where the server has a reasoning parser."""
+        if not counting:
+            return None
+        return CompletionTokensDetails(reasoning_tokens=sum(
+            counter.count for i, counter in enumerate(counters) if index is None or i == index))
+
+    def last(usage: schemas.CompletionUsage) -> BaseModel:
+        usage.completion_tokens_details = details(None)
+        return chunk([], usage)
 
     roles = (chunk([schemas.ChatChunkChoice(index=i, delta=schemas.Delta(role="assistant", content=""))])
              for i in range(len(generations) * t.n))
-    return streamed(t, generations, roles, chunk_of, lambda usage: chunk([], usage))
+    return streamed(t, generations, roles, chunk_of, last, details)
 
 
 def completion_chunks(t: Translated, generations: list[Generation],

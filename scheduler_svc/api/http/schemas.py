@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from scheduler_svc.api.http.tool_schemas import CompletionTokensDetails, DeltaToolCall, Tool, ToolCall
+
 UInt32 = Annotated[int, Field(ge=0, lt=2**32)]
 Omitted = Field(default=None, exclude_if=lambda value: value is None)
 
@@ -81,6 +83,10 @@ class GenerationParameters(Request):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, lt=2**32)] | None = None
     structured_outputs: StructuredOutputs | None = None
     return_token_ids: bool | None = False
+    allowed_token_ids: list[UInt32] | None = None
+    bad_words: list[str] | None = None
+    # The prompt tokens' logprobs, with this many alternatives each (vLLM's; not streamed, as there).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 class TextPart(Request):
@@ -91,6 +97,13 @@ class TextPart(Request):
 class Message(Request):
     role: str
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    # An assistant's earlier calls ({"id", "type", "function": {"name", "arguments"}}) and a tool's answer to one.
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    # An assistant's earlier thinking (vLLM's name, and its older one), for templates that show it.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(GenerationParameters):
@@ -98,9 +111,16 @@ class ChatCompletionRequest(GenerationParameters):
     max_completion_tokens: UInt32 | None = None
     logprobs: bool | None = False
     top_logprobs: UInt32 | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
     functions: list[Any] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name"}}; checked as vLLM checks it.
     tool_choice: str | dict[str, Any] | None = None
+    # False: at most one tool call (vLLM's).
+    parallel_tool_calls: bool | None = None
+    # vLLM's: false leaves the reasoning (--reasoning-parser) out of the answer.
+    include_reasoning: bool | None = None
+    # OpenAI's; vLLM hands it to the chat template, and "none" turns Qwen3's enable_thinking off.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     add_generation_prompt: bool | None = None
     # vLLM's: more variables for the chat template, such as {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
@@ -151,6 +171,7 @@ class CompletionUsage(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = Omitted
 
 
 class TopLogprob(BaseModel):
@@ -170,7 +191,23 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Omitted
+    # vLLM's: the thinking --reasoning-parser took out of the content.
+    reasoning: str | None = None
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: a prompt token's, or an alternative's; ``rank`` 1 is the most likely (null where the token
+    is not among the alternatives scored)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: null for the first prompt token, then each token's and its alternatives' by token id.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class ChatChoice(BaseModel):
@@ -190,11 +227,14 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: CompletionUsage
+    prompt_logprobs: PromptLogprobs | None = Omitted
 
 
 class Delta(BaseModel):
     role: str | None = Omitted
     content: str | None = Omitted
+    reasoning: str | None = Omitted
+    tool_calls: list[DeltaToolCall] | None = Omitted
 
 
 class ChatChunkChoice(BaseModel):
@@ -230,6 +270,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] | None = Omitted
+    prompt_logprobs: PromptLogprobs | None = Omitted
 
 
 class TextCompletion(BaseModel):

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.api.http import schemas
+from scheduler_svc.api.http import chat_render, schemas, tool_request
+from scheduler_svc.api.http.chat_output import NO_PARSING, ChatOutput, ChatParsing
 from scheduler_svc.api.http.errors import ApiError, failure
+from scheduler_svc.api.http.tool_calls import TOOL_PARSERS
 from scheduler_svc.core.errors import InvalidRequest, RequestFailed
 from scheduler_svc.core.tokenizer import ModelTokenizer
 
@@ -48,6 +50,8 @@ class Translated:
     continuous_usage: bool = False
     # echo with max_tokens 0: the choices are their prompts alone (the token generated is left out).
     echo_only: bool = False
+    # How a chat request's choices are read (thinking, tool calls); None for completions.
+    chat_output: ChatOutput | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -81,10 +85,12 @@ class Served(NamedTuple):
     adapters: frozenset[str] = frozenset()
     # --served-model-name's other names, which name the base model too.
     aliases: tuple[str, ...] = ()
+    # The model's tokenizer, which renders a conversation with tools (``chat_render``).
+    tokenizer: ModelTokenizer | None = None
 
     @classmethod
-    def of(cls, names: tuple[str, ...], adapters: frozenset[str]) -> Served:
-        return cls(names[0], adapters, names[1:])
+    def of(cls, names: tuple[str, ...], adapters: frozenset[str], tokenizer: ModelTokenizer | None = None) -> Served:
+        return cls(names[0], adapters, names[1:], tokenizer)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -115,12 +121,9 @@ def is_set(value: object) -> bool:
 # but their default, so that none is silently dropped (any other unknown parameter is ignored, as OpenAI does).
 UNSUPPORTED_EXTRAS: dict[str, tuple[Callable[[object], bool], str]] = {
     "use_beam_search": (bool, "beam search"),
-    "allowed_token_ids": (bool, "allowed_token_ids (logit_bias or structured_outputs restrict the tokens)"),
-    "bad_words": (bool, "bad_words"),
     "chat_template": (is_set, "a chat template sent with the request"),
     "continue_final_message": (bool, "continuing the final message"),
     "truncation_side": (lambda side: side not in (None, "left"), "truncating the prompt on the right"),
-    "prompt_logprobs": (is_set, "prompt logprobs over HTTP (the gRPC API's GenerateRequest.prompt_logprobs has them)"),
     "kv_transfer_params": (is_set, "KV cache transfer between instances"),
     **{f"guided_{kind}": (is_set, f"guided_{kind}, vLLM's older name (send structured_outputs.{kind})")
        for kind in ("json", "regex", "choice", "grammar")},
@@ -154,8 +157,12 @@ def whole_prompt_if_minus_one(truncate_prompt_tokens: int | None) -> int | None:
     return 2**32 - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
-def structured_output(body: schemas.GenerationParameters) -> tuple[pb.StructuredOutput | None, str]:
-    """The one constraint of ``response_format`` or vLLM's ``structured_outputs``, and which of the two set it."""
+def structured_output(body: schemas.GenerationParameters,
+                      forced: dict | None = None) -> tuple[pb.StructuredOutput | None, str]:
+    """The one constraint of ``response_format`` or vLLM's ``structured_outputs``, and which of the two set it; a
+    forced tool choice's schema (``forced``) replaces both, as on vLLM."""
+    if forced is not None:
+        return pb.StructuredOutput(json_schema=json.dumps(forced)), "tools"
     fmt, outputs = body.response_format, body.structured_outputs
     from_format = fmt is not None and fmt.type != "text"
     if from_format and outputs is not None:
@@ -186,7 +193,7 @@ def structured_output(body: schemas.GenerationParameters) -> tuple[pb.Structured
 
 
 def base_request(body: schemas.GenerationParameters, max_tokens: int | None, logprobs: int | None,
-                 renames: dict[str, str]) -> pb.GenerateRequest:
+                 renames: dict[str, str], forced: dict | None = None) -> pb.GenerateRequest:
     """The settings every prompt of the request shares; records where the structured output came from. As vLLM reads
     them, top_k -1 is no top-k (not the model's default) and seed -1 no seed (a random one each time)."""
     sampling = pb.SamplingOptions(
@@ -198,9 +205,16 @@ def base_request(body: schemas.GenerationParameters, max_tokens: int | None, log
     stopping = pb.StoppingOptions(max_tokens=max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or [],
                                   ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                                   include_stop_str_in_output=body.include_stop_str_in_output)
+    if body.allowed_token_ids is not None:  # an empty list is sent, to be refused as vLLM refuses it
+        sampling.allowed_token_ids.SetInParent()
+        sampling.allowed_token_ids.token_ids.extend(body.allowed_token_ids)
+    sampling.bad_words.extend(body.bad_words or ())
+    if body.prompt_logprobs and body.stream:
+        raise ApiError(400, "prompt_logprobs: not available when stream is true", "prompt_logprobs")
     request = pb.GenerateRequest(sampling=sampling, stopping=stopping, skip_special_tokens=body.skip_special_tokens,
-                                 truncate_prompt_tokens=whole_prompt_if_minus_one(body.truncate_prompt_tokens))
-    constraint, renames["structured_output"] = structured_output(body)
+                                 truncate_prompt_tokens=whole_prompt_if_minus_one(body.truncate_prompt_tokens),
+                                 prompt_logprobs=body.prompt_logprobs)
+    constraint, renames["structured_output"] = structured_output(body, forced)
     if constraint is not None:
         request.structured_output.CopyFrom(constraint)
     return request
@@ -228,7 +242,7 @@ def message_text(message: schemas.Message, i: int) -> str:
         if part.type != "text" or part.text is None:
             raise ApiError(400, f"messages[{i}].content[{j}]: only text parts are supported, got {part.type!r}",
                            "messages")
-    return "".join(part.text for part in message.content)
+    return "\n".join(part.text for part in message.content)
 
 
 def chat_prompt(messages: list[schemas.Message], add_generation_prompt: bool | None,
@@ -240,26 +254,61 @@ def chat_prompt(messages: list[schemas.Message], add_generation_prompt: bool | N
     return chat
 
 
-def chat_request(body: schemas.ChatCompletionRequest, served: Served) -> Translated:
+def tool_choice(body: schemas.ChatCompletionRequest, parsing: ChatParsing) -> tool_request.ToolChoice:
+    """The request's tool choice, refused as vLLM refuses it (and ``functions``, OpenAI's older form, here)."""
+    if body.functions:
+        raise unsupported("functions", "function calling, OpenAI's older form (send tools)")
+    choice = tool_request.tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if choice.kind == "auto" and not parsing.auto_tool_parser:
+        raise ApiError(400, 'tool_choice: "auto" tool choice requires --enable-auto-tool-choice and '
+                            "--tool-call-parser to be set", "tool_choice")
+    outputs = body.structured_outputs
+    if choice.kind == "named" and outputs is not None and any(
+            value is not None for value in (outputs.json_, outputs.regex, outputs.choice)):
+        raise ApiError(400, "structured_outputs: You can only either use constraints for structured outputs or "
+                            "tools, not both.", "structured_outputs")
+    return choice
+
+
+def template_kwargs(body: schemas.ChatCompletionRequest) -> dict[str, object] | None:
+    """The request's chat_template_kwargs, with its reasoning_effort as vLLM adds it: as a variable, and as
+    ``enable_thinking`` (off for "none") unless the request sets that itself."""
+    if body.reasoning_effort is None:
+        return body.chat_template_kwargs
+    return {"enable_thinking": body.reasoning_effort != "none", **(body.chat_template_kwargs or {}),
+            "reasoning_effort": body.reasoning_effort}
+
+
+def chat_request(body: schemas.ChatCompletionRequest, served: Served, parsing: ChatParsing = NO_PARSING
+                 ) -> Translated:
+    """``parsing``: the scheduler's flags that read chat answers."""
     lora = check_model(body.model, served)
     refuse_unsupported_extras(body)
-    if body.tools:
-        raise unsupported("tools", "tool calling")
-    if body.functions:
-        raise unsupported("functions", "function calling")
-    if body.tool_choice not in (None, "none"):
-        raise unsupported("tool_choice", "a tool_choice other than \"none\"")
+    choice = tool_choice(body, parsing)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     renames = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_param}
-    request = base_request(body, getattr(body, max_param), top_logprobs, renames)
+    request = base_request(body, getattr(body, max_param), top_logprobs, renames, tool_request.forced_schema(choice))
     # Unset, as vLLM's chat completions: as long as the room the conversation leaves.
     request.stopping.max_tokens_to_room = True
-    request.chat.CopyFrom(chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs))
+    parser = TOOL_PARSERS.get(parsing.auto_tool_parser)
+    if parser is not None and parser.keeps_special_tokens and choice.tools and choice.kind != "none":
+        request.skip_special_tokens = False
+    kwargs = template_kwargs(body)
+    if chat_render.needs_rendering(body.messages, body.tools):
+        request.tokens.token_ids.extend(chat_render.render(
+            served.tokenizer, body.messages, message_text, lambda role: ROLE_ALIASES.get(role, role),
+            body.add_generation_prompt, kwargs, [tool.template_dict() for tool in body.tools or ()]))
+    else:
+        request.chat.CopyFrom(chat_prompt(body.messages, body.add_generation_prompt, kwargs))
     request.lora = lora
-    return translated(body, "chatcmpl", lora or served.model_id, [request], renames, top_logprobs, [])
+    t = translated(body, "chatcmpl", lora or served.model_id, [request], renames, top_logprobs, [])
+    thinking = bool((kwargs or {}).get("enable_thinking", True))
+    t.chat_output = ChatOutput(choice, parsing.auto_tool_parser, parsing.reasoning_parser, thinking,
+                               request.HasField("structured_output"), body.include_reasoning is not False)
+    return t
 
 
 def prompts_of(prompt: str | list) -> list[str | list[int]]:
@@ -288,8 +337,9 @@ def completion_request(body: schemas.CompletionRequest, served: Served,
         request = base_request(body, max_tokens, body.logprobs, renames)
         request.lora = lora
         if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs too
-            request.prompt_logprobs = body.logprobs
-            renames["prompt_logprobs"] = "logprobs"
+            request.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
+            if body.prompt_logprobs is None:
+                renames["prompt_logprobs"] = "logprobs"
         if isinstance(prompt, str):
             request.text = prompt
             if body.add_special_tokens is not None:

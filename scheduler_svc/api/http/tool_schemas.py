@@ -1,0 +1,80 @@
+"""Tool calling's shapes, as vLLM's OpenAI server takes and answers them: the request's ``tools`` and the answer's
+``tool_calls`` (whole, and as streamed deltas). ``schemas`` builds its messages and requests from these.
+
+Optional delta fields are left out when None: a streamed tool call names its ``id``, ``type`` and function ``name``
+once, in its first delta, and only ``arguments`` after that.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Omitted = Field(default=None, exclude_if=lambda value: value is None)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    defer_loading: bool | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """What vLLM hands the chat template: its fields alone, ``strict`` and ``defer_loading`` only when set."""
+        out: dict[str, Any] = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        for name in ("strict", "defer_loading"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+    defer_loading: bool | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The tool as the chat template's ``tools`` holds it (vLLM's dump: a tool-level ``defer_loading`` is the
+        function's too)."""
+        function = self.function.template_dict()
+        out: dict[str, Any] = {"type": self.type, "function": function}
+        if self.defer_loading is not None:
+            function.setdefault("defer_loading", self.defer_loading)
+            out["defer_loading"] = self.defer_loading
+        return out
+
+
+class FunctionCall(BaseModel):
+    name: str
+    # The arguments as JSON text, as OpenAI sends them.
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Omitted
+    arguments: str | None = Omitted
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = Omitted
+    type: Literal["function"] | None = Omitted
+    function: DeltaFunctionCall | None = Omitted
+
+
+class CompletionTokensDetails(BaseModel):
+    """vLLM's, with --reasoning-parser: how many of the completion's tokens were its reasoning."""
+
+    reasoning_tokens: int = 0
