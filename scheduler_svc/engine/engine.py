@@ -283,7 +283,8 @@ class Engine:
         result = self._result(launched)
         t1 = time.perf_counter()
         self.num_steps += 1
-        keep_prompt_logprobs(launched.record.seqs, result.prompt_logprobs)
+        if result.prompt_logprobs:
+            keep_prompt_logprobs(launched.record.seqs, result.prompt_logprobs)
         num_passes = result.num_passes
         ahead = self._in_flight
         if num_passes is not None and ahead is not None and ahead.plan.after_whole_step_id == launched.plan.step_id:
