@@ -12,6 +12,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 
 from executor_svc.fakes.shadow import ShadowExecutor
+from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc.api import frontend
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.engine.engine import Engine
@@ -106,3 +108,18 @@ def make_shadow_engine() -> Iterator[Callable[..., tuple[Engine, ShadowExecutor]
         engine.step()
         assert_all_blocks_free(engine.block_manager)
         assert len(executor.table) == 0, "the executor still holds requests the scheduler finished"
+
+
+@pytest.fixture
+def seen(monkeypatch: pytest.MonkeyPatch) -> list[pb.GenerateRequest]:
+    """Every GenerateRequest the HTTP API sends on, as the scheduler prepares it (in the scheduler's process: with
+    the API process, its own requests only reach it through the link)."""
+    requests: list[pb.GenerateRequest] = []
+    prepare = frontend.prepare
+
+    def recording(request: pb.GenerateRequest, *args: object) -> object:
+        requests.append(request)
+        return prepare(request, *args)
+
+    monkeypatch.setattr(frontend, "prepare", recording)
+    return requests

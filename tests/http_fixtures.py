@@ -13,6 +13,9 @@ import grpc
 import openai
 
 from common.executor import Executor
+from executor_svc.runtime.config import ExecutorOptions
+from executor_svc.runtime.model_executor import ModelExecutor
+from executor_svc.runtime.registry import DEFAULT_MODEL
 from nanoserve.v1 import generation_pb2_grpc as pb_grpc
 from scheduler_svc.api.grpc_service import SchedulerServer
 from tests.service_fixtures import HOST, IDLE_TIMEOUT_S, free_port, in_process_scheduler
@@ -84,3 +87,13 @@ def hosted(executor: Executor, **config: object) -> Iterator[Hosted]:
         state["loop"].call_soon_threadsafe(state["stop"].set)
         thread.join(START_TIMEOUT_S)
     assert "error" not in state, f"the scheduler failed: {state.get('error')!r}"
+
+
+@contextlib.contextmanager
+def hosted_smollm2() -> Iterator[Hosted]:
+    """The embedded SmolLM2 in float32 behind the HTTP API (the ``smollm2_folder`` fixture converts it first)."""
+    executor = ModelExecutor(ExecutorOptions(dtype="float32", model=DEFAULT_MODEL, threads=2, kv_cache_memory=64 << 20))
+    with hosted(executor) as h:
+        yield h
+        h.assert_idle()
+

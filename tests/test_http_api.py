@@ -14,7 +14,6 @@ import pytest
 
 from executor_svc.fakes.shadow import ShadowExecutor, reference_generate
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.api import frontend
 from scheduler_svc.api.http.cors import Cors
 from scheduler_svc.config import parse_config
 from scheduler_svc.core.sampling import SamplingParams
@@ -323,20 +322,6 @@ def test_the_cors_flags_take_json_lists_as_vllm_does(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         parse_config([], {"NANOSERVE_ALLOWED_METHODS": "GET"})
     assert "NANOSERVE_ALLOWED_METHODS='GET': must be a JSON list of strings" in capsys.readouterr().err
-
-
-@pytest.fixture
-def seen(monkeypatch: pytest.MonkeyPatch) -> list[pb.GenerateRequest]:
-    """Every GenerateRequest the HTTP API sends on, as the scheduler prepares it."""
-    requests: list[pb.GenerateRequest] = []
-    prepare = frontend.prepare
-
-    def recording(request: pb.GenerateRequest, *args: object) -> object:
-        requests.append(request)
-        return prepare(request, *args)
-
-    monkeypatch.setattr(frontend, "prepare", recording)
-    return requests
 
 
 def test_top_k_and_seed_minus_one_mean_none_as_vllm_reads_them(api: Hosted, seen: list[pb.GenerateRequest]):

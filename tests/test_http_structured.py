@@ -4,15 +4,14 @@ temperature 1, non-streamed and streamed; json_object gives a JSON object; vLLM'
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
 import pytest
 
-from executor_svc.runtime.config import ExecutorOptions
-from executor_svc.runtime.model_executor import ModelExecutor
 from executor_svc.runtime.registry import DEFAULT_MODEL
-from tests.http_fixtures import Hosted, hosted
+from tests.http_fixtures import Hosted, hosted_smollm2
 from tests.model_fixtures import smollm2_folder  # noqa: F401
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
@@ -22,11 +21,9 @@ MESSAGES = [{"role": "user", "content": "Name a city and its population, as JSON
 
 
 @pytest.fixture(scope="module")
-def api(smollm2_folder: Path) -> Hosted:  # noqa: F811 - converts the embedded model once
-    executor = ModelExecutor(ExecutorOptions(dtype="float32", model=DEFAULT_MODEL, threads=2, kv_cache_memory=64 << 20))
-    with hosted(executor) as h:
+def api(smollm2_folder: Path) -> Iterator[Hosted]:  # noqa: F811 - converts the embedded model once
+    with hosted_smollm2() as h:
         yield h
-        h.assert_idle()
 
 
 def test_a_json_schema_response_validates_at_temperature_1(api: Hosted) -> None:

@@ -19,7 +19,6 @@ from tokenizers import Tokenizer
 from common.step import ExecutorInfo
 from executor_svc.fakes.shadow_server import EchoExecutor
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.api import frontend
 from tests.http_fixtures import Hosted, hosted
 from tests.service_fixtures import byte_level_tokenizer
 
@@ -256,20 +255,6 @@ def test_a_named_function_takes_the_answer_as_its_arguments(plain_api: Hosted, s
         assert (call.function.name, call.function.arguments, reply.choices[0].finish_reason) == (
             "get_weather", '{"city": "Oslo"}', "stop")
     plain_api.assert_idle()
-
-
-@pytest.fixture
-def seen(monkeypatch: pytest.MonkeyPatch) -> list[pb.GenerateRequest]:
-    """Every GenerateRequest the HTTP API sends on (in-scheduler: the monkeypatch reaches this process only)."""
-    requests: list[pb.GenerateRequest] = []
-    prepare = frontend.prepare
-
-    def recording(request: pb.GenerateRequest, *args: object) -> object:
-        requests.append(request)
-        return prepare(request, *args)
-
-    monkeypatch.setattr(frontend, "prepare", recording)
-    return requests
 
 
 def test_forced_choices_carry_vllms_schema(hermes_api: Hosted, seen: list[pb.GenerateRequest]):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -15,7 +16,7 @@ import pytest
 from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.model_executor import ModelExecutor
 from executor_svc.runtime.registry import DEFAULT_MODEL
-from tests.http_fixtures import Hosted, hosted
+from tests.http_fixtures import Hosted, hosted, hosted_smollm2
 from tests.model_fixtures import smollm2_folder, tiny_model_folders  # noqa: F401
 from tests.test_http_tools import QWEN_TOOLS_TEMPLATE, TOKENIZER, streamed_calls
 
@@ -30,11 +31,9 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": {"type": "object", "properties": 
 
 
 @pytest.fixture(scope="module")
-def api(smollm2_folder: Path) -> Hosted:  # noqa: F811 - converts the embedded model once
-    executor = ModelExecutor(ExecutorOptions(dtype="float32", model=DEFAULT_MODEL, threads=2, kv_cache_memory=64 << 20))
-    with hosted(executor) as h:
+def api(smollm2_folder: Path) -> Iterator[Hosted]:  # noqa: F811 - converts the embedded model once
+    with hosted_smollm2() as h:
         yield h
-        h.assert_idle()
 
 
 def valid(name: str, arguments: str) -> None:

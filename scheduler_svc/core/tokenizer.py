@@ -129,15 +129,7 @@ class ModelTokenizer:
                     template_kwargs: Mapping[str, object] | None = None) -> str:
         """The conversation as the model saw such text in training; raises InvalidRequest naming the bad part.
         ``template_kwargs``: more variables for the template (vLLM's ``chat_template_kwargs``), not its own."""
-        if taken := sorted(TEMPLATE_VARIABLES.intersection(template_kwargs or ())):
-            raise InvalidRequest("chat.template_kwargs", f"{', '.join(taken)}: set by the server, not by a request")
-        if self.template_error:
-            raise InvalidRequest("chat", f"the model's chat template does not compile ({self.template_error}); fix "
-                                         "it in the model folder, or send a text or token prompt instead")
-        if self.template is None:
-            raise InvalidRequest("chat", "the model has no chat template; send a text or token prompt instead")
-        if not messages:
-            raise InvalidRequest("chat.messages", "the conversation is empty")
+        self.check_chat(len(messages), template_kwargs)
         for i, message in enumerate(messages):
             if message.role not in CHAT_ROLES:
                 raise InvalidRequest(
@@ -155,6 +147,19 @@ class ModelTokenizer:
             )
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise InvalidRequest("chat", f"the chat template refused the conversation: {e}") from e
+
+    def check_chat(self, num_messages: int, template_kwargs: Mapping[str, object] | None) -> None:
+        """InvalidRequest, naming the field, where no conversation can be rendered: a template variable a request
+        may not set, a template missing or broken, no message."""
+        if taken := sorted(TEMPLATE_VARIABLES.intersection(template_kwargs or ())):
+            raise InvalidRequest("chat.template_kwargs", f"{', '.join(taken)}: set by the server, not by a request")
+        if self.template_error:
+            raise InvalidRequest("chat", f"the model's chat template does not compile ({self.template_error}); fix "
+                                         "it in the model folder, or send a text or token prompt instead")
+        if self.template is None:
+            raise InvalidRequest("chat", "the model has no chat template; send a text or token prompt instead")
+        if not num_messages:
+            raise InvalidRequest("chat.messages", "the conversation is empty")
 
     def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                     template_kwargs: Mapping[str, object] | None = None) -> list[int]:

@@ -17,7 +17,7 @@ from typing import Any
 import jinja2
 
 from scheduler_svc.api.http.errors import ApiError
-from scheduler_svc.core.tokenizer import CHAT_ROLES, TEMPLATE_VARIABLES, ModelTokenizer
+from scheduler_svc.core.tokenizer import CHAT_ROLES, ModelTokenizer
 
 
 def needs_rendering(messages: list, tools: list | None) -> bool:
@@ -81,15 +81,7 @@ def render(tokenizer: ModelTokenizer | None, messages: list, text_of: Callable[[
     vLLM merges them); refusals name the OpenAI parameter, as the scheduler's own rendering does."""
     if tokenizer is None:
         raise refuse("messages", "this executor has no tokenizer; send the prompt as tokens")
-    if taken := sorted(TEMPLATE_VARIABLES.intersection(template_kwargs or ())):
-        raise refuse("chat_template_kwargs", f"{', '.join(taken)}: set by the server, not by a request")
-    if tokenizer.template_error:
-        raise refuse("messages", f"the model's chat template does not compile ({tokenizer.template_error}); fix it "
-                                 "in the model folder, or send a text or token prompt instead")
-    if tokenizer.template is None:
-        raise refuse("messages", "the model has no chat template; send a text or token prompt instead")
-    if not messages:
-        raise refuse("messages", "the conversation is empty")
+    tokenizer.check_chat(len(messages), template_kwargs)  # InvalidRequest: answered as the scheduler's refusals
     shown = []
     for i, message in enumerate(messages):
         role = role_of(message.role)
