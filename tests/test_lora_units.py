@@ -3,6 +3,7 @@ hashes of adapters, --max-loras admission, and the executor's --lora-modules fla
 
 from __future__ import annotations
 
+import dataclasses
 from argparse import ArgumentTypeError
 
 import pytest
@@ -10,12 +11,18 @@ import pytest
 from common.executor import LoraRefused
 from common.step import ExecutorInfo, LoraAdapterInfo
 from executor_svc.__main__ import build_parser, options_from_args
+from executor_svc.fakes.shadow import ShadowExecutor
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.errors import InvalidRequest
+from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.core.sequence import FinishReason, Sequence
 from scheduler_svc.engine.adapters import Adapters
+from scheduler_svc.engine.admission import Admission, QueueLimits
+from scheduler_svc.engine.engine import Engine
+from scheduler_svc.engine.live_requests import LiveRequests, RequestHandle
+from scheduler_svc.engine.metrics import Metrics
 from tests.conftest import assert_all_blocks_free
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -150,3 +157,41 @@ def test_lora_modules_flag(capsys: pytest.CaptureFixture) -> None:
         options_from_args(build_parser({}).parse_args(["--lora-modules", "a=/x", "a=/y"]))
     ok = options_from_args(build_parser({}).parse_args(["--lora-modules", "a=/x", "b=/y,c=/z"]))
     assert ok.lora_modules == {"a": "/x", "b": "/y", "c": "/z"}
+
+
+def test_a_restart_makes_the_replacements_and_unloads_made_since_again() -> None:
+    started = LoraAdapterInfo(1, "a1", "/a1-v1", 4)
+    executor = AdapterExecutor(first_id=2)
+    executor.held = {"a1": started, "a2": LoraAdapterInfo(9, "a2", "/a2", 4)}
+    adapters = Adapters([started, executor.held["a2"]], "base", runtime=True)
+    adapters.load(executor, "a1", "/a1-v2", inplace=True)
+    adapters.unload("a2")
+    adapters.retire(executor, [])
+    executor = AdapterExecutor(first_id=2)  # started with --lora-modules a1=/a1-v1 a2=/a2, as before
+    adapters.renumber(executor, [], restarted(executor, [started, LoraAdapterInfo(2, "a2", "/a2", 4)]))
+    assert adapters.names() == ["a1"] and adapters.by_name["a1"].path == "/a1-v2"
+    assert {name: a.path for name, a in executor.held.items()} == {"a1": "/a1-v2"}
+
+
+def test_the_other_choices_of_a_request_run_through_its_adapter_unloaded_while_the_first_computed_its_prompt() -> None:
+    executor = ShadowExecutor()
+    executor.info = dataclasses.replace(executor.info, lora_adapters=(LoraAdapterInfo(1, "a1", "/a1", 4),),
+                                        runtime_lora=True)
+    executor.table.lora_ids = frozenset({1})
+    unloads = []
+    executor.unload_lora = lambda name: unloads.append(name) or LoraAdapterInfo(1, "a1", "/a1", 4)
+    engine = Engine(executor)
+    live = LiveRequests(Admission(QueueLimits()), Metrics("m", lambda: None, lambda: engine.info))
+    params = SamplingParams(temperature=1.0, max_tokens=4, n=2, ignore_eos=True)
+    handle = RequestHandle(PreparedRequest("r", list(range(3, 40)), params, lora="a1"), None, 0.0)
+    live.start(engine, handle, 0, None)
+    engine.unload_lora("a1")
+    adapter_of = {}
+    while engine.has_unfinished() or engine.has_drops_to_send():
+        outputs = engine.step()
+        adapter_of.update({out.seq.seq_id: out.seq.lora_id for out in outputs})
+        live.process(engine, outputs, None)  # choice 1 starts here, once choice 0's prompt is computed
+    assert list(adapter_of.values()) == [1, 1], "both choices, through a1"
+    assert unloads == ["a1"] and not engine.adapters.retiring
+    assert engine.adapters.name_of(1) == "a1", "a retired adapter's cache events still name it"
+    assert_all_blocks_free(engine.block_manager)

@@ -57,14 +57,15 @@ def untie_a_different_head(folder: str | Path, config: ModelConfig) -> ModelConf
     head is used, untied, as transformers loads it (a warning says so)."""
     if not config.tie_word_embeddings:
         return config
-    tensors = {}
+    names = ("lm_head.weight", "model.embed_tokens.weight")
+    where = {}
     for file in weight_files(folder):
         with safe_open(file, framework="pt") as f:
-            for name in ("lm_head.weight", "model.embed_tokens.weight"):
-                if name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    tensors[name] = f.get_tensor(name)
-    head, embedding = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
-    if head is None or embedding is None or torch.equal(head, embedding):
+            where.update({name: file for name in f.keys() if name in names})  # noqa: SIM118 - not a mapping
+    if len(where) < 2:  # no head of its own (the usual tied checkpoint): nothing read
+        return config
+    head, embedding = (_tensor(where[name], name) for name in names)
+    if torch.equal(head, embedding):
         return config
     log.warning("config.json ties the LM head to the embedding, but the checkpoint's lm_head.weight differs: "
                 "serving that head, untied, as transformers does")
@@ -76,6 +77,11 @@ def checkpoint_to_param(name: str) -> tuple[str, int]:
     *path, module, param = name.split(".")
     packed, shard = PACKED.get(module, (module, 0))
     return ".".join([*path, packed, param]), shard
+
+
+def _tensor(file: Path, name: str) -> torch.Tensor:
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(name)
 
 
 def load_weights(model: nn.Module, folder: str | Path, config: ModelConfig) -> None:

@@ -8,7 +8,7 @@ their end; the adapter retires, and the executor drops its weights once none of 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from common.executor import Executor, LoraRefused
 from common.step import ExecutorInfo, LoraAdapterInfo
@@ -32,6 +32,10 @@ class Adapters:
         # Unloaded, and so refused to new requests, but still the executor's while requests run through them.
         self.retiring: dict[str, LoraAdapterInfo] = {}
         self.runtime = runtime
+        # Every id's name, retired ones' too (a cache event may name an adapter after it retired).
+        self.name_by_id = {a.lora_id: a.name for a in self.by_name.values()}
+        # Unloaded by name since the start: a restarted executor that loads one at its start unloads it again.
+        self.unloaded: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
         return name in self.by_name
@@ -50,8 +54,8 @@ class Adapters:
         return adapter.lora_id
 
     def name_of(self, lora_id: int) -> str:
-        """The adapter's name ("" for the base model), retiring ones' too."""
-        return next((a.name for a in self._held() if a.lora_id == lora_id), "")
+        """The adapter's name ("" for the base model), retired ones' too."""
+        return self.name_by_id.get(lora_id, "")
 
     def load(self, executor: Executor, name: str, path: str, live: Iterable[Sequence] = (),
              inplace: bool = False) -> LoraAdapterInfo:
@@ -66,13 +70,18 @@ class Adapters:
                 raise LoraRefused(f"adapter {name!r} serves waiting or running requests; replace it once they "
                                   "finish", "FAILED_PRECONDITION")
             executor.unload_lora(name)
-            del self.by_name[name]
         try:
-            adapter = self.by_name[name] = executor.load_lora(name, path)
+            adapter = executor.load_lora(name, path)
         except LoraRefused:
             if old is not None:  # the replacement does not fit: the adapter it was to replace serves on
-                self.by_name[name] = executor.load_lora(name, old.path)
+                self._add(executor.load_lora(name, old.path))
             raise
+        return self._add(adapter)
+
+    def _add(self, adapter: LoraAdapterInfo) -> LoraAdapterInfo:
+        self.by_name[adapter.name] = adapter
+        self.name_by_id[adapter.lora_id] = adapter.name
+        self.unloaded.discard(adapter.name)
         return adapter
 
     def unload(self, name: str) -> LoraAdapterInfo:
@@ -85,6 +94,7 @@ class Adapters:
             raise LoraRefused("loading and unloading adapters at run time is off (start the executor with "
                               "--runtime-lora, and without tensor parallelism)", "FAILED_PRECONDITION")
         self.retiring[name] = self.by_name.pop(name)
+        self.unloaded.add(name)
         return adapter
 
     def retire(self, executor: Executor, live: Iterable[Sequence]) -> None:
@@ -103,21 +113,26 @@ class Adapters:
             del self.retiring[name]
 
     def renumber(self, executor: Executor, seqs: list[Sequence], info: ExecutorInfo) -> list[Sequence]:
-        """A restarted executor holds only the adapters it was started with, numbered afresh: it loads again those
-        loaded at run time that requests may still name (served, or retiring with requests through them), and each
-        live sequence takes its adapter's new id. Returns those whose adapter it could not load."""
+        """A restarted executor holds only the adapters it was started with, numbered afresh: the loads, unloads and
+        replacements made since are made again (an adapter that requests may still name loaded again, from the
+        folder it was last loaded from), and each live sequence takes its adapter's new id. Returns those whose
+        adapter it could not load."""
         self.runtime = loads_at_run_time(info)
         held = {a.name: a for a in info.lora_adapters}
         old = {a.lora_id: a for a in self._held()}
         busy = {seq.lora_id for seq in seqs}
         wanted = [*self.by_name.values(), *(a for a in self.retiring.values() if a.lora_id in busy)]
-        for adapter in wanted:
-            if adapter.name not in held and self.runtime:
-                try:
-                    held[adapter.name] = executor.load_lora(adapter.name, adapter.path)
-                except LoraRefused as e:
-                    log.warning("LoRA adapter %r could not be loaded again on the restarted executor: %s",
-                                adapter.name, e)
+        if self.runtime:
+            for name in self.unloaded & held.keys() - {a.name for a in wanted}:
+                self._try(executor.unload_lora, name)
+                del held[name]
+            for adapter in wanted:
+                if adapter.name in held and held[adapter.name].path != adapter.path:  # replaced in place since
+                    self._try(executor.unload_lora, adapter.name)
+                    del held[adapter.name]
+                if adapter.name not in held and (loaded := self._try(executor.load_lora, adapter.name, adapter.path)):
+                    held[adapter.name] = loaded
+        self.name_by_id.update({a.lora_id: a.name for a in held.values()})
         self.retiring = {name: held[name] for name in self.retiring if name in held}
         self.by_name = {name: a for name, a in held.items() if name not in self.retiring}
         lost = []
@@ -129,6 +144,15 @@ class Adapters:
                 else:
                     seq.lora_id = adapter.lora_id
         return lost
+
+    @staticmethod
+    def _try(call: Callable[..., LoraAdapterInfo], *args: str) -> LoraAdapterInfo | None:
+        """An adapter call to a restarted executor, its refusal logged: serving goes on without it."""
+        try:
+            return call(*args)
+        except LoraRefused as e:
+            log.warning("LoRA adapter %r on the restarted executor: %s", args[0], e)
+            return None
 
     def _held(self) -> list[LoraAdapterInfo]:
         return [*self.by_name.values(), *self.retiring.values()]

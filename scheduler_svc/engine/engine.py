@@ -115,13 +115,14 @@ class Engine:
         return self.enqueue(token_ids, params, lora=lora)
 
     def enqueue(self, token_ids: list[int], params: SamplingParams, resumed: list[int] | None = None,
-                lora: str | None = None, speculate: bool = True) -> Sequence:
+                lora: str | int | None = None, speculate: bool = True) -> Sequence:
         """Queue a request already checked (``validation``) against this executor's limits; ``resumed`` completion
-        tokens count as generated (a stream another scheduler started); ``speculate``: whether it may speculate
-        (``core.speculation``: not a choice of n > 1). InvalidRequest if the cache shrank since, or the adapter went."""
+        tokens count as generated (a stream another scheduler started); ``lora``: an adapter's name, or the id a
+        request's first choice took; ``speculate``: whether it may speculate (``core.speculation``: not a choice of
+        n > 1). InvalidRequest if the cache shrank since, or the adapter went."""
         tokens = [*token_ids, *(resumed or ())]
-        seq = Sequence(next(self._seq_ids), tokens, params, self.info.block_size, len(token_ids),
-                       self.adapters.lora_id(lora))
+        lora_id = lora if isinstance(lora, int) else self.adapters.lora_id(lora)
+        seq = Sequence(next(self._seq_ids), tokens, params, self.info.block_size, len(token_ids), lora_id)
         seq.speculate = speculate
         try:
             self.scheduler.add(seq)
@@ -166,6 +167,8 @@ class Engine:
     def step(self) -> list[TokenOutput]:
         """Run one step; return the tokens it produced (finished sequences included). With overlap, the step collected
         is the one the previous call launched, and the next one is launched before waiting for it."""
+        if self.adapters.retiring:  # here, not after a step settled: a failed unload then loses no step's outputs
+            self.adapters.retire(self.executor, self._live())
         if not self.overlap:
             if self._in_flight is not None:  # ``launch_ahead`` sent it once the step before was settled
                 launched, self._in_flight = self._in_flight, None
@@ -300,8 +303,6 @@ class Engine:
         self.last_timings = StepTimings(
             launched.schedule_s, launched.plan_s, launched.send_s + t1 - t0, time.perf_counter() - t1
         )
-        if self.adapters.retiring:
-            self.retire_adapters()
         return outputs
 
     def _unbook(self, ahead: Launched) -> None:

@@ -35,6 +35,8 @@ class RequestHandle:
     dequeued: bool = False
     # Choices (of n) not started yet: they start once choice 0's prompt is computed, to share its KV blocks.
     pending_choices: list[int] = field(default_factory=list)
+    # The LoRA adapter id choice 0 took: the others run through it too, though it was unloaded since.
+    lora_id: int = 0
 
     @property
     def reads_at_a_time(self) -> float:
@@ -97,7 +99,10 @@ class LiveRequests:
         params = prepared.params.for_choice(index)
         resumed = prepared.resumed_token_ids
         processor = OutputProcessor(tokenizer, prepared.prompt_token_ids, params, index, resumed)
-        seq = engine.enqueue(prepared.prompt_token_ids, params, resumed, prepared.lora, prepared.params.n == 1)
+        started = self.by_handle.get(handle)  # choice 0's id, renumbered with it after an executor restart
+        lora = (started[0].seq.lora_id if started else handle.lora_id) if index else prepared.lora
+        seq = engine.enqueue(prepared.prompt_token_ids, params, resumed, lora, prepared.params.n == 1)
+        handle.lora_id = seq.lora_id
         seq.max_decode_steps = handle.reads_at_a_time
         active = Active(handle, seq, processor)
         self.by_handle.setdefault(handle, []).append(active)
