@@ -215,7 +215,7 @@ CHAT_ERRORS = [
     ({"seed": 2**64}, "seed"),
     ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
     ({"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
-    ({"extra_body": {"continue_final_message": True}}, "continue_final_message"),
+    ({"extra_body": {"continue_final_message": True, "add_generation_prompt": True}}, "continue_final_message"),
     ({"extra_body": {"chat_template_kwargs": {"messages": []}}}, "chat_template_kwargs"),
 ]
 COMPLETION_ERRORS = [

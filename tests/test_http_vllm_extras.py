@@ -1,8 +1,11 @@
-"""vLLM's extra sampling parameters over HTTP: prompt_logprobs in vLLM's shape (on completion choices, at the top of a
-chat completion, refused with a stream), and allowed_token_ids and bad_words passed on to the executor (their effect
-on tokens is tested over gRPC on SmolLM2, test_token_masks_service), with vLLM's refusals."""
+"""vLLM's extra parameters over HTTP: prompt_logprobs in vLLM's shape (on completion choices, at the top of a chat
+completion, refused with a stream); allowed_token_ids and bad_words passed on to the executor (their effect on
+tokens is tested over gRPC on SmolLM2, test_token_masks_service), with vLLM's refusals; a chat's final message
+continued (continue_final_message) and echoed before the answer."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -14,7 +17,7 @@ from tests.http_fixtures import hosted
 from tests.service_fixtures import CHATML_TEMPLATE, TOKENIZER_VOCAB_SIZE
 from tests.shadow_helpers import shadow_prompt_logprobs
 from tests.test_service_loop import LogprobExecutor
-from tests.test_service_options import TOKENIZER_JSON
+from tests.test_service_options import TOKENIZER, TOKENIZER_JSON, echo
 
 PROMPT, VOCAB = [3, 9, 4, 7], 50
 
@@ -61,3 +64,31 @@ def test_allowed_token_ids_and_bad_words_reach_the_request_as_vllm_sends_them():
     assert empty.sampling.HasField("allowed_token_ids"), "sent empty, for the scheduler to refuse as vLLM does"
     [unset] = translate.completion_request(CompletionRequest(prompt="Hi"), served, None).requests
     assert not unset.sampling.HasField("allowed_token_ids") and not unset.sampling.bad_words
+
+
+CONVERSATION = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+NO_CALLS = {"tool_choice": "none",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+
+
+def test_continue_final_message_and_echo_go_on_from_the_assistants_message_as_vllm():
+    with hosted(echo()) as h:
+        def post(path: str, **body: object) -> httpx.Response:
+            return httpx.post(f"{h.url}/v1/chat/completions{path}", json={"messages": CONVERSATION, **body}, timeout=30)
+
+        rendered = {name: TOKENIZER.decode(post("/render", **body).json()["token_ids"], skip_special_tokens=False)
+                    for name, body in (("open", {"continue_final_message": True}), ("closed", {}),
+                                       ("open, tools", {"continue_final_message": True, **NO_CALLS}))}
+        both = post("", continue_final_message=True, add_generation_prompt=True)
+        whole = post("", echo=True, continue_final_message=True, max_tokens=3).json()
+        streamed = post("", echo=True, continue_final_message=True, max_tokens=3, stream=True).text
+        h.assert_idle()
+    assert rendered["open"].endswith("<|im_start|>assistant\nThe answer is"), rendered["open"]
+    assert rendered["open, tools"] == rendered["open"]
+    assert rendered["closed"].endswith("The answer is<|im_end|>\n<|im_start|>assistant\n")
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    assert whole["choices"][0]["message"]["content"].startswith("The answer is")
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in streamed.splitlines()
+              if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+    assert deltas[:2] == [{"role": "assistant", "content": ""}, {"content": "The answer is"}]
+    assert "".join(d.get("content") or "" for d in deltas) == whole["choices"][0]["message"]["content"]

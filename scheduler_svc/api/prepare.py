@@ -116,10 +116,14 @@ def tokenize(request: pb.TokenizeRequest, tokenizer: ModelTokenizer | None) -> l
 
 def chat_token_ids(chat: pb.ChatPrompt, tokenizer: ModelTokenizer) -> list[int]:
     """The conversation rendered with the model's chat template, as token ids."""
-    add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else (
+        not chat.continue_final_message)
+    if add_generation_prompt and chat.continue_final_message:  # as vLLM refuses it
+        raise InvalidRequest("chat.continue_final_message", "not with add_generation_prompt true: a final message is "
+                                                            "continued, or a new one begun")
     template_kwargs = json_format.MessageToDict(chat.template_kwargs) if chat.HasField("template_kwargs") else None
     return tokenizer.encode_chat([ChatMessage(m.role, m.content) for m in chat.messages], add_generation_prompt,
-                                 template_kwargs)
+                                 template_kwargs, chat.continue_final_message)
 
 
 def detokenize(request: pb.DetokenizeRequest, tokenizer: ModelTokenizer | None, vocab_size: int) -> str:

@@ -63,6 +63,20 @@ class GenerationBlock(Extension):
         return caller()
 
 
+# Marks where the final message's content ends, for continue_final_message (transformers' own tag).
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def open_final_message(rendered: str) -> str:
+    """The rendered conversation cut where the final message's content (``CONTINUE_TAG`` after it) ends, as
+    transformers cuts it: a model continues that message instead of starting a turn."""
+    at = rendered.rfind(CONTINUE_TAG.strip())
+    if at < 0:
+        raise InvalidRequest("chat.continue_final_message", "the chat template drops the final message's end, so it "
+                                                            "cannot be continued")
+    return rendered[:at] if rendered.startswith(CONTINUE_TAG, at) else rendered[:at].rstrip()
+
+
 class ModelTokenizer:
     """Encodes prompts, renders chat conversations and decodes completion tokens."""
 
@@ -126,19 +140,23 @@ class ModelTokenizer:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    template_kwargs: Mapping[str, object] | None = None) -> str:
+                    template_kwargs: Mapping[str, object] | None = None, continue_final: bool = False) -> str:
         """The conversation as the model saw such text in training; raises InvalidRequest naming the bad part.
-        ``template_kwargs``: more variables for the template (vLLM's ``chat_template_kwargs``), not its own."""
+        ``template_kwargs``: more variables for the template (vLLM's ``chat_template_kwargs``), not its own;
+        ``continue_final``: the text ends where the final message's content does (``open_final_message``)."""
         self.check_chat(len(messages), template_kwargs)
         for i, message in enumerate(messages):
             if message.role not in CHAT_ROLES:
                 raise InvalidRequest(
                     f"chat.messages[{i}].role", f"unknown role {message.role!r}; use one of {', '.join(CHAT_ROLES)}"
                 )
+        shown = [{"role": m.role, "content": m.content} for m in messages]
+        if continue_final:
+            shown[-1]["content"] += CONTINUE_TAG
         try:
-            return self.template.render(
+            text = self.template.render(
                 **(template_kwargs or {}),
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=shown,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -147,6 +165,7 @@ class ModelTokenizer:
             )
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise InvalidRequest("chat", f"the chat template refused the conversation: {e}") from e
+        return open_final_message(text) if continue_final else text
 
     def check_chat(self, num_messages: int, template_kwargs: Mapping[str, object] | None) -> None:
         """InvalidRequest, naming the field, where no conversation can be rendered: a template variable a request
@@ -162,6 +181,7 @@ class ModelTokenizer:
             raise InvalidRequest("chat.messages", "the conversation is empty")
 
     def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    template_kwargs: Mapping[str, object] | None = None) -> list[int]:
+                    template_kwargs: Mapping[str, object] | None = None, continue_final: bool = False) -> list[int]:
         """Token ids of the rendered conversation; the template already writes any special tokens."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, template_kwargs), add_special_tokens=False)
+        text = self.render_chat(messages, add_generation_prompt, template_kwargs, continue_final)
+        return self.encode(text, add_special_tokens=False)

@@ -17,7 +17,7 @@ from typing import Any
 import jinja2
 
 from scheduler_svc.api.http.errors import ApiError
-from scheduler_svc.core.tokenizer import CHAT_ROLES, ModelTokenizer
+from scheduler_svc.core.tokenizer import CHAT_ROLES, CONTINUE_TAG, ModelTokenizer, open_final_message
 
 
 def needs_rendering(messages: list, tools: list | None) -> bool:
@@ -76,7 +76,8 @@ def arguments_object(arguments: object) -> dict:
 
 def render(tokenizer: ModelTokenizer | None, messages: list, text_of: Callable[[Any, int], str],
            role_of: Callable[[str], str], add_generation_prompt: bool | None,
-           template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None) -> list[int]:
+           template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None,
+           continue_final: bool = False) -> list[int]:
     """The conversation's token ids, its template given ``tools`` (the request's ``chat_template_kwargs`` win, as
     vLLM merges them); refusals name the OpenAI parameter, as the scheduler's own rendering does."""
     if tokenizer is None:
@@ -89,11 +90,13 @@ def render(tokenizer: ModelTokenizer | None, messages: list, text_of: Callable[[
             raise refuse(f"messages[{i}].role", f"unknown role {role!r}; use one of {', '.join(CHAT_ROLES)}")
         shown.append(template_message(message, i, role, text_of(message, i)))
     variables = {**({"tools": tools} if tools else {}), **(template_kwargs or {})}
+    if continue_final:
+        shown[-1]["content"] = (shown[-1]["content"] or "") + CONTINUE_TAG
     try:
         text = tokenizer.template.render(
-            **variables, messages=shown, add_generation_prompt=True if add_generation_prompt is None else
-            add_generation_prompt, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+            **variables, messages=shown, add_generation_prompt=not continue_final if add_generation_prompt is None
+            else add_generation_prompt, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
             pad_token=tokenizer.pad_token, unk_token=tokenizer.unk_token)
     except (jinja2.TemplateError, TypeError, ValueError) as e:
         raise refuse("messages", f"the chat template refused the conversation: {e}") from e
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(open_final_message(text) if continue_final else text, add_special_tokens=False)

@@ -236,12 +236,12 @@ async def chat_completion(t: Translated, generations: list[Generation],
 def chat_message(choice: Piece, t: Translated) -> tuple[schemas.AssistantMessage, str | None]:
     """A whole choice's message (its thinking and tool calls read out of its text, when the request or the server
     asks) and its finish reason."""
-    output = t.chat_output
+    output, echo = t.chat_output, t.echo[0] if t.echo else ""  # vLLM's echo: before the content, as read
     if output is None or not output.active:
-        return schemas.AssistantMessage(content=choice.text), choice.finish_reason
+        return schemas.AssistantMessage(content=echo + choice.text), choice.finish_reason
     parsed = output.reader().whole(choice.text)
-    message = schemas.AssistantMessage(content=parsed.content, tool_calls=output.one_call(parsed.calls) or None,
-                                       reasoning=parsed.reasoning)
+    message = schemas.AssistantMessage(content=echo + (parsed.content or "") if echo else parsed.content,
+                                       tool_calls=output.one_call(parsed.calls) or None, reasoning=parsed.reasoning)
     return message, output.finish_reason(choice.finish_reason, bool(parsed.calls), streamed=False)
 
 
@@ -340,8 +340,10 @@ def chat_chunks(t: Translated, generations: list[Generation], tokenizer: ModelTo
         usage.completion_tokens_details = details(None)
         return chunk([], usage)
 
-    roles = (chunk([schemas.ChatChunkChoice(index=i, delta=schemas.Delta(role="assistant", content=""))])
-             for i in range(len(generations) * t.n))
+    # Each choice's role; with vLLM's echo, then the assistant's final message its answer goes on from.
+    roles = (chunk([schemas.ChatChunkChoice(index=i, delta=schemas.Delta(**fields))])
+             for i in range(len(generations) * t.n)
+             for fields in [{"role": "assistant", "content": ""}, *([{"content": t.echo[0]}] if t.echo else [])])
     return streamed(t, generations, roles, chunk_of, last, details)
 
 

@@ -122,6 +122,10 @@ class ChatCompletionRequest(GenerationParameters):
     # OpenAI's; vLLM hands it to the chat template, and "none" turns Qwen3's enable_thinking off.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     add_generation_prompt: bool | None = None
+    # vLLM's: the final message left open for the model to continue; echo puts an assistant's final message before
+    # the answer.
+    continue_final_message: bool | None = None
+    echo: bool | None = None
     # vLLM's: more variables for the chat template, such as {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
 

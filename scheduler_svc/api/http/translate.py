@@ -64,6 +64,8 @@ def openai_param(field: str, renames: Mapping[str, str]) -> str:
         return "messages"
     if name == "chat.template_kwargs":
         return "chat_template_kwargs"
+    if name == "chat.continue_final_message":
+        return "continue_final_message"
     if name in ("text", "tokens.token_ids"):
         name = "prompt"
     if name.startswith("structured_output"):
@@ -122,7 +124,6 @@ def is_set(value: object) -> bool:
 UNSUPPORTED_EXTRAS: dict[str, tuple[Callable[[object], bool], str]] = {
     "use_beam_search": (bool, "beam search"),
     "chat_template": (is_set, "a chat template sent with the request"),
-    "continue_final_message": (bool, "continuing the final message"),
     "truncation_side": (lambda side: side not in (None, "left"), "truncating the prompt on the right"),
     "kv_transfer_params": (is_set, "KV cache transfer between instances"),
     **{f"guided_{kind}": (is_set, f"guided_{kind}, vLLM's older name (send structured_outputs.{kind})")
@@ -246,9 +247,10 @@ def message_text(message: schemas.Message, i: int) -> str:
 
 
 def chat_prompt(messages: list[schemas.Message], add_generation_prompt: bool | None,
-                template_kwargs: dict[str, object] | None) -> pb.ChatPrompt:
+                template_kwargs: dict[str, object] | None, continue_final: bool = False) -> pb.ChatPrompt:
     chat = pb.ChatPrompt(messages=[pb.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=message_text(m, i))
-                                   for i, m in enumerate(messages)], add_generation_prompt=add_generation_prompt)
+                                   for i, m in enumerate(messages)], add_generation_prompt=add_generation_prompt,
+                         continue_final_message=continue_final)
     if template_kwargs:
         chat.template_kwargs.update(template_kwargs)
     return chat
@@ -296,15 +298,19 @@ def chat_request(body: schemas.ChatCompletionRequest, served: Served, parsing: C
     parser = TOOL_PARSERS.get(parsing.auto_tool_parser)
     if parser is not None and parser.keeps_special_tokens and choice.tools and choice.kind != "none":
         request.skip_special_tokens = False
-    kwargs = template_kwargs(body)
+    kwargs, continued = template_kwargs(body), bool(body.continue_final_message)
+    if continued and body.add_generation_prompt:  # as vLLM refuses it
+        raise ApiError(400, "continue_final_message: not with add_generation_prompt true", "continue_final_message")
     if chat_render.needs_rendering(body.messages, body.tools):
         request.tokens.token_ids.extend(chat_render.render(
             served.tokenizer, body.messages, message_text, lambda role: ROLE_ALIASES.get(role, role),
-            body.add_generation_prompt, kwargs, [tool.template_dict() for tool in body.tools or ()]))
+            body.add_generation_prompt, kwargs, [tool.template_dict() for tool in body.tools or ()], continued))
     else:
-        request.chat.CopyFrom(chat_prompt(body.messages, body.add_generation_prompt, kwargs))
+        request.chat.CopyFrom(chat_prompt(body.messages, body.add_generation_prompt, kwargs, continued))
     request.lora = lora
-    t = translated(body, "chatcmpl", lora or served.model_id, [request], renames, top_logprobs, [])
+    last = body.messages[-1] if body.messages else None  # vLLM's echo: the answer goes on from an assistant's message
+    echo = [message_text(last, len(body.messages) - 1)] if body.echo and last and last.role == "assistant" else []
+    t = translated(body, "chatcmpl", lora or served.model_id, [request], renames, top_logprobs, echo)
     thinking = bool((kwargs or {}).get("enable_thinking", True))
     t.chat_output = ChatOutput(choice, parsing.auto_tool_parser, parsing.reasoning_parser, thinking,
                                request.HasField("structured_output"), body.include_reasoning is not False)
