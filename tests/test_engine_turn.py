@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 
@@ -14,7 +15,7 @@ from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.core.sampling import SamplingParams
 from scheduler_svc.core.scheduler import SchedulerConfig
 from scheduler_svc.engine.engine import Engine
-from scheduler_svc.engine.executor_client import RemoteExecutor
+from scheduler_svc.engine.executor_client import RemoteExecutor, StepStream
 from scheduler_svc.engine.turn import Turn
 from tests.service_fixtures import assert_idle_async, collect, in_process_scheduler, token_request
 
@@ -146,3 +147,34 @@ def test_a_stream_written_late_gets_every_token_in_order_in_fewer_responses_with
     assert len(responses) < max_tokens
     assert joined.finish_reason == pb.FINISH_REASON_LENGTH
     assert (joined.usage.prompt_tokens, joined.usage.completion_tokens) == (len(prompt), max_tokens)
+
+
+
+class SlowSender:
+    """A stub whose StepStream call asks for each plan ``delay_s`` after the one before, as gRPC's sending thread does
+    when it waits for the GIL."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.ended = threading.Event()  # set: the call ends, with no result
+
+    def StepStream(self, plans: Iterator[object]) -> Iterator[object]:  # noqa: N802 - gRPC's method name
+        def send() -> None:
+            time.sleep(self.delay_s)
+            for _ in plans:
+                time.sleep(self.delay_s)
+
+        threading.Thread(target=send, daemon=True).start()
+        return iter(self.ended.wait, True)
+
+
+def test_submit_returns_once_the_plan_is_on_its_way():
+    """The engine loop processes the step before's outputs once the plan is sent: until gRPC's sending thread has taken
+    it, ``submit`` waits, else the plan waits for the GIL behind that work while the executor idles."""
+    stub = SlowSender(delay_s=0.2)
+    stream = StepStream(stub, Turn(), hand_over_s=LONG)
+    for plan in ("plan 1", "plan 2"):
+        start = time.monotonic()
+        stream.submit(plan)
+        assert time.monotonic() - start >= 0.15  # without the wait: at once
+    stub.ended.set()

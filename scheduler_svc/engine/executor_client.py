@@ -112,15 +112,26 @@ class RemoteExecutor(Executor):
         self.channel.close()
 
 
+# The longest ``submit`` waits for gRPC's sending thread to take the plan (a stream still opening takes longer).
+HAND_OVER_S = 0.002
+
+
 class StepStream:
     """One ``StepStream`` call: plans go out as they are submitted, a reader thread matches each
     result to the oldest unanswered plan. When the stream ends, every unanswered plan fails with
     the stream's error and the stream is ``closed``; the next ``submit`` opens a new one. The engine's ``turn``
-    starts as a result arrives and ends as gRPC takes the next plan to send it."""
+    starts as a result arrives and ends as gRPC takes the next plan to send it.
 
-    def __init__(self, stub: pb_grpc.ExecutorStub, turn: Turn) -> None:
+    ``submit`` waits (up to ``hand_over_s``) until gRPC's sending thread has taken the plan: the engine loop goes on
+    to process the step before's outputs, and the sending thread, woken meanwhile, otherwise waited for the GIL behind
+    all of that, the executor idle, before the plan left (docs/benchmarks-history.md, "The plan's hand-over")."""
+
+    def __init__(self, stub: pb_grpc.ExecutorStub, turn: Turn, hand_over_s: float = HAND_OVER_S) -> None:
         self._turn = turn
+        self._hand_over_s = hand_over_s
         self._plans: queue.SimpleQueue[pb.StepPlan | None] = queue.SimpleQueue()
+        self._taken = threading.Condition(threading.Lock())
+        self._num_put = self._num_taken = 0
         self._waiting: deque[Future[StepResult]] = deque()
         self._lock = threading.Lock()
         self.closed = False
@@ -131,6 +142,9 @@ class StepStream:
         """gRPC's sending thread: the next plan to send, once there is one."""
         plan = self._plans.get()
         self._turn.end()
+        with self._taken:
+            self._num_taken += 1
+            self._taken.notify()
         return plan
 
     def submit(self, plan: pb.StepPlan) -> Future[StepResult]:
@@ -141,6 +155,10 @@ class StepStream:
                 return future
             self._waiting.append(future)
             self._plans.put(plan)
+            self._num_put += 1
+            num_put = self._num_put
+        with self._taken:
+            self._taken.wait_for(lambda: self._num_taken >= num_put, self._hand_over_s)
         return future
 
     def cancel(self) -> None:

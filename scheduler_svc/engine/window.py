@@ -25,6 +25,8 @@ class Window:
         self._executor = executor
         # The window in flight (its step id), until its result is collected.
         self._step_id: int | None = None
+        # The last window a CutStep went out for: a window is cut once, though an arrival may come while it is sent.
+        self._cut_step_id: int | None = None
         # Set by ``cut_for_loop`` until the loop has taken its work in (``loop_work_taken``): a window in flight is
         # cut, and no step is booked on it or after it before that work is in the scheduler.
         self.loop_work_pending = False
@@ -47,9 +49,11 @@ class Window:
         self.loop_work_pending = False
 
     def cut(self) -> None:
-        """Stop the window in flight, if any, after its current pass (advisory: CutStep)."""
-        if self._step_id is not None:
-            self._executor.cut(self._step_id)
+        """Stop the window in flight, if any, after its current pass (advisory: CutStep), unless it was cut already."""
+        step_id = self._step_id
+        if step_id is not None and step_id != self._cut_step_id:
+            self._cut_step_id = step_id
+            self._executor.cut(step_id)
 
     def sending(self, step_id: int) -> None:
         """Window ``step_id`` is about to go out: from here on a cut names it (even while a synchronous executor
