@@ -36,7 +36,7 @@ async def client(stub: pb_grpc.GenerationStub, prompt: list[int], max_tokens: in
 def test_200_clients_a_third_cancelling_at_random_times(tmp_path: Path):
     rng = random.Random(11)
     work = [([rng.randrange(1, 50) for _ in range(rng.randint(1, 40))], rng.randint(20, 200),
-             rng.uniform(0, 0.3) if rng.random() < 1 / 3 else None) for _ in range(NUM_CLIENTS)]
+             rng.uniform(0, 0.15) if rng.random() < 1 / 3 else None) for _ in range(NUM_CLIENTS)]
     port = free_port()
 
     async def run(target: str) -> list[list[pb.GenerateResponse] | None]:
