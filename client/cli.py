@@ -87,6 +87,8 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                         help="TOKEN_ID=BIAS added to that token's logit, repeatable (server default none)")
     parser.add_argument("--lora", metavar="NAME", help="the LoRA adapter to run through (server default: the base "
                         "model; 'nanoserve info' lists the adapters)")
+    parser.add_argument("--priority", type=int, help="lower is admitted first and preempted last, where the scheduler "
+                        "runs --request-order priority (server default 0; only 0 otherwise)")
     parser.add_argument("--n", type=int, help="independent completions, streamed labelled by index (server default 1)")
     parser.add_argument("--min-tokens", type=int,
                         help="completion tokens before EOS or a stop may end it (server default 0)")
@@ -173,7 +175,8 @@ def generation_options(args: argparse.Namespace) -> dict:
     names = ("max_tokens", "max_tokens_to_room", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
              "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty",
              "n", "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
-             "prompt_logprobs", "json_schema", "regex", "choice", "grammar", "json_object", "lora")
+             "prompt_logprobs", "json_schema", "regex", "choice", "grammar", "json_object", "lora",
+             "priority")
     options = {name: getattr(args, name) for name in names}
     options["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     return options

@@ -31,6 +31,7 @@ from scheduler_svc.core.scheduler_config import (
     DEFAULT_NGRAM_SIZE,
     DEFAULT_NUM_SPECULATIVE_TOKENS,
     POLICY_NAMES,
+    REQUEST_ORDERS,
     SPECULATIVE_METHODS,
     SchedulerConfig,
 )
@@ -84,6 +85,9 @@ class ServiceConfig:
     # "nano-vllm": prefill first, never mixed with decode (the seed's policy); "mixed": running decodes first, prefill
     # chunks fill the rest of the token budget in the same step (``core.mixed``).
     scheduling_policy: str = "nano-vllm"
+    # "fcfs": requests are admitted (and preempted last) in arrival order; "priority": by GenerateRequest.priority,
+    # lower first, then arrival (vLLM's --scheduling-policy priority; ``core.request_order``).
+    request_order: str = "fcfs"
     # The most distinct LoRA adapters in one step; requests for another wait their turn, in arrival order.
     max_loras: int = 4
     # Tokens a stream gathers before a message goes out (the first and the last go at once): vLLM's and SGLang's
@@ -155,7 +159,8 @@ class ServiceConfig:
                              f"({self.max_num_seqs}): each running sequence's decode takes a token of a step's budget")
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.num_scheduler_steps,
                                self.scheduling_policy, self.max_loras, self.speculative, self.num_speculative_tokens,
-                               self.ngram_min, self.ngram_max, self.speculative_disable_by_batch_size)
+                               self.ngram_min, self.ngram_max, self.speculative_disable_by_batch_size,
+                               self.request_order)
 
 
 def model_names(text: str) -> tuple[str, ...]:
@@ -223,6 +228,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--scheduling-policy", str, "nano-vllm: prefill first, never in a step with decodes (the seed's policy); "
         "mixed: running decodes first, and prefill chunks fill the rest of --max-num-batched-tokens in the same step",
         choices=POLICY_NAMES)
+    add("--request-order", str, "fcfs: requests are admitted in arrival order, and the latest preempted first; "
+        "priority: by each request's priority (lower first, vLLM's --scheduling-policy priority), then arrival, and "
+        "the lowest priority preempted first. Under fcfs a priority other than 0 is refused", choices=REQUEST_ORDERS)
     add("--max-loras", positive_int, "the most distinct LoRA adapters in one step (the base model not counted); a "
         "request for another waits, in arrival order, until an adapter's requests end")
     add("--stream-interval", positive_int, "tokens a stream gathers before they are sent (its first token and its "

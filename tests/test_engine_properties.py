@@ -32,6 +32,7 @@ def workloads(draw):
             st.integers(1, 40),  # max_tokens
             st.booleans(),  # ignore_eos
             st.integers(0, 6),  # arrival step
+            st.integers(-2, 2),  # priority, under --request-order priority
         ),
         min_size=1, max_size=12,
     ))
@@ -40,7 +41,8 @@ def workloads(draw):
     speculation = draw(st.sampled_from([None, "ngram", "draft"]))
     k = draw(st.integers(1, 5))
     miss_every = draw(st.integers(1, 4))
-    return block_size, num_blocks, budget, max_num_seqs, prefixes, requests, (speculation, k, miss_every)
+    order = draw(st.sampled_from(["fcfs", "priority"]))
+    return block_size, num_blocks, budget, max_num_seqs, prefixes, requests, (speculation, k, miss_every), order
 
 
 def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
@@ -84,40 +86,42 @@ def check_invariants(engine: Engine, executor: ShadowExecutor) -> None:
 @given(workloads())
 # Ten sequences verifying n-gram proposals take 20 tokens of a budget of 8: the mixed policy once scheduled a prompt's
 # chunk of -1 tokens in what was left.
-@example((4, 10, 8, 10, [[1]], [(0, [1], 1, False, 2), *[(0, [1], 3, False, 0)] * 4, *[(0, [1], 2, False, 0)] * 4,
-                                 (0, [2], 2, False, 0)], ("ngram", 1, 1)))
+@example((4, 10, 8, 10, [[1]], [(0, [1], 1, False, 2, 0), *[(0, [1], 3, False, 0, 0)] * 4,
+                                 *[(0, [1], 2, False, 0, 0)] * 4, (0, [2], 2, False, 0, 0)], ("ngram", 1, 1), "fcfs"))
 # Two plans ahead: a sequence preempted while both still owed it a token waited at the head of ``waiting`` with none
 # running, and the schedule of the next plan said no sequence could ever fit.
-@example((8, 9, 8, 2, [[1, 1, 1, 1]], [(0, [1], 5, False, 0), (0, [1], 21, False, 1),
-                                      (0, [1] * 11 + [2], 26, False, 0)], (None, 1, 1)))
+@example((8, 9, 8, 2, [[1, 1, 1, 1]], [(0, [1], 5, False, 0, 0), (0, [1], 21, False, 1, 0),
+                                      (0, [1] * 11 + [2], 26, False, 0, 0)], (None, 1, 1), "fcfs"))
 def test_engine_matches_sequential_reference(overlap, num_steps, ahead, queued, policy, workload):
-    """Under either policy: mixed steps (decodes beside prefill chunks, prefix hits, one chunked prompt, preemption),
-    with speculation on or off, give every request the sequential reference's tokens; rejected proposals leave no
-    slot, block or hash behind. ``ahead``: after each step up to that many next plans are launched before anything
-    else, as the engine loop does when the outputs cannot change them (``Engine.launch_ahead``), unless a request
-    arrives next. ``queued``: the executor queues each step as a GPU does, the next launched behind it."""
-    block_size, num_blocks, budget, max_num_seqs, prefixes, requests, (speculation, k, miss_every) = workload
+    """Under either policy, in arrival or priority order: mixed steps (decodes beside prefill chunks, prefix hits, one
+    chunked prompt, preemption), with speculation on or off, give every request the sequential reference's tokens;
+    rejected proposals leave no slot, block or hash behind. ``ahead``: after each step up to that many next plans are
+    launched before anything else, as the engine loop does when the outputs cannot change them
+    (``Engine.launch_ahead``), unless a request arrives next. ``queued``: the executor queues each step as a GPU does,
+    the next launched behind it."""
+    block_size, num_blocks, budget, max_num_seqs, prefixes, requests, (speculation, k, miss_every), order = workload
     executor = ShadowExecutor(num_blocks, block_size, VOCAB, (EOS,), max_model_len=4096,
                               draft_miss_every=miss_every if speculation == "draft" else None, queues=queued)
     ngram = dict(ngram_min=1, ngram_max=3) if speculation == "ngram" else {}
     # Proposals at every batch size (the shadow says it runs on a CPU, where they would stop above a few).
     unbounded = dict(speculative_disable_by_batch_size=1 << 16) if speculation else {}
     config = SchedulerConfig(max_num_seqs, budget, num_steps, policy, speculative=speculation,
-                             num_speculative_tokens=k if speculation else None, **ngram, **unbounded)
+                             num_speculative_tokens=k if speculation else None, **ngram, **unbounded,
+                             request_order=order)
     engine = Engine(executor, config, overlap=overlap, plans_ahead=max(ahead, 1))
     pending = []
-    for prefix_choice, tail, max_tokens, ignore_eos, arrival in requests:
+    for prefix_choice, tail, max_tokens, ignore_eos, arrival, priority in requests:
         prompt = (prefixes[prefix_choice] if prefix_choice < len(prefixes) else []) + tail
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         fits = max(len(prompt), len(prompt) + max_tokens - 1) <= num_blocks * block_size
         if fits:
-            pending.append((arrival, prompt, params))
+            pending.append((arrival, prompt, params, priority if order == "priority" else 0))
     submitted = []
     step = 0
     while pending or engine.has_unfinished():
         for item in [p for p in pending if p[0] <= step]:
             pending.remove(item)
-            submitted.append((item[1], item[2], engine.add_request(item[1], item[2])))
+            submitted.append((item[1], item[2], engine.add_request(item[1], item[2], priority=item[3])))
         engine.step()
         check_invariants(engine, executor)
         step += 1

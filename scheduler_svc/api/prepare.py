@@ -177,4 +177,5 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
         interval = stream_interval(request)
     except InvalidRequest as e:
         raise public_error(e) from e
-    return PreparedRequest(request.request_id or uuid.uuid4().hex, token_ids, params, resumed, interval, request.lora)
+    return PreparedRequest(request.request_id or uuid.uuid4().hex, token_ids, params, resumed, interval, request.lora,
+                           request.priority)

@@ -19,3 +19,5 @@ class PreparedRequest:
     stream_interval: int | None = None
     # The LoRA adapter it runs through, by name (GenerateRequest.lora); "": the base model.
     lora: str = ""
+    # Lower runs first under --request-order priority (GenerateRequest.priority); refused in arrival order unless 0.
+    priority: int = 0

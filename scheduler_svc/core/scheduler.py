@@ -7,6 +7,7 @@ from collections.abc import Collection
 from typing import Any
 
 from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.request_order import enqueue, priority_key
 from scheduler_svc.core.scheduler_config import POLICY_NAMES as POLICY_NAMES
 from scheduler_svc.core.scheduler_config import SchedulerConfig
 from scheduler_svc.core.sequence import PENDING, FinishReason, Sequence, SequenceStatus, max_kv_blocks
@@ -19,18 +20,15 @@ from scheduler_svc.core.verification import settle_verification
 class Scheduler:
     """Decides which sequences run each step and how many tokens each computes.
 
-    Prefill comes first, FIFO from the head of ``waiting``; only the first
-    sequence of a batch may be chunked, and a chunked sequence stays at the
-    head until its prompt is computed. Decode runs only when no prefill was
-    scheduled; when a block cannot be appended, the tail of ``running`` is
-    preempted (its blocks freed, recomputed later). Admission and the token
-    budget count the prefix hits nano-vLLM's cache finds, so the schedule is
-    its own; the other copies ours keeps only make a sequence compute fewer
-    tokens (``BlockManager``). A decode step computes
-    up to ``num_scheduler_steps`` tokens per sequence, never more than the
-    ``max_decode_steps`` of any sequence in it, nor past a sequence's
-    max_tokens or the model's length. With speculation, a decode row may verify
-    proposed tokens instead (``core.speculation``, ``core.verification``).
+    Prefill comes first, FIFO from the head of ``waiting``; only the first sequence of a batch may be chunked, and a
+    chunked sequence stays at the head until its prompt is computed. Decode runs only when no prefill was scheduled;
+    when a block cannot be appended, the tail of ``running`` is preempted (its blocks freed, recomputed later). Both
+    queues keep arrival order, or priority order (``core.request_order``). Admission and the token budget count the
+    prefix hits nano-vLLM's cache finds, so the schedule is its own; the other copies ours keeps only make a sequence
+    compute fewer tokens (``BlockManager``). A decode step computes up to ``num_scheduler_steps`` tokens per sequence,
+    never more than the ``max_decode_steps`` of any sequence in it, nor past a sequence's max_tokens or the model's
+    length. With speculation, a decode row may verify proposed tokens instead (``core.speculation``,
+    ``core.verification``).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int],
@@ -45,6 +43,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.by_priority = config.request_order == "priority"
         # Ids of sequences whose blocks were freed since the last drain, so the
         # executor can drop their state (finished, aborted or preempted).
         self.released_seq_ids: list[int] = []
@@ -73,7 +72,7 @@ class Scheduler:
         seq.stop_rule = StopRule.of(seq.params, seq.num_prompt_tokens, self.eos_token_ids, self.max_model_len)
         if self.speculator is not None:
             self.speculator.attach(seq)
-        self.waiting.append(seq)
+        enqueue(self.waiting, seq, self.by_priority)
 
     def schedule(self, propose: bool = True) -> tuple[list[Sequence], bool]:
         """Return this step's sequences and whether the step is a prefill; with speculation, ``propose`` False
@@ -127,7 +126,7 @@ class Scheduler:
             if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens:
                 seq.status = SequenceStatus.RUNNING
                 self.waiting.popleft()
-                self.running.append(seq)
+                enqueue(self.running, seq, self.by_priority)
             scheduled.append(seq)
         return scheduled
 
@@ -212,7 +211,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_draft_tokens, seq.draft_token_ids = 0, []
         self._release(seq)
-        self.waiting.appendleft(seq)
+        enqueue(self.waiting, seq, self.by_priority, front=True)
         self.num_preemptions += 1
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
@@ -355,7 +354,7 @@ class Scheduler:
         """Start over on a new KV cache (the executor lost its own): every live sequence waits
         again, oldest first, to be recomputed like a preempted one. Returns the sequences that no
         longer fit in the new cache; they are finished with ABORT."""
-        live = sorted([*self.running, *self.waiting], key=lambda seq: seq.seq_id)
+        live = sorted([*self.running, *self.waiting], key=priority_key)
         block_manager.carry_listener(self.block_manager)
         self.block_manager = block_manager
         self.block_size = block_manager.block_size

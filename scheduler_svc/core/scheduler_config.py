@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 # --scheduling-policy's names; ``core.mixed.POLICIES`` maps each to its scheduler.
 POLICY_NAMES = ("nano-vllm", "mixed")
+# --request-order's names (``core.request_order``): arrival order, or requests' priority then arrival.
+REQUEST_ORDERS = ("fcfs", "priority")
 # --speculative's names: "ngram" proposes from the sequence's own tokens here, in the scheduler (``core.ngram``);
 # "draft" lets the executor's draft model propose (its handshake names one: ``ExecutorInfo.draft_model_id``).
 SPECULATIVE_METHODS = ("ngram", "draft")
@@ -46,10 +48,15 @@ class SchedulerConfig:
     # compute, where every proposed token costs as much as a decoded one. None: never off (the engine sets a CPU
     # executor's default, ``engine.checks.CPU_SPECULATION_BATCH_LIMIT``).
     speculative_disable_by_batch_size: int | None = None
+    # The order requests are admitted and preempted in: "fcfs" (arrival, the seed's) or "priority"
+    # (``core.request_order``).
+    request_order: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
+        if self.request_order not in REQUEST_ORDERS:
+            raise ValueError(f"request_order must be one of {', '.join(REQUEST_ORDERS)}, got {self.request_order!r}")
         if self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.max_num_seqs < 1:

@@ -84,12 +84,9 @@ class Engine:
         self.overlap = serving_overlap(overlap, self.info.on_cpu)
         self.plans_ahead = serving_plans_ahead(plans_ahead, self.info.on_cpu)
         self.config = serving_config(config or SchedulerConfig(), self.info)
-        self.scheduler = POLICIES[self.config.policy](
-            self.config,
-            BlockManager(self.info.num_blocks, self.info.block_size),
-            set(self.info.eos_token_ids),
-            self.info.max_model_len,
-        )
+        blocks = BlockManager(self.info.num_blocks, self.info.block_size)
+        self.scheduler = POLICIES[self.config.policy](self.config, blocks, set(self.info.eos_token_ids),
+                                                      self.info.max_model_len)
         self.planner = Planner()
         self._seq_ids = itertools.count()
         self.num_steps = 0
@@ -109,21 +106,26 @@ class Engine:
     def limits(self) -> ModelLimits:
         return ModelLimits.of(self.info)
 
-    def add_request(self, token_ids: list[int], params: SamplingParams, lora: str | None = None) -> Sequence:
+    def add_request(self, token_ids: list[int], params: SamplingParams, lora: str | None = None,
+                    priority: int = 0) -> Sequence:
         """Check and queue a request (through adapter ``lora``; None: the base model); InvalidRequest if it cannot."""
         check_request(token_ids, params, self.limits)
-        return self.enqueue(token_ids, params, lora=lora)
+        return self.enqueue(token_ids, params, lora=lora, priority=priority)
 
     def enqueue(self, token_ids: list[int], params: SamplingParams, resumed: list[int] | None = None,
-                lora: str | int | None = None, speculate: bool = True) -> Sequence:
+                lora: str | int | None = None, speculate: bool = True, priority: int = 0) -> Sequence:
         """Queue a request already checked (``validation``) against this executor's limits; ``resumed`` completion
         tokens count as generated (a stream another scheduler started); ``lora``: an adapter's name, or the id a
         request's first choice took; ``speculate``: whether it may speculate (``core.speculation``: not a choice of
-        n > 1). InvalidRequest if the cache shrank since, or the adapter went."""
+        n > 1); ``priority``: lower first, only under ``--request-order priority``. InvalidRequest if the cache
+        shrank since, the adapter went, or a priority is given in arrival order."""
+        if priority and not self.scheduler.by_priority:
+            raise InvalidRequest("priority", "priority scheduling is off: start the scheduler with --request-order "
+                                 "priority, or leave priority at 0")
         tokens = [*token_ids, *(resumed or ())]
         lora_id = lora if isinstance(lora, int) else self.adapters.lora_id(lora)
         seq = Sequence(next(self._seq_ids), tokens, params, self.info.block_size, len(token_ids), lora_id)
-        seq.speculate = speculate
+        seq.speculate, seq.priority = speculate, priority
         try:
             self.scheduler.add(seq)
         except ValueError as e:
@@ -366,12 +368,9 @@ class Engine:
         return [*self.scheduler.running, *self.scheduler.waiting]
 
     def _abandon_in_flight(self) -> None:
-        """Forget the step in flight before a reset; its outcome no longer matters.
-
-        An in-process executor may still be running it, or a window being collected, on the worker thread and
-        is not safe to reset meanwhile, so the worker's queue is let end. An executor with its own stream is not
-        waited for: its reset cancels the stream, and a hung step would otherwise cost a second step timeout.
-        """
+        """Forget the step in flight before a reset. An in-process executor may still run it (or a window being
+        collected) on the worker thread, unsafe to reset meanwhile: the worker's queue is let end. An executor with its
+        own stream is not waited for: its reset cancels the stream, and a hung step would cost a second step timeout."""
         self._in_flight = None
         self._ahead.clear()
         if self._worker is not None:

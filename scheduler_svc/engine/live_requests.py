@@ -101,7 +101,8 @@ class LiveRequests:
         processor = OutputProcessor(tokenizer, prepared.prompt_token_ids, params, index, resumed)
         started = self.by_handle.get(handle)  # choice 0's id, renumbered with it after an executor restart
         lora = (started[0].seq.lora_id if started else handle.lora_id) if index else prepared.lora
-        seq = engine.enqueue(prepared.prompt_token_ids, params, resumed, lora, prepared.params.n == 1)
+        seq = engine.enqueue(prepared.prompt_token_ids, params, resumed, lora, speculate=prepared.params.n == 1,
+                             priority=prepared.priority)
         handle.lora_id = seq.lora_id
         seq.max_decode_steps = handle.reads_at_a_time
         active = Active(handle, seq, processor)

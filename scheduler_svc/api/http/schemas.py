@@ -87,6 +87,8 @@ class GenerationParameters(Request):
     bad_words: list[str] | None = None
     # The prompt tokens' logprobs, with this many alternatives each (vLLM's; not streamed, as there).
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Lower first under the scheduler's --request-order priority (vLLM's; only 0 otherwise).
+    priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] | None = None
 
 
 class TextPart(Request):

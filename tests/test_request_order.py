@@ -1,0 +1,132 @@
+"""Requests in priority order (``--request-order priority``, vLLM's priority scheduling): admitted lowest priority
+value first, arrival breaking ties; the lowest priority preempted first; the tokens unchanged; arrival order (the
+seed's) refusing a priority over gRPC and HTTP, naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import httpx
+import pytest
+
+from client.request_builder import build_request
+from executor_svc.fakes.shadow import ShadowExecutor
+from scheduler_svc.core.errors import InvalidRequest
+from scheduler_svc.core.sampling import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.engine.engine import Engine
+from tests.conftest import EOS, assert_all_blocks_free
+from tests.http_fixtures import hosted
+from tests.service_fixtures import assert_idle_async, in_process_scheduler, stream
+from tests.shadow_helpers import expected
+
+VOCAB = 50
+POLICIES = ("nano-vllm", "mixed")
+
+
+def engine_of(policy: str, order: str, num_blocks: int = 64, max_num_seqs: int = 8) -> Engine:
+    config = SchedulerConfig(max_num_seqs, 16, 1, policy, request_order=order)
+    return Engine(ShadowExecutor(num_blocks, 4, VOCAB, (EOS,)), config)
+
+
+def first_token_order(engine: Engine, seqs: list[Sequence]) -> list[int]:
+    """Run to the end; the sequences' ids in the order their first tokens came."""
+    order: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.seq.seq_id not in order:
+                order.append(out.seq.seq_id)
+    engine.step()  # idle: the executor drops the finished requests
+    assert_all_blocks_free(engine.block_manager)
+    return order
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_lowest_priority_value_is_admitted_first_and_arrival_breaks_ties(policy):
+    engine = engine_of(policy, "priority", max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    priorities = [5, 0, 5, -1, 0]
+    seqs = [engine.add_request([1 + i, 2, 3], params, priority=p) for i, p in enumerate(priorities)]
+    # -1 first; then the two 0s and the two 5s, each pair in arrival order
+    assert first_token_order(engine, seqs) == [seqs[i].seq_id for i in (3, 1, 4, 0, 2)]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_in_arrival_order_requests_start_as_they_came(policy):
+    engine = engine_of(policy, "fcfs", max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    seqs = [engine.add_request([1 + i, 2, 3], params) for i in range(4)]
+    assert first_token_order(engine, seqs) == [seq.seq_id for seq in seqs]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("order", ["fcfs", "priority"])
+def test_the_lowest_priority_is_preempted_first_and_tokens_stay_the_same(policy, order):
+    """Two prompts of a block each, one block free: at their first decode both need another. In arrival order the
+    later one is preempted; in priority order the one that matters less, though it came first."""
+    engine = engine_of(policy, order, num_blocks=3)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    first, second = (engine.add_request(prompt, params, priority=p if order == "priority" else 0)
+                     for prompt, p in zip(prompts, (1, 0), strict=True))
+    while not engine.scheduler.num_preemptions:
+        engine.step()
+    assert list(engine.scheduler.waiting) == [first if order == "priority" else second]
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()
+    for seq, prompt in zip((first, second), prompts, strict=True):
+        assert seq.completion_token_ids == expected(engine, prompt, params)
+    assert_all_blocks_free(engine.block_manager)
+
+
+def test_a_request_arriving_with_a_lower_value_never_displaces_a_prompt_part_way_through_its_chunks():
+    engine = engine_of("nano-vllm", "priority", max_num_seqs=2)  # 16 tokens a step: a 30-token prompt takes two
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    long = engine.add_request(list(range(1, 31)), params, priority=3)
+    engine.step()  # its first chunk
+    urgent = engine.add_request([40, 41], params, priority=-5)
+    assert list(engine.scheduler.waiting) == [long, urgent]
+    assert first_token_order(engine, [long, urgent]) == [long.seq_id, urgent.seq_id]
+
+
+def test_arrival_order_refuses_a_priority_naming_the_field():
+    engine = engine_of("nano-vllm", "fcfs")
+    with pytest.raises(InvalidRequest) as refused:
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), priority=1)
+    assert refused.value.field == "priority" and "--request-order priority" in str(refused.value)
+    assert not engine.has_unfinished()
+
+
+def test_over_grpc_priority_is_honoured_or_refused_by_the_flag():
+    prompt = dict(token_ids=[1, 2, 3], max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def run() -> None:
+        async with in_process_scheduler(ShadowExecutor(64, 4, VOCAB, (EOS,)), request_order="priority") as s:
+            assert len((await stream(s.stub, build_request(**prompt, priority=-7))).token_ids) == 2
+        async with in_process_scheduler(ShadowExecutor(64, 4, VOCAB, (EOS,))) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stream(s.stub, build_request(**prompt, priority=1))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "priority" in refused.value.details()
+            assert len((await stream(s.stub, build_request(**prompt, priority=0))).token_ids) == 2
+            await assert_idle_async(s.stub)
+
+    asyncio.run(run())
+
+
+def test_over_http_priority_is_vllms_parameter():
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    with hosted(ShadowExecutor(64, 4, VOCAB, (EOS,)), request_order="priority") as h:
+        ok = httpx.post(f"{h.url}/v1/completions", json={**body, "priority": 3}, timeout=30)
+        h.assert_idle()
+    with hosted(ShadowExecutor(64, 4, VOCAB, (EOS,))) as h:
+        refused = httpx.post(f"{h.url}/v1/completions", json={**body, "priority": 3}, timeout=30)
+        too_big = httpx.post(f"{h.url}/v1/completions", json={**body, "priority": 2**31}, timeout=30)
+        plain = httpx.post(f"{h.url}/v1/completions", json={**body, "priority": 0}, timeout=30)
+        h.assert_idle()
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text
+    assert too_big.status_code == 400 and "priority" in too_big.text
+    assert plain.status_code == 200
