@@ -12,10 +12,11 @@ import pytest
 
 from client.request_builder import build_request
 from executor_svc.fakes.shadow import ShadowExecutor
+from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.errors import InvalidRequest
 from scheduler_svc.core.sampling import SamplingParams
-from scheduler_svc.core.scheduler import SchedulerConfig
-from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.sequence import FinishReason, Sequence
 from scheduler_svc.engine.engine import Engine
 from tests.conftest import EOS, assert_all_blocks_free
 from tests.http_fixtures import hosted
@@ -130,3 +131,31 @@ def test_over_http_priority_is_vllms_parameter():
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text
     assert too_big.status_code == 400 and "priority" in too_big.text
     assert plain.status_code == 200
+
+
+def test_a_sequence_held_for_its_token_in_flight_keeps_its_place_by_priority():
+    """With overlap a sequence whose last token is still in flight is held out of a decode step; it goes back to
+    ``running`` in its place by priority, so the tail that preemption takes stays the request that matters least."""
+    scheduler = Scheduler(SchedulerConfig(request_order="priority"), BlockManager(64, 4), {EOS}, 4096)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    seqs = []
+    for seq_id, priority in enumerate((0, 5, 7)):
+        seq = Sequence(seq_id, [1 + seq_id, 2, 3], params, 4)
+        seq.priority = priority
+        scheduler.add(seq)
+        seqs.append(seq)
+    scheduled, is_prefill = scheduler.schedule()
+    scheduler.postprocess(scheduled, [4] * len(scheduled), is_prefill)
+    seqs[0].final_token_pending = True  # its last token is in the step in flight
+    scheduled, _ = scheduler.schedule()
+    assert seqs[0] not in scheduled
+    assert [seq.priority for seq in scheduler.running] == [0, 5, 7]
+    late = Sequence(3, [9, 9, 9], params, 4)
+    late.priority = 3
+    scheduler.add(late)
+    scheduled, is_prefill = scheduler.schedule()
+    assert is_prefill and scheduled == [late]
+    assert [seq.priority for seq in scheduler.running] == [0, 3, 5, 7]
+    for seq in [*scheduler.running, *scheduler.waiting]:
+        scheduler.finish(seq, FinishReason.ABORT)
+    assert_all_blocks_free(scheduler.block_manager)

@@ -24,11 +24,10 @@ def insert_by_priority(queue: deque[Sequence], seq: Sequence) -> None:
     of a head already holding blocks (a prompt part-way through its chunks)."""
     key = priority_key(seq)
     start = 1 if queue and queue[0].status is SequenceStatus.WAITING and queue[0].block_table else 0
-    for index in range(start, len(queue)):
-        if key < priority_key(queue[index]):
-            queue.insert(index, seq)
-            return
-    queue.append(seq)
+    index = len(queue)  # from the tail, where most go: requests of one priority arrive in order
+    while index > start and key < priority_key(queue[index - 1]):
+        index -= 1
+    queue.insert(index, seq)
 
 
 def enqueue(queue: deque[Sequence], seq: Sequence, by_priority: bool, front: bool = False) -> None:

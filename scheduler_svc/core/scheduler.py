@@ -100,7 +100,7 @@ class Scheduler:
             if seq.lora_id and self.max_loras is not None and not seq.block_table:
                 adapters = self._adapters_running(scheduled) if adapters is None else adapters
                 if seq.lora_id not in adapters and len(adapters) >= self.max_loras:
-                    break  # FIFO: it waits at the head until an adapter's sequences finish, so it never starves
+                    break  # it waits at the head until an adapter's sequences finish (in arrival order: never starves)
                 adapters.add(seq.lora_id)
             if not seq.block_table:
                 num_cached_blocks = self.block_manager.can_allocate(seq)
@@ -187,13 +187,13 @@ class Scheduler:
                 if seq.num_draft_tokens:
                     self._reserve_drafts(seq)
                     seq.num_scheduled_tokens = 1 + seq.num_draft_tokens
-        # Nothing fits, unless the head of ``waiting`` was preempted while a step in flight (plans sent ahead) owes it a
+        # Nothing fits, unless a sequence waits that was preempted while a step in flight (plans sent ahead) owes it a
         # token: then nothing is scheduled until that step is collected.
-        if not scheduled and not held and not prefill_may_follow and not (
-                self.waiting and self.waiting[0].token_ids[-1] == PENDING):
+        if not scheduled and not held and not prefill_may_follow and not any(
+                seq.token_ids[-1] == PENDING for seq in self.waiting):
             raise RuntimeError("nothing can be scheduled: a sequence needs more KV blocks than exist")
-        running.extendleft(reversed(held))
-        running.extendleft(reversed(scheduled))
+        ahead = [*scheduled, *held]  # back ahead of the rest; in priority order held ones may precede scheduled ones
+        running.extendleft(reversed(sorted(ahead, key=priority_key) if self.by_priority else ahead))
         self._progress = bool(scheduled)  # a prefill scheduled after the decodes may set it too
         return scheduled
 
@@ -351,8 +351,8 @@ class Scheduler:
             self.released_seq_ids.append(seq.seq_id)
 
     def requeue_all(self, block_manager: BlockManager) -> list[Sequence]:
-        """Start over on a new KV cache (the executor lost its own): every live sequence waits
-        again, oldest first, to be recomputed like a preempted one. Returns the sequences that no
+        """Start over on a new KV cache (the executor lost its own): every live sequence waits again, oldest first
+        (by priority first in priority order), to be recomputed like a preempted one. Returns the sequences that no
         longer fit in the new cache; they are finished with ABORT."""
         live = sorted([*self.running, *self.waiting], key=priority_key)
         block_manager.carry_listener(self.block_manager)
