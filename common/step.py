@@ -38,8 +38,6 @@ class SamplingSettings:
     ignore_eos: bool = DEFAULTS["ignore_eos"]
     # An llguidance grammar (JSON form) the sampled tokens follow; the model runner masks the logits with it.
     grammar: str | None = None
-    # With a grammar: it applies after the completion's first token of this id (the thinking's end); None: at once.
-    grammar_after_token_id: int | None = None
     # Score the prompt's tokens with this many alternatives each (``prompt_logprobs``).
     num_prompt_logprobs: int | None = DEFAULTS["prompt_logprobs"]
     # Only these ids may be sampled (ascending, distinct); empty: any token.

@@ -25,8 +25,7 @@ from nanoserve.v1 import executor_pb2 as pb
 
 # SamplingSettings fields the proto has as ``optional`` (absent: the default), by their proto names.
 OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "num_logprobs", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty", "grammar", "num_prompt_logprobs",
-                     "grammar_after_token_id")
+                     "presence_penalty", "frequency_penalty", "grammar", "num_prompt_logprobs")
 DEFAULT_SAMPLING = SamplingSettings()
 
 

@@ -289,8 +289,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         choices=tuple(TOOL_PARSERS))
     add("--reasoning-parser", str, "vLLM's flag: take a chat answer's thinking (<think>...</think>) out of its content "
         "into the message's 'reasoning', whole and streamed: qwen3 (Qwen3, QwQ; 'enable_thinking': false in "
-        "chat_template_kwargs turns it off) or deepseek_r1 (DeepSeek-R1 and its distillations). Structured output "
-        "then applies after the thinking, as vLLM's: nothing is constrained until </think> unless the prompt closed it",
+        "chat_template_kwargs turns it off) or deepseek_r1 (DeepSeek-R1 and its distillations)",
         choices=tuple(REASONING_PARSERS))
     return parser
 

@@ -7,9 +7,7 @@ constrained row's logits outside the grammar's allowed tokens become -inf; after
 consumes the sampled token. A matcher lives on its request's state, so it goes when the request goes;
 a request that comes back (preemption, executor restart) has a fresh state and rebuilds its matcher
 from its completion tokens. Once the grammar is complete (or the matcher failed) llguidance allows
-only EOS, so the request ends as any other does. A grammar given a start token
-(``grammar_after_token_id``: the end of the model's thinking, as vLLM's reasoning parsers gate structured
-output) masks nothing until the completion holds that token, and then follows the tokens after it.
+only EOS, so the request ends as any other does.
 """
 
 from __future__ import annotations
@@ -50,19 +48,11 @@ class GrammarConstraints:
             self._executor = llguidance.LLExecutor()
         return self._tokenizer
 
-    def matcher(self, state: RequestState) -> llguidance.LLMatcher | None:
-        """The request's matcher, built on first use and fed the completion tokens it already has (after its start
-        token, if it has one); None while the grammar waits for that token."""
+    def matcher(self, state: RequestState) -> llguidance.LLMatcher:
+        """The request's matcher, built on first use and fed the completion tokens it already has."""
         if state.matcher is None:
-            completion = state.token_ids[state.num_prompt_tokens :]
-            after = state.sampling.grammar_after_token_id
-            if after is not None:
-                if state.grammar_started is None:  # looked for once: later tokens come through ``advance``
-                    state.grammar_started = after in completion
-                if not state.grammar_started:
-                    return None
-                completion = completion[completion.index(after) + 1 :] if after in completion else []
             matcher = llguidance.LLMatcher(self.tokenizer(), state.sampling.grammar)
+            completion = state.token_ids[state.num_prompt_tokens :]
             if completion and not matcher.is_error():
                 matcher.consume_tokens(completion)
             if matcher.is_error():
@@ -73,15 +63,11 @@ class GrammarConstraints:
     @torch.inference_mode()  # the logits are inference tensors, updated in place
     def mask(self, logits: torch.Tensor, states: Sequence[RequestState]) -> list[int]:
         """Set to -inf, in place, the logits each constrained row's grammar does not allow (row i is states[i]);
-        returns the rows with a grammar, masked or waiting for their start token (``advance`` takes them)."""
+        returns the constrained rows."""
         rows = [i for i, state in enumerate(states) if state.sampling.grammar is not None]
-        masked = [i for i in rows if self.matcher(states[i]) is not None]
-        if masked:
-            self._mask(logits, states, masked)
-        return rows
-
-    def _mask(self, logits: torch.Tensor, states: Sequence[RequestState], rows: list[int]) -> None:
-        matchers = [(states[i].matcher, k) for k, i in enumerate(rows)]
+        if not rows:
+            return rows
+        matchers = [(self.matcher(states[i]), k) for k, i in enumerate(rows)]
         if self._bitmask.shape[0] < len(rows):
             self._bitmask = np.empty((len(rows), self._bitmask.shape[1]), dtype=np.int32)
         bitmask = self._bitmask[: len(rows)]
@@ -94,17 +80,14 @@ class GrammarConstraints:
         else:
             index = torch.tensor(rows, device=logits.device)
             logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(banned, float("-inf")))
+        return rows
 
     @staticmethod
     def advance(states: Sequence[RequestState], rows: list[int], token_ids: Sequence[int]) -> None:
-        """Feed each constrained row's matcher the token sampled for it (a stopped one, past EOS, takes none); a row
-        waiting for its start token starts at it."""
+        """Feed each constrained row's matcher the token sampled for it (a stopped one, past EOS, takes none)."""
         for i in rows:
             state, token_id = states[i], token_ids[i]
             matcher = state.matcher
-            if matcher is None:
-                state.grammar_started = token_id == state.sampling.grammar_after_token_id
-                continue
             if not matcher.is_stopped() and not matcher.consume_token(token_id):
                 log.warning("request %d: token %d broke its grammar: %s", state.request_id, token_id,
                             matcher.get_error())

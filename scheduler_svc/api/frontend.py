@@ -22,7 +22,6 @@ from scheduler_svc.api.codec import model_info, scheduler_stats
 from scheduler_svc.api.outbox import ChoicesReader, Outbox
 from scheduler_svc.api.prepare import detokenize, prepare, public_error, tokenize
 from scheduler_svc.api.server_info import ServerInfo, server_info
-from scheduler_svc.api.structured import thinking_markers
 from scheduler_svc.core.errors import ExecutorUnavailable, InvalidRequest, RequestFailed
 from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.tokenizer import ModelTokenizer
@@ -139,19 +138,15 @@ class Frontend:
         self.tokenizer: ModelTokenizer | None = None
         # The model's request defaults in use (``model_defaults``), by field.
         self.model_defaults: dict[str, object] = {}
-        # The thinking's marker ids under --reasoning-parser (``structured.thinking_markers``): grammars wait for it.
-        self.thinking: tuple[int, int] | None = None
         # Requests in flight by the id the caller gave (or was given), for Abort.
         self.by_request_id: dict[str, set[RequestHandle]] = {}
         # When the scheduler started, and when the last request arrived (time.time), for GetServerInfo.
         self.started_at = time.time()
         self.last_request_at = 0.0
 
-    def attach(self, loop: EngineLoop, tokenizer: ModelTokenizer | None, generation_config: str = "auto",
-               reasoning_parser: str = "") -> None:
+    def attach(self, loop: EngineLoop, tokenizer: ModelTokenizer | None, generation_config: str = "auto") -> None:
         self.loop, self.tokenizer = loop, tokenizer
         self.model_defaults = model_defaults(loop.info, generation_config)
-        self.thinking = thinking_markers(tokenizer, reasoning_parser)
 
     def ready(self) -> EngineLoop:
         if self.loop is None:
@@ -161,8 +156,7 @@ class Frontend:
     async def render(self, request: pb.GenerateRequest) -> PreparedRequest:
         """What ``submit`` would queue for ``request``, checked the same way (InvalidRequest), without running it."""
         loop = self.ready()
-        return await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer, self.model_defaults,
-                                       self.thinking)
+        return await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer, self.model_defaults)
 
     async def submit(self, request: pb.GenerateRequest, whole: bool = False) -> Generation:
         """Validate (off the event loop: tokenizing and templating take time) and queue ``request``; its latency
@@ -178,7 +172,7 @@ class Frontend:
         arrived_at, self.last_request_at = time.monotonic(), time.time()
         loop = self.ready()
         prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer,
-                                           self.model_defaults, self.thinking)
+                                           self.model_defaults)
         interval = math.inf if whole else prepared.stream_interval or self.stream_interval
         handle = loop.submit(prepared, sink_of(interval), arrived_at, interval)
         self.by_request_id.setdefault(prepared.request_id, set()).add(handle)

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from dataclasses import replace
 
 from google.protobuf import json_format
 
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.api.structured import compile_grammar, grammar_after_token_id
+from scheduler_svc.api.structured import compile_grammar
 from scheduler_svc.core.bad_words import bad_words_token_ids
 from scheduler_svc.core.errors import InvalidRequest
 from scheduler_svc.core.request import PreparedRequest
@@ -156,13 +155,10 @@ def sampling_params(request: pb.GenerateRequest, budget: int, grammar: str | Non
 
 
 def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTokenizer | None,
-            model_defaults: Mapping[str, object] | None = None,
-            thinking: tuple[int, int] | None = None) -> PreparedRequest:
+            model_defaults: Mapping[str, object] | None = None) -> PreparedRequest:
     """Validate and translate ``request``; raise InvalidRequest naming the first bad GenerateRequest field.
     ``model_defaults``: the model's request defaults (``GenerationDefaults.given()``), for the fields it leaves
-    unset; max_tokens only where ``stopping.max_tokens`` is unset (an HTTP completion always sets it). ``thinking``:
-    the thinking's marker ids under ``--reasoning-parser`` (``structured.thinking_markers``): a grammar waits for its
-    end."""
+    unset; max_tokens only where ``stopping.max_tokens`` is unset (an HTTP completion always sets it)."""
     try:
         token_ids = truncated(prompt_token_ids(request, tokenizer), request)
         check_prompt(token_ids, limits)
@@ -173,8 +169,6 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
         budget = completion_budget(requested, len(token_ids), limits, request.stopping.max_tokens_to_room,
                                    (model_defaults or {}).get("max_tokens"))
         params = sampling_params(request, budget, grammar, model_defaults, tokenizer)
-        if grammar is not None and (after := grammar_after_token_id(token_ids, thinking)) is not None:
-            params = replace(params, grammar_after_token_id=after)
         check_sampling(params)
         check_token_ids(params, limits)
         resumed = list(request.resume.completion_token_ids)

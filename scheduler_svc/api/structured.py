@@ -4,11 +4,6 @@ The scheduler compiles with llguidance's own converters and validates the result
 tokenizer (llguidance's view of the handshake's tokenizer.json), so a bad schema, regex or grammar is
 refused with llguidance's message before it is queued, and the executor only ever receives grammars it
 can build a matcher from. The grammar (llguidance's JSON form) travels in ``SamplingParams.grammar``.
-
-With ``--reasoning-parser`` the grammar applies to the answer after the model's thinking, as vLLM gates structured
-output behind its reasoning parser: unless the prompt already closed the thinking (its last marker is ``</think>``,
-as a chat template with thinking off writes it), the executor masks nothing until the completion's ``</think>``
-(``SamplingParams.grammar_after_token_id``), and the grammar then follows the tokens after it.
 """
 
 from __future__ import annotations
@@ -116,26 +111,3 @@ def compile_grammar(
     if is_error:
         raise InvalidRequest(field, messages[0])
     return grammar
-
-
-# --reasoning-parser's markers of the thinking (both parsers, qwen3 and deepseek_r1, use these).
-THINKING_MARKERS = ("<think>", "</think>")
-
-
-def thinking_markers(tokenizer: ModelTokenizer | None, reasoning_parser: str) -> tuple[int, int] | None:
-    """The ids of the thinking's start and end tokens under ``--reasoning-parser``; None without a parser, or where
-    the vocabulary lacks them (the grammar then applies from the first token)."""
-    if not reasoning_parser or tokenizer is None:
-        return None
-    start, end = (tokenizer.token_id(marker) for marker in THINKING_MARKERS)
-    return None if start is None or end is None else (start, end)
-
-
-def grammar_after_token_id(prompt_token_ids: list[int], markers: tuple[int, int] | None) -> int | None:
-    """The token after which a grammar applies: the end marker, unless the prompt's last marker is one already (the
-    thinking over before the completion starts, as vLLM's ``is_reasoning_end`` reads a prompt); None: at once."""
-    if markers is None:
-        return None
-    end = markers[1]
-    last = next((t for t in reversed(prompt_token_ids) if t in markers), None)
-    return None if last == end else end

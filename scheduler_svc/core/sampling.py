@@ -37,8 +37,6 @@ class SamplingParams:
     prompt_logprobs: int | None = DEFAULTS["prompt_logprobs"]
     # An llguidance grammar (its JSON form) the completion follows, compiled and checked by ``structured``.
     grammar: str | None = None
-    # The grammar applies after the completion's first token of this id (the thinking's end; ``api.structured``).
-    grammar_after_token_id: int | None = None
     # Only these token ids may be sampled (vLLM's allowed_token_ids); None: any. Given, it must hold one at least.
     allowed_token_ids: list[int] | None = None
     # vLLM's bad_words as the token-id sequences its rule bans (``bad_words.bad_words_token_ids`` makes them).
@@ -56,8 +54,7 @@ class SamplingParams:
             # The min_tokens mask is all the executor does with these.
             stop_token_ids=tuple(sorted(self.stop_token_ids)) if self.min_tokens else (),
             ignore_eos=self.ignore_eos if self.min_tokens else False,
-            grammar=self.grammar, grammar_after_token_id=self.grammar_after_token_id,
-            num_prompt_logprobs=self.prompt_logprobs,
+            grammar=self.grammar, num_prompt_logprobs=self.prompt_logprobs,
             allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
             bad_words_token_ids=tuple(map(tuple, self.bad_words_token_ids)),
         )
