@@ -12,6 +12,7 @@ import pytest
 
 from client.request_builder import build_request
 from executor_svc.fakes.shadow import ShadowExecutor
+from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.errors import InvalidRequest
 from scheduler_svc.core.sampling import SamplingParams
@@ -20,8 +21,8 @@ from scheduler_svc.core.sequence import FinishReason, Sequence
 from scheduler_svc.engine.engine import Engine
 from tests.conftest import EOS, assert_all_blocks_free
 from tests.http_fixtures import hosted
-from tests.service_fixtures import assert_idle_async, in_process_scheduler, stream
-from tests.shadow_helpers import expected
+from tests.service_fixtures import GatedExecutor, assert_idle_async, in_process_scheduler, stream
+from tests.shadow_helpers import RecordingExecutor, expected
 
 VOCAB = 50
 POLICIES = ("nano-vllm", "mixed")
@@ -159,3 +160,50 @@ def test_a_sequence_held_for_its_token_in_flight_keeps_its_place_by_priority():
     for seq in [*scheduler.running, *scheduler.waiting]:
         scheduler.finish(seq, FinishReason.ABORT)
     assert_all_blocks_free(scheduler.block_manager)
+
+
+def test_the_other_choices_of_a_request_keep_its_arrival():
+    """Choices after the first of an n > 1 request are queued once the first one's prompt is computed; they rank by
+    the request's arrival, ahead of a request of the same priority that came after it (vLLM's children keep their
+    parent's arrival time)."""
+    engine = engine_of("nano-vllm", "priority", max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first = engine.add_request([1, 2, 3], params)
+    later = engine.add_request([4, 5, 6], params)
+    other_choice = engine.enqueue([1, 2, 3], params, arrival=first.seq_id)
+    assert first_token_order(engine, [first, later, other_choice]) == [first.seq_id, other_choice.seq_id, later.seq_id]
+
+
+def test_over_grpc_a_requests_second_choice_runs_before_a_later_request():
+    """One seat (max_num_seqs 1), held by a first request while a two-choice request and then a third arrive: once
+    the two-choice request's first choice has its prompt computed, its second choice goes before the third request,
+    which came later though the engine took it in first."""
+    executor = RecordingExecutor(ShadowExecutor(64, 4, VOCAB, (EOS,)))
+    gated = GatedExecutor(executor)
+    tokens = dict(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list[int]:
+        async with in_process_scheduler(gated, request_order="priority", max_num_seqs=1, overlap=False) as s:
+
+            async def read(request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+                return [r async for r in s.stub.Generate(request)]
+
+            async def waiting(n: int) -> None:  # requests the scheduler has taken in (the engine loop is at the gate)
+                while len(s.server.frontend.by_request_id) < n:
+                    await asyncio.sleep(0.01)
+
+            gated.open.clear()  # the first request's prefill waits at the gate while the others arrive
+            gated.entered.clear()
+            calls = [asyncio.ensure_future(read(build_request(token_ids=[7, 8, 9], **tokens)))]
+            await asyncio.to_thread(gated.entered.wait, 30)
+            calls.append(asyncio.ensure_future(read(build_request(token_ids=[1, 2, 3], n=2, **tokens))))
+            await waiting(2)
+            calls.append(asyncio.ensure_future(read(build_request(token_ids=[4, 5, 6], **tokens))))
+            await waiting(3)
+            gated.open.set()
+            await asyncio.gather(*calls)
+            await assert_idle_async(s.stub)
+        return [new.request_id for plan in executor.plans for new in plan.new_requests]
+
+    # Ids as the engine took them in: the first request 0, the two-choice one 1, the third 2, the second choice 3.
+    assert asyncio.run(run()) == [0, 1, 3, 2]

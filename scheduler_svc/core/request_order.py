@@ -14,9 +14,11 @@ from collections import deque
 from scheduler_svc.core.sequence import Sequence, SequenceStatus
 
 
-def priority_key(seq: Sequence) -> tuple[int, int]:
-    """Lower runs first: the priority, then the arrival (sequence ids grow as requests arrive)."""
-    return seq.priority, seq.seq_id
+def priority_key(seq: Sequence) -> tuple[int, int, int]:
+    """Lower runs first: the priority, then the request's arrival (sequence ids grow as requests arrive; the other
+    choices of an n > 1 request, queued once the first one's prompt is computed, keep its arrival, as vLLM's children
+    keep their parent's), then the choice."""
+    return seq.priority, seq.arrival, seq.seq_id
 
 
 def insert_by_priority(queue: deque[Sequence], seq: Sequence) -> None:

@@ -354,7 +354,8 @@ class Scheduler:
         """Start over on a new KV cache (the executor lost its own): every live sequence waits again, oldest first
         (by priority first in priority order), to be recomputed like a preempted one. Returns the sequences that no
         longer fit in the new cache; they are finished with ABORT."""
-        live = sorted([*self.running, *self.waiting], key=priority_key)
+        oldest = priority_key if self.by_priority else (lambda seq: seq.seq_id)
+        live = sorted([*self.running, *self.waiting], key=oldest)
         block_manager.carry_listener(self.block_manager)
         self.block_manager = block_manager
         self.block_size = block_manager.block_size

@@ -58,8 +58,9 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
         self.lora_id = lora_id
-        # Its request's priority: lower runs first under ``--request-order priority`` (``core.request_order``).
-        self.priority = 0
+        # Its request's priority: lower runs first under ``--request-order priority`` (``core.request_order``), and
+        # its request's arrival, which breaks ties: its own id, or that of its request's first choice.
+        self.priority, self.arrival = 0, seq_id
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
         self.block_table: list[int] = []

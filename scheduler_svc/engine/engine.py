@@ -113,19 +113,20 @@ class Engine:
         return self.enqueue(token_ids, params, lora=lora, priority=priority)
 
     def enqueue(self, token_ids: list[int], params: SamplingParams, resumed: list[int] | None = None,
-                lora: str | int | None = None, speculate: bool = True, priority: int = 0) -> Sequence:
+                lora: str | int | None = None, speculate: bool = True, priority: int = 0,
+                arrival: int | None = None) -> Sequence:
         """Queue a request already checked (``validation``) against this executor's limits; ``resumed`` completion
         tokens count as generated (a stream another scheduler started); ``lora``: an adapter's name, or the id a
         request's first choice took; ``speculate``: whether it may speculate (``core.speculation``: not a choice of
-        n > 1); ``priority``: lower first, only under ``--request-order priority``. InvalidRequest if the cache
-        shrank since, the adapter went, or a priority is given in arrival order."""
+        n > 1); ``priority``: lower first under ``--request-order priority``, ties by ``arrival`` (its 1st choice's id;
+        None: its own). InvalidRequest if the cache shrank since, the adapter went, or a priority is given in fcfs."""
         if priority and not self.scheduler.by_priority:
             raise InvalidRequest("priority", "priority scheduling is off: start the scheduler with --request-order "
                                  "priority, or leave priority at 0")
         tokens = [*token_ids, *(resumed or ())]
         lora_id = lora if isinstance(lora, int) else self.adapters.lora_id(lora)
         seq = Sequence(next(self._seq_ids), tokens, params, self.info.block_size, len(token_ids), lora_id)
-        seq.speculate, seq.priority = speculate, priority
+        seq.speculate, seq.priority, seq.arrival = speculate, priority, seq.seq_id if arrival is None else arrival
         try:
             self.scheduler.add(seq)
         except ValueError as e:

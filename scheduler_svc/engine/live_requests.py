@@ -37,6 +37,8 @@ class RequestHandle:
     pending_choices: list[int] = field(default_factory=list)
     # The LoRA adapter id choice 0 took: the others run through it too, though it was unloaded since.
     lora_id: int = 0
+    # Choice 0's arrival (``Sequence.arrival``): the others rank by it among requests of their priority.
+    arrival: int | None = None
 
     @property
     def reads_at_a_time(self) -> float:
@@ -102,7 +104,8 @@ class LiveRequests:
         started = self.by_handle.get(handle)  # choice 0's id, renumbered with it after an executor restart
         lora = (started[0].seq.lora_id if started else handle.lora_id) if index else prepared.lora
         seq = engine.enqueue(prepared.prompt_token_ids, params, resumed, lora, speculate=prepared.params.n == 1,
-                             priority=prepared.priority)
+                             priority=prepared.priority, arrival=handle.arrival if index else None)
+        handle.arrival = seq.arrival
         handle.lora_id = seq.lora_id
         seq.max_decode_steps = handle.reads_at_a_time
         active = Active(handle, seq, processor)
