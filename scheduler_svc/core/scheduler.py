@@ -192,8 +192,11 @@ class Scheduler:
         if not scheduled and not held and not prefill_may_follow and not any(
                 seq.token_ids[-1] == PENDING for seq in self.waiting):
             raise RuntimeError("nothing can be scheduled: a sequence needs more KV blocks than exist")
-        ahead = [*scheduled, *held]  # back ahead of the rest; in priority order held ones may precede scheduled ones
-        running.extendleft(reversed(sorted(ahead, key=priority_key) if self.by_priority else ahead))
+        if self.by_priority:  # back ahead of the rest in their places: a held one may precede a scheduled one
+            running.extendleft(reversed(sorted([*scheduled, *held], key=priority_key)))
+        else:
+            running.extendleft(reversed(held))
+            running.extendleft(reversed(scheduled))
         self._progress = bool(scheduled)  # a prefill scheduled after the decodes may set it too
         return scheduled
 
