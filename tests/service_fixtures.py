@@ -64,14 +64,25 @@ def ephemeral_floor() -> int:
 _handed_out: set[int] = set()
 
 
+def worker_ports(low: int, high: int) -> tuple[int, int]:
+    """This test worker's share of [low, high): pytest-xdist's workers each draw from their own, so that two never
+    hand out the same port (each knows only its own)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker) if worker.isdigit() else 0
+    span = (high - low) // max(count, 1)
+    return low + index * span, low + (index + 1) * span
+
+
 def free_port() -> int:
     """A port nothing listens on, for a service started next. Drawn below the ephemeral range, so that no outgoing
     connection of either test worker takes it as its source port before the service binds it (bind(0) would hand out
     a port from that very range), and never the same twice in this process."""
     floor = ephemeral_floor()
+    low, high = worker_ports(max(1024, floor - 12000), floor)
     rng = random.Random()
     for _ in range(1000):
-        port = rng.randrange(max(1024, floor - 12000), floor)
+        port = rng.randrange(low, high)
         if port in _handed_out:
             continue
         with socket.socket() as s:
@@ -191,8 +202,12 @@ def running_stack(
     channel = grpc.insecure_channel(target)
     try:
         if executor is not None:
-            wait_serving(executor_target, executor)
-            wait_serving(target, scheduler)
+            try:
+                wait_serving(executor_target, executor)
+                wait_serving(target, scheduler)
+            except AssertionError as e:  # a process that died says why in its log
+                logs = "\n".join(f"{p.name}:\n{p.read_text()[-2000:]}" for p in sorted(log_dir.glob("*.log")))
+                raise AssertionError(f"{e}\n{logs}") from None
         yield Stack(executor, scheduler, executor_target, target, channel, pb_grpc.GenerationStub(channel), log_dir)
     finally:
         channel.close()
