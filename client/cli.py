@@ -110,6 +110,9 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                             help="the output parses with this Lark (or GBNF) grammar file (server default none)")
     constraint.add_argument("--json-object", action="store_true", default=None,
                             help="the output is a JSON object (server default false)")
+    parser.add_argument("--grammar-from-first-token", action="store_true", default=None,
+                        help="with a constraint: apply it from the first token, not after the thinking the server's "
+                             "--reasoning-parser waits for (server default false)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (text, token_ids, finish_reason, usage) instead of streaming")
 
@@ -175,8 +178,8 @@ def generation_options(args: argparse.Namespace) -> dict:
     names = ("max_tokens", "max_tokens_to_room", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
              "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty",
              "n", "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
-             "prompt_logprobs", "json_schema", "regex", "choice", "grammar", "json_object", "lora",
-             "priority")
+             "prompt_logprobs", "json_schema", "regex", "choice", "grammar", "json_object", "grammar_from_first_token",
+             "lora", "priority")
     options = {name: getattr(args, name) for name in names}
     options["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     return options

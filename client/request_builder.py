@@ -49,6 +49,7 @@ def build_request(
     choice: Sequence[str] | None = None,
     grammar: str | None = None,
     json_object: bool | None = None,
+    grammar_from_first_token: bool | None = None,
     stream_interval: int | None = None,
     lora: str | None = None,
     chat_template_kwargs: Mapping[str, object] | None = None,
@@ -58,7 +59,9 @@ def build_request(
 ) -> pb.GenerateRequest:
     """Exactly one of ``prompt`` (text), ``messages`` (chat) or ``token_ids`` must be given, and at most one
     structured-output constraint (``json_schema`` as JSON text or a dict, ``regex``, ``choice``, ``grammar``
-    in Lark or GBNF, ``json_object``). ``lora``: the LoRA adapter to run through, by name (None: the base model).
+    in Lark or GBNF, ``json_object``); ``grammar_from_first_token``: with one, it applies from the first token even
+    where the server's ``--reasoning-parser`` would have it wait for the thinking's end. ``lora``: the LoRA adapter
+    to run through, by name (None: the base model).
     ``chat_template_kwargs``: more variables for the chat template with ``messages`` (vLLM's option).
     ``max_tokens_to_room``: without ``max_tokens``, generate up to the room the prompt leaves (vLLM's chat default).
     ``allowed_token_ids``: only these may be sampled (an empty list is sent, and refused, as vLLM refuses it);
@@ -95,6 +98,9 @@ def build_request(
     constraint = structured_output(json_schema, regex, choice, grammar, json_object)
     if constraint is not None:
         request.structured_output.CopyFrom(constraint)
+        request.structured_output.from_first_token = bool(grammar_from_first_token)
+    elif grammar_from_first_token is not None:
+        raise ValueError("grammar_from_first_token: needs a structured-output constraint")
     if prompt is not None:
         request.text = prompt
     elif messages is not None:

@@ -289,7 +289,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         choices=tuple(TOOL_PARSERS))
     add("--reasoning-parser", str, "vLLM's flag: take a chat answer's thinking (<think>...</think>) out of its content "
         "into the message's 'reasoning', whole and streamed: qwen3 (Qwen3, QwQ; 'enable_thinking': false in "
-        "chat_template_kwargs turns it off) or deepseek_r1 (DeepSeek-R1 and its distillations)",
+        "chat_template_kwargs turns it off) or deepseek_r1 (DeepSeek-R1 and its distillations); structured output "
+        "then waits for the thinking's end, as vLLM's",
         choices=tuple(REASONING_PARSERS))
     return parser
 

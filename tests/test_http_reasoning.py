@@ -1,8 +1,8 @@
 """--reasoning-parser through the OpenAI API (the real ``openai`` SDK, the echo executor answering each chat with
 its last message, as in ``test_http_tools``): the thinking goes to the message's ``reasoning`` and out of its
 ``content``, whole and streamed alike, with vLLM's count of reasoning tokens; tool calls are read from the content
-after it; ``enable_thinking`` off, ``include_reasoning`` false and a grammar behave as the docs say. The parsers
-themselves on text: ``test_http_reasoning_parsers``."""
+after it; a grammar waits for the thinking's end unless ``enable_thinking`` is off or ``include_reasoning`` false,
+as the docs say. The parsers themselves on text: ``test_http_reasoning_parsers``."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from common.step import SamplingSettings, StepPlan, StepResult
+from executor_svc.fakes.shadow_server import EchoExecutor
 from scheduler_svc.api.http.chat_output import ChatParsing
 from scheduler_svc.config import parse_config
-from tests.http_fixtures import Hosted
-from tests.test_http_tools import AUTO, ECHO_LAST, TOKENIZER, TOOLS, answering, serving, streamed_calls
+from tests.http_fixtures import Hosted, hosted
+from tests.test_http_tools import AUTO, ECHO_LAST, TOKENIZER, TOOLS, answering, echo_last, serving, streamed_calls
 
 QWEN3 = {"NANOSERVE_REASONING_PARSER": "qwen3"}
 THOUGHT = "<think>\nThe user wants a city. Paris.\n</think>\n\nParis."
@@ -121,11 +123,70 @@ def test_include_reasoning_false_leaves_the_thinking_and_its_tokens_out(api: Hos
     assert all(c.choices[0].logprobs is None for c in chunks if c.choices)
 
 
-def test_a_grammar_answers_at_once_so_nothing_is_read_as_thinking(api: Hosted):
-    """nanoserve's grammar holds the first token (vLLM's waits for the thinking's end): the answer is content."""
-    reply = api.openai().chat.completions.create(**answering('{"city": "Paris"}', response_format={
-        "type": "json_object"}))
-    assert (reply.choices[0].message.reasoning, reply.choices[0].message.content) == (None, '{"city": "Paris"}')
+class RecordingEcho(EchoExecutor):
+    """The echo executor, keeping the sampling settings each request reached it with (it does not mask)."""
+
+    def __init__(self) -> None:
+        super().__init__(echo_last().info)
+        self.sampling: list[SamplingSettings] = []
+
+    def step(self, plan: StepPlan) -> StepResult:
+        self.sampling.extend(new.sampling for new in plan.new_requests)
+        return super().step(plan)
+
+
+JSON_OBJECT = {"response_format": {"type": "json_object"}}
+WAITS = ((TOKENIZER.token_to_id("</think>"),), (TOKENIZER.token_to_id("<tool_call>"),))
+
+
+def waits(settings: SamplingSettings) -> tuple:
+    return settings.grammar_after_token_ids, settings.grammar_from_token_ids
+
+
+@pytest.mark.parametrize("api_process", [True, False], ids=["api-process", "in-scheduler"])
+def test_a_grammar_waits_for_the_end_of_the_thinking_as_on_vllm(api_process: bool):
+    """The grammar holds the answer after </think> (or from a <tool_call>): the thinking before it is read as such."""
+    executor = RecordingEcho()
+    with hosted(executor, api_process=api_process, reasoning_parser="qwen3") as h:
+        client = h.openai()
+        answer = '<think>The user wants JSON.</think>\n\n{"city": "Paris"}'
+        reply = client.chat.completions.create(**answering(answer, **JSON_OBJECT))
+        assert (reply.choices[0].message.reasoning, reply.choices[0].message.content) == (
+            "The user wants JSON.", '\n\n{"city": "Paris"}')
+        assert streamed(client, answering(answer, **JSON_OBJECT))[:2] == (
+            "The user wants JSON.", '\n\n{"city": "Paris"}')
+        # A prompt that closed no thinking (the echo's prompt is its answer): the executor is told to wait.
+        unclosed = client.chat.completions.create(**answering('{"city": "Paris"}', **JSON_OBJECT))
+        assert waits(executor.sampling[-1]) == WAITS
+        assert (unclosed.choices[0].message.reasoning, unclosed.choices[0].message.content) == (
+            '{"city": "Paris"}', None), "an answer that never closed its thinking is all thinking, as vLLM reads it"
+        named = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+        call = client.chat.completions.create(**answering(
+            '<think>I need the weather.</think>\n\n{"city": "Paris"}', **named)).choices[0].message
+        assert call.reasoning == "I need the weather."
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in call.tool_calls] == [
+            ("get_weather", {"city": "Paris"})]
+        h.assert_idle()
+
+
+def test_a_grammar_applies_at_once_where_no_thinking_is_read():
+    """include_reasoning false and enable_thinking off start the grammar at the first token (vLLM's
+    reasoning_ended), and the answer is all content; so does a server without a reasoning parser."""
+    executor = RecordingEcho()
+    with hosted(executor, reasoning_parser="qwen3") as h:
+        client = h.openai()
+        for extra in ({"include_reasoning": False}, {"chat_template_kwargs": {"enable_thinking": False}}):
+            reply = client.chat.completions.create(**answering('{"city": "Paris"}', **JSON_OBJECT, extra_body=extra))
+            assert (reply.choices[0].message.reasoning, reply.choices[0].message.content) == (
+                None, '{"city": "Paris"}'), extra
+            assert waits(executor.sampling[-1]) == ((), ()), extra
+        h.assert_idle()
+    executor = RecordingEcho()
+    with hosted(executor) as h:
+        reply = h.openai().chat.completions.create(**answering('{"city": "Paris"}', **JSON_OBJECT))
+        assert reply.choices[0].message.content == '{"city": "Paris"}'
+        assert waits(executor.sampling[-1]) == ((), ())
+        h.assert_idle()
 
 
 def test_deepseek_r1_thinks_until_its_end_marker():

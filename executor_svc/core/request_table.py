@@ -56,6 +56,9 @@ class RequestState:
     token_masks: Any = None
     # The grammar's llguidance matcher, built by the model runner at the first sampled token; it goes with the state.
     matcher: object | None = None
+    # With a grammar that waits for the thinking's end: whether it still waits (None: the completion not read yet,
+    # as for a request that comes back).
+    grammar_waits: bool | None = None
     # What num_computed_tokens and len(token_ids) will be once every step applied so far has run: a plan is
     # checked against these, so the next plan can be applied while the step before it still runs.
     planned_computed: int = 0
@@ -253,9 +256,10 @@ class RequestTable:
             if not 0 <= token_id < self.vocab_size or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise PlanError(INVALID, f"request {request_id}: logit_bias {token_id}: {bias} needs a token id in "
                                          f"the vocabulary and a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
-        bad = next((t for t in params.allowed_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise PlanError(INVALID, f"request {request_id}: allowed token id {bad} is outside the vocabulary")
+        for name in ("allowed_token_ids", "grammar_after_token_ids", "grammar_from_token_ids"):
+            bad = next((t for t in getattr(params, name) if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise PlanError(INVALID, f"request {request_id}: {name}: {bad} is outside the vocabulary")
         for word in params.bad_words_token_ids:
             if not word or not all(0 <= t < self.vocab_size for t in word):
                 raise PlanError(INVALID, f"request {request_id}: bad word {list(word)} needs one token id at least, "

@@ -8,6 +8,11 @@ consumes the sampled token. A matcher lives on its request's state, so it goes w
 a request that comes back (preemption, executor restart) has a fresh state and rebuilds its matcher
 from its completion tokens. Once the grammar is complete (or the matcher failed) llguidance allows
 only EOS, so the request ends as any other does.
+
+Under the scheduler's reasoning parser a grammar waits for the model's thinking to end, as vLLM's
+structured output does: nothing is masked until the completion holds one of the sampling settings'
+``grammar_after_token_ids`` (``</think>``: the grammar follows the tokens after it) or
+``grammar_from_token_ids`` (Qwen3's ``<tool_call>``: the grammar takes that token too).
 """
 
 from __future__ import annotations
@@ -48,26 +53,43 @@ class GrammarConstraints:
             self._executor = llguidance.LLExecutor()
         return self._tokenizer
 
-    def matcher(self, state: RequestState) -> llguidance.LLMatcher:
-        """The request's matcher, built on first use and fed the completion tokens it already has."""
-        if state.matcher is None:
-            matcher = llguidance.LLMatcher(self.tokenizer(), state.sampling.grammar)
-            completion = state.token_ids[state.num_prompt_tokens :]
-            if completion and not matcher.is_error():
-                matcher.consume_tokens(completion)
-            if matcher.is_error():
-                log.warning("request %d: its grammar allows only EOS now: %s", state.request_id, matcher.get_error())
-            state.matcher = matcher
-        return state.matcher
+    def build(self, state: RequestState, tokens: Sequence[int]) -> llguidance.LLMatcher:
+        """A matcher for ``state``'s grammar that has consumed ``tokens``, kept on the state."""
+        matcher = llguidance.LLMatcher(self.tokenizer(), state.sampling.grammar)
+        if tokens and not matcher.is_error():
+            matcher.consume_tokens(list(tokens))
+        if matcher.is_error():
+            log.warning("request %d: its grammar allows only EOS now: %s", state.request_id, matcher.get_error())
+        state.matcher = matcher
+        return matcher
+
+    def matcher(self, state: RequestState) -> llguidance.LLMatcher | None:
+        """The request's matcher, built on first use and fed the completion tokens it already has (those from the
+        thinking's end on, where its grammar waits for that); None while the grammar waits."""
+        if state.matcher is not None or state.grammar_waits:
+            return state.matcher
+        completion = state.token_ids[state.num_prompt_tokens :]
+        after, start = state.sampling.grammar_after_token_ids, state.sampling.grammar_from_token_ids
+        if after or start:
+            end = next((k for k, t in enumerate(completion) if t in after or t in start), None)
+            state.grammar_waits = end is None
+            if end is None:
+                return None
+            completion = completion[end + 1 :] if completion[end] in after else completion[end:]
+        return self.build(state, completion)
 
     @torch.inference_mode()  # the logits are inference tensors, updated in place
     def mask(self, logits: torch.Tensor, states: Sequence[RequestState]) -> list[int]:
         """Set to -inf, in place, the logits each constrained row's grammar does not allow (row i is states[i]);
-        returns the constrained rows."""
+        returns the rows with a grammar, those that wait for the thinking's end too (``advance`` takes them all)."""
         rows = [i for i, state in enumerate(states) if state.sampling.grammar is not None]
-        if not rows:
-            return rows
-        matchers = [(self.matcher(states[i]), k) for k, i in enumerate(rows)]
+        masked = [i for i in rows if self.matcher(states[i]) is not None]
+        if masked:
+            self._mask(logits, states, masked)
+        return rows
+
+    def _mask(self, logits: torch.Tensor, states: Sequence[RequestState], rows: list[int]) -> None:
+        matchers = [(states[i].matcher, k) for k, i in enumerate(rows)]
         if self._bitmask.shape[0] < len(rows):
             self._bitmask = np.empty((len(rows), self._bitmask.shape[1]), dtype=np.int32)
         bitmask = self._bitmask[: len(rows)]
@@ -80,14 +102,19 @@ class GrammarConstraints:
         else:
             index = torch.tensor(rows, device=logits.device)
             logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(banned, float("-inf")))
-        return rows
 
-    @staticmethod
-    def advance(states: Sequence[RequestState], rows: list[int], token_ids: Sequence[int]) -> None:
-        """Feed each constrained row's matcher the token sampled for it (a stopped one, past EOS, takes none)."""
+    def advance(self, states: Sequence[RequestState], rows: list[int], token_ids: Sequence[int]) -> None:
+        """Feed each constrained row's matcher the token sampled for it (a stopped one, past EOS, takes none); a
+        grammar waiting for the thinking's end starts at the token that ends it."""
         for i in rows:
             state, token_id = states[i], token_ids[i]
             matcher = state.matcher
+            if matcher is None:
+                sampling = state.sampling
+                if token_id in sampling.grammar_after_token_ids or token_id in sampling.grammar_from_token_ids:
+                    state.grammar_waits = False
+                    self.build(state, [token_id] if token_id in sampling.grammar_from_token_ids else [])
+                continue
             if not matcher.is_stopped() and not matcher.consume_token(token_id):
                 log.warning("request %d: token %d broke its grammar: %s", state.request_id, token_id,
                             matcher.get_error())

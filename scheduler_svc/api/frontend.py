@@ -22,6 +22,7 @@ from scheduler_svc.api.codec import model_info, scheduler_stats
 from scheduler_svc.api.outbox import ChoicesReader, Outbox
 from scheduler_svc.api.prepare import detokenize, prepare, public_error, tokenize
 from scheduler_svc.api.server_info import ServerInfo, server_info
+from scheduler_svc.api.thinking import ThinkingMarkers
 from scheduler_svc.core.errors import ExecutorUnavailable, InvalidRequest, RequestFailed
 from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.tokenizer import ModelTokenizer
@@ -138,15 +139,23 @@ class Frontend:
         self.tokenizer: ModelTokenizer | None = None
         # The model's request defaults in use (``model_defaults``), by field.
         self.model_defaults: dict[str, object] = {}
+        # --reasoning-parser's markers in the model's vocabulary: a grammar waits for the thinking's end.
+        self.thinking: ThinkingMarkers | None = None
+        self.reasoning_parser = ""
         # Requests in flight by the id the caller gave (or was given), for Abort.
         self.by_request_id: dict[str, set[RequestHandle]] = {}
         # When the scheduler started, and when the last request arrived (time.time), for GetServerInfo.
         self.started_at = time.time()
         self.last_request_at = 0.0
 
-    def attach(self, loop: EngineLoop, tokenizer: ModelTokenizer | None, generation_config: str = "auto") -> None:
+    def attach(self, loop: EngineLoop, tokenizer: ModelTokenizer | None, generation_config: str = "auto",
+               reasoning_parser: str = "") -> None:
         self.loop, self.tokenizer = loop, tokenizer
         self.model_defaults = model_defaults(loop.info, generation_config)
+        self.reasoning_parser, self.thinking = reasoning_parser, ThinkingMarkers.of(tokenizer, reasoning_parser)
+        if reasoning_parser and self.thinking is None:
+            log.warning("--reasoning-parser %s: the model's vocabulary has no <think> and </think> tokens, so "
+                        "structured output applies from the first token", reasoning_parser)
 
     def ready(self) -> EngineLoop:
         if self.loop is None:
@@ -156,7 +165,8 @@ class Frontend:
     async def render(self, request: pb.GenerateRequest) -> PreparedRequest:
         """What ``submit`` would queue for ``request``, checked the same way (InvalidRequest), without running it."""
         loop = self.ready()
-        return await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer, self.model_defaults)
+        return await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer, self.model_defaults,
+                                       self.thinking)
 
     async def submit(self, request: pb.GenerateRequest, whole: bool = False) -> Generation:
         """Validate (off the event loop: tokenizing and templating take time) and queue ``request``; its latency
@@ -172,7 +182,7 @@ class Frontend:
         arrived_at, self.last_request_at = time.monotonic(), time.time()
         loop = self.ready()
         prepared = await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer,
-                                           self.model_defaults)
+                                           self.model_defaults, self.thinking)
         interval = math.inf if whole else prepared.stream_interval or self.stream_interval
         handle = loop.submit(prepared, sink_of(interval), arrived_at, interval)
         self.by_request_id.setdefault(prepared.request_id, set()).add(handle)

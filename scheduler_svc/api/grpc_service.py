@@ -330,7 +330,7 @@ class SchedulerServer:
             engine.block_manager.listen()
             self.kv_publisher.start(engine.kv_events)
         self.loop.start()
-        self.frontend.attach(self.loop, tokenizer, self.config.generation_config)
+        self.frontend.attach(self.loop, tokenizer, self.config.generation_config, self.config.reasoning_parser)
         self.serving = True
         await self._sync_health()
         log.info(

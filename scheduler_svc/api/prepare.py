@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
+from dataclasses import replace
 
 from google.protobuf import json_format
 
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.structured import compile_grammar
+from scheduler_svc.api.thinking import ThinkingMarkers
 from scheduler_svc.core.bad_words import bad_words_token_ids
 from scheduler_svc.core.errors import InvalidRequest
 from scheduler_svc.core.request import PreparedRequest
@@ -154,11 +156,20 @@ def sampling_params(request: pb.GenerateRequest, budget: int, grammar: str | Non
                           bad_words_token_ids=bad_words_token_ids(s.bad_words, tokenizer), **given)
 
 
+def thinking_off(request: pb.GenerateRequest) -> bool:
+    """Whether a chat prompt's template kwargs turn the thinking off (``enable_thinking``: false)."""
+    chat = request.chat if request.WhichOneof("prompt") == "chat" else None
+    value = chat.template_kwargs.fields.get("enable_thinking") if chat is not None else None
+    return value is not None and value.WhichOneof("kind") == "bool_value" and not value.bool_value
+
+
 def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTokenizer | None,
-            model_defaults: Mapping[str, object] | None = None) -> PreparedRequest:
+            model_defaults: Mapping[str, object] | None = None,
+            thinking: ThinkingMarkers | None = None) -> PreparedRequest:
     """Validate and translate ``request``; raise InvalidRequest naming the first bad GenerateRequest field.
     ``model_defaults``: the model's request defaults (``GenerationDefaults.given()``), for the fields it leaves
-    unset; max_tokens only where ``stopping.max_tokens`` is unset (an HTTP completion always sets it)."""
+    unset; max_tokens only where ``stopping.max_tokens`` is unset (an HTTP completion always sets it).
+    ``thinking``: the markers of ``--reasoning-parser``, whose thinking a grammar waits for (``api.thinking``)."""
     try:
         token_ids = truncated(prompt_token_ids(request, tokenizer), request)
         check_prompt(token_ids, limits)
@@ -169,6 +180,10 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
         budget = completion_budget(requested, len(token_ids), limits, request.stopping.max_tokens_to_room,
                                    (model_defaults or {}).get("max_tokens"))
         params = sampling_params(request, budget, grammar, model_defaults, tokenizer)
+        if grammar is not None and thinking is not None and thinking.waits(
+                token_ids, request.structured_output.from_first_token, thinking_off(request)):
+            params = replace(params, grammar_after_token_ids=thinking.ends_after,
+                             grammar_from_token_ids=thinking.ends_at)
         check_sampling(params)
         check_token_ids(params, limits)
         resumed = list(request.resume.completion_token_ids)

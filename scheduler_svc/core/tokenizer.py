@@ -133,6 +133,10 @@ class ModelTokenizer:
             return ""
         return self.tokenizer.id_to_token(token_id) or ""
 
+    def token_id(self, token: str) -> int | None:
+        """The id of one token of the vocabulary (a marker such as ``</think>``), None if it is not one."""
+        return self.tokenizer.token_to_id(token)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -57,8 +57,8 @@ class ChatOutput:
     reasoning_parser: str = ""
     # The request's chat_template_kwargs enable_thinking (Qwen3's switch).
     thinking: bool = True
-    # A grammar holds the answer from its first token (structured output, a forced tool choice): it cannot think,
-    # so it is not read for thinking (vLLM's grammar waits for the thinking's end; nanoserve's applies at once).
+    # A grammar holds the answer from its first token (structured output, a forced tool choice, with no thinking to
+    # wait for: ``api.thinking``): it cannot think, so it is not read for thinking.
     constrained: bool = False
     # vLLM's include_reasoning: false leaves the thinking out, and with it the tokens' logprobs and ids.
     include_reasoning: bool = True

@@ -20,6 +20,7 @@ from scheduler_svc.api.http import chat_render, schemas, tool_request
 from scheduler_svc.api.http.chat_output import NO_PARSING, ChatOutput, ChatParsing
 from scheduler_svc.api.http.errors import ApiError, failure
 from scheduler_svc.api.http.tool_calls import TOOL_PARSERS
+from scheduler_svc.api.thinking import ThinkingMarkers
 from scheduler_svc.core.errors import InvalidRequest, RequestFailed
 from scheduler_svc.core.tokenizer import ModelTokenizer
 
@@ -312,8 +313,14 @@ def chat_request(body: schemas.ChatCompletionRequest, served: Served, parsing: C
     echo = [message_text(last, len(body.messages) - 1)] if body.echo and last and last.role == "assistant" else []
     t = translated(body, "chatcmpl", lora or served.model_id, [request], renames, top_logprobs, echo)
     thinking = bool((kwargs or {}).get("enable_thinking", True))
+    constrained = request.HasField("structured_output")
+    markers = ThinkingMarkers.of(served.tokenizer, parsing.reasoning_parser) if constrained else None
+    if markers is not None:  # vLLM's reasoning_ended: no thinking left out or turned off to wait for
+        request.structured_output.from_first_token = body.include_reasoning is False or (
+            markers.switchable and not thinking)
+    waits = markers is not None and not request.structured_output.from_first_token
     t.chat_output = ChatOutput(choice, parsing.auto_tool_parser, parsing.reasoning_parser, thinking,
-                               request.HasField("structured_output"), body.include_reasoning is not False)
+                               constrained and not waits, body.include_reasoning is not False)
     return t
 
 

@@ -32,13 +32,16 @@ def model_info(info: ExecutorInfo, served_model_name: str = "") -> vllm.GetModel
         eos_token_ids=info.eos_token_ids, bos_token_id=info.bos_token_id or 0)
 
 
-def server_info(s: ServerInfo, active_requests: int, last_request_at: float) -> vllm.GetServerInfoResponse:
+def server_info(s: ServerInfo, active_requests: int, last_request_at: float, reasoning_parser: str = "",
+                grammar_waits: bool = False) -> vllm.GetServerInfoResponse:
+    """``reasoning_parser``: --reasoning-parser; ``grammar_waits``: whether a grammar waits for its thinking's end
+    (the vocabulary has the markers, ``api.thinking``)."""
     return vllm.GetServerInfoResponse(
         active_requests=active_requests, is_paused=False, last_receive_timestamp=last_request_at,
         uptime_seconds=s.uptime_s, server_type=SERVER_TYPE, data_parallel_size=1, kv_cache_dtype=s.dtype,
         block_size=s.block_size, model_dtype=s.dtype, max_num_seqs=s.max_num_seqs,
-        # A grammar constrains the first generated token on (nanoserve runs no reasoning parser).
-        constrained_decoding_start="first_token")
+        engine_reasoning_parser=reasoning_parser,
+        constrained_decoding_start="after_reasoning" if grammar_waits else "first_token")
 
 
 def loads(s: ServerInfo) -> vllm.GetLoadsResponse:

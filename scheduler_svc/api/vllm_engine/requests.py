@@ -143,4 +143,6 @@ def generate_request(request: vllm.GenerateRequest, max_model_len: int) -> pb.Ge
     constraint = structured_output(s)
     if constraint is not None:
         out.structured_output.CopyFrom(constraint)
+        # The gateway led the grammar with the thought itself: no waiting for the reasoning parser's end.
+        out.structured_output.from_first_token = s.grammar_from_first_token
     return out

@@ -101,7 +101,8 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
                             context: grpc.aio.ServicerContext) -> vllm.GetServerInfoResponse:
         await self._ready(context)
         frontend = self.frontend
-        return info.server_info(frontend.server_info(), len(frontend.by_request_id), frontend.last_request_at)
+        return info.server_info(frontend.server_info(), len(frontend.by_request_id), frontend.last_request_at,
+                                frontend.reasoning_parser, frontend.thinking is not None)
 
     async def GetLoads(self, request: vllm.GetLoadsRequest,
                        context: grpc.aio.ServicerContext) -> vllm.GetLoadsResponse:
