@@ -25,7 +25,7 @@ from common.flags import (
 from scheduler_svc.api.http.chat_output import ChatParsing
 from scheduler_svc.api.http.cors import Cors
 from scheduler_svc.api.http.reasoning import REASONING_PARSERS
-from scheduler_svc.api.http.tool_calls import TOOL_PARSERS
+from scheduler_svc.api.http.tool_parsers import TOOL_PARSERS
 from scheduler_svc.api.kv_events_config import kv_events_flag
 from scheduler_svc.core.scheduler_config import (
     DEFAULT_NGRAM_SIZE,
@@ -285,7 +285,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "with tools), reading the answer for tool calls with --tool-call-parser; without it such a request is a 400. "
         "tool_choice 'required' and a named function need neither flag")
     add("--tool-call-parser", str, "vLLM's flag: the model's tool-call format, read out of 'auto' answers: hermes "
-        "(Qwen2.5, Qwen3, Hermes: <tool_call>{...}</tool_call>) or llama3_json (Llama 3.x JSON calls)",
+        "(Qwen2.5, Qwen3, Hermes: <tool_call>{...}</tool_call>), llama3_json (Llama 3.x JSON calls) or pythonic "
+        "(Llama 3.2, Llama 4, ToolACE: [f(a=1), g()])",
         choices=tuple(TOOL_PARSERS))
     add("--reasoning-parser", str, "vLLM's flag: take a chat answer's thinking (<think>...</think>) out of its content "
         "into the message's 'reasoning', whole and streamed: qwen3 (Qwen3, QwQ; 'enable_thinking': false in "

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from scheduler_svc.api.http import forced_calls
 from scheduler_svc.api.http.reasoning import REASONING_PARSERS, ReasoningTokens, ThinkingStream
-from scheduler_svc.api.http.tool_calls import TOOL_PARSERS, Streamed
+from scheduler_svc.api.http.tool_calls import Streamed
+from scheduler_svc.api.http.tool_parsers import TOOL_PARSERS
 from scheduler_svc.api.http.tool_request import ToolChoice
 from scheduler_svc.api.http.tool_schemas import DeltaToolCall, FunctionCall, ToolCall
 from scheduler_svc.core.tokenizer import ModelTokenizer

@@ -7,6 +7,8 @@ behaviour of vLLM's parsers of the same names, whole and streamed.
   (``<|python_tag|>`` first, optionally, ``; `` between them); an answer that starts otherwise is content, and a
   call's arguments stream as their re-serialized JSON, closing quotes and brackets held until the call is complete.
 
+``pythonic`` is in ``tool_pythonic``; ``tool_parsers`` names them all.
+
 A parser reads one choice: ``whole`` a finished text; ``feed`` the text so far, delta by delta, answering what to
 send now.
 """
@@ -269,7 +271,3 @@ class Llama3JsonParser:
         expected = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         sent = self.args_sent[last] if last < len(self.args_sent) else ""
         return expected[len(sent):] if expected.startswith(sent) else ""
-
-
-TOOL_PARSERS: dict[str, type[HermesParser] | type[Llama3JsonParser]] = {
-    "hermes": HermesParser, "llama3_json": Llama3JsonParser}

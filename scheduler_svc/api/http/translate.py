@@ -19,7 +19,7 @@ from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.http import chat_render, schemas, tool_request
 from scheduler_svc.api.http.chat_output import NO_PARSING, ChatOutput, ChatParsing
 from scheduler_svc.api.http.errors import ApiError, failure
-from scheduler_svc.api.http.tool_calls import TOOL_PARSERS
+from scheduler_svc.api.http.tool_parsers import TOOL_PARSERS
 from scheduler_svc.api.thinking import ThinkingMarkers
 from scheduler_svc.core.errors import InvalidRequest, RequestFailed
 from scheduler_svc.core.tokenizer import ModelTokenizer

@@ -1,0 +1,256 @@
+"""``--tool-call-parser pythonic`` (Llama 3.2, Llama 4, ToolACE): the answer is a Python list of calls,
+``[get_weather(city='Paris', days=3), get_time()]``, read as vLLM's parser of that name reads it.
+
+An answer that starts otherwise, or that turns out not to be such a list, is content, whole and streamed alike. A
+call's name may be dotted (``weather.get``); its arguments are its keyword arguments as a JSON object, each a literal
+(strings, numbers, ``True``/``False``/``None`` or JSON's ``true``/``false``/``null``, lists, tuples and sets as
+lists, dicts); positional ones are left out, as vLLM leaves them. Streamed, a call is announced once ``(`` follows
+its name, and its arguments go out as far as they can no longer change: each keyword argument whose value ended,
+and the string a value is still writing; the rest when the call closes.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler_svc.api.http.tool_calls import Extracted, Streamed
+from scheduler_svc.api.http.tool_schemas import DeltaFunctionCall, DeltaToolCall, FunctionCall
+
+OPENING, CLOSING = "([{", ")]}"
+JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+class NotCalls(ValueError):
+    """The text is not (the beginning of) a list of calls."""
+
+
+def value_of(node: ast.expr) -> object:
+    """A keyword argument's value as JSON holds it; NotCalls for anything but a literal."""
+    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float))):
+        return node.value
+    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
+        return {k.value: value_of(v) for k, v in zip(node.keys, node.values, strict=True)}
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return [value_of(e) for e in node.elts]
+    if isinstance(node, ast.JoinedStr) and all(isinstance(part, ast.Constant) for part in node.values):
+        return "".join(str(part.value) for part in node.values)
+    if isinstance(node, ast.Name) and node.id in JSON_NAMES:
+        return JSON_NAMES[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        number = value_of(node.operand)
+        if isinstance(number, (int, float)) and not isinstance(number, bool):
+            return -number if isinstance(node.op, ast.USub) else number
+    raise NotCalls(f"not a literal: {ast.dump(node)}")
+
+
+def literal(source: str) -> object:
+    try:
+        return value_of(ast.parse(source.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, MemoryError, RecursionError) as e:
+        raise NotCalls(f"not a literal: {source!r}") from e
+
+
+def dotted_name(node: ast.expr) -> str:
+    """``a.b.c`` for a call of ``a.b.c(...)``; NotCalls for any other callee."""
+    if isinstance(node, ast.Attribute):
+        return f"{dotted_name(node.value)}.{node.attr}"
+    if isinstance(node, ast.Name):
+        return node.id
+    raise NotCalls("a call of something other than a name")
+
+
+def to_json(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+@dataclass
+class Call:
+    """One call read so far: its keyword arguments whose values ended, the one being written (its keyword and value
+    text so far), and whether ``)`` closed it."""
+
+    name: str
+    arguments: list[tuple[str, object]] = field(default_factory=list)
+    open_keyword: str | None = None
+    open_value: str = ""
+    closed: bool = False
+
+    def settled_json(self) -> str:
+        """The arguments' JSON as far as it cannot change: all of it once closed."""
+        parts = [f"{to_json(k)}: {to_json(v)}" for k, v in self.arguments]
+        if self.closed:
+            return "{" + ", ".join(parts) + "}"
+        text = "{" + ", ".join(parts) + (", " if parts else "")
+        partial = partial_string(self.open_value)
+        if self.open_keyword is not None and partial is not None:
+            text += f"{to_json(self.open_keyword)}: {partial}"
+        return text
+
+
+def partial_string(value: str) -> str | None:
+    """The JSON of a string literal still being written, without its closing quote; None if ``value`` is not one or
+    ends in an escape not finished."""
+    value = value.lstrip()
+    quote = value[:1]
+    if quote not in ("'", '"') or value.startswith(quote * 3):
+        return None
+    body = value[1:]
+    if (len(body) - len(body.rstrip("\\"))) % 2:
+        return None
+    try:
+        text = ast.literal_eval(quote + body + quote)
+    except (ValueError, SyntaxError):
+        return None
+    return to_json(text)[:-1] if isinstance(text, str) else None
+
+
+def skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def name_end(text: str, i: int) -> int:
+    """The end of the (dotted) name starting at ``i``."""
+    while i < len(text) and (text[i].isalnum() or text[i] in "_."):
+        i += 1
+    return i
+
+
+def skip_string(text: str, i: int) -> int:
+    """The index after the string literal whose quote is ``text[i]``; len(text) while it is not closed."""
+    quote = text[i] * 3 if text.startswith(text[i] * 3, i) else text[i]
+    j = i + len(quote)
+    while j < len(text):
+        if text[j] == "\\":
+            j += 2
+        elif text.startswith(quote, j):
+            return j + len(quote)
+        else:
+            j += 1
+    return len(text)
+
+
+def value_end(text: str, i: int) -> int:
+    """Where the value starting at ``i`` ends (at a ``,`` or ``)`` outside brackets and strings); len(text) while it
+    has not."""
+    depth = 0
+    while i < len(text):
+        c = text[i]
+        if c in "'\"":
+            i = skip_string(text, i)
+            continue
+        if c in OPENING:
+            depth += 1
+        elif c in CLOSING:
+            if depth == 0:
+                return i
+            depth -= 1
+        elif c == "," and depth == 0:
+            return i
+        i += 1
+    return len(text)
+
+
+def read_calls(text: str) -> list[Call]:
+    """The calls of ``text``, which starts with ``[``, as far as it goes; NotCalls where it cannot be a list of
+    calls. What follows the list's ``]`` is not read."""
+    calls: list[Call] = []
+    i = skip_space(text, 1)
+    while i < len(text):
+        end = name_end(text, i)
+        if end == len(text):
+            return calls
+        name = text[i:end]
+        if text[end] != "(" or not all(part.isidentifier() for part in name.split(".")):
+            raise NotCalls(f"no call at {i}")
+        call = Call(name)
+        calls.append(call)
+        i = skip_space(text, read_arguments(text, skip_space(text, end + 1), call))
+        if i == len(text) or text[i] == "]":
+            return calls
+        if text[i] != ",":
+            raise NotCalls(f"{text[i]!r} after a call")
+        i = skip_space(text, i + 1)
+    return calls
+
+
+def read_arguments(text: str, i: int, call: Call) -> int:
+    """Read ``call``'s arguments from ``i``, after its ``(``; the index after its ``)``, or len(text)."""
+    while i < len(text):
+        if text[i] == ")":
+            call.closed = True
+            return i + 1
+        end = name_end(text, i)
+        equals = skip_space(text, end)
+        if equals == len(text):
+            return equals
+        keyword = text[i:end]
+        value = value_end(text, equals + 1 if text[equals] == "=" else i)
+        if text[equals] == "=" and keyword.isidentifier():
+            if value == len(text):
+                call.open_keyword, call.open_value = keyword, text[equals + 1:]
+                return value
+            call.arguments.append((keyword, literal(text[equals + 1:value])))
+        elif value == len(text):  # a positional argument, left out once it ends
+            return value
+        i = value if text[value] == ")" else skip_space(text, value + 1)
+    return len(text)
+
+
+class PythonicParser:
+    keeps_special_tokens = False
+
+    def __init__(self, new_id: Callable[[], str]) -> None:
+        self.new_id = new_id
+        self.text = ""
+        # None while the answer may be calls; then "content" (it is not) or "ended" (calls went out, then it broke).
+        self.read_as: str | None = None
+        self.args_sent: list[str] = []
+
+    def whole(self, text: str) -> Extracted:
+        """The calls, or none (and the text as content) unless the answer is a list of calls."""
+        if not text.startswith("["):
+            return Extracted([], text)
+        try:
+            body = ast.parse(text, mode="eval").body
+            if not isinstance(body, ast.List) or not body.elts or not all(isinstance(e, ast.Call) for e in body.elts):
+                return Extracted([], text)
+            calls = [FunctionCall(name=dotted_name(e.func), arguments=to_json(
+                {k.arg: value_of(k.value) for k in e.keywords if k.arg is not None})) for e in body.elts]
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            return Extracted([], text)
+        return Extracted(calls, None)
+
+    def feed(self, delta: str) -> Streamed | None:
+        """Content unless the answer starts ``[`` and reads as calls; each call's name once ``(`` follows it, and
+        its arguments as far as they are settled."""
+        self.text += delta
+        if self.read_as is not None or not self.text:
+            return Streamed(content=delta) if self.read_as == "content" and delta else None
+        try:
+            if not self.text.startswith("["):
+                raise NotCalls("no list")
+            calls = read_calls(self.text)
+        except NotCalls:
+            # Not calls after all: content, what was held back included; after calls went out, the rest is dropped
+            # (``whole`` reads no calls at all there).
+            self.read_as = "ended" if self.args_sent else "content"
+            return None if self.args_sent else Streamed(content=self.text)
+        deltas: list[DeltaToolCall] = []
+        for index, call in enumerate(calls):
+            if index == len(self.args_sent):
+                self.args_sent.append("")
+                deltas.append(DeltaToolCall(index=index, id=self.new_id(), type="function",
+                                            function=DeltaFunctionCall(name=call.name)))
+            sent, settled = self.args_sent[index], call.settled_json()
+            if len(settled) > len(sent) and settled.startswith(sent):
+                self.args_sent[index] = settled
+                deltas.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=settled[len(sent):])))
+        return Streamed(calls=deltas) if deltas else None
+
+    def unsent_arguments(self) -> str:
+        """Nothing: a call's arguments go out in full once it closes, and an unclosed call's are not settled."""
+        return ""
