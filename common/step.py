@@ -39,10 +39,8 @@ class SamplingSettings:
     # An llguidance grammar (JSON form) the sampled tokens follow; the model runner masks the logits with it.
     grammar: str | None = None
     # With a grammar under a reasoning parser: it waits for the thinking's end, the completion's first token among
-    # these ids, and follows the tokens after it (``</think>``) or from it (Qwen3's ``<tool_call>``). Both empty:
-    # the grammar applies from the first token.
+    # these ids (``</think>``), and follows the tokens after it. Empty: the grammar applies from the first token.
     grammar_after_token_ids: tuple[int, ...] = ()
-    grammar_from_token_ids: tuple[int, ...] = ()
     # Score the prompt's tokens with this many alternatives each (``prompt_logprobs``).
     num_prompt_logprobs: int | None = DEFAULTS["prompt_logprobs"]
     # Only these ids may be sampled (ascending, distinct); empty: any token.

@@ -17,7 +17,17 @@ from executor_svc.fakes.shadow_server import EchoExecutor
 from scheduler_svc.api.http.chat_output import ChatParsing
 from scheduler_svc.config import parse_config
 from tests.http_fixtures import Hosted, hosted
-from tests.test_http_tools import AUTO, ECHO_LAST, TOKENIZER, TOOLS, answering, echo_last, serving, streamed_calls
+from tests.test_http_tools import (
+    AUTO,
+    ECHO_LAST,
+    QWEN_TOOLS_TEMPLATE,
+    TOKENIZER,
+    TOOLS,
+    answering,
+    echo_last,
+    serving,
+    streamed_calls,
+)
 
 QWEN3 = {"NANOSERVE_REASONING_PARSER": "qwen3"}
 THOUGHT = "<think>\nThe user wants a city. Paris.\n</think>\n\nParis."
@@ -136,16 +146,16 @@ class RecordingEcho(EchoExecutor):
 
 
 JSON_OBJECT = {"response_format": {"type": "json_object"}}
-WAITS = ((TOKENIZER.token_to_id("</think>"),), (TOKENIZER.token_to_id("<tool_call>"),))
+WAITS = (TOKENIZER.token_to_id("</think>"),)
 
 
-def waits(settings: SamplingSettings) -> tuple:
-    return settings.grammar_after_token_ids, settings.grammar_from_token_ids
+def waits(settings: SamplingSettings) -> tuple[int, ...]:
+    return settings.grammar_after_token_ids
 
 
 @pytest.mark.parametrize("api_process", [True, False], ids=["api-process", "in-scheduler"])
 def test_a_grammar_waits_for_the_end_of_the_thinking_as_on_vllm(api_process: bool):
-    """The grammar holds the answer after </think> (or from a <tool_call>): the thinking before it is read as such."""
+    """The grammar holds the answer after </think>: the thinking before it is read as such."""
     executor = RecordingEcho()
     with hosted(executor, api_process=api_process, reasoning_parser="qwen3") as h:
         client = h.openai()
@@ -179,18 +189,20 @@ def test_a_grammar_applies_at_once_where_no_thinking_is_read():
             reply = client.chat.completions.create(**answering('{"city": "Paris"}', **JSON_OBJECT, extra_body=extra))
             assert (reply.choices[0].message.reasoning, reply.choices[0].message.content) == (
                 None, '{"city": "Paris"}'), extra
-            assert waits(executor.sampling[-1]) == ((), ()), extra
+            assert waits(executor.sampling[-1]) == (), extra
         h.assert_idle()
     executor = RecordingEcho()
     with hosted(executor) as h:
         reply = h.openai().chat.completions.create(**answering('{"city": "Paris"}', **JSON_OBJECT))
         assert reply.choices[0].message.content == '{"city": "Paris"}'
-        assert waits(executor.sampling[-1]) == ((), ())
+        assert waits(executor.sampling[-1]) == ()
         h.assert_idle()
 
 
 def test_deepseek_r1_thinks_until_its_end_marker():
-    with serving({"NANOSERVE_REASONING_PARSER": "deepseek_r1"}) as h:
+    # R1's template opens the thinking at the prompt's end (its answer then holds no <think> of its own).
+    r1_template = ECHO_LAST + QWEN_TOOLS_TEMPLATE + "<think>\n"
+    with serving({"NANOSERVE_REASONING_PARSER": "deepseek_r1"}, template=r1_template) as h:
         client = h.openai()
         answer = "The user greets.\n</think>\n\nHello!"
         reply = client.chat.completions.create(**answering(answer))
@@ -225,3 +237,21 @@ def test_the_flag_is_vllms_with_its_environment_form(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         parse_config(["--reasoning-parser", "granite"], {})
     assert "invalid choice: 'granite'" in capsys.readouterr().err
+
+
+def test_a_prompt_that_closed_the_thinking_is_answered_in_content_as_on_vllm():
+    """A final assistant message continued after its closed thought: the grammar applies at once and the answer is
+    content, not thinking, as vLLM reads it (its reasoning parser finds the prompt's end of thinking)."""
+    executor = RecordingEcho()
+    with hosted(executor, reasoning_parser="qwen3") as h:
+        client = h.openai()
+        messages = [{"role": "user", "content": "JSON?"}, {"role": "assistant", "content": "<think>ok</think>"}]
+        extra = {"continue_final_message": True, "add_generation_prompt": False}
+        for options in (JSON_OBJECT, {}):
+            reply = client.chat.completions.create(model="tools", messages=messages, max_tokens=4, extra_body=extra,
+                                                   **options)
+            message = reply.choices[0].message
+            assert message.reasoning is None and message.content.startswith("<think>ok</think>"), options
+            assert reply.usage.completion_tokens_details.reasoning_tokens == 0
+        assert waits(executor.sampling[-2]) == () and executor.sampling[-2].grammar is not None
+        h.assert_idle()

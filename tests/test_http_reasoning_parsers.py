@@ -102,6 +102,6 @@ def test_a_choice_reads_thinking_then_calls_whatever_the_deltas(size: int):
 
 
 def test_a_constrained_answer_is_not_read_for_thinking():
-    output = ChatOutput(reasoning_parser="qwen3", constrained=True)
+    output = ChatOutput(reasoning_parser="qwen3", answers_at_once=True)
     assert output.reader().whole('{"a": 1}').content == '{"a": 1}'
     assert output.reasoning_tokens(None).add([1, 2]) == 0

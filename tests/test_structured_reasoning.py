@@ -1,8 +1,8 @@
 """Structured output behind ``--reasoning-parser``, as vLLM gates it: the scheduler tells the executor to wait for the
 thinking's end unless the prompt closed it (read back to the turn's start for ``qwen3``), the chat prompt turned the
 thinking off, or the request asks for the grammar from its first token; the executor masks nothing before that end,
-follows the tokens after ``</think>`` or from Qwen3's ``<tool_call>``, and a request that comes back finds where its
-grammar started in its completion. The HTTP side: ``test_http_reasoning``."""
+follows the tokens after ``</think>``, and a request that comes back finds where its grammar started in its
+completion. The HTTP side: ``test_http_reasoning``."""
 
 from __future__ import annotations
 
@@ -48,23 +48,24 @@ def settings(request: pb.GenerateRequest, parser: str = "qwen3", model: ModelTok
     return prepare(request, LIMITS, model, thinking=ThinkingMarkers.of(model, parser)).params.settings
 
 
-def gate(prompt: list[int], parser: str = "qwen3", **structured: object) -> tuple:
+def gate(prompt: list[int], parser: str = "qwen3", **structured: object) -> tuple[int, ...]:
     request = pb.GenerateRequest(tokens=pb.TokenPrompt(token_ids=prompt),
                                  structured_output=pb.StructuredOutput(regex=REGEX, **structured))
     return waits(settings(request, parser))
 
 
 def test_the_grammar_waits_for_the_thinking_unless_the_prompt_or_the_request_says_it_ended():
-    hello, none = ids("Hello"), ((), ())
-    assert gate(hello) == WAITS, "qwen3: the thinking ends at </think>, or at a <tool_call> the grammar then takes"
-    assert gate(hello, "deepseek_r1") == ((END,), ()), "deepseek_r1: at </think> only"
+    hello, none = ids("Hello"), ()
+    assert gate(hello) == WAITS == (END,)
+    assert gate(hello, "deepseek_r1") == WAITS
     assert gate([*hello, START]) == WAITS, "a template that opens the thinking (DeepSeek-R1's)"
     assert gate([*hello, START, *ids("\n\n"), END, *ids("\n\n")]) == none, "closed in the prompt (thinking off)"
     assert gate([*hello, START, END, START]) == WAITS, "the last marker counts"
     earlier = [TURN, *ids("assistant"), START, END, *ids("Hi"), TURN, *ids("assistant")]
     assert gate(earlier) == WAITS, "qwen3: an earlier turn's </think> is not this turn's"
     assert gate(earlier, "deepseek_r1") == none, "deepseek_r1 reads the prompt back to its last marker, as vLLM's"
-    assert gate([*hello, CALL]) == none, "a <tool_call> ends Qwen3's thinking"
+    assert gate([*hello, CALL]) == none, "a <tool_call> in the prompt ends Qwen3's thinking, as vLLM reads it"
+    assert gate([*hello, CALL], "deepseek_r1") == WAITS
     assert gate(hello, from_first_token=True) == none, "vLLM's reasoning_ended"
     assert gate(hello, parser="") == none, "no --reasoning-parser: no wait"
     plain = ModelTokenizer(byte_level_tokenizer().to_str(), eos_token_ids=(EOS_ID,))
@@ -73,7 +74,7 @@ def test_the_grammar_waits_for_the_thinking_unless_the_prompt_or_the_request_say
 
 
 def test_a_chat_prompt_with_thinking_off_starts_the_grammar_at_once():
-    def chat(enable_thinking: bool | None, parser: str = "qwen3", model: ModelTokenizer = MODEL) -> tuple:
+    def chat(enable_thinking: bool | None, parser: str = "qwen3", model: ModelTokenizer = MODEL) -> tuple[int, ...]:
         kwargs = struct_pb2.Struct()
         if enable_thinking is not None:
             kwargs.update({"enable_thinking": enable_thinking})
@@ -84,15 +85,15 @@ def test_a_chat_prompt_with_thinking_off_starts_the_grammar_at_once():
 
     assert chat(None) == WAITS
     assert chat(True) == WAITS
-    assert chat(False) == ((), ()), "Qwen3's switch (its template writes the thought closed, too)"
+    assert chat(False) == (), "Qwen3's switch (its template writes the thought closed, too)"
     bare = ModelTokenizer(TOKENIZER.to_str(), CHATML_TEMPLATE.replace("<think>\n\n</think>\n\n", ""),
                           eos_token_ids=(EOS_ID,))
-    assert chat(False, model=bare) == ((), ()), "the switch alone, where the template writes no empty thought"
-    assert chat(False, "deepseek_r1", bare) == ((END,), ()), "DeepSeek-R1's thinking has no switch"
+    assert chat(False, model=bare) == (), "the switch alone, where the template writes no empty thought"
+    assert chat(False, "deepseek_r1", bare) == WAITS, "DeepSeek-R1's thinking has no switch"
 
 
 def test_the_wait_crosses_the_wire():
-    waiting = SamplingSettings(grammar="{}", grammar_after_token_ids=(7,), grammar_from_token_ids=(9, 11))
+    waiting = SamplingSettings(grammar="{}", grammar_after_token_ids=(7, 9))
     assert sampling_from_proto(sampling_to_proto(waiting)) == waiting
     assert sampling_from_proto(sampling_to_proto(SamplingSettings(grammar="{}"))).grammar_after_token_ids == ()
 
@@ -124,14 +125,15 @@ def test_the_executor_masks_nothing_before_the_end_of_thinking_and_follows_the_g
     constraints.advance(states, rows, [x, b, END, CALL])  # thinks on; writes; ends its thinking; calls a tool
     logits = torch.zeros(4, VOCAB)
     constraints.mask(logits, states)
-    assert [allowed(row) for row in logits] == [everything, {a, b, EOS_ID}, letters, {EOS_ID}], \
-        "the grammar follows the tokens after </think>, and takes a <tool_call> (which breaks this one)"
-    constraints.advance(states, rows, [END, a, a, EOS_ID])
+    assert [allowed(row) for row in logits] == [everything, {a, b, EOS_ID}, letters, everything], \
+        "the grammar follows the tokens after </think>; a <tool_call> in the thinking does not start it"
+    constraints.advance(states, rows, [END, a, a, END])
     logits = torch.zeros(4, VOCAB)
     constraints.mask(logits, states)
     assert allowed(logits[0]) == letters
     assert allowed(logits[1]) == {EOS_ID}, "'aba': the grammar is complete"
     assert allowed(logits[2]) == {a, b, EOS_ID}
+    assert allowed(logits[3]) == letters, "the </think> after the call starts it"
 
 
 @pytest.mark.parametrize("parser", ["qwen3", ""])
@@ -148,14 +150,14 @@ def test_vllm_engine_says_where_its_grammar_starts_and_takes_the_gateways_word(p
             params = vllm.SamplingParams(temperature=0, max_tokens=3, regex=REGEX, grammar_from_first_token=first)
             list(engine.Generate(vllm.GenerateRequest(tokenized=vllm.TokenizedInput(input_ids=ids("Hello")),
                                                       sampling_params=params)))
-            assert waits(executor.sampling[-1]) == (WAITS if parser and not first else ((), ()))
+            assert waits(executor.sampling[-1]) == (WAITS if parser and not first else ())
         h.assert_idle()
 
 
 def test_the_client_and_its_cli_ask_for_the_grammar_from_the_first_token():
     request = build_request(token_ids=ids("Hello"), regex=REGEX, grammar_from_first_token=True)
     assert request.structured_output.from_first_token
-    assert waits(settings(request)) == ((), ())
+    assert waits(settings(request)) == ()
     assert waits(settings(build_request(token_ids=ids("Hello"), regex=REGEX))) == WAITS
     with pytest.raises(ValueError, match="grammar_from_first_token"):
         build_request(token_ids=ids("Hello"), grammar_from_first_token=True)

@@ -54,7 +54,8 @@ class RequestState:
     token_counts: Any = None
     # Its allowed ids and bad words made ready for the sampler (``token_masks.TokenMasks``), at its first sample.
     token_masks: Any = None
-    # The grammar's llguidance matcher, built by the model runner at the first sampled token; it goes with the state.
+    # The grammar's llguidance matcher, built by the model runner at the first sampled token (or, where the grammar
+    # waits for the thinking's end, at that end); it goes with the state.
     matcher: object | None = None
     # With a grammar that waits for the thinking's end: whether it still waits (None: the completion not read yet,
     # as for a request that comes back).
@@ -256,7 +257,7 @@ class RequestTable:
             if not 0 <= token_id < self.vocab_size or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise PlanError(INVALID, f"request {request_id}: logit_bias {token_id}: {bias} needs a token id in "
                                          f"the vocabulary and a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
-        for name in ("allowed_token_ids", "grammar_after_token_ids", "grammar_from_token_ids"):
+        for name in ("allowed_token_ids", "grammar_after_token_ids"):
             bad = next((t for t in getattr(params, name) if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise PlanError(INVALID, f"request {request_id}: {name}: {bad} is outside the vocabulary")

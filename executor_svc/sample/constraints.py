@@ -11,8 +11,7 @@ only EOS, so the request ends as any other does.
 
 Under the scheduler's reasoning parser a grammar waits for the model's thinking to end, as vLLM's
 structured output does: nothing is masked until the completion holds one of the sampling settings'
-``grammar_after_token_ids`` (``</think>``: the grammar follows the tokens after it) or
-``grammar_from_token_ids`` (Qwen3's ``<tool_call>``: the grammar takes that token too).
+``grammar_after_token_ids`` (``</think>``), and the grammar then follows the tokens after it.
 """
 
 from __future__ import annotations
@@ -64,18 +63,17 @@ class GrammarConstraints:
         return matcher
 
     def matcher(self, state: RequestState) -> llguidance.LLMatcher | None:
-        """The request's matcher, built on first use and fed the completion tokens it already has (those from the
-        thinking's end on, where its grammar waits for that); None while the grammar waits."""
+        """The request's matcher, built on first use and fed the completion tokens it already has (those after the
+        thinking's end, where its grammar waits for that); None while the grammar waits."""
         if state.matcher is not None or state.grammar_waits:
             return state.matcher
         completion = state.token_ids[state.num_prompt_tokens :]
-        after, start = state.sampling.grammar_after_token_ids, state.sampling.grammar_from_token_ids
-        if after or start:
-            end = next((k for k, t in enumerate(completion) if t in after or t in start), None)
+        if after := state.sampling.grammar_after_token_ids:
+            end = next((k for k, t in enumerate(completion) if t in after), None)
             state.grammar_waits = end is None
             if end is None:
                 return None
-            completion = completion[end + 1 :] if completion[end] in after else completion[end:]
+            completion = completion[end + 1 :]
         return self.build(state, completion)
 
     @torch.inference_mode()  # the logits are inference tensors, updated in place
@@ -110,10 +108,9 @@ class GrammarConstraints:
             state, token_id = states[i], token_ids[i]
             matcher = state.matcher
             if matcher is None:
-                sampling = state.sampling
-                if token_id in sampling.grammar_after_token_ids or token_id in sampling.grammar_from_token_ids:
+                if token_id in state.sampling.grammar_after_token_ids:
                     state.grammar_waits = False
-                    self.build(state, [token_id] if token_id in sampling.grammar_from_token_ids else [])
+                    self.build(state, [])
                 continue
             if not matcher.is_stopped() and not matcher.consume_token(token_id):
                 log.warning("request %d: token %d broke its grammar: %s", state.request_id, token_id,

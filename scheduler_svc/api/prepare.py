@@ -182,8 +182,7 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
         params = sampling_params(request, budget, grammar, model_defaults, tokenizer)
         if grammar is not None and thinking is not None and thinking.waits(
                 token_ids, request.structured_output.from_first_token, thinking_off(request)):
-            params = replace(params, grammar_after_token_ids=thinking.ends_after,
-                             grammar_from_token_ids=thinking.ends_at)
+            params = replace(params, grammar_after_token_ids=(thinking.end,))
         check_sampling(params)
         check_token_ids(params, limits)
         resumed = list(request.resume.completion_token_ids)

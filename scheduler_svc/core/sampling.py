@@ -38,9 +38,8 @@ class SamplingParams:
     # An llguidance grammar (its JSON form) the completion follows, compiled and checked by ``structured``.
     grammar: str | None = None
     # Under a reasoning parser the grammar waits for the thinking's end (``api.thinking``): the completion's first
-    # token among these, the grammar then following the tokens after it (``</think>``) or from it (``<tool_call>``).
+    # token among these (``</think>``), the grammar then following the tokens after it.
     grammar_after_token_ids: tuple[int, ...] = ()
-    grammar_from_token_ids: tuple[int, ...] = ()
     # Only these token ids may be sampled (vLLM's allowed_token_ids); None: any. Given, it must hold one at least.
     allowed_token_ids: list[int] | None = None
     # vLLM's bad_words as the token-id sequences its rule bans (``bad_words.bad_words_token_ids`` makes them).
@@ -59,7 +58,7 @@ class SamplingParams:
             stop_token_ids=tuple(sorted(self.stop_token_ids)) if self.min_tokens else (),
             ignore_eos=self.ignore_eos if self.min_tokens else False,
             grammar=self.grammar, num_prompt_logprobs=self.prompt_logprobs,
-            grammar_after_token_ids=self.grammar_after_token_ids, grammar_from_token_ids=self.grammar_from_token_ids,
+            grammar_after_token_ids=self.grammar_after_token_ids,
             allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
             bad_words_token_ids=tuple(map(tuple, self.bad_words_token_ids)),
         )

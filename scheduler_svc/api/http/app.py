@@ -183,7 +183,7 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
     @router.post("/v1/chat/completions", response_model=schemas.ChatCompletion, responses=STREAMED)
     async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
         served = (await source.served())._replace(tokenizer=source.tokenizer)
-        if needs_rendering(body.messages, body.tools):  # rendered here: off the event loop, as the scheduler does
+        if needs_rendering(body.messages, body.tools) or parsing.reasoning_parser:  # rendered here: off the loop
             t = await asyncio.to_thread(translate.chat_request, body, served, parsing)
         else:
             t = translate.chat_request(body, served, parsing)

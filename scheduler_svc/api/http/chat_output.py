@@ -58,9 +58,10 @@ class ChatOutput:
     reasoning_parser: str = ""
     # The request's chat_template_kwargs enable_thinking (Qwen3's switch).
     thinking: bool = True
-    # A grammar holds the answer from its first token (structured output, a forced tool choice, with no thinking to
-    # wait for: ``api.thinking``): it cannot think, so it is not read for thinking.
-    constrained: bool = False
+    # The answer starts at once, with no thinking to read: a grammar holds it from its first token (structured
+    # output, a forced tool choice, with no thinking to wait for: ``api.thinking``), or the prompt closed the
+    # thinking (vLLM then reads it all as content).
+    answers_at_once: bool = False
     # vLLM's include_reasoning: false leaves the thinking out, and with it the tokens' logprobs and ids.
     include_reasoning: bool = True
 
@@ -81,7 +82,7 @@ class ChatOutput:
         """A counter of one choice's thinking tokens, where the server has a reasoning parser (else no count)."""
         if not self.reasoning_parser:
             return None
-        return ReasoningTokens(self.reasoning_parser, self.thinking and not self.constrained, tokenizer)
+        return ReasoningTokens(self.reasoning_parser, self.thinking and not self.answers_at_once, tokenizer)
 
     def finish_reason(self, finish: str | None, called: bool, streamed: bool) -> str | None:
         """vLLM's: "tool_calls" when "auto" called a tool (streamed: and the choice stopped) or "required" stopped
@@ -131,7 +132,7 @@ class ChoiceReader:
         parser = TOOL_PARSERS[output.tool_parser] if output.tool_parser else None
         self.parser = parser(new_tool_call_id) if parser is not None and choice.kind == "auto" else None
         reasoning = REASONING_PARSERS[output.reasoning_parser] if output.reasoning_parser else None
-        self.reasoning = reasoning(output.thinking) if reasoning is not None and not output.constrained else None
+        self.reasoning = reasoning(output.thinking) if reasoning is not None and not output.answers_at_once else None
         # The thinking still being streamed; None once it ended (or when there is none).
         self.thinking: ThinkingStream | None = self.reasoning.stream() if self.reasoning is not None else None
         # Whether any delta sent a call (vLLM's tools_streamed).

@@ -302,7 +302,9 @@ def chat_request(body: schemas.ChatCompletionRequest, served: Served, parsing: C
     kwargs, continued = template_kwargs(body), bool(body.continue_final_message)
     if continued and body.add_generation_prompt:  # as vLLM refuses it
         raise ApiError(400, "continue_final_message: not with add_generation_prompt true", "continue_final_message")
-    if chat_render.needs_rendering(body.messages, body.tools):
+    # With thinking to read, the prompt is rendered here: whether it closed the thinking decides how the answer reads.
+    markers = ThinkingMarkers.of(served.tokenizer, parsing.reasoning_parser)
+    if chat_render.needs_rendering(body.messages, body.tools) or markers is not None:
         request.tokens.token_ids.extend(chat_render.render(
             served.tokenizer, body.messages, message_text, lambda role: ROLE_ALIASES.get(role, role),
             body.add_generation_prompt, kwargs, [tool.template_dict() for tool in body.tools or ()], continued))
@@ -314,13 +316,13 @@ def chat_request(body: schemas.ChatCompletionRequest, served: Served, parsing: C
     t = translated(body, "chatcmpl", lora or served.model_id, [request], renames, top_logprobs, echo)
     thinking = bool((kwargs or {}).get("enable_thinking", True))
     constrained = request.HasField("structured_output")
-    markers = ThinkingMarkers.of(served.tokenizer, parsing.reasoning_parser) if constrained else None
-    if markers is not None:  # vLLM's reasoning_ended: no thinking left out or turned off to wait for
-        request.structured_output.from_first_token = body.include_reasoning is False or (
+    closed = markers is not None and markers.prompt_ended(request.tokens.token_ids)
+    if constrained and markers is not None:  # vLLM's reasoning_ended: no thinking left out or turned off to wait for
+        request.structured_output.from_first_token = body.include_reasoning is False or closed or (
             markers.switchable and not thinking)
-    waits = markers is not None and not request.structured_output.from_first_token
+    waits = constrained and markers is not None and not request.structured_output.from_first_token
     t.chat_output = ChatOutput(choice, parsing.auto_tool_parser, parsing.reasoning_parser, thinking,
-                               constrained and not waits, body.include_reasoning is not False)
+                               (constrained and not waits) or closed, body.include_reasoning is not False)
     return t
 
 
