@@ -49,6 +49,25 @@ def test_streamed_calls_are_the_whole_ones_whatever_the_deltas(size: int):
         CALLS).calls], "the same JSON text"
 
 
+@pytest.mark.parametrize("text", [
+    "[f(x=1, y=2,)]", "[f(\n  x=1,\n  y='a',\n)]", "[f(x=1),]", "[\n  f(x=1),\n  g(y=2),\n]", "[f (x=1)]",
+    "[ f ( x = 1 ) ]", "[f(x='\\12')]", "[f(x='\\123z')]", "[f(x='\\x41\\u00e9\\N{LATIN SMALL LETTER A}')]",
+    "[f(x='a\\\\b', y=\"it's\")]", "[\ufb01le(x=1)]", "[f(x=1)];", "[f(x={'k': [1, {'j': None}]})]"])
+def test_valid_python_streams_as_it_reads_whole(text: str):
+    """Trailing commas, spaces, escapes that may still grow (an octal one), names Python normalizes: the same calls
+    and the same JSON text whatever the deltas, never a piece taken back."""
+    expected = [(c.name, c.arguments) for c in PythonicParser(new_id).whole(text).calls]
+    assert expected
+    for size in (1, 2, 3, len(text)):
+        content, calls = stream(PythonicParser(new_id), text, size)
+        assert (content, [tuple(call) for call in calls.values()]) == ("", expected), size
+
+
+def test_what_json_cannot_hold_is_no_call():
+    for text in ("[f(x={b'a': 1})]", "[f(x={...: 1})]", "[f(x=1, x=2)]", "[f(x=b'a')]"):
+        assert whole(text) == ([], text)
+
+
 def test_arguments_go_out_as_far_as_they_are_settled():
     parser = PythonicParser(new_id)
     first = parser.feed("[get_weather(")

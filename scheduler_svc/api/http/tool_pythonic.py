@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ast
 import json
+import re
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +22,8 @@ from scheduler_svc.api.http.tool_calls import Extracted, Streamed
 from scheduler_svc.api.http.tool_schemas import DeltaFunctionCall, DeltaToolCall, FunctionCall
 
 OPENING, CLOSING = "([{", ")]}"
+# An escape at a string's end that more characters may still change: \1 (\12, \123), \x4, \u00e, \N{LATIN...
+UNFINISHED_ESCAPE = re.compile(r"\\(?:[0-7]{1,2}|x[0-9a-fA-F]?|u[0-9a-fA-F]{0,3}|U[0-9a-fA-F]{0,7}|N(?:\{[^}]*)?)?$")
 JSON_NAMES = {"true": True, "false": False, "null": None}
 
 
@@ -31,7 +35,8 @@ def value_of(node: ast.expr) -> object:
     """A keyword argument's value as JSON holds it; NotCalls for anything but a literal."""
     if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float))):
         return node.value
-    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
+    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) and (k.value is None or isinstance(
+            k.value, (str, int, float))) for k in node.keys):
         return {k.value: value_of(v) for k, v in zip(node.keys, node.values, strict=True)}
     if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
         return [value_of(e) for e in node.elts]
@@ -82,21 +87,21 @@ class Call:
         parts = [f"{to_json(k)}: {to_json(v)}" for k, v in self.arguments]
         if self.closed:
             return "{" + ", ".join(parts) + "}"
-        text = "{" + ", ".join(parts) + (", " if parts else "")
-        partial = partial_string(self.open_value)
-        if self.open_keyword is not None and partial is not None:
-            text += f"{to_json(self.open_keyword)}: {partial}"
-        return text
+        partial = partial_string(self.open_value) if self.open_keyword is not None else None
+        if partial is not None:
+            parts.append(f"{to_json(self.open_keyword)}: {partial}")
+        return "{" + ", ".join(parts)
 
 
 def partial_string(value: str) -> str | None:
-    """The JSON of a string literal still being written, without its closing quote; None if ``value`` is not one or
-    ends in an escape not finished."""
+    """The JSON of a string literal still being written, without its closing quote, as far as it cannot change (up
+    to an escape that may still be going on: ``\\12`` may become ``\\123``); None if ``value`` is not one."""
     value = value.lstrip()
     quote = value[:1]
     if quote not in ("'", '"') or value.startswith(quote * 3):
         return None
     body = value[1:]
+    body = UNFINISHED_ESCAPE.sub("", body)
     if (len(body) - len(body.rstrip("\\"))) % 2:
         return None
     try:
@@ -154,27 +159,35 @@ def value_end(text: str, i: int) -> int:
     return len(text)
 
 
-def read_calls(text: str) -> list[Call]:
-    """The calls of ``text``, which starts with ``[``, as far as it goes; NotCalls where it cannot be a list of
-    calls. What follows the list's ``]`` is not read."""
+def read_calls(text: str) -> tuple[list[Call], bool]:
+    """The calls of ``text``, which starts with ``[``, as far as it goes, and whether it broke off there (it cannot
+    be a list of calls: NotCalls if that shows before any call). What follows the list's ``]`` is not read."""
     calls: list[Call] = []
     i = skip_space(text, 1)
-    while i < len(text):
-        end = name_end(text, i)
-        if end == len(text):
-            return calls
-        name = text[i:end]
-        if text[end] != "(" or not all(part.isidentifier() for part in name.split(".")):
-            raise NotCalls(f"no call at {i}")
-        call = Call(name)
-        calls.append(call)
-        i = skip_space(text, read_arguments(text, skip_space(text, end + 1), call))
-        if i == len(text) or text[i] == "]":
-            return calls
-        if text[i] != ",":
-            raise NotCalls(f"{text[i]!r} after a call")
-        i = skip_space(text, i + 1)
-    return calls
+    try:
+        while i < len(text):
+            if text[i] == "]" and calls:  # after a trailing comma
+                return calls, False
+            end = name_end(text, i)
+            opening = skip_space(text, end)
+            if opening == len(text):
+                return calls, False
+            name = unicodedata.normalize("NFKC", text[i:end])  # as Python reads an identifier
+            if text[opening] != "(" or not all(part.isidentifier() for part in name.split(".")):
+                raise NotCalls(f"no call at {i}")
+            call = Call(name)
+            calls.append(call)
+            i = skip_space(text, read_arguments(text, skip_space(text, opening + 1), call))
+            if i == len(text) or text[i] == "]":
+                return calls, False
+            if text[i] != ",":
+                raise NotCalls(f"{text[i]!r} after a call")
+            i = skip_space(text, i + 1)
+    except NotCalls:
+        if not calls:
+            raise
+        return calls, True
+    return calls, False
 
 
 def read_arguments(text: str, i: int, call: Call) -> int:
@@ -187,9 +200,11 @@ def read_arguments(text: str, i: int, call: Call) -> int:
         equals = skip_space(text, end)
         if equals == len(text):
             return equals
-        keyword = text[i:end]
+        keyword = unicodedata.normalize("NFKC", text[i:end])
         value = value_end(text, equals + 1 if text[equals] == "=" else i)
         if text[equals] == "=" and keyword.isidentifier():
+            if keyword in dict(call.arguments):
+                raise NotCalls(f"keyword argument repeated: {keyword}")
             if value == len(text):
                 call.open_keyword, call.open_value = keyword, text[equals + 1:]
                 return value
@@ -215,9 +230,11 @@ class PythonicParser:
         if not text.startswith("["):
             return Extracted([], text)
         try:
-            body = ast.parse(text, mode="eval").body
-            if not isinstance(body, ast.List) or not body.elts or not all(isinstance(e, ast.Call) for e in body.elts):
-                return Extracted([], text)
+            module = ast.parse(text).body  # a module, as vLLM reads it: a ";" may end it
+            body = module[0].value if len(module) == 1 and isinstance(module[0], ast.Expr) else None
+            if not isinstance(body, ast.List) or not body.elts or not all(
+                    isinstance(e, ast.Call) and len({k.arg for k in e.keywords}) == len(e.keywords) for e in body.elts):
+                return Extracted([], text)  # a repeated keyword argument is no Python either
             calls = [FunctionCall(name=dotted_name(e.func), arguments=to_json(
                 {k.arg: value_of(k.value) for k in e.keywords if k.arg is not None})) for e in body.elts]
         except (SyntaxError, ValueError, MemoryError, RecursionError):
@@ -233,12 +250,12 @@ class PythonicParser:
         try:
             if not self.text.startswith("["):
                 raise NotCalls("no list")
-            calls = read_calls(self.text)
-        except NotCalls:
-            # Not calls after all: content, what was held back included; after calls went out, the rest is dropped
-            # (``whole`` reads no calls at all there).
-            self.read_as = "ended" if self.args_sent else "content"
-            return None if self.args_sent else Streamed(content=self.text)
+            calls, broken = read_calls(self.text)
+        except NotCalls:  # not calls after all: content, what was held back included
+            self.read_as = "content"
+            return Streamed(content=self.text)
+        if broken:  # after calls: those read go out, the rest is dropped (``whole`` reads no calls at all there)
+            self.read_as = "ended"
         deltas: list[DeltaToolCall] = []
         for index, call in enumerate(calls):
             if index == len(self.args_sent):
