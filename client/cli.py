@@ -110,6 +110,8 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                             help="the output parses with this Lark (or GBNF) grammar file (server default none)")
     constraint.add_argument("--json-object", action="store_true", default=None,
                             help="the output is a JSON object (server default false)")
+    parser.add_argument("--return-prompt-token-ids", action="store_true", default=None,
+                        help="with --json: the prompt's token ids as the model reads them (server default false)")
     parser.add_argument("--grammar-from-first-token", action="store_true", default=None,
                         help="with a constraint: apply it from the first token, not after the thinking the server's "
                              "--reasoning-parser waits for (server default false)")
@@ -179,7 +181,7 @@ def generation_options(args: argparse.Namespace) -> dict:
              "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty",
              "n", "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
              "prompt_logprobs", "json_schema", "regex", "choice", "grammar", "json_object", "grammar_from_first_token",
-             "lora", "priority")
+             "lora", "priority", "return_prompt_token_ids")
     options = {name: getattr(args, name) for name in names}
     options["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     return options
@@ -205,6 +207,7 @@ def run_generation(client: Client, args: argparse.Namespace, prompt: dict) -> in
                 **({"logprobs": [asdict(lp) for lp in completion.logprobs]} if args.logprobs is not None else {}),
                 **({"prompt_logprobs": [asdict(lp) for lp in completion.prompt_logprobs]}
                    if args.prompt_logprobs is not None else {}),
+                **({"prompt_token_ids": completion.prompt_token_ids} if args.return_prompt_token_ids else {}),
             }))
         reasons = [completion.finish_reason for completion in completions]
     elif several:

@@ -122,6 +122,7 @@ class Resumption:
         request.CopyFrom(self.request)
         request.resume.completion_token_ids.extend(self.received)
         request.ClearField("prompt_logprobs")  # they came with the first response
+        request.ClearField("return_prompt_token_ids")  # so did these
         return request
 
     def remaining_s(self) -> float | None:

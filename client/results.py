@@ -56,10 +56,12 @@ class Chunk:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # With finish_reason "stop": the stop string matched or the stop token id sampled; None for EOS (vLLM's).
     stop_reason: str | int | None = None
+    # On the stream's first chunk, when asked (return_prompt_token_ids): the prompt's token ids.
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_proto(cls, response: pb.GenerateResponse) -> Chunk:
-        if not (response.finish_reason or response.logprobs or response.prompt_logprobs):
+        if not (response.finish_reason or response.logprobs or response.prompt_logprobs or response.prompt_token_ids):
             # most of a stream: tokens without logprobs, not the last chunk (read per token at many streams, W5 api)
             return cls(response.request_id, response.text, list(response.token_ids), [], None, None, response.index)
         return cls(
@@ -72,6 +74,7 @@ class Chunk:
             index=response.index,
             prompt_logprobs=[TokenLogprob.from_proto(lp) for lp in response.prompt_logprobs],
             stop_reason=stop_reason(response),
+            prompt_token_ids=list(response.prompt_token_ids),
         )
 
 
@@ -89,12 +92,14 @@ class Completion:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # As Chunk's: what ended a "stop".
     stop_reason: str | int | None = None
+    # When asked (return_prompt_token_ids): the prompt's token ids, the same for every choice.
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_proto(cls, response: pb.GenerateResponse) -> Completion:
         chunk = Chunk.from_proto(response)
         return cls(chunk.request_id, chunk.text, chunk.token_ids, chunk.finish_reason, chunk.usage, chunk.logprobs,
-                   chunk.index, chunk.prompt_logprobs, chunk.stop_reason)
+                   chunk.index, chunk.prompt_logprobs, chunk.stop_reason, chunk.prompt_token_ids)
 
     @classmethod
     def from_chunks(cls, chunks: list[Chunk]) -> list[Completion]:
@@ -108,6 +113,9 @@ class Completion:
             done.prompt_logprobs += c.prompt_logprobs
             done.finish_reason, done.usage = c.finish_reason or done.finish_reason, c.usage or done.usage
             done.stop_reason = c.stop_reason if c.finish_reason else done.stop_reason
+        prompt = next((c.prompt_token_ids for c in chunks if c.prompt_token_ids), [])
+        for done in by_index.values():
+            done.prompt_token_ids = list(prompt)
         return [by_index[i] for i in sorted(by_index)]
 
 

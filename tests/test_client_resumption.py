@@ -22,13 +22,16 @@ def pieces(responses: list[pb.GenerateResponse]) -> list[tuple[list[int], str, i
     return [(list(r.token_ids), r.text, r.finish_reason) for r in responses]
 
 
-def test_a_resend_carries_the_tokens_received_and_asks_for_no_prompt_logprobs_again():
-    resumption = Resumption(build_request(token_ids=[1, 2], max_tokens=5, prompt_logprobs=2), timeout=None)
-    assert resumption.attempt().prompt_logprobs == 2
+def test_a_resend_carries_the_tokens_received_and_asks_for_no_prompt_logprobs_or_ids_again():
+    request = build_request(token_ids=[1, 2], max_tokens=5, prompt_logprobs=2, return_prompt_token_ids=True)
+    resumption = Resumption(request, timeout=None)
+    first = resumption.attempt()
+    assert first.prompt_logprobs == 2 and first.return_prompt_token_ids
     resumption.receive(pb.GenerateResponse(token_ids=[7], text="a"))
     again = resumption.attempt()
     assert list(again.resume.completion_token_ids) == [7]
     assert not again.HasField("prompt_logprobs"), "the prompt's logprobs would come twice"
+    assert not again.return_prompt_token_ids, "so would its token ids"
 
 
 def test_an_abort_held_back_is_handed_over_when_the_stream_then_fails():

@@ -41,10 +41,13 @@ METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 class LinkGeneration(ChoicesReader):
     """One request sent over the link, read as the routes read a ``frontend.Generation``."""
 
-    def __init__(self, link: Link, key: int, call: Call, n: int, num_prompt_tokens: int) -> None:
+    def __init__(self, link: Link, key: int, call: Call, n: int, num_prompt_tokens: int,
+                 prompt_token_ids: list[int] | None) -> None:
         super().__init__(call.outbox, n)
         self._link, self._key = link, key
         self.num_prompt_tokens = num_prompt_tokens
+        # Where the request asked for them (``return_prompt_token_ids``), else None.
+        self.prompt_token_ids = prompt_token_ids
 
     def close(self) -> None:
         """A request not finished (its caller went away, or it failed) is cancelled in the scheduler."""

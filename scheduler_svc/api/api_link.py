@@ -174,7 +174,9 @@ class ApiProcess:
             self.frontend.set_reading([handle], self._reading)
         reading = () if kind == "submit" else (ResponseWriter.reading(handle.prepared),)
         prepared = handle.prepared
-        self.send(("accepted", key, prepared.request_id, prepared.params.n, len(prepared.prompt_token_ids), *reading))
+        prompt_token_ids = prepared.prompt_token_ids if prepared.return_prompt_token_ids else None
+        self.send(("accepted", key, prepared.request_id, prepared.params.n, len(prepared.prompt_token_ids),
+                   prompt_token_ids, *reading))
 
     def _served(self, key: int, with_tokenizer: bool) -> None:
         """What the HTTP routes' ``model`` may name now (the base model's names, the adapters loaded) and, when asked,

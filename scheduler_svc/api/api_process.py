@@ -93,7 +93,7 @@ class Call:
 
     def __init__(self, interval: float) -> None:
         self.outbox = Outbox(interval)
-        # (request id, n) and, for VllmEngine, its ResponseWriter's reading of the request
+        # (request id, n, prompt length, prompt token ids or None) and, for VllmEngine, its ResponseWriter's reading
         self.accepted: asyncio.Future[tuple] = asyncio.get_running_loop().create_future()
         self.first_frame: int | None = None  # the link's count of the frame that brought its first outputs
 
@@ -132,7 +132,7 @@ class Link:
         except BaseException:
             self.close(key, cancel=True)
             raise
-        return accepted, LinkGeneration(self, key, call, *accepted[1:3])
+        return accepted, LinkGeneration(self, key, call, *accepted[1:4])
 
     def ask(self, kind: str, *args: object) -> asyncio.Future[tuple]:
         """A question for the scheduler (``served``): its answer, or the RequestFailed it raised."""
@@ -273,11 +273,14 @@ class ApiHandler(grpc.GenericRpcHandler):
 
     async def generate(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         interval = await self._interval(data, context)
-        async for (request_id, n, _), outputs in self._outputs("submit", data, False, interval, context):
+        first = True
+        async for (request_id, n, _, prompt_token_ids), outputs in self._outputs("submit", data, False, interval,
+                                                                               context):
             if outputs[-1].drained:  # read by clients that resume: ABORT here means "try elsewhere"
                 context.set_trailing_metadata(DRAINED_METADATA)
-            for response in responses(request_id, outputs, n == 1):
+            for response in responses(request_id, outputs, n == 1, prompt_token_ids if first else None):
                 yield response
+            first = False
 
     async def vllm_generate(self, data: bytes, context: grpc.aio.ServicerContext
                             ) -> AsyncIterator[vllm.GenerateResponse]:
@@ -291,7 +294,7 @@ class ApiHandler(grpc.GenericRpcHandler):
         async for accepted, outputs in self._outputs("submit_vllm", data, not request.stream, interval, context,
                                                      vllm_failure):
             if writer is None:
-                prompt_ids, *asked = accepted[3]  # ResponseWriter.reading, done in the scheduler
+                prompt_ids, *asked = accepted[4]  # ResponseWriter.reading, done in the scheduler
                 writer = ResponseWriter(prompt_ids, request.stream, *asked)
             for response in writer.responses(outputs):
                 yield response
@@ -301,9 +304,10 @@ class ApiHandler(grpc.GenericRpcHandler):
         if request.sampling.n > 1:
             message = f"GenerateOnce returns one completion; stream {request.sampling.n} choices with Generate"
             await fail(context, InvalidRequest("sampling.n", message))
-        batches = [(accepted[0], batch) async for accepted, batch in self._outputs("submit", data, True, math.inf,
-                                                                                    context)]
-        return to_response(batches[0][0], [output for _, batch in batches for output in batch])
+        batches = [(accepted, batch)
+                   async for accepted, batch in self._outputs("submit", data, True, math.inf, context)]
+        request_id, _, _, prompt_token_ids = batches[0][0]
+        return to_response(request_id, [output for _, batch in batches for output in batch], prompt_token_ids)
 
 
 async def serve(settings: Settings) -> None:

@@ -24,8 +24,10 @@ def token_logprob(token_id: int, lp: TokenLogprobs) -> pb.TokenLogprob:
     return pb.TokenLogprob(token_id=token_id, logprob=lp.logprob, top=top)
 
 
-def to_response(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateResponse:
-    """Several loop outputs of one choice of a request as one response (the last one decides the finish)."""
+def to_response(request_id: str, outputs: list[RequestOutput], prompt_token_ids: list[int] | None = None
+                ) -> pb.GenerateResponse:
+    """Several loop outputs of one choice of a request as one response (the last one decides the finish);
+    ``prompt_token_ids`` where the response is a stream's first and the request asked for them."""
     first = outputs[0]
     if len(outputs) == 1:  # a decode step's token, most of what streams: one constructor call (W5 api)
         response = pb.GenerateResponse(request_id=request_id, index=first.index, text=first.text,
@@ -34,6 +36,8 @@ def to_response(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateRes
         response = pb.GenerateResponse(request_id=request_id, index=first.index,
                                        text="".join(output.text for output in outputs),
                                        token_ids=[t for output in outputs for t in output.token_ids])
+    if prompt_token_ids is not None:
+        response.prompt_token_ids.extend(prompt_token_ids)
     if first.prompt_logprobs is not None:
         token_ids, logprobs = first.prompt_logprobs
         response.prompt_logprobs.extend(token_logprob(t, lp) for t, lp in zip(token_ids[1:], logprobs, strict=True))
@@ -55,13 +59,16 @@ def to_response(request_id: str, outputs: list[RequestOutput]) -> pb.GenerateRes
     return response
 
 
-def responses(request_id: str, outputs: list[RequestOutput], one_choice: bool) -> Iterator[pb.GenerateResponse]:
-    """A batch of a stream's outputs as its responses: one per run of outputs of the same choice."""
+def responses(request_id: str, outputs: list[RequestOutput], one_choice: bool,
+              prompt_token_ids: list[int] | None = None) -> Iterator[pb.GenerateResponse]:
+    """A batch of a stream's outputs as its responses: one per run of outputs of the same choice;
+    ``prompt_token_ids`` on the first (the stream's first batch, where the request asked for them)."""
     if one_choice:
-        yield to_response(request_id, outputs)
+        yield to_response(request_id, outputs, prompt_token_ids)
         return
     for _, run in itertools.groupby(outputs, key=lambda output: output.index):
-        yield to_response(request_id, list(run))
+        yield to_response(request_id, list(run), prompt_token_ids)
+        prompt_token_ids = None
 
 
 def model_info(info: ExecutorInfo, tokenizer: ModelTokenizer | None,

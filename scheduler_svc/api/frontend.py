@@ -70,6 +70,11 @@ class Generation(ChoicesReader):
     def num_prompt_tokens(self) -> int:
         return len(self.prepared.prompt_token_ids)
 
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        """The prompt's token ids where the request asked for them (``return_prompt_token_ids``), else None."""
+        return self.prepared.prompt_token_ids if self.prepared.return_prompt_token_ids else None
+
     def give_way(self) -> None:
         self._frontend.turn.give_way()
 

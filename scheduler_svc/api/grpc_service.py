@@ -90,17 +90,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except RequestFailed as e:
             await self._fail(context, e)
 
-    async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         with await self._submit(request, context) as generation:
             request_id, one_choice = generation.request_id, generation.prepared.params.n == 1
+            prompt_token_ids = generation.prompt_token_ids
             try:
                 async for outputs in generation.batches():
                     if outputs[-1].drained:  # read by clients that resume: ABORT here means "try elsewhere"
                         context.set_trailing_metadata(DRAINED_METADATA)
-                    for response in responses(request_id, outputs, one_choice):
+                    for response in responses(request_id, outputs, one_choice, prompt_token_ids):
                         yield response
+                    prompt_token_ids = None
             except RequestFailed as e:
                 await self._fail(context, e)
 
@@ -113,7 +114,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 outputs = [output async for batch in generation.batches() for output in batch]
             except RequestFailed as e:
                 await self._fail(context, e)
-        return to_response(generation.request_id, outputs)
+        return to_response(generation.request_id, outputs, generation.prompt_token_ids)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
@@ -333,11 +334,9 @@ class SchedulerServer:
         self.frontend.attach(self.loop, tokenizer, self.config.generation_config, self.config.reasoning_parser)
         self.serving = True
         await self._sync_health()
-        log.info(
-            "executor ready model=%s blocks=%dx%d max_model_len=%d vocab=%d tokenizer=%s instance=%s policy=%s "
-            "overlap=%s", info.model_id, info.num_blocks, info.block_size, info.max_model_len, info.vocab_size,
-            "yes" if tokenizer else "no", info.instance_id, engine.config.policy, engine.overlap,
-        )
+        log.info("executor ready model=%s blocks=%dx%d max_model_len=%d vocab=%d tokenizer=%s instance=%s policy=%s "
+                 "overlap=%s", info.model_id, info.num_blocks, info.block_size, info.max_model_len, info.vocab_size,
+                 "yes" if tokenizer else "no", info.instance_id, engine.config.policy, engine.overlap)
         return True
 
     async def stop(self) -> None:

@@ -192,4 +192,4 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
     except InvalidRequest as e:
         raise public_error(e) from e
     return PreparedRequest(request.request_id or uuid.uuid4().hex, token_ids, params, resumed, interval, request.lora,
-                           request.priority)
+                           request.priority, request.return_prompt_token_ids)

@@ -21,3 +21,5 @@ class PreparedRequest:
     lora: str = ""
     # Lower runs first under --request-order priority (GenerateRequest.priority); refused in arrival order unless 0.
     priority: int = 0
+    # The caller asked for the prompt's token ids back (GenerateRequest.return_prompt_token_ids).
+    return_prompt_token_ids: bool = False

@@ -226,7 +226,8 @@ async def chat_completion(t: Translated, generations: list[Generation],
         usage.completion_tokens_details = CompletionTokensDetails(
             reasoning_tokens=sum(counter.add(c.token_ids) for counter, c in zip(counters, choices, strict=True)))
     return schemas.ChatCompletion(id=t.id, created=t.created, model=t.model, usage=usage,
-                                  prompt_logprobs=prompt_logprobs(choices[0].prompt, tokenizer), choices=[
+                                  prompt_logprobs=prompt_logprobs(choices[0].prompt, tokenizer),
+                                  prompt_token_ids=generations[0].prompt_token_ids, choices=[
         schemas.ChatChoice(index=c.index, message=message, logprobs=None if hidden else chat_logprobs(c, t, tokenizer),
                            finish_reason=finish_reason, stop_reason=c.stop_reason,
                            token_ids=None if hidden else token_ids(c, t))
@@ -257,7 +258,8 @@ async def completion(t: Translated, generations: list[Generation],
             logprobs = echoed_logprobs(prompt, t, tokenizer, logprobs)
         out.append(schemas.CompletionChoice(index=c.index, text=echo + c.text, finish_reason=c.finish_reason,
                                             stop_reason=c.stop_reason, logprobs=logprobs, token_ids=token_ids(c, t),
-                                            prompt_logprobs=prompt_logprobs(prompt, tokenizer)))
+                                            prompt_logprobs=prompt_logprobs(prompt, tokenizer),
+                                            prompt_token_ids=generations[c.index // t.n].prompt_token_ids))
     return schemas.TextCompletion(id=t.id, created=t.created, model=t.model, choices=out, usage=usage)
 
 
@@ -306,8 +308,10 @@ def chat_chunks(t: Translated, generations: list[Generation], tokenizer: ModelTo
     counting = bool(counters) and counters[0] is not None
     hidden = output is not None and output.hides_tokens
 
-    def chunk(choices: list[schemas.ChatChunkChoice], usage: schemas.CompletionUsage | None = None) -> BaseModel:
-        return schemas.ChatCompletionChunk(id=t.id, created=t.created, model=t.model, choices=choices, usage=usage)
+    def chunk(choices: list[schemas.ChatChunkChoice], usage: schemas.CompletionUsage | None = None,
+              prompt_token_ids: list[int] | None = None) -> BaseModel:
+        return schemas.ChatCompletionChunk(id=t.id, created=t.created, model=t.model, choices=choices, usage=usage,
+                                           prompt_token_ids=prompt_token_ids)
 
     def chunk_of(piece: Piece) -> BaseModel | None:
         logprobs, ids, finish_reason = chat_logprobs(piece, t, tokenizer), token_ids(piece, t), piece.finish_reason
@@ -341,7 +345,9 @@ def chat_chunks(t: Translated, generations: list[Generation], tokenizer: ModelTo
         return chunk([], usage)
 
     # Each choice's role; with vLLM's echo, then the assistant's final message its answer goes on from.
-    roles = (chunk([schemas.ChatChunkChoice(index=i, delta=schemas.Delta(**fields))])
+    # With vLLM's return_token_ids, each choice's role chunk carries the prompt's token ids.
+    roles = (chunk([schemas.ChatChunkChoice(index=i, delta=schemas.Delta(**fields))],
+                   prompt_token_ids=generations[0].prompt_token_ids if "role" in fields else None)
              for i in range(len(generations) * t.n)
              for fields in [{"role": "assistant", "content": ""}, *([{"content": t.echo[0]}] if t.echo else [])])
     return streamed(t, generations, roles, chunk_of, last, details)
@@ -366,10 +372,15 @@ def completion_chunks(t: Translated, generations: list[Generation],
         if piece.index in unscored and logprobs is not None and (prompt := prompts.get(piece.index // t.n)):
             unscored.discard(piece.index)
             logprobs = echoed_logprobs(prompt, t, tokenizer, logprobs)
+        prompt_ids = None if t.echo or piece.index in started else generations[piece.index // t.n].prompt_token_ids
+        started.add(piece.index)
         return chunk([schemas.CompletionChoice(index=piece.index, text=piece.text, logprobs=logprobs,
                                                finish_reason=piece.finish_reason, stop_reason=piece.stop_reason,
-                                               token_ids=token_ids(piece, t))])
+                                               token_ids=token_ids(piece, t), prompt_token_ids=prompt_ids)])
 
-    echoes = (chunk([schemas.CompletionChoice(index=i, text=t.echo[i // t.n])]) for i in range(len(offsets))
-              if t.echo)
+    # With return_token_ids (vLLM's), each choice's first chunk carries its prompt's token ids: the echo's, if any.
+    started: set[int] = set()
+    echoes = (chunk([schemas.CompletionChoice(index=i, text=t.echo[i // t.n],
+                                              prompt_token_ids=generations[i // t.n].prompt_token_ids)])
+              for i in range(len(offsets)) if t.echo)
     return streamed(t, generations, echoes, chunk_of, lambda usage: chunk([], usage))

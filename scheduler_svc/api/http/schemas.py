@@ -234,6 +234,8 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: CompletionUsage
     prompt_logprobs: PromptLogprobs | None = Omitted
+    # vLLM's, with return_token_ids: the prompt's token ids (on a stream's first chunk).
+    prompt_token_ids: list[int] | None = Omitted
 
 
 class Delta(BaseModel):
@@ -259,6 +261,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: CompletionUsage | None = Omitted
+    prompt_token_ids: list[int] | None = Omitted
 
 
 class CompletionLogprobs(BaseModel):
@@ -277,6 +280,8 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None
     token_ids: list[int] | None = Omitted
     prompt_logprobs: PromptLogprobs | None = Omitted
+    # vLLM's, with return_token_ids: the choice's prompt's token ids (streamed: on the choice's first chunk).
+    prompt_token_ids: list[int] | None = Omitted
 
 
 class TextCompletion(BaseModel):
