@@ -1,7 +1,8 @@
 """vLLM's ``return_token_ids``: the prompt's token ids come back, as the model read them (the chat template applied),
 once: on the gRPC stream's first response (``return_prompt_token_ids``) and the Python client's completions; in the
-HTTP API on a chat completion (its stream's first chunk) and on each text choice (its first chunk; with ``echo``,
-before the completion's ids). Served by the scheduler and by its API process alike; the echo executor."""
+HTTP API on a chat completion (streamed: each choice's role chunk) and on each text choice (its first chunk); and
+vLLM's ``return_prompt_text``, the chat prompt's text. Served by the scheduler and by its API process alike; the echo
+executor."""
 
 from __future__ import annotations
 
@@ -93,3 +94,17 @@ def test_each_text_choice_returns_its_prompts_token_ids(api: Hosted):
     assert ids == PROMPT[:2]
     assert streamed[0].choices[0].model_extra["prompt_token_ids"] == PROMPT  # on the echo chunk
 
+
+
+def test_a_chat_completion_returns_its_prompts_text_as_vllm_does(api: Hosted):
+    client = api.openai()
+    messages = [{"role": "user", "content": "Hi"}]
+    text = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"  # what the ChatML template makes of it
+    asked = {"extra_body": {"return_prompt_text": True}}
+    reply = client.chat.completions.create(model="echo", messages=messages, max_tokens=2, **asked)
+    assert reply.model_extra["prompt_text"] == text
+    assert "prompt_token_ids" not in reply.model_extra, "the ids only with return_token_ids"
+    chunks = list(client.chat.completions.create(model="echo", messages=messages, max_tokens=2, n=2, stream=True,
+                                                 **asked))
+    assert [c.model_extra.get("prompt_text") for c in chunks if "prompt_text" in c.model_extra] == [text], \
+        "on the first chunk only"

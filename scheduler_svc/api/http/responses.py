@@ -227,11 +227,19 @@ async def chat_completion(t: Translated, generations: list[Generation],
             reasoning_tokens=sum(counter.add(c.token_ids) for counter, c in zip(counters, choices, strict=True)))
     return schemas.ChatCompletion(id=t.id, created=t.created, model=t.model, usage=usage,
                                   prompt_logprobs=prompt_logprobs(choices[0].prompt, tokenizer),
-                                  prompt_token_ids=generations[0].prompt_token_ids, choices=[
+                                  **chat_prompt(t, generations[0], tokenizer), choices=[
         schemas.ChatChoice(index=c.index, message=message, logprobs=None if hidden else chat_logprobs(c, t, tokenizer),
                            finish_reason=finish_reason, stop_reason=c.stop_reason,
                            token_ids=None if hidden else token_ids(c, t))
         for c in choices for message, finish_reason in [chat_message(c, t)]])
+
+
+def chat_prompt(t: Translated, generation: Generation, tokenizer: ModelTokenizer | None) -> dict[str, object]:
+    """vLLM's ``prompt_token_ids`` (``return_token_ids``) and ``prompt_text`` (``return_prompt_text``) of a chat
+    answer, where asked."""
+    ids = generation.prompt_token_ids
+    text = tokenizer.decode(ids, skip_special_tokens=False) if t.return_prompt_text and ids and tokenizer else None
+    return {"prompt_token_ids": ids if t.return_token_ids else None, "prompt_text": text}
 
 
 def chat_message(choice: Piece, t: Translated) -> tuple[schemas.AssistantMessage, str | None]:
@@ -309,9 +317,9 @@ def chat_chunks(t: Translated, generations: list[Generation], tokenizer: ModelTo
     hidden = output is not None and output.hides_tokens
 
     def chunk(choices: list[schemas.ChatChunkChoice], usage: schemas.CompletionUsage | None = None,
-              prompt_token_ids: list[int] | None = None) -> BaseModel:
+              **prompt: object) -> BaseModel:
         return schemas.ChatCompletionChunk(id=t.id, created=t.created, model=t.model, choices=choices, usage=usage,
-                                           prompt_token_ids=prompt_token_ids)
+                                           **prompt)
 
     def chunk_of(piece: Piece) -> BaseModel | None:
         logprobs, ids, finish_reason = chat_logprobs(piece, t, tokenizer), token_ids(piece, t), piece.finish_reason
@@ -345,9 +353,11 @@ def chat_chunks(t: Translated, generations: list[Generation], tokenizer: ModelTo
         return chunk([], usage)
 
     # Each choice's role; with vLLM's echo, then the assistant's final message its answer goes on from.
-    # With vLLM's return_token_ids, each choice's role chunk carries the prompt's token ids.
+    # As vLLM's: each choice's role chunk carries the prompt's token ids (return_token_ids), the first its text.
+    prompt = chat_prompt(t, generations[0], tokenizer)
     roles = (chunk([schemas.ChatChunkChoice(index=i, delta=schemas.Delta(**fields))],
-                   prompt_token_ids=generations[0].prompt_token_ids if "role" in fields else None)
+                   prompt_token_ids=prompt["prompt_token_ids"] if "role" in fields else None,
+                   prompt_text=prompt["prompt_text"] if "role" in fields and i == 0 else None)
              for i in range(len(generations) * t.n)
              for fields in [{"role": "assistant", "content": ""}, *([{"content": t.echo[0]}] if t.echo else [])])
     return streamed(t, generations, roles, chunk_of, last, details)

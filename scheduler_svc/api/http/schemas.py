@@ -130,6 +130,8 @@ class ChatCompletionRequest(GenerationParameters):
     echo: bool | None = None
     # vLLM's: more variables for the chat template, such as {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the prompt the chat template made comes back as prompt_text (streamed: on the first chunk).
+    return_prompt_text: bool | None = None
 
 
 class CompletionRequest(GenerationParameters):
@@ -236,6 +238,8 @@ class ChatCompletion(BaseModel):
     prompt_logprobs: PromptLogprobs | None = Omitted
     # vLLM's, with return_token_ids: the prompt's token ids (on a stream's first chunk).
     prompt_token_ids: list[int] | None = Omitted
+    # vLLM's, with return_prompt_text: the prompt as the chat template made it (on a stream's first chunk).
+    prompt_text: str | None = Omitted
 
 
 class Delta(BaseModel):
@@ -262,6 +266,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: CompletionUsage | None = Omitted
     prompt_token_ids: list[int] | None = Omitted
+    prompt_text: str | None = Omitted
 
 
 class CompletionLogprobs(BaseModel):

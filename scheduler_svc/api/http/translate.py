@@ -53,6 +53,8 @@ class Translated:
     echo_only: bool = False
     # How a chat request's choices are read (thinking, tool calls); None for completions.
     chat_output: ChatOutput | None = None
+    # vLLM's return_prompt_text (chat): the prompt's text comes back, its token ids decoded.
+    return_prompt_text: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -324,6 +326,8 @@ def chat_request(body: schemas.ChatCompletionRequest, served: Served, parsing: C
     waits = constrained and markers is not None and not request.structured_output.from_first_token
     t.chat_output = ChatOutput(choice, parsing.auto_tool_parser, parsing.reasoning_parser, thinking,
                                (constrained and not waits) or closed, body.include_reasoning is not False)
+    t.return_prompt_text = bool(body.return_prompt_text)
+    request.return_prompt_token_ids |= t.return_prompt_text  # decoded in the answer
     return t
 
 
