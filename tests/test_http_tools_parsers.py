@@ -67,6 +67,15 @@ def test_hermes_streams_the_calls_it_reads_whole(size: int):
     assert calls == {0: ["get_weather", '{"city": "Zürich", "days": [1, 2]}'], 1: ["get_time", "{}"]}
 
 
+@pytest.mark.parametrize("size", [1, 3, 200])
+def test_hermes_streams_arguments_written_before_the_name(size: int):
+    """A model may write "arguments" first: they go out once the name is known, without what follows them."""
+    text = '<tool_call>\n{"arguments": {"city": "Paris", "days": 2}, "name": "get_weather"}\n</tool_call>'
+    assert stream(HermesParser(new_id), text, size) == ("", {0: ["get_weather", '{"city": "Paris", "days": 2}']})
+    assert [(c.name, c.arguments) for c in HermesParser(new_id).whole(text).calls] == [
+        ("get_weather", '{"city": "Paris", "days": 2}')]
+
+
 def test_hermes_holds_back_what_could_be_a_tag():
     parser = HermesParser(new_id)
     assert parser.feed("Hi <tool_").content == "Hi "

@@ -136,11 +136,16 @@ class HermesParser:
         return out
 
     def arguments(self, body: str, complete: bool) -> str | None:
-        """The text of the call's arguments so far; once complete, without the brace that closes the call."""
+        """The text of the call's arguments so far; once their value reads whole, that value alone (the call's
+        closing brace, or a ``"name"`` after them, left out)."""
         match = self.ARGUMENTS.search(body)
         if match is None:
             return None
         raw = body[match.end():]
+        try:
+            return raw[:json.JSONDecoder().raw_decode(raw)[1]]
+        except json.JSONDecodeError:
+            pass
         if complete:
             raw = raw.rstrip()
             if raw.endswith("}"):
