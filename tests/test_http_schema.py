@@ -47,7 +47,8 @@ def test_the_schema_lists_every_route_with_its_body_and_error_shape(api: Hosted)
     assert set(paths) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}", "/health",
                           "/tokenize", "/detokenize", "/metrics", "/version", "/server_info", "/v1/completions/render",
                           "/v1/chat/completions/render", "/admin/recording", "/admin/recording/start",
-                          "/admin/recording/stop", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+                          "/admin/recording/stop", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/ping",
+                          "/invocations"}
     bodies = {path: op["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
               for path, op in paths.items() if "requestBody" in op.get("post", {})}
     assert bodies == {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",

@@ -18,9 +18,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.executor import LoraRefused
@@ -43,7 +44,8 @@ from scheduler_svc.core.tokenizer import ModelTokenizer
 # What the API key guards, by path prefix: vLLM's --api-key guards exactly its API prefixes (the first four) and
 # leaves the rest open (/health, /metrics, /version, /server_info, /tokenize, ...), which probes, scrapers and
 # gateways call without a key (the Shepherd Model Gateway tells a vLLM worker by /version); "/admin" is nanoserve's
-# own, which no vLLM route matches: the recording's switch writes to the disk.
+# own, which no vLLM route matches: the recording's switch writes to the disk. SageMaker's /invocations stays open,
+# as on vLLM: SageMaker calls it without a key, having authorized the caller itself.
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/admin")
 # Sent instead of a response nobody is left to read.
 CLIENT_CLOSED = 499
@@ -194,6 +196,25 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
         t = translate.completion_request(body, await source.served(), source.tokenizer)
         return await generate(request, t, responses.completion_chunks, responses.completion)
 
+    @router.post("/invocations", response_model=schemas.ChatCompletion | schemas.TextCompletion, responses=STREAMED)
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one route, which vLLM serves: a chat completion for a body with ``messages``, else a
+        completion (``prompt``)."""
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise ApiError(400, f"the request body is not JSON: {e}") from e
+        if not isinstance(body, dict) or not ({"messages", "prompt"} & body.keys()):
+            raise ApiError(400, "messages: send messages (a chat completion) or prompt (a completion)", "messages")
+        kind = schemas.ChatCompletionRequest if "messages" in body else schemas.CompletionRequest
+        try:
+            parsed = kind.model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from e
+        if isinstance(parsed, schemas.ChatCompletionRequest):
+            return await chat_completions(parsed, request)
+        return await completions(parsed, request)
+
     return router
 
 
@@ -242,6 +263,12 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
     async def health() -> Response:
         """200 exactly when gRPC health says SERVING."""
         return Response(status_code=200 if serving() else 503)
+
+    @router.get("/ping", operation_id="ping_get")
+    @router.post("/ping", operation_id="ping_post")
+    async def ping() -> Response:
+        """SageMaker's health check, which vLLM serves: /health's answer."""
+        return await health()
 
     @router.post("/tokenize", response_model=schemas.TokenizeResponse)
     async def tokenize(body: schemas.TokenizeRequest) -> Response:
