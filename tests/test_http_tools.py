@@ -12,6 +12,7 @@ import json
 import re
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 from tokenizers import Tokenizer
@@ -296,6 +297,14 @@ def test_tools_and_earlier_calls_reach_the_template(api: Hosted):
     # and the next turn answers from it
     reply = api.openai().chat.completions.create(model="tools", messages=messages, tools=TOOLS)
     assert reply.choices[0].message.content == "Sunny"
+    # /tokenize renders it the same way, as vLLM's does, and names the tokens when asked
+    tokenized = httpx.post(f"{api.url}/tokenize", json={"messages": messages, "tools": TOOLS,
+                                                        "return_token_strs": True}, timeout=30).json()
+    assert tokenized["tokens"] == rendered["token_ids"] and tokenized["count"] == len(rendered["token_ids"])
+    assert tokenized["token_strs"] == [TOKENIZER.id_to_token(t) for t in rendered["token_ids"]]
+    opened = httpx.post(f"{api.url}/tokenize", json={"messages": messages[:1] + [{"role": "assistant",
+                        "content": "It is"}], "continue_final_message": True, "add_generation_prompt": False}).json()
+    assert TOKENIZER.decode(opened["tokens"], skip_special_tokens=False).endswith("<|im_start|>assistant\nIt is")
 
 
 def test_an_answers_message_goes_back_as_the_next_turn(api: Hosted):

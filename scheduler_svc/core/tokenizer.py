@@ -133,6 +133,10 @@ class ModelTokenizer:
             return ""
         return self.tokenizer.id_to_token(token_id) or ""
 
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary's strings of these ids (``Ġworld``, not decoded text: vLLM's ``token_strs``)."""
+        return [self._token_text(token_id) for token_id in token_ids]
+
     def token_id(self, token: str) -> int | None:
         """The id of one token of the vocabulary (a marker such as ``</think>``), None if it is not one."""
         return self.tokenizer.token_to_id(token)

@@ -272,9 +272,15 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
 
     @router.post("/tokenize", response_model=schemas.TokenizeResponse)
     async def tokenize(body: schemas.TokenizeRequest) -> Response:
-        response = await frontend.tokenize(translate.tokenize_request(body, served_model()))
-        return json_response(schemas.TokenizeResponse(count=response.count, max_model_len=response.max_model_len,
-                                                      tokens=list(response.token_ids)))
+        request = await asyncio.to_thread(translate.tokenize_request, body, served_model())  # may render a chat
+        if isinstance(request, list):
+            token_ids, max_model_len = request, frontend.ready().info.max_model_len
+        else:
+            response = await frontend.tokenize(request)
+            token_ids, max_model_len = list(response.token_ids), response.max_model_len
+        strings = frontend.tokenizer.token_strings(token_ids) if body.return_token_strs and frontend.tokenizer else None
+        return json_response(schemas.TokenizeResponse(count=len(token_ids), max_model_len=max_model_len,
+                                                      tokens=token_ids, token_strs=strings))
 
     @router.post("/detokenize", response_model=schemas.DetokenizeResponse)
     async def detokenize(body: schemas.DetokenizeRequest) -> Response:

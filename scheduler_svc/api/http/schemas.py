@@ -160,6 +160,10 @@ class TokenizeRequest(Request):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the final message left open, the tools the template lists, and the tokens' vocabulary strings back.
+    continue_final_message: bool | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool | None = None
 
 
 class DetokenizeRequest(Request):
@@ -334,6 +338,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = Omitted
 
 
 class DetokenizeResponse(BaseModel):

@@ -373,15 +373,25 @@ def completion_request(body: schemas.CompletionRequest, served: Served,
     return translated(body, "cmpl", lora or served.model_id, requests, renames, body.logprobs, echo, echo_only)
 
 
-def tokenize_request(body: schemas.TokenizeRequest, served: Served) -> pb.TokenizeRequest:
+def tokenize_request(body: schemas.TokenizeRequest, served: Served) -> pb.TokenizeRequest | list[int]:
+    """What the scheduler tokenizes, or a conversation's token ids rendered here where a chat completion's are."""
     check_model(body.model, served)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "prompt: give exactly one of prompt or messages", "prompt")
+    continued = bool(body.continue_final_message)
+    if continued and body.add_generation_prompt:  # as vLLM refuses it
+        raise ApiError(400, "continue_final_message: not with add_generation_prompt true", "continue_final_message")
+    if body.messages is not None and chat_render.needs_rendering(body.messages, body.tools):
+        return chat_render.render(served.tokenizer, body.messages, message_text,
+                                  lambda role: ROLE_ALIASES.get(role, role), body.add_generation_prompt,
+                                  body.chat_template_kwargs, [tool.template_dict() for tool in body.tools or ()],
+                                  continued)
     request = pb.TokenizeRequest(add_special_tokens=body.add_special_tokens)
     if body.prompt is not None:
         request.text = body.prompt
     else:
-        request.chat.CopyFrom(chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs))
+        request.chat.CopyFrom(chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+                                          continued))
     return request
 
 
