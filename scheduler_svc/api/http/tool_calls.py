@@ -15,6 +15,7 @@ send now.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Callable
@@ -142,10 +143,8 @@ class HermesParser:
         if match is None:
             return None
         raw = body[match.end():]
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             return raw[:json.JSONDecoder().raw_decode(raw)[1]]
-        except json.JSONDecodeError:
-            pass
         if complete:
             raw = raw.rstrip()
             if raw.endswith("}"):
