@@ -285,8 +285,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "with tools), reading the answer for tool calls with --tool-call-parser; without it such a request is a 400. "
         "tool_choice 'required' and a named function need neither flag")
     add("--tool-call-parser", str, "vLLM's flag: the model's tool-call format, read out of 'auto' answers: hermes "
-        "(Qwen2.5, Qwen3, Hermes: <tool_call>{...}</tool_call>), llama3_json (Llama 3.x JSON calls) or pythonic "
-        "(Llama 3.2, Llama 4, ToolACE: [f(a=1), g()])",
+        "(Qwen2.5, Qwen3, Hermes: <tool_call>{...}</tool_call>), llama3_json (Llama 3.x JSON calls), pythonic "
+        "(Llama 3.2, Llama 4, ToolACE: [f(a=1), g()]) or mistral (Mistral 7B Instruct v0.3, Nemo: [TOOL_CALLS])",
         choices=tuple(TOOL_PARSERS))
     add("--reasoning-parser", str, "vLLM's flag: take a chat answer's thinking (<think>...</think>) out of its content "
         "into the message's 'reasoning', whole and streamed: qwen3 (Qwen3, QwQ; 'enable_thinking': false in "

@@ -21,7 +21,7 @@ def test_the_flags_are_vllms_with_their_environment_forms(capsys: pytest.Capture
     from_env = parse_config([], {"NANOSERVE_ENABLE_AUTO_TOOL_CHOICE": "1", "NANOSERVE_TOOL_CALL_PARSER": "llama3_json"})
     assert from_env.chat_parsing() == ChatParsing(True, "llama3_json")
     for argv, words in ((["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
-                        (["--tool-call-parser", "mistral"], "invalid choice: 'mistral'")):
+                        (["--tool-call-parser", "granite"], "invalid choice: 'granite'")):
         with pytest.raises(SystemExit):
             parse_config(argv, {})
         assert words in capsys.readouterr().err

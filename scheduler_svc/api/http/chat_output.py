@@ -12,6 +12,7 @@ nothing, as there.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler_svc.api.http import forced_calls
@@ -126,11 +127,13 @@ class ChoiceReader:
     def __init__(self, output: ChatOutput) -> None:
         self.output = output
         choice = output.choice
-        self.forced: forced_calls.RequiredStream | forced_calls.NamedStream | None = (
-            forced_calls.NamedStream(choice.name, new_tool_call_id) if choice.kind == "named"
-            else forced_calls.RequiredStream(new_tool_call_id) if choice.kind == "required" else None)
         parser = TOOL_PARSERS[output.tool_parser] if output.tool_parser else None
-        self.parser = parser(new_tool_call_id) if parser is not None and choice.kind == "auto" else None
+        # The ids of every call, forced or not: the model's own where its parser has them (Mistral's template checks).
+        self.new_id: Callable[[], str] = getattr(parser, "call_id", new_tool_call_id)
+        self.forced: forced_calls.RequiredStream | forced_calls.NamedStream | None = (
+            forced_calls.NamedStream(choice.name, self.new_id) if choice.kind == "named"
+            else forced_calls.RequiredStream(self.new_id) if choice.kind == "required" else None)
+        self.parser = parser(self.new_id) if parser is not None and choice.kind == "auto" else None
         reasoning = REASONING_PARSERS[output.reasoning_parser] if output.reasoning_parser else None
         self.reasoning = reasoning(output.thinking) if reasoning is not None and not output.answers_at_once else None
         # The thinking still being streamed; None once it ended (or when there is none).
@@ -144,14 +147,14 @@ class ChoiceReader:
             reasoning = None
         choice = self.output.choice
         if choice.kind == "named":
-            return Parsed(reasoning, "", with_ids(forced_calls.named_call(choice.name, content)))
+            return Parsed(reasoning, "", with_ids(forced_calls.named_call(choice.name, content), self.new_id))
         if choice.kind == "required":
-            return Parsed(reasoning, "", with_ids(forced_calls.required_calls(content)))
+            return Parsed(reasoning, "", with_ids(forced_calls.required_calls(content), self.new_id))
         if self.parser is not None:
             extracted = self.parser.whole(content or "")
             if extracted.calls:
                 content = extracted.content if extracted.content and extracted.content.strip() else None
-                return Parsed(reasoning, content, with_ids(extracted.calls))
+                return Parsed(reasoning, content, with_ids(extracted.calls, self.new_id))
         return Parsed(reasoning, content, [])
 
     def delta(self, text: str, finished: bool) -> DeltaParts | None:
@@ -190,5 +193,5 @@ class ChoiceReader:
         return DeltaParts(text)
 
 
-def with_ids(calls: list[FunctionCall]) -> list[ToolCall]:
-    return [ToolCall(id=new_tool_call_id(), function=call) for call in calls]
+def with_ids(calls: list[FunctionCall], new_id: Callable[[], str] = new_tool_call_id) -> list[ToolCall]:
+    return [ToolCall(id=new_id(), function=call) for call in calls]
