@@ -6,6 +6,7 @@ what vLLM hands it."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
@@ -14,8 +15,10 @@ from scheduler_svc.api.http import chat_render, forced_calls, partial_json
 from scheduler_svc.api.http.errors import ApiError
 from scheduler_svc.api.http.schemas import ChatCompletionRequest
 from scheduler_svc.api.http.tool_calls import HermesParser, Llama3JsonParser, Streamed
+from scheduler_svc.api.http.tool_mistral import MistralParser
+from scheduler_svc.api.http.tool_pythonic import PythonicParser
 from scheduler_svc.api.http.tool_request import ToolChoice, forced_schema, tool_choice
-from scheduler_svc.api.http.tool_schemas import Tool
+from scheduler_svc.api.http.tool_schemas import Tool, ToolCall
 from scheduler_svc.api.http.translate import ROLE_ALIASES, message_text
 from scheduler_svc.core.tokenizer import ModelTokenizer
 from tests.test_http_tools import QWEN_TOOLS_TEMPLATE, TOKENIZER, TOOLS
@@ -205,3 +208,17 @@ def test_a_conversation_with_tools_renders_as_transformers_renders_vllms_message
                                            chat_template=QWEN_TOOLS_TEMPLATE, add_generation_prompt=True)
     assert TOKENIZER.decode(rendered, skip_special_tokens=False) == expected
     assert '"arguments": {"city": "Paris"}' in expected and '"description": null' in expected
+
+
+@pytest.mark.parametrize(("parser", "answer"), [
+    (HermesParser, '<tool_call>{"name": "f", "arguments": {"a": "\\ud800!"}}</tool_call>'),
+    (Llama3JsonParser, '{"name": "f", "parameters": {"a": "\\ud800!"}}'),
+    (PythonicParser, "[f(a='\\ud800!')]"),
+    (MistralParser, '[TOOL_CALLS] [{"name": "f", "arguments": {"a": "\\ud800!"}}]')])
+def test_a_lone_surrogate_a_model_writes_stays_an_escape_the_answer_can_carry(parser, answer: str):
+    """JSON (and Python) can spell a lone UTF-16 surrogate; written raw into an answer, it failed the whole answer."""
+    calls = parser(new_id).whole(answer).calls
+    assert json.loads(calls[0].arguments) == {"a": "\ud800!"}
+    assert "\\ud800" in ToolCall(id="x", function=calls[0]).model_dump_json()
+    streamed = stream(parser(new_id), answer, 3)[1][0][1]
+    assert json.loads(streamed) == {"a": "\ud800!"} and "\ud800" not in streamed, "streamed, the same"

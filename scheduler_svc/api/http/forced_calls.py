@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter, ValidationError
 
-from scheduler_svc.api.http.tool_schemas import DeltaFunctionCall, DeltaToolCall, FunctionCall, FunctionDefinition
+from scheduler_svc.api.http.tool_schemas import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    FunctionDefinition,
+    arguments_json,
+)
 
 # An element of "required"'s array, read as vLLM reads it.
 DEFINITIONS = TypeAdapter(list[FunctionDefinition])
@@ -34,7 +40,7 @@ def required_calls(content: str | None) -> list[FunctionCall]:
         items = DEFINITIONS.validate_json(content or "")
     except ValidationError:
         return []
-    return [FunctionCall(name=item.name, arguments=json.dumps(item.parameters, ensure_ascii=False)) for item in items]
+    return [FunctionCall(name=item.name, arguments=arguments_json(item.parameters)) for item in items]
 
 
 @dataclass

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler_svc.api.http import partial_json
-from scheduler_svc.api.http.tool_schemas import DeltaFunctionCall, DeltaToolCall, FunctionCall
+from scheduler_svc.api.http.tool_schemas import DeltaFunctionCall, DeltaToolCall, FunctionCall, arguments_json
 
 
 @dataclass
@@ -81,7 +81,7 @@ class HermesParser:
             for closed, open_ in self.CALL.findall(text):
                 call = json.loads(closed or open_)
                 calls.append(FunctionCall(name=call["name"],
-                                          arguments=json.dumps(call["arguments"], ensure_ascii=False)))
+                                          arguments=arguments_json(call["arguments"])))
         except (ValueError, KeyError, TypeError):
             return Extracted([], text)
         return Extracted(calls, text[:text.find(self.START)] or None)
@@ -176,7 +176,7 @@ class Llama3JsonParser:
                 call, length = decoder.raw_decode(text[match.start():])
                 end = match.start() + length
                 arguments = call["arguments"] if "arguments" in call else call["parameters"]
-                calls.append(FunctionCall(name=call["name"], arguments=json.dumps(arguments, ensure_ascii=False)))
+                calls.append(FunctionCall(name=call["name"], arguments=arguments_json(arguments)))
             except (ValueError, KeyError, TypeError):
                 return Extracted([], text)
         return Extracted(calls, None) if calls else Extracted([], text)
@@ -216,7 +216,7 @@ class Llama3JsonParser:
         if len(calls) > self.current + 1:  # a new call began: first, what the last one still owes
             out = None
             if self.current >= 0 and call.get("arguments"):
-                owed = json.dumps(call["arguments"], ensure_ascii=False)[len(self.args_sent[self.current]):]
+                owed = arguments_json(call["arguments"])[len(self.args_sent[self.current]):]
                 self.args_sent[self.current] += owed
                 out = self.arguments_delta(owed)
             self.current, self.name_sent = self.current + 1, False
@@ -247,13 +247,13 @@ class Llama3JsonParser:
     def new_arguments(self, arguments: object, complete: bool) -> Streamed | None:
         """All of the arguments' JSON once the call is complete; before, what two readings agree on."""
         sent = len(self.args_sent[self.current])
-        now = json.dumps(arguments, ensure_ascii=False)
+        now = arguments_json(arguments)
         before = self.previous[self.current].get("arguments")
         new = None
         if complete:
             new = now[sent:]
         elif before:
-            was = json.dumps(before, ensure_ascii=False)
+            was = arguments_json(before)
             if now != was:
                 common = next((i for i, (a, b) in enumerate(zip(was, now, strict=False)) if a != b),
                               min(len(was), len(now)))
@@ -272,6 +272,6 @@ class Llama3JsonParser:
             return ""
         last = len(self.previous) - 1
         arguments = self.previous[last].get("arguments", {})
-        expected = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        expected = arguments if isinstance(arguments, str) else arguments_json(arguments)
         sent = self.args_sent[last] if last < len(self.args_sent) else ""
         return expected[len(sent):] if expected.startswith(sent) else ""

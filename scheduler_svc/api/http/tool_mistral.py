@@ -23,7 +23,7 @@ import string
 from collections.abc import Callable
 
 from scheduler_svc.api.http.tool_calls import Extracted, Streamed, tag_overlap
-from scheduler_svc.api.http.tool_schemas import DeltaFunctionCall, DeltaToolCall, FunctionCall
+from scheduler_svc.api.http.tool_schemas import DeltaFunctionCall, DeltaToolCall, FunctionCall, arguments_json
 
 BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
 ID_CHARACTERS = string.ascii_letters + string.digits
@@ -42,7 +42,7 @@ def call_of(entry: object) -> FunctionCall | None:
     if arguments is None:
         arguments = "{}"
     elif not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
+        arguments = arguments_json(arguments)
     return FunctionCall(name=name if isinstance(name, str) else "", arguments=arguments)
 
 

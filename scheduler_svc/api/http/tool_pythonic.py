@@ -12,14 +12,13 @@ and the string a value is still writing; the rest when the call closes.
 from __future__ import annotations
 
 import ast
-import json
 import re
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler_svc.api.http.tool_calls import Extracted, Streamed
-from scheduler_svc.api.http.tool_schemas import DeltaFunctionCall, DeltaToolCall, FunctionCall
+from scheduler_svc.api.http.tool_schemas import DeltaFunctionCall, DeltaToolCall, FunctionCall, arguments_json
 
 OPENING, CLOSING = "([{", ")]}"
 # An escape at a string's end that more characters may still change: \1 (\12, \123), \x4, \u00e, \N{LATIN...
@@ -68,7 +67,7 @@ def dotted_name(node: ast.expr) -> str:
 
 
 def to_json(value: object) -> str:
-    return json.dumps(value, ensure_ascii=False)
+    return arguments_json(value)
 
 
 @dataclass

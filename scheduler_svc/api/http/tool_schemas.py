@@ -7,11 +7,21 @@ once, in its first delta, and only ``arguments`` after that.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 Omitted = Field(default=None, exclude_if=lambda value: value is None)
+# A lone UTF-16 surrogate: JSON can spell one ("\ud800"), and json.loads gives it back, but no UTF-8 answer carries it.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def arguments_json(value: object) -> str:
+    """A call's arguments as JSON text, non-ASCII kept as vLLM writes them; a lone surrogate a model wrote stays the
+    escape it wrote (written raw, it made the whole answer fail)."""
+    return LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(value, ensure_ascii=False))
 
 
 class FunctionDefinition(BaseModel):
