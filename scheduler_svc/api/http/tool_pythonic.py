@@ -66,10 +66,6 @@ def dotted_name(node: ast.expr) -> str:
     raise NotCalls("a call of something other than a name")
 
 
-def to_json(value: object) -> str:
-    return arguments_json(value)
-
-
 @dataclass
 class Call:
     """One call read so far: its keyword arguments whose values ended, the one being written (its keyword and value
@@ -83,12 +79,12 @@ class Call:
 
     def settled_json(self) -> str:
         """The arguments' JSON as far as it cannot change: all of it once closed."""
-        parts = [f"{to_json(k)}: {to_json(v)}" for k, v in self.arguments]
+        parts = [f"{arguments_json(k)}: {arguments_json(v)}" for k, v in self.arguments]
         if self.closed:
             return "{" + ", ".join(parts) + "}"
         partial = partial_string(self.open_value) if self.open_keyword is not None else None
         if partial is not None:
-            parts.append(f"{to_json(self.open_keyword)}: {partial}")
+            parts.append(f"{arguments_json(self.open_keyword)}: {partial}")
         return "{" + ", ".join(parts)
 
 
@@ -107,7 +103,7 @@ def partial_string(value: str) -> str | None:
         text = ast.literal_eval(quote + body + quote)
     except (ValueError, SyntaxError):
         return None
-    return to_json(text)[:-1] if isinstance(text, str) else None
+    return arguments_json(text)[:-1] if isinstance(text, str) else None
 
 
 def skip_space(text: str, i: int) -> int:
@@ -234,7 +230,7 @@ class PythonicParser:
             if not isinstance(body, ast.List) or not body.elts or not all(
                     isinstance(e, ast.Call) and len({k.arg for k in e.keywords}) == len(e.keywords) for e in body.elts):
                 return Extracted([], text)  # a repeated keyword argument is no Python either
-            calls = [FunctionCall(name=dotted_name(e.func), arguments=to_json(
+            calls = [FunctionCall(name=dotted_name(e.func), arguments=arguments_json(
                 {k.arg: value_of(k.value) for k in e.keywords if k.arg is not None})) for e in body.elts]
         except (SyntaxError, ValueError, MemoryError, RecursionError):
             return Extracted([], text)
