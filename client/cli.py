@@ -64,6 +64,9 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens-to-room", action="store_true", default=None,
                         help="without --max-tokens: up to the room the prompt leaves in the model length, as vLLM's "
                              "chat completions (server default false: 256)")
+    parser.add_argument("--cap-max-tokens-to-room", action="store_true", default=None,
+                        help="a --max-tokens beyond the room the prompt leaves in the model length is that room, as "
+                             "vLLM's Responses API takes max_output_tokens (server default false: refused)")
     parser.add_argument("--temperature", type=float, help="0 is greedy (server default 1.0)")
     parser.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] (server default 1.0)")
     parser.add_argument("--top-k", type=int, help="keep the k most likely tokens, 0 disables (server default 0)")
@@ -177,7 +180,8 @@ def file_text(path: str) -> str:
 
 
 def generation_options(args: argparse.Namespace) -> dict:
-    names = ("max_tokens", "max_tokens_to_room", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+    names = ("max_tokens", "max_tokens_to_room", "cap_max_tokens_to_room", "temperature", "top_p", "top_k", "min_p",
+             "seed", "stop",
              "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty",
              "n", "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
              "prompt_logprobs", "json_schema", "regex", "choice", "grammar", "json_object", "grammar_from_first_token",

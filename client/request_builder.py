@@ -23,6 +23,7 @@ def build_request(
     token_ids: Sequence[int] | None = None,
     max_tokens: int | None = None,
     max_tokens_to_room: bool | None = None,
+    cap_max_tokens_to_room: bool | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -65,6 +66,7 @@ def build_request(
     to run through, by name (None: the base model).
     ``chat_template_kwargs``: more variables for the chat template with ``messages`` (vLLM's option).
     ``max_tokens_to_room``: without ``max_tokens``, generate up to the room the prompt leaves (vLLM's chat default).
+    ``cap_max_tokens_to_room``: a ``max_tokens`` beyond that room is the room, not a refusal (vLLM's Responses API).
     ``allowed_token_ids``: only these may be sampled (an empty list is sent, and refused, as vLLM refuses it);
     ``bad_words``: words the completion must not produce, tokenized by the server as vLLM tokenizes them.
     ``priority``: lower is admitted first and preempted last, where the scheduler runs ``--request-order priority``.
@@ -90,7 +92,8 @@ def build_request(
                        logit_bias=logit_bias or {}, n=n, allowed_token_ids=allowed, bad_words=bad_words or [])
     stopping = message(pb.StoppingOptions, max_tokens=max_tokens, stop=stop or [], stop_token_ids=stop_token_ids or [],
                        ignore_eos=ignore_eos, min_tokens=min_tokens,
-                       include_stop_str_in_output=include_stop_str_in_output, max_tokens_to_room=max_tokens_to_room)
+                       include_stop_str_in_output=include_stop_str_in_output, max_tokens_to_room=max_tokens_to_room,
+                       cap_max_tokens_to_room=cap_max_tokens_to_room)
     if truncate_prompt_tokens == -1:
         truncate_prompt_tokens = WHOLE_PROMPT
     request = message(pb.GenerateRequest, request_id=request_id, sampling=sampling, stopping=stopping,

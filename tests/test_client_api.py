@@ -247,6 +247,7 @@ def test_max_tokens_to_room_and_truncate_prompt_tokens_minus_one(tmp_path: Path)
     room = build_request(token_ids=[1], max_tokens_to_room=True)
     assert room.stopping.HasField("max_tokens_to_room") and room.stopping.max_tokens_to_room
     assert not build_request(token_ids=[1]).stopping.HasField("max_tokens_to_room")
+    assert build_request(token_ids=[1], cap_max_tokens_to_room=True).stopping.cap_max_tokens_to_room
     assert build_request(token_ids=[1], truncate_prompt_tokens=-1).truncate_prompt_tokens == 2**32 - 1
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         build_request(token_ids=[1], truncate_prompt_tokens=-2)
@@ -257,6 +258,10 @@ def test_max_tokens_to_room_and_truncate_prompt_tokens_minus_one(tmp_path: Path)
         whole = client.generate(token_ids=prompt, max_tokens_to_room=True, ignore_eos=True)
         default = client.generate(token_ids=prompt, ignore_eos=True)
         kept = client.generate(token_ids=prompt, max_tokens=2, truncate_prompt_tokens=-1)
+        capped = client.generate(token_ids=prompt, max_tokens=1000, cap_max_tokens_to_room=True, ignore_eos=True)
+        with pytest.raises(NanoserveError, match="exceeds the model's maximum length"):
+            client.generate(token_ids=prompt, max_tokens=1000)
+    assert capped.finish_reason == "length" and capped.usage.completion_tokens == 300 - len(prompt)
     assert whole.finish_reason == "length" and whole.usage.completion_tokens == 300 - len(prompt)
     assert default.usage.completion_tokens == 256
     assert kept.usage.prompt_tokens == len(prompt), "-1 keeps the model's length: all of a prompt that fits"

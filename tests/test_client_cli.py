@@ -251,4 +251,6 @@ def test_max_tokens_to_room_and_a_whole_prompt_from_the_command_line(
     assert json.loads(out)["usage"] == {"prompt_tokens": 3, "completion_tokens": 253, "cached_prompt_tokens": 0}
     options = generation_options(build_parser().parse_args(["generate", "--max-tokens-to-room", PROMPT]))
     assert options["max_tokens_to_room"] is True
+    capped = generation_options(build_parser().parse_args(["generate", "--cap-max-tokens-to-room", PROMPT]))
+    assert capped["cap_max_tokens_to_room"] is True
     assert generation_options(build_parser().parse_args(["generate", PROMPT]))["max_tokens_to_room"] is None

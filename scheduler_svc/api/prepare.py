@@ -178,7 +178,7 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
         requested = request.stopping.max_tokens if request.stopping.HasField("max_tokens") else None
         grammar = compile_grammar(request.structured_output, tokenizer, limits.vocab_size)
         budget = completion_budget(requested, len(token_ids), limits, request.stopping.max_tokens_to_room,
-                                   (model_defaults or {}).get("max_tokens"))
+                                   (model_defaults or {}).get("max_tokens"), request.stopping.cap_max_tokens_to_room)
         params = sampling_params(request, budget, grammar, model_defaults, tokenizer)
         if grammar is not None and thinking is not None and thinking.waits(
                 token_ids, request.structured_output.from_first_token, thinking_off(request)):

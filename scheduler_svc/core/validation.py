@@ -60,10 +60,11 @@ def check_prompt(token_ids: list[int], limits: ModelLimits, field: str = "token_
 
 
 def completion_budget(requested: int | None, num_prompt_tokens: int, limits: ModelLimits,
-                      to_room: bool = False, model_default: int | None = None) -> int:
+                      to_room: bool = False, model_default: int | None = None, cap: bool = False) -> int:
     """``requested`` max_tokens, or the default capped to the room the prompt leaves; ``to_room``: that room, also
     bounded by the KV cache (vLLM's chat completions without max_tokens). ``model_default``: the model's own
-    (generation_config.json's max_new_tokens), which replaces the default and caps that room, as vLLM's does."""
+    (generation_config.json's max_new_tokens), which replaces the default and caps that room, as vLLM's does.
+    ``cap``: a ``requested`` beyond the room is the room (vLLM's Responses API), not a refusal."""
     room = limits.max_model_len - num_prompt_tokens
     if requested is None:
         if to_room:  # the last token sampled needs no KV slot (``max_kv_blocks``)
@@ -72,6 +73,8 @@ def completion_budget(requested: int | None, num_prompt_tokens: int, limits: Mod
         return min(DEFAULTS["max_tokens"] if model_default is None else model_default, room)
     if requested < 1:
         raise InvalidRequest("max_tokens", f"must be >= 1, got {requested}")
+    if requested > room and cap and room >= 1:
+        return room
     if requested > room:
         raise InvalidRequest(
             "max_tokens",
