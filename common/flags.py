@@ -38,6 +38,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def grpc_message_bytes(text: str) -> int:
     """A gRPC message bound in bytes: gRPC takes it as an int32, so a larger one would fail only at bind."""
     value = positive_int(text)

@@ -16,6 +16,7 @@ from common.flags import (
     grpc_message_bytes,
     json_strings,
     non_negative_float,
+    non_negative_int,
     port,
     positive_float,
     positive_int,
@@ -140,13 +141,16 @@ class ServiceConfig:
     tool_call_parser: str = ""
     # vLLM's --reasoning-parser: a chat answer's thinking goes to the message's "reasoning" (``api.http.reasoning``).
     reasoning_parser: str = ""
+    # How many of /v1/responses' answers are kept for previous_response_id, retrieval and background mode.
+    responses_store: int = ChatParsing.responses_store
 
     def cors(self) -> Cors:
         return Cors(self.allowed_origins, self.allowed_credentials, self.allowed_methods, self.allowed_headers)
 
     def chat_parsing(self) -> ChatParsing:
         """What reads chat answers: the HTTP routes', in this process or the API process (``Settings``)."""
-        return ChatParsing(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser)
+        return ChatParsing(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser,
+                           self.responses_store)
 
     def engine_options(self) -> dict[str, object]:
         """The ``Engine``'s own keyword arguments among these flags (its ``SchedulerConfig`` aside)."""
@@ -293,6 +297,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "chat_template_kwargs turns it off) or deepseek_r1 (DeepSeek-R1 and its distillations); structured output "
         "then waits for the thinking's end, as vLLM's",
         choices=tuple(REASONING_PARSERS))
+    add("--responses-store", non_negative_int, "how many /v1/responses answers asked with store (the Responses "
+        "API's default) are kept in memory, the oldest dropped first, for previous_response_id, "
+        "GET /v1/responses/{id} and background mode; 0 keeps none, as vLLM without "
+        "VLLM_ENABLE_RESPONSES_API_STORE (which keeps all)")
     return parser
 
 

@@ -55,7 +55,7 @@ class LinkGeneration(ChoicesReader):
 
 
 class LinkGenerating:
-    """``http.app.Generating`` over the link (event-loop thread only)."""
+    """``http.answering.Generating`` over the link (event-loop thread only)."""
 
     def __init__(self, link: Link, stream_interval: int) -> None:
         self._link = link

@@ -15,11 +15,10 @@ import asyncio
 import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -30,12 +29,20 @@ from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.frontend import Frontend, Generation
 from scheduler_svc.api.http import responses, schemas, translate
 from scheduler_svc.api.http.admin import recording_router
+from scheduler_svc.api.http.answering import (
+    Generating,
+    GenerationStream,
+    json_response,
+    submit_all,
+    unless_disconnected,
+)
 from scheduler_svc.api.http.chat_output import NO_PARSING, ChatParsing
 from scheduler_svc.api.http.chat_render import needs_rendering
 from scheduler_svc.api.http.cors import ANY_ORIGIN, Cors
 from scheduler_svc.api.http.errors import ApiError, install_handlers
 from scheduler_svc.api.http.gateway import gateway_router
 from scheduler_svc.api.http.openapi import ERRORS, STREAMED, without_validation_errors
+from scheduler_svc.api.http.responses_api.routes import responses_router
 from scheduler_svc.api.recording import RecordingControl
 from scheduler_svc.api.server_info import engine_version
 from scheduler_svc.core.errors import RequestFailed
@@ -47,8 +54,6 @@ from scheduler_svc.core.tokenizer import ModelTokenizer
 # own, which no vLLM route matches: the recording's switch writes to the disk. SageMaker's /invocations stays open,
 # as on vLLM: SageMaker calls it without a key, having authorized the caller itself.
 GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/admin")
-# Sent instead of a response nobody is left to read.
-CLIENT_CLOSED = 499
 # ``responses``' two ways to answer: SSE chunks, or one whole object.
 Chunks = Callable[[translate.Translated, list[Generation], ModelTokenizer | None], AsyncIterator[str]]
 Whole = Callable[[translate.Translated, list[Generation], ModelTokenizer | None], Awaitable[BaseModel]]
@@ -74,61 +79,11 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def json_response(message: BaseModel) -> Response:
-    return Response(message.model_dump_json(), media_type="application/json")
-
-
-async def disconnected(request: Request) -> None:
-    """Returns once the client has gone away (the body is already read, so nothing else arrives)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
-    """``work``'s response, or, if the client goes away first, ``work`` cancelled."""
-    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(disconnected(request))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-    return task.result() if not task.cancelled() else Response(status_code=CLIENT_CLOSED)
-
-
-class GenerationStream(StreamingResponse):
-    """Server-sent events that close their generations however the response ends: finished, cancelled by a
-    client gone mid-stream, or before it even started."""
-
-    def __init__(self, chunks: AsyncIterator[str], generations: list[Generation]) -> None:
-        super().__init__(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.generations = generations
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            for generation in self.generations:
-                generation.close()
-
-
 def served_by(frontend: Frontend) -> Callable[[], translate.Served]:
     """What a request's ``model`` may name now: the base model (by any served name) or a LoRA adapter loaded then;
     with the tokenizer, which renders a conversation with tools."""
     return lambda: translate.Served.of(frontend.model_names(), frozenset(a.name for a in frontend.adapters()),
                                        frontend.tokenizer)
-
-
-class Generating(Protocol):
-    """Where the generation routes send their requests: the scheduler's ``Frontend`` (``FrontendGenerating``), or
-    the API process's link (``api.api_http``), which writes the streams out of the scheduler's process."""
-
-    @property
-    def tokenizer(self) -> ModelTokenizer | None: ...
-
-    async def served(self) -> translate.Served: ...
-
-    async def submit(self, request: pb.GenerateRequest, whole: bool) -> Generation: ...
 
 
 class FrontendGenerating:
@@ -154,22 +109,8 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
     scheduler's flags (``parsing``)."""
     router = APIRouter()
 
-    async def submit(t: translate.Translated) -> list[Generation]:
-        """Every prompt's request, or none: one refused closes those already queued."""
-        generations: list[Generation] = []
-        try:
-            for request in t.requests:
-                generations.append(await source.submit(request, not t.stream))
-        except BaseException as e:
-            for generation in generations:
-                generation.close()
-            if isinstance(e, RequestFailed):
-                raise translate.api_error(e, t.renames) from e
-            raise
-        return generations
-
     async def generate(request: Request, t: translate.Translated, chunks: Chunks, whole: Whole) -> Response:
-        generations = await submit(t)
+        generations = await submit_all(source, t)
         if t.stream:
             return GenerationStream(chunks(t, generations, source.tokenizer), generations)
 
@@ -215,6 +156,7 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
             return await chat_completions(parsed, request)
         return await completions(parsed, request)
 
+    router.include_router(responses_router(source, parsing))
     return router
 
 

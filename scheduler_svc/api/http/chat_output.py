@@ -33,11 +33,13 @@ def new_tool_call_id() -> str:
 
 @dataclass(frozen=True)
 class ChatParsing:
-    """The scheduler's flags that read chat answers."""
+    """The scheduler's flags that read chat answers (and keep the Responses API's, ``responses_api.store``)."""
 
     enable_auto_tool_choice: bool = False
     tool_call_parser: str = ""
     reasoning_parser: str = ""
+    # How many responses /v1/responses keeps (--responses-store); 0: none.
+    responses_store: int = 1024
 
     @property
     def auto_tool_parser(self) -> str:
