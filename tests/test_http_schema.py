@@ -49,7 +49,7 @@ def test_the_schema_lists_every_route_with_its_body_and_error_shape(api: Hosted)
                           "/v1/chat/completions/render", "/admin/recording", "/admin/recording/start",
                           "/admin/recording/stop", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/ping",
                           "/invocations", "/v1/responses", "/v1/responses/{response_id}",
-                          "/v1/responses/{response_id}/cancel"}
+                          "/v1/responses/{response_id}/cancel", "/load"}
     bodies = {path: op["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
               for path, op in paths.items() if "requestBody" in op.get("post", {})}
     assert bodies == {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",

@@ -26,6 +26,7 @@ from scheduler_svc.api.http.app import ApiKeyMiddleware, answer_failures, genera
 from scheduler_svc.api.http.chat_output import ChatParsing
 from scheduler_svc.api.http.cors import Cors
 from scheduler_svc.api.http.errors import ApiError
+from scheduler_svc.api.http.load import track_load
 from scheduler_svc.api.outbox import ChoicesReader
 from scheduler_svc.core.tokenizer import ModelTokenizer
 
@@ -124,11 +125,12 @@ class Forwarder:
 
 
 def create_api_app(source: LinkGenerating, forwarder: Forwarder, api_key: str, cors: Cors,
-                   parsing: ChatParsing) -> FastAPI:
+                   parsing: ChatParsing, load_tracking: bool = False) -> FastAPI:
     """The public HTTP app of the API process. The OpenAPI document and its page are the scheduler's (passed on)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     answer_failures(app)
     app.include_router(generation_router(source, parsing))
+    track_load(app, load_tracking)  # counted where the generation routes are answered: here
     app.include_router(forwarder.router())
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)

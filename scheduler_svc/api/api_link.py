@@ -86,7 +86,8 @@ class ApiProcess:
         settings = Settings(self.path, self.internal_target, c.host, c.port, c.max_message_bytes, c.stream_interval,
                             c.log_level, c.tls_cert, c.tls_key, c.tls_ca, c.api_key,
                             c.http_port if self.internal_http else 0, self.internal_http,
-                            share_of(c.api_process_cpu_share), asdict(c.cors()), asdict(c.chat_parsing()))
+                            share_of(c.api_process_cpu_share), asdict(c.cors()), asdict(c.chat_parsing()),
+                            c.enable_server_load_tracking)
         env = {**os.environ, ENV: json.dumps(asdict(settings))}
         self.process = subprocess.Popen([sys.executable, "-m", "scheduler_svc.api.api_process"], env=env)
         try:

@@ -86,6 +86,8 @@ class Settings:
     cors: dict[str, object] = field(default_factory=lambda: asdict(Cors()))
     # --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser (``ChatParsing``'s fields)
     chat_parsing: dict[str, object] = field(default_factory=lambda: asdict(ChatParsing()))
+    # --enable-server-load-tracking: /load counts the generation requests this process answers
+    load_tracking: bool = False
 
 
 class Call:
@@ -326,7 +328,7 @@ async def serve(settings: Settings) -> None:
             cors = Cors(**{name: tuple(value) if isinstance(value, list) else value
                            for name, value in settings.cors.items()})
             app = create_api_app(LinkGenerating(link, settings.stream_interval), forwarder, settings.api_key, cors,
-                                 ChatParsing(**settings.chat_parsing))
+                                 ChatParsing(**settings.chat_parsing), settings.load_tracking)
             http = HttpServer(app, settings.host, settings.http_port, tls)
     except OSError as e:
         link.send(("failed_to_listen", str(e)))

@@ -203,7 +203,8 @@ class SchedulerServer:
             if config.http_port:  # with --api-process, its public port is the API process's, which checks the key
                 key = "" if self.api_folder else config.api_key
                 app = create_app(self.frontend, self.is_serving, self.registry, key, self.recording,
-                                 None if self.api_folder else config.cors(), config.chat_parsing())
+                                 None if self.api_folder else config.cors(), config.chat_parsing(),
+                                 config.enable_server_load_tracking)
                 self.http = (HttpServer(app, "", 0, None, unix_path=self.internal_http) if self.api_folder
                              else HttpServer(app, config.host, config.http_port, self.tls))
             if config.metrics_port:

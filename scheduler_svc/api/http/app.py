@@ -41,6 +41,7 @@ from scheduler_svc.api.http.chat_render import needs_rendering
 from scheduler_svc.api.http.cors import ANY_ORIGIN, Cors
 from scheduler_svc.api.http.errors import ApiError, install_handlers
 from scheduler_svc.api.http.gateway import gateway_router
+from scheduler_svc.api.http.load import track_load
 from scheduler_svc.api.http.openapi import ERRORS, STREAMED, without_validation_errors
 from scheduler_svc.api.http.responses_api.routes import responses_router
 from scheduler_svc.api.recording import RecordingControl
@@ -270,10 +271,10 @@ def answer_failures(app: FastAPI) -> None:
 
 def create_app(frontend: Frontend, serving: Callable[[], bool], registry: CollectorRegistry,
                api_key: str = "", recording: RecordingControl | None = None, cors: Cors | None = ANY_ORIGIN,
-               parsing: ChatParsing = NO_PARSING) -> FastAPI:
+               parsing: ChatParsing = NO_PARSING, load_tracking: bool = False) -> FastAPI:
     """``serving``: what gRPC health would say (True: SERVING); ``registry``: what ``/metrics`` serves;
     ``recording``: the switch of ``/admin/recording``; ``cors``: None where another app in front answers browsers;
-    ``parsing``: the flags that read chat answers."""
+    ``parsing``: the flags that read chat answers; ``load_tracking``: whether ``/load`` counts (``http.load``)."""
     app = FastAPI(title="nanoserve", version=engine_version(), redoc_url=None,
                   description="The OpenAI-compatible API of a nanoserve scheduler, and what gateways probe.")
     app.openapi = without_validation_errors(app)
@@ -282,6 +283,7 @@ def create_app(frontend: Frontend, serving: Callable[[], bool], registry: Collec
     app.include_router(routes(frontend, serving), responses=ERRORS)
     app.include_router(gateway_router(frontend, served_by(frontend), parsing), responses=ERRORS)
     app.include_router(metrics_router(registry))
+    track_load(app, load_tracking)
     if recording is not None:
         app.include_router(recording_router(recording))
     if api_key:
