@@ -42,6 +42,7 @@ from scheduler_svc.api.http.cors import ANY_ORIGIN, Cors
 from scheduler_svc.api.http.errors import ApiError, install_handlers
 from scheduler_svc.api.http.gateway import gateway_router
 from scheduler_svc.api.http.load import track_load
+from scheduler_svc.api.http.messages_api.routes import messages_router
 from scheduler_svc.api.http.openapi import ERRORS, STREAMED, without_validation_errors
 from scheduler_svc.api.http.responses_api.routes import responses_router
 from scheduler_svc.api.recording import RecordingControl
@@ -158,6 +159,7 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
         return await completions(parsed, request)
 
     router.include_router(responses_router(source, parsing))
+    router.include_router(messages_router(source, parsing))
     return router
 
 
@@ -266,7 +268,7 @@ def answer_failures(app: FastAPI) -> None:
 
     @app.exception_handler(RequestFailed)
     async def request_failed(request: Request, error: RequestFailed) -> Response:
-        return translate.api_error(error, {}).response()
+        return translate.api_error(error, {}).answer(request)
 
 
 def create_app(frontend: Frontend, serving: Callable[[], bool], registry: CollectorRegistry,

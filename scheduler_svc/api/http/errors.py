@@ -1,7 +1,8 @@
 """HTTP errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, and the HTTP status table.
 
 ``STATUS_OF`` is the HTTP twin of ``grpc_status.STATUS_OF`` (gRPC): every way a request fails, one status
-each. Bad JSON, a bad field type, an unknown route or method come out in the same shape.
+each. Bad JSON, a bad field type, an unknown route or method come out in the same shape; under Anthropic's
+Messages API (``ANTHROPIC_PATHS``) in Anthropic's, ``{"type": "error", "error": {"type", "message"}}``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ STATUS_OF: dict[type[RequestFailed], int] = {
     ExecutorUnavailable: 503,
     EngineFailure: 500,
 }
+# Anthropic's Messages API, whose errors take Anthropic's shape, and its error types by status.
+ANTHROPIC_PATHS = ("/v1/messages",)
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 # OpenAI's error types and codes by status.
 TYPE_OF = {401: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 CODE_OF = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 429: "rate_limit_exceeded",
@@ -51,6 +56,15 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body().model_dump(), status_code=self.status)
+
+    def anthropic(self) -> dict[str, object]:
+        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "api_error"), "message": str(self)}}
+
+    def answer(self, request: Request) -> JSONResponse:
+        """This error in the shape of the API the request called."""
+        if request.url.path.removeprefix(request.scope.get("root_path", "")).startswith(ANTHROPIC_PATHS):
+            return JSONResponse(self.anthropic(), status_code=self.status)
+        return self.response()
 
 
 def top_level(path: str) -> str:
@@ -80,12 +94,12 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        return error.response()
+        return error.answer(request)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        return invalid_body(error).response()
+        return invalid_body(error).answer(request)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        return ApiError(error.status_code, f"{request.method} {request.url.path}: {error.detail}").response()
+        return ApiError(error.status_code, f"{request.method} {request.url.path}: {error.detail}").answer(request)
