@@ -147,3 +147,47 @@ def test_errors_come_in_anthropics_shape(api: Hosted, body: dict, status: int, k
     assert error["type"] == "error" and error["error"]["type"] == kind and error["error"]["message"].startswith(says)
     openai_shaped = httpx.post(f"{api.url}/v1/chat/completions", json={"model": "tools"}, timeout=30).json()
     assert openai_shaped["error"]["param"] == "messages"  # other routes keep OpenAI's
+
+
+@pytest.fixture(scope="module")
+def echo_api() -> Iterator[Hosted]:
+    """No parsers: the answer is the last message (a forced call's, as the test writes it)."""
+    with serving({}) as h:
+        yield h
+
+
+def test_a_forced_call_cut_by_a_stop_sequence_is_no_tool_use_whole_or_streamed(echo_api: Hosted):
+    request = {"max_tokens": 100, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"},
+               "messages": [{"role": "user", "content": '{"city": "Paris"}'}]}
+    done = client(echo_api).messages.create(model="tools", **request)
+    assert (done.content[0].input, done.stop_reason) == ({"city": "Paris"}, "tool_use")
+    for reply in (client(echo_api).messages.create(model="tools", stop_sequences=["Paris"], **request),
+                  streamed(echo_api, stop_sequences=["Paris"], **request)[1]):
+        assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", "Paris")
+    echo_api.assert_idle()
+
+
+def test_a_lone_surrogate_in_a_calls_arguments_is_answered(parsed: Hosted):
+    answer = '</think><tool_call>{"name": "get_weather", "arguments": {"city": "\\ud800"}}</tool_call>'
+    reply = client(parsed).messages.create(model="tools", max_tokens=200, tools=[WEATHER],
+                                           messages=[{"role": "user", "content": answer}])
+    assert reply.content[0].input == {"city": "\ud800"}
+
+
+def test_count_tokens_first_needs_no_other_request_and_knows_the_models():
+    with serving({}) as h:  # the API process learns the tokenizer when asked
+        counted = client(h).messages.count_tokens(model="tools", messages=[{"role": "user", "content": "Hi"}])
+        chat = h.openai().chat.completions.create(model="tools", messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=1)
+        assert counted.input_tokens == chat.usage.prompt_tokens
+        with pytest.raises(anthropic.NotFoundError):
+            client(h).messages.count_tokens(model="nope", messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_the_api_key_refusal_comes_in_anthropics_shape():
+    with serving({"NANOSERVE_API_KEY": "secret"}) as h:
+        refused = httpx.post(f"{h.url}/v1/messages", json={"model": "tools", "max_tokens": 5, "messages": []})
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        keyed = anthropic.Anthropic(base_url=h.url, auth_token="secret", max_retries=0)
+        assert keyed.messages.create(model="tools", max_tokens=5, messages=[{"role": "user", "content": "Hi"}]).id
+        assert httpx.post(f"{h.url}/v1/chat/completions", json={}).json()["error"]["code"] == "invalid_api_key"

@@ -53,6 +53,7 @@ def test_a_system_message_inside_the_conversation_stays_in_its_place():
      "messages[0].content[0].input: must be an object"),
     ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": 3}]}],
      "messages[0].content[0].tool_use_id: must be a string"),
+    ([{"role": "user", "content": ["Hi"]}], "messages[0].content[0]: a content block is an object"),
     ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                     "content": [{"type": "image", "source": {}}]}]}],
      "messages[0].content[0].content[0]: only text blocks are supported in a tool result"),
@@ -66,3 +67,19 @@ def test_a_bad_block_is_refused_naming_its_place(messages: list, says: str):
 def test_chat_refusals_are_named_as_the_messages_api_names_them():
     error = renamed(ApiError(400, "max_completion_tokens: prompt of 3 tokens + max_tokens 9", "max_completion_tokens"))
     assert (str(error), error.detail.param) == ("max_tokens: prompt of 3 tokens + max_tokens 9", "max_tokens")
+
+
+def test_blocks_read_as_leniently_as_vllm_reads_them():
+    chat = chat_of(messages=[
+        {"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "Hi"}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": None}, {"type": "text"},
+                                          {"type": "tool_use", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "content": "done"}]}],
+        system="x-anthropic-billing-header: kept when the whole system prompt is a string",
+        tools=[{"name": "f", "input_schema": {"properties": {}}}], output_config={"effort": "xhigh"})
+    system, user, assistant, tool = chat.messages
+    assert system.content.startswith("x-anthropic-billing-header") and user.content == "Hi"
+    assert assistant.content is None and assistant.reasoning is None and assistant.tool_calls[0]["id"]
+    assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "", "done")
+    assert chat.tools[0].function.parameters == {"type": "object", "properties": {}}
+    assert chat.reasoning_effort == "xhigh"

@@ -76,7 +76,7 @@ class ApiKeyMiddleware:
             token = bearer_token(tuple((k.decode("latin-1"), v) for k, v in scope["headers"]))
             if token is None or not hmac.compare_digest(token, self.api_key):
                 message = "this server needs an API key: send the header 'Authorization: Bearer <key>'"
-                await ApiError(401, message).response()(scope, receive, send)
+                await ApiError(401, message).answer_path(path)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -62,7 +62,10 @@ class ApiError(Exception):
 
     def answer(self, request: Request) -> JSONResponse:
         """This error in the shape of the API the request called."""
-        if request.url.path.removeprefix(request.scope.get("root_path", "")).startswith(ANTHROPIC_PATHS):
+        return self.answer_path(request.url.path.removeprefix(request.scope.get("root_path", "")))
+
+    def answer_path(self, path: str) -> JSONResponse:
+        if path.startswith(ANTHROPIC_PATHS):
             return JSONResponse(self.anthropic(), status_code=self.status)
         return self.response()
 

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from scheduler_svc.api.http import schemas
+from scheduler_svc.api.http.chat_output import new_tool_call_id
 from scheduler_svc.api.http.errors import ApiError
 from scheduler_svc.api.http.messages_api.schemas import CountTokensRequest, MessagesRequest
 
@@ -41,16 +42,24 @@ def text(value: Any, where: str) -> str:
     return value
 
 
-def system_text(system: str | list[dict[str, Any]] | None, where: str) -> str:
-    """A system prompt's text: a string, or its text blocks joined (the billing header's left out)."""
+def blocks(content: list[Any], where: str) -> list[tuple[str, dict[str, Any]]]:
+    """Each block with its place, refused where it is not an object."""
+    for j, block in enumerate(content):
+        if not isinstance(block, dict):
+            raise refuse(f"{where}[{j}]", "a content block is an object")
+    return [(f"{where}[{j}]", block) for j, block in enumerate(content)]
+
+
+def system_text(system: str | list[Any] | None, where: str) -> str:
+    """A system prompt's text: a string, or its text blocks joined (a block with the billing header left out)."""
     if system is None or isinstance(system, str):
-        return "" if system is None or system.startswith(BILLING_HEADER) else system
+        return system or ""
     parts = []
-    for j, block in enumerate(system):
+    for at, block in blocks(system, where):
         if block.get("type") != "text":
-            raise refuse(f"{where}[{j}].type", f"a system prompt takes text blocks, got {block.get('type')!r}")
-        part = text(block.get("text"), f"{where}[{j}].text")
-        if not part.startswith(BILLING_HEADER):
+            raise refuse(f"{at}.type", f"a system prompt takes text blocks, got {block.get('type')!r}")
+        part = block.get("text")
+        if part and not text(part, f"{at}.text").startswith(BILLING_HEADER):
             parts.append(part)
     return "".join(parts)
 
@@ -62,16 +71,17 @@ def tool_result(content: Any, where: str) -> str:
     if not isinstance(content, list):
         raise refuse(where, "give a string or a list of text blocks")
     parts = []
-    for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind != "text":
-            raise refuse(f"{where}[{j}]", f"only text blocks are supported in a tool result, got {kind!r}")
-        parts.append(text(block.get("text"), f"{where}[{j}].text"))
+    for at, block in blocks(content, where):
+        if block.get("type") != "text":
+            raise refuse(at, f"only text blocks are supported in a tool result, got {block.get('type')!r}")
+        parts.append(text(block.get("text"), f"{at}.text"))
     return "\n".join(parts)
 
 
-def add_message(messages: list[dict[str, Any]], role: str, content: str | list[dict[str, Any]], where: str) -> None:
-    """One message as chat messages: a user's tool results first, as tool messages, then the rest of it."""
+def add_message(messages: list[dict[str, Any]], role: str, content: str | list[Any], where: str) -> None:
+    """One message as chat messages: a user's tool results first, as tool messages, then the rest of it. As vLLM
+    reads them, empty text and thinking are skipped, a tool use without an id gets one, a result without one has
+    none."""
     if role == "system":
         if body := system_text(content, f"{where}.content"):
             messages.append({"role": "system", "content": body})
@@ -82,23 +92,25 @@ def add_message(messages: list[dict[str, Any]], role: str, content: str | list[d
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     thinking: list[str] = []
-    for j, block in enumerate(content):
-        at, kind = f"{where}.content[{j}]", block.get("type")
+    for at, block in blocks(content, f"{where}.content"):
+        kind = block.get("type")
         if kind == "text":
-            texts.append(text(block.get("text"), f"{at}.text"))
+            if block.get("text"):
+                texts.append(text(block["text"], f"{at}.text"))
         elif kind == "thinking":
-            thinking.append(text(block.get("thinking"), f"{at}.thinking"))
+            if block.get("thinking") is not None:
+                thinking.append(text(block["thinking"], f"{at}.thinking"))
         elif kind == "redacted_thinking":
             continue  # opaque: a client sends it back as it got it
         elif kind == "tool_use":
             arguments = block.get("input") or {}
             if not isinstance(arguments, dict):
                 raise refuse(f"{at}.input", "must be an object")
-            calls.append({"id": text(block.get("id"), f"{at}.id"), "type": "function",
+            calls.append({"id": text(block.get("id") or new_tool_call_id(), f"{at}.id"), "type": "function",
                           "function": {"name": text(block.get("name"), f"{at}.name"),
                                        "arguments": json.dumps(arguments, ensure_ascii=False)}})
         elif kind == "tool_result" and role == "user":
-            messages.append({"role": "tool", "tool_call_id": text(block.get("tool_use_id"), f"{at}.tool_use_id"),
+            messages.append({"role": "tool", "tool_call_id": text(block.get("tool_use_id") or "", f"{at}.tool_use_id"),
                              "content": tool_result(block.get("content"), f"{at}.content")})
         elif kind == "tool_result":  # an assistant's, as vLLM reads it
             texts.append(f"Tool result: {tool_result(block.get('content'), f'{at}.content')}")
@@ -141,7 +153,8 @@ def chat_request(body: CountTokensRequest, stream: bool = False) -> schemas.Chat
                                                                                              bool(body.tools))}
     if body.tools:
         chat["tools"] = [{"type": "function", "function": {"name": tool.name, "description": tool.description,
-                                                            "parameters": tool.input_schema, "strict": tool.strict}}
+                                                            "parameters": tool.input_schema, "strict": tool.strict,
+                                                            "defer_loading": tool.defer_loading}}
                          for tool in body.tools]
     config = body.output_config
     if config is not None and config.format is not None and config.format.schema_ is not None:

@@ -80,9 +80,21 @@ async def whole_message(message_id: str, t: Translated, generations: list[Genera
         blocks.append({"type": "text", "text": content})
     blocks += [{"type": "tool_use", "id": call.id, "name": call.function.name,
                 "input": tool_input(call.function.arguments)} for call in calls]
-    reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason, bool(calls), True)
+    reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason, bool(calls),
+                                   all(is_json(call.function.arguments) for call in calls))
     return MessageObject(id=message_id, content=blocks or [{"type": "text", "text": ""}], model=t.model,
                          stop_reason=reason, stop_sequence=sequence, usage=usage_of(usage))
+
+
+def json_body(data: object) -> str:
+    """JSON text as Anthropic writes it (non-ASCII as it is), unless a lone surrogate a model wrote in a call's
+    arguments (``tool_input`` reads it back) cannot be UTF-8: then every such character is an escape."""
+    text = json.dumps(data, ensure_ascii=False)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(data)
+    return text
 
 
 def sse(kind: str, **fields: object) -> str:

@@ -58,7 +58,8 @@ def messages_router(source: Generating, parsing: ChatParsing) -> APIRouter:
             return GenerationStream(output.events(t.id, t, generations), generations)
 
         async def answer() -> Response:
-            return json_response(await output.whole_message(t.id, t, generations))
+            message = await output.whole_message(t.id, t, generations)
+            return Response(output.json_body(message.model_dump()), media_type="application/json")
 
         try:
             return await unless_disconnected(request, answer())
@@ -69,6 +70,8 @@ def messages_router(source: Generating, parsing: ChatParsing) -> APIRouter:
     @router.post("/v1/messages/count_tokens", response_model=CountTokens)
     async def count_tokens(body: CountTokensRequest) -> Response:
         """The prompt's tokens, the conversation rendered as a message request would render it."""
+        served = await source.served()  # in the API process, this brings the tokenizer
+        translate.check_model(body.model, served)
         tokenizer = source.tokenizer
         if tokenizer is None:
             raise ApiError(400, "messages: this executor has no tokenizer to count with", "messages")

@@ -4,16 +4,16 @@ reads them one by one, naming a bad one by its place (``messages[1].content[0]``
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from scheduler_svc.api.http.schemas import Omitted, Request, UInt32
 
 
 class Message(Request):
     role: Literal["user", "assistant", "system"]
-    content: str | list[dict[str, Any]]
+    content: str | list[Any]
 
 
 class Tool(Request):
@@ -21,6 +21,14 @@ class Tool(Request):
     description: str | None = None
     input_schema: dict[str, Any]
     strict: bool | None = None
+    # Claude Code's tool search: a tool whose definition the template may leave out until it is wanted.
+    defer_loading: bool | None = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def an_object_by_default(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's: a schema without a type is an object's."""
+        return schema if "type" in schema else {"type": "object", **schema}
 
 
 class ToolChoice(Request):
@@ -31,7 +39,8 @@ class ToolChoice(Request):
 
 class Thinking(Request):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    # Anthropic's and vLLM's floor; not enforced as a limit here.
+    budget_tokens: Annotated[int, Field(ge=1024)] | None = None
 
 
 class OutputFormat(Request):
@@ -41,13 +50,13 @@ class OutputFormat(Request):
 
 class OutputConfig(Request):
     format: OutputFormat | None = None
-    effort: Literal["low", "medium", "high", "max"] | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class CountTokensRequest(Request):
     model: str
     messages: list[Message]
-    system: str | list[dict[str, Any]] | None = None
+    system: str | list[Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
