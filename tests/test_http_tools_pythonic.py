@@ -8,8 +8,10 @@ import json
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from scheduler_svc.api.http.tool_pythonic import PythonicParser
+from scheduler_svc.api.http.tool_pythonic import PythonicParser, skip_string
 from scheduler_svc.config import parse_config
 from tests.http_fixtures import Hosted
 from tests.test_http_tools import AUTO, TOOLS, answering, serving, streamed_calls
@@ -113,3 +115,24 @@ def test_pythonic_calls_whole_and_streamed(pythonic_api: Hosted):
     assert streamed_calls(list(client.chat.completions.create(
         **answering("It is [sunny].", tools=TOOLS, stream=True))))[:2] == ("It is [sunny].", {})
     pythonic_api.assert_idle()
+
+
+def char_by_char_skip(text: str, i: int) -> int:
+    """The scan ``skip_string`` replaced, a Python step a character: its answers are the rule."""
+    quote = text[i] * 3 if text.startswith(text[i] * 3, i) else text[i]
+    j = i + len(quote)
+    while j < len(text):
+        if text[j] == "\\":
+            j += 2
+        elif text.startswith(quote, j):
+            return j + len(quote)
+        else:
+            j += 1
+    return len(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["'", '"']), st.text(alphabet="'\"\\ab\n", max_size=14))
+def test_a_string_literal_ends_where_the_character_scan_said(quote: str, rest: str):
+    text = quote + rest
+    assert min(skip_string(text, 0), len(text)) == min(char_by_char_skip(text, 0), len(text))

@@ -16,6 +16,7 @@ send now.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import re
 from collections.abc import Callable
@@ -47,6 +48,14 @@ def tag_overlap(text: str, tag: str) -> int:
         if text.endswith(tag[:k]):
             return k
     return 0
+
+
+def common_prefix(a: str, b: str, known: str = "") -> int:
+    """How long a prefix ``a`` and ``b`` share; ``known``, a prefix of both as a rule (what was sent), is not compared
+    again (a long argument would be, character by character, at every delta)."""
+    start = len(known) if a.startswith(known) and b.startswith(known) else 0
+    return next((start + i for i, (x, y) in enumerate(zip(a[start:], b[start:], strict=False)) if x != y),
+                min(len(a), len(b)))
 
 
 def complete_json(text: str) -> bool:
@@ -163,6 +172,9 @@ class Llama3JsonParser:
         self.name_sent = False
         self.args_sent: list[str] = []
         self.previous: list[dict] = []
+        self.read: tuple[tuple[int, bool] | None, tuple[list[dict], list[bool]]] = (None, ([], []))
+        # The arguments last read, and their JSON: the next reading compares with it.
+        self.last_json: tuple[object, str] = (None, "")
 
     def whole(self, text: str) -> Extracted:
         """Every JSON object in the text is a call; none (and the text as content) if any is not one."""
@@ -191,7 +203,7 @@ class Llama3JsonParser:
             return Streamed(content=delta)
         calls: list[DeltaToolCall] = []
         sent = False
-        for first in [True] + [False] * (4 * len(self.text)):
+        for first in itertools.chain([True], itertools.repeat(False, 4 * len(self.text))):
             try:
                 out, progressed = self.step()
             except (ValueError, KeyError, TypeError, AttributeError, IndexError):
@@ -230,7 +242,14 @@ class Llama3JsonParser:
         return out, progressed
 
     def read_calls(self) -> tuple[list[dict], list[bool]]:
-        """Every object read so far (``parameters`` renamed ``arguments``), and whether each is complete."""
+        """Every object read so far (``parameters`` renamed ``arguments``), and whether each is complete; read once
+        a delta (its steps ask again), unless naming a call changed how cut strings read."""
+        key = (len(self.text), self.name_sent)
+        if self.read[0] != key:
+            self.read = (key, self.read_text())
+        return self.read[1]
+
+    def read_text(self) -> tuple[list[dict], list[bool]]:
         calls, complete = [], []
         start = len(self.BOT) if self.text.startswith(self.BOT) else 0
         while start < len(self.text):
@@ -249,15 +268,15 @@ class Llama3JsonParser:
         sent = len(self.args_sent[self.current])
         now = arguments_json(arguments)
         before = self.previous[self.current].get("arguments")
+        was = self.last_json[1] if self.last_json[0] is before else None
+        self.last_json = (arguments, now)
         new = None
         if complete:
             new = now[sent:]
         elif before:
-            was = arguments_json(before)
+            was = arguments_json(before) if was is None else was
             if now != was:
-                common = next((i for i, (a, b) in enumerate(zip(was, now, strict=False)) if a != b),
-                              min(len(was), len(now)))
-                new = now[:common][sent:]
+                new = now[:common_prefix(was, now, self.args_sent[self.current])][sent:]
         if new is None:
             return None
         self.args_sent[self.current] += new

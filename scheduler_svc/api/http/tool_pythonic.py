@@ -24,6 +24,8 @@ OPENING, CLOSING = "([{", ")]}"
 # An escape at a string's end that more characters may still change: \1 (\12, \123), \x4, \u00e, \N{LATIN...
 UNFINISHED_ESCAPE = re.compile(r"\\(?:[0-7]{1,2}|x[0-9a-fA-F]?|u[0-9a-fA-F]{0,3}|U[0-9a-fA-F]{0,7}|N(?:\{[^}]*)?)?$")
 JSON_NAMES = {"true": True, "false": False, "null": None}
+# The longest such escape: \N{...} with the longest name Unicode has (88 characters).
+ESCAPE_WINDOW = 128
 
 
 class NotCalls(ValueError):
@@ -96,7 +98,8 @@ def partial_string(value: str) -> str | None:
     if quote not in ("'", '"') or value.startswith(quote * 3):
         return None
     body = value[1:]
-    body = UNFINISHED_ESCAPE.sub("", body)
+    tail = max(len(body) - ESCAPE_WINDOW, 0)  # an escape still going on is at the end: the rest is not searched
+    body = body[:tail] + UNFINISHED_ESCAPE.sub("", body[tail:])
     if (len(body) - len(body.rstrip("\\"))) % 2:
         return None
     try:
@@ -104,6 +107,11 @@ def partial_string(value: str) -> str | None:
     except (ValueError, SyntaxError):
         return None
     return arguments_json(text)[:-1] if isinstance(text, str) else None
+
+
+# A string literal's body after its opening quote, up to its closing quote or the text's end, by quote.
+STRING_BODIES = {**{q: re.compile(rf"[^\\{q}]*(?:\\.[^\\{q}]*)*", re.DOTALL) for q in "'\""},
+                 **{q * 3: re.compile(rf"(?:[^\\{q}]|\\.|{q}(?!{q}{q}))*", re.DOTALL) for q in "'\""}}
 
 
 def skip_space(text: str, i: int) -> int:
@@ -120,17 +128,11 @@ def name_end(text: str, i: int) -> int:
 
 
 def skip_string(text: str, i: int) -> int:
-    """The index after the string literal whose quote is ``text[i]``; len(text) while it is not closed."""
+    """The index after the string literal whose quote is ``text[i]``; len(text) while it is not closed. Found by a
+    regular expression (a long argument, read again at every delta, cost a Python step a character)."""
     quote = text[i] * 3 if text.startswith(text[i] * 3, i) else text[i]
-    j = i + len(quote)
-    while j < len(text):
-        if text[j] == "\\":
-            j += 2
-        elif text.startswith(quote, j):
-            return j + len(quote)
-        else:
-            j += 1
-    return len(text)
+    end = STRING_BODIES[quote].match(text, i + len(quote)).end()  # as far as it goes: it never fails, never backtracks
+    return end + len(quote) if text.startswith(quote, end) else len(text)
 
 
 def value_end(text: str, i: int) -> int:

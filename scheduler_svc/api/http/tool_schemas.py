@@ -21,7 +21,12 @@ LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 def arguments_json(value: object) -> str:
     """A call's arguments as JSON text, non-ASCII kept as vLLM writes them; a lone surrogate a model wrote stays the
     escape it wrote (written raw, it made the whole answer fail)."""
-    return LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(value, ensure_ascii=False))
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode()  # as a rule it encodes: checked faster than searched (a long argument is read at every delta)
+    except UnicodeEncodeError:
+        return LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return text
 
 
 class FunctionDefinition(BaseModel):
