@@ -184,10 +184,17 @@ def test_count_tokens_first_needs_no_other_request_and_knows_the_models():
             client(h).messages.count_tokens(model="nope", messages=[{"role": "user", "content": "Hi"}])
 
 
-def test_the_api_key_refusal_comes_in_anthropics_shape():
+def test_the_api_key_is_taken_in_either_header_and_refused_in_anthropics_shape():
     with serving({"NANOSERVE_API_KEY": "secret"}) as h:
         refused = httpx.post(f"{h.url}/v1/messages", json={"model": "tools", "max_tokens": 5, "messages": []})
         assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
-        keyed = anthropic.Anthropic(base_url=h.url, auth_token="secret", max_retries=0)
-        assert keyed.messages.create(model="tools", max_tokens=5, messages=[{"role": "user", "content": "Hi"}]).id
+        for keyed in (anthropic.Anthropic(base_url=h.url, auth_token="secret", max_retries=0),  # Bearer, as vLLM
+                      anthropic.Anthropic(base_url=h.url, api_key="secret", max_retries=0)):  # x-api-key
+            assert keyed.messages.create(model="tools", max_tokens=5,
+                                         messages=[{"role": "user", "content": "Hi"}]).id
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=h.url, api_key="wrong", max_retries=0).messages.create(
+                model="tools", max_tokens=5, messages=[{"role": "user", "content": "Hi"}])
+        wrong_route = httpx.post(f"{h.url}/v1/chat/completions", json={}, headers={"x-api-key": "secret"})
+        assert wrong_route.status_code == 401  # elsewhere the key is OpenAI's Bearer header alone
         assert httpx.post(f"{h.url}/v1/chat/completions", json={}).json()["error"]["code"] == "invalid_api_key"

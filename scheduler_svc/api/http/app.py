@@ -39,7 +39,7 @@ from scheduler_svc.api.http.answering import (
 from scheduler_svc.api.http.chat_output import NO_PARSING, ChatParsing
 from scheduler_svc.api.http.chat_render import needs_rendering
 from scheduler_svc.api.http.cors import ANY_ORIGIN, Cors
-from scheduler_svc.api.http.errors import ApiError, install_handlers
+from scheduler_svc.api.http.errors import ANTHROPIC_PATHS, ApiError, install_handlers
 from scheduler_svc.api.http.gateway import gateway_router
 from scheduler_svc.api.http.load import track_load
 from scheduler_svc.api.http.messages_api.routes import messages_router
@@ -62,8 +62,9 @@ Whole = Callable[[translate.Translated, list[Generation], ModelTokenizer | None]
 
 
 class ApiKeyMiddleware:
-    """Answer 401 before anything else (the body is not even read) unless ``Authorization: Bearer <key>``, on a
-    guarded path; a CORS preflight (OPTIONS) never, as vLLM's, since a browser sends it without the key."""
+    """Answer 401 before anything else (the body is not even read) unless ``Authorization: Bearer <key>`` (or, for
+    Anthropic's Messages API, its ``x-api-key: <key>``), on a guarded path; a CORS preflight (OPTIONS) never, as
+    vLLM's, since a browser sends it without the key."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -73,7 +74,10 @@ class ApiKeyMiddleware:
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
         if (scope["type"] in ("http", "websocket") and scope.get("method") != "OPTIONS"
                 and path.startswith(GUARDED_PREFIXES)):
-            token = bearer_token(tuple((k.decode("latin-1"), v) for k, v in scope["headers"]))
+            headers = tuple((k.decode("latin-1"), v) for k, v in scope["headers"])
+            token = bearer_token(headers)
+            if token is None and path.startswith(ANTHROPIC_PATHS):  # Anthropic's own header, as its SDK sends it
+                token = next((value for key, value in headers if key == "x-api-key"), None)
             if token is None or not hmac.compare_digest(token, self.api_key):
                 message = "this server needs an API key: send the header 'Authorization: Bearer <key>'"
                 await ApiError(401, message).answer_path(path)(scope, receive, send)
