@@ -1,6 +1,6 @@
-"""vLLM's ``GET /load``: with --enable-server-load-tracking, the chat, completion and response requests the HTTP API
-is answering, from arrival until the answer's last byte (a stream's too); 0 without the flag, as vLLM answers. Open
-without the API key, as on vLLM. Served where the generation routes are answered: the API process, or the
+"""vLLM's ``GET /load``: with --enable-server-load-tracking, the chat, completion, response and generate requests the
+HTTP API is answering, from arrival until the answer's last byte (a stream's too); 0 without the flag, as vLLM
+answers. Open without the API key, as on vLLM. Served where the generation routes are answered: the API process, or the
 scheduler."""
 
 from __future__ import annotations
@@ -51,6 +51,15 @@ def test_load_counts_the_answers_in_flight_streams_to_their_end(api_process: boo
                 next(second)
                 assert load(api) == 2
                 list(second)
+            assert settles_at(api, 1)
+            generate = {"token_ids": [1, 2, 3], "stream": True,
+                        "sampling_params": {"max_tokens": 10, "ignore_eos": True}}
+            with httpx.stream("POST", f"{api.url}/inference/v1/generate", json=generate, headers=headers,
+                              timeout=30) as three:
+                third = three.iter_lines()
+                next(third)
+                assert load(api) == 2
+                list(third)
             assert settles_at(api, 1)
             list(first)
         assert settles_at(api, 0)

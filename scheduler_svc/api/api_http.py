@@ -60,7 +60,7 @@ class LinkGenerating:
 
     def __init__(self, link: Link, stream_interval: int) -> None:
         self._link = link
-        self._stream_interval = stream_interval
+        self.stream_interval = stream_interval
         self.tokenizer: ModelTokenizer | None = None
         self._has_tokenizer = False
         self._tokenizer_lock = asyncio.Lock()
@@ -81,7 +81,7 @@ class LinkGenerating:
         return translate.Served.of(names, adapters)
 
     async def submit(self, request: pb.GenerateRequest, whole: bool) -> LinkGeneration:
-        interval = math.inf if whole else request.stream_interval or self._stream_interval
+        interval = math.inf if whole else request.stream_interval or self.stream_interval
         _, generation = await self._link.start("submit", request.SerializeToString(), interval, whole)
         return generation
 

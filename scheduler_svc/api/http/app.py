@@ -41,6 +41,7 @@ from scheduler_svc.api.http.chat_render import needs_rendering
 from scheduler_svc.api.http.cors import ANY_ORIGIN, Cors
 from scheduler_svc.api.http.errors import ANTHROPIC_PATHS, ApiError, install_handlers
 from scheduler_svc.api.http.gateway import gateway_router
+from scheduler_svc.api.http.generate_api.routes import abort_router, generate_router
 from scheduler_svc.api.http.load import track_load
 from scheduler_svc.api.http.messages_api.routes import messages_router
 from scheduler_svc.api.http.openapi import ERRORS, STREAMED, without_validation_errors
@@ -103,6 +104,10 @@ class FrontendGenerating:
     def tokenizer(self) -> ModelTokenizer | None:
         return self.frontend.tokenizer
 
+    @property
+    def stream_interval(self) -> int:
+        return self.frontend.stream_interval
+
     async def served(self) -> translate.Served:
         return self._served()
 
@@ -164,6 +169,7 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
 
     router.include_router(responses_router(source, parsing))
     router.include_router(messages_router(source, parsing))
+    router.include_router(generate_router(source))
     return router
 
 
@@ -288,6 +294,7 @@ def create_app(frontend: Frontend, serving: Callable[[], bool], registry: Collec
     app.include_router(generation_router(FrontendGenerating(frontend), parsing), responses=ERRORS)
     app.include_router(routes(frontend, serving), responses=ERRORS)
     app.include_router(gateway_router(frontend, served_by(frontend), parsing), responses=ERRORS)
+    app.include_router(abort_router(frontend), responses=ERRORS)
     app.include_router(metrics_router(registry))
     track_load(app, load_tracking)
     if recording is not None:

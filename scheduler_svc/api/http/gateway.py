@@ -8,15 +8,18 @@ the same refusals, the same token ids, nothing queued.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import TypeAdapter
 
+from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.frontend import Frontend
 from scheduler_svc.api.http import schemas, translate
 from scheduler_svc.api.http.chat_output import NO_PARSING, ChatParsing
+from scheduler_svc.api.http.generate_api.schemas import RenderedPrompt, RenderedSamplingParams
 from scheduler_svc.api.server_info import ServerInfo, engine_version
 from scheduler_svc.core.errors import RequestFailed
 from scheduler_svc.core.request import PreparedRequest
@@ -25,7 +28,7 @@ from scheduler_svc.core.request import PreparedRequest
 SERVER_INFO = TypeAdapter(ServerInfo)
 
 
-def json_response(message: schemas.BaseModel | list[schemas.RenderedPrompt]) -> Response:
+def json_response(message: schemas.BaseModel | list[RenderedPrompt]) -> Response:
     if isinstance(message, list):
         body = "[" + ",".join(item.model_dump_json() for item in message) + "]"
     else:
@@ -33,17 +36,33 @@ def json_response(message: schemas.BaseModel | list[schemas.RenderedPrompt]) -> 
     return Response(body, media_type="application/json")
 
 
-def rendered(prepared: PreparedRequest, model: str) -> schemas.RenderedPrompt:
+def structured_outputs(request: pb.GenerateRequest) -> dict[str, object] | None:
+    """The request's constraint as vLLM's ``structured_outputs``, which ``/inference/v1/generate`` takes back."""
+    kind = request.structured_output.WhichOneof("kind") if request.HasField("structured_output") else None
+    if kind is None or (kind == "json_object" and not request.structured_output.json_object):
+        return None
+    if kind == "choice":
+        return {"choice": list(request.structured_output.choice.choices)}
+    if kind == "json_schema":
+        return {"json": json.loads(request.structured_output.json_schema)}
+    return {kind: getattr(request.structured_output, kind)}
+
+
+def rendered(prepared: PreparedRequest, request: pb.GenerateRequest, model: str) -> RenderedPrompt:
     p = prepared.params
-    sampling = schemas.RenderedSamplingParams(
+    sampling = RenderedSamplingParams(
         n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
         max_tokens=p.max_tokens, min_tokens=p.min_tokens, stop=p.stop, stop_token_ids=sorted(p.stop_token_ids),
         ignore_eos=p.ignore_eos, include_stop_str_in_output=p.include_stop_str_in_output,
         skip_special_tokens=p.skip_special_tokens, repetition_penalty=p.repetition_penalty,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias,
-        logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, structured_output=p.grammar is not None)
-    return schemas.RenderedPrompt(request_id=prepared.request_id, model=model, token_ids=prepared.prompt_token_ids,
-                                  sampling_params=sampling)
+        logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, structured_output=p.grammar is not None,
+        structured_outputs=structured_outputs(request), bad_words=list(request.sampling.bad_words) or None,
+        allowed_token_ids=(list(request.sampling.allowed_token_ids.token_ids)
+                           if request.sampling.HasField("allowed_token_ids") else None))
+    return RenderedPrompt(request_id=prepared.request_id, model=model, token_ids=prepared.prompt_token_ids,
+                          sampling_params=sampling, priority=request.priority,
+                          reasoning_ended=request.structured_output.from_first_token or None)
 
 
 def gateway_router(frontend: Frontend, served_model: Callable[[], translate.Served],
@@ -51,14 +70,14 @@ def gateway_router(frontend: Frontend, served_model: Callable[[], translate.Serv
     """``served_model``: what a request's ``model`` may name now (the OpenAI routes' own)."""
     router = APIRouter()
 
-    async def render(t: translate.Translated) -> list[schemas.RenderedPrompt]:
+    async def render(t: translate.Translated) -> list[RenderedPrompt]:
         prompts = []
         for request in t.requests:
             try:
                 prepared = await frontend.render(request)
             except RequestFailed as e:
                 raise translate.api_error(e, t.renames) from e
-            prompts.append(rendered(prepared, t.model))
+            prompts.append(rendered(prepared, request, t.model))
         return prompts
 
     @router.get("/version", response_model=schemas.Version)
@@ -69,12 +88,12 @@ def gateway_router(frontend: Frontend, served_model: Callable[[], translate.Serv
     async def server_info() -> Response:
         return Response(SERVER_INFO.dump_json(frontend.server_info()), media_type="application/json")
 
-    @router.post("/v1/completions/render", response_model=list[schemas.RenderedPrompt])
+    @router.post("/v1/completions/render", response_model=list[RenderedPrompt])
     async def completions_render(body: schemas.CompletionRenderRequest) -> Response:
         """The token ids of each prompt, one object per prompt, as ``/v1/completions`` would compute them."""
         return json_response(await render(translate.completion_request(body, served_model(), frontend.tokenizer)))
 
-    @router.post("/v1/chat/completions/render", response_model=schemas.RenderedPrompt)
+    @router.post("/v1/chat/completions/render", response_model=RenderedPrompt)
     async def chat_completions_render(body: schemas.ChatCompletionRenderRequest) -> Response:
         """The conversation rendered with the chat template, as ``/v1/chat/completions`` would compute it."""
         (prompt,) = await render(translate.chat_request(body, served_model(), parsing))

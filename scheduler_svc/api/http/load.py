@@ -9,7 +9,8 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 # The routes that run the model, as vLLM counts them (its /v1/responses/... too).
-LOAD_AWARE = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/invocations")
+LOAD_AWARE = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/invocations",
+              "/inference/v1/generate")
 
 
 class ServerLoad:

@@ -345,41 +345,6 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-class RenderedSamplingParams(BaseModel):
-    """The sampling and stopping parameters the request would run with, defaults filled in (vLLM's names)."""
-
-    n: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    seed: int | None
-    max_tokens: int
-    min_tokens: int
-    stop: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    include_stop_str_in_output: bool
-    skip_special_tokens: bool
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    logit_bias: dict[int, float]
-    logprobs: int | None
-    prompt_logprobs: int | None
-    # Whether a grammar (response_format or structured_outputs) constrains the output.
-    structured_output: bool
-
-
-class RenderedPrompt(BaseModel):
-    """What a prompt becomes: vLLM's render response, the token ids the engine would compute."""
-
-    request_id: str
-    model: str
-    token_ids: list[int]
-    sampling_params: RenderedSamplingParams
-
-
 class Version(BaseModel):
     version: str
 
