@@ -143,6 +143,8 @@ class ServiceConfig:
     reasoning_parser: str = ""
     # vLLM's --enable-server-load-tracking: /load counts the generation requests the HTTP API is answering.
     enable_server_load_tracking: bool = False
+    # vLLM's --enable-request-id-headers: every HTTP answer carries X-Request-Id.
+    enable_request_id_headers: bool = False
     # How many of /v1/responses' answers are kept for previous_response_id, retrieval and background mode.
     responses_store: int = ChatParsing.responses_store
 
@@ -299,8 +301,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "chat_template_kwargs turns it off) or deepseek_r1 (DeepSeek-R1 and its distillations); structured output "
         "then waits for the thinking's end, as vLLM's",
         choices=tuple(REASONING_PARSERS))
-    add("--enable-server-load-tracking", boolean, "vLLM's flag: GET /load answers how many chat, completion and "
-        "response requests the HTTP API is answering (until each answer is sent; 0 without the flag)")
+    add("--enable-server-load-tracking", boolean, "vLLM's flag: GET /load answers how many chat, completion, "
+        "response, message and generate requests the HTTP API is answering (until each answer is sent; 0 without "
+        "the flag)")
+    add("--enable-request-id-headers", boolean, "vLLM's flag: every HTTP answer carries an X-Request-Id header, the "
+        "request's own (which also names the request: chatcmpl-<id>, cmpl-<id>) or a new random one")
     add("--responses-store", non_negative_int, "how many /v1/responses answers asked with store (the Responses "
         "API's default) are kept in memory, the oldest dropped first, for previous_response_id, "
         "GET /v1/responses/{id} and background mode; 0 keeps none, as vLLM without "

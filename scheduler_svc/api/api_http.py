@@ -21,7 +21,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.api.http import translate
+from scheduler_svc.api.http import request_ids, translate
 from scheduler_svc.api.http.app import ApiKeyMiddleware, answer_failures, generation_router
 from scheduler_svc.api.http.chat_output import ChatParsing
 from scheduler_svc.api.http.cors import Cors
@@ -125,7 +125,7 @@ class Forwarder:
 
 
 def create_api_app(source: LinkGenerating, forwarder: Forwarder, api_key: str, cors: Cors,
-                   parsing: ChatParsing, load_tracking: bool = False) -> FastAPI:
+                   parsing: ChatParsing, load_tracking: bool = False, request_id_headers: bool = False) -> FastAPI:
     """The public HTTP app of the API process. The OpenAPI document and its page are the scheduler's (passed on)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     answer_failures(app)
@@ -134,5 +134,6 @@ def create_api_app(source: LinkGenerating, forwarder: Forwarder, api_key: str, c
     app.include_router(forwarder.router())
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    request_ids.install(app, request_id_headers)  # here, not also on the scheduler's app it passes requests to
     cors.install(app)
     return app

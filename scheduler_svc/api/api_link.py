@@ -87,7 +87,7 @@ class ApiProcess:
                             c.log_level, c.tls_cert, c.tls_key, c.tls_ca, c.api_key,
                             c.http_port if self.internal_http else 0, self.internal_http,
                             share_of(c.api_process_cpu_share), asdict(c.cors()), asdict(c.chat_parsing()),
-                            c.enable_server_load_tracking)
+                            c.enable_server_load_tracking, c.enable_request_id_headers)
         env = {**os.environ, ENV: json.dumps(asdict(settings))}
         self.process = subprocess.Popen([sys.executable, "-m", "scheduler_svc.api.api_process"], env=env)
         try:

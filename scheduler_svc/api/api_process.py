@@ -88,6 +88,8 @@ class Settings:
     chat_parsing: dict[str, object] = field(default_factory=lambda: asdict(ChatParsing()))
     # --enable-server-load-tracking: /load counts the generation requests this process answers
     load_tracking: bool = False
+    # --enable-request-id-headers: every HTTP answer carries X-Request-Id
+    request_id_headers: bool = False
 
 
 class Call:
@@ -328,7 +330,8 @@ async def serve(settings: Settings) -> None:
             cors = Cors(**{name: tuple(value) if isinstance(value, list) else value
                            for name, value in settings.cors.items()})
             app = create_api_app(LinkGenerating(link, settings.stream_interval), forwarder, settings.api_key, cors,
-                                 ChatParsing(**settings.chat_parsing), settings.load_tracking)
+                                 ChatParsing(**settings.chat_parsing), settings.load_tracking,
+                                 settings.request_id_headers)
             http = HttpServer(app, settings.host, settings.http_port, tls)
     except OSError as e:
         link.send(("failed_to_listen", str(e)))

@@ -201,10 +201,10 @@ class SchedulerServer:
         self.kv_publisher: ZmqKvPublisher | None = None
         try:
             if config.http_port:  # with --api-process, its public port is the API process's, which checks the key
-                key = "" if self.api_folder else config.api_key
-                app = create_app(self.frontend, self.is_serving, self.registry, key, self.recording,
-                                 None if self.api_folder else config.cors(), config.chat_parsing(),
-                                 config.enable_server_load_tracking)
+                public = not self.api_folder
+                app = create_app(self.frontend, self.is_serving, self.registry, config.api_key if public else "",
+                                 self.recording, config.cors() if public else None, config.chat_parsing(),
+                                 config.enable_server_load_tracking, config.enable_request_id_headers and public)
                 self.http = (HttpServer(app, "", 0, None, unix_path=self.internal_http) if self.api_folder
                              else HttpServer(app, config.host, config.http_port, self.tls))
             if config.metrics_port:

@@ -27,7 +27,7 @@ from common.executor import LoraRefused
 from common.security import bearer_token
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.frontend import Frontend, Generation
-from scheduler_svc.api.http import responses, schemas, translate
+from scheduler_svc.api.http import request_ids, responses, schemas, translate
 from scheduler_svc.api.http.admin import recording_router
 from scheduler_svc.api.http.answering import (
     Generating,
@@ -136,6 +136,7 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
 
     @router.post("/v1/chat/completions", response_model=schemas.ChatCompletion, responses=STREAMED)
     async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
+        body = request_ids.named_by_header(body, request.headers.get(request_ids.HEADER))
         served = (await source.served())._replace(tokenizer=source.tokenizer)
         if needs_rendering(body.messages, body.tools) or parsing.reasoning_parser:  # rendered here: off the loop
             t = await asyncio.to_thread(translate.chat_request, body, served, parsing)
@@ -145,6 +146,7 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
 
     @router.post("/v1/completions", response_model=schemas.TextCompletion, responses=STREAMED)
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
+        body = request_ids.named_by_header(body, request.headers.get(request_ids.HEADER))
         t = translate.completion_request(body, await source.served(), source.tokenizer)
         return await generate(request, t, responses.completion_chunks, responses.completion)
 
@@ -283,10 +285,12 @@ def answer_failures(app: FastAPI) -> None:
 
 def create_app(frontend: Frontend, serving: Callable[[], bool], registry: CollectorRegistry,
                api_key: str = "", recording: RecordingControl | None = None, cors: Cors | None = ANY_ORIGIN,
-               parsing: ChatParsing = NO_PARSING, load_tracking: bool = False) -> FastAPI:
+               parsing: ChatParsing = NO_PARSING, load_tracking: bool = False,
+               request_id_headers: bool = False) -> FastAPI:
     """``serving``: what gRPC health would say (True: SERVING); ``registry``: what ``/metrics`` serves;
     ``recording``: the switch of ``/admin/recording``; ``cors``: None where another app in front answers browsers;
-    ``parsing``: the flags that read chat answers; ``load_tracking``: whether ``/load`` counts (``http.load``)."""
+    ``parsing``: the flags that read chat answers; ``load_tracking``: whether ``/load`` counts (``http.load``);
+    ``request_id_headers``: every answer carries ``X-Request-Id`` (``http.request_ids``)."""
     app = FastAPI(title="nanoserve", version=engine_version(), redoc_url=None,
                   description="The OpenAI-compatible API of a nanoserve scheduler, and what gateways probe.")
     app.openapi = without_validation_errors(app)
@@ -301,6 +305,7 @@ def create_app(frontend: Frontend, serving: Callable[[], bool], registry: Collec
         app.include_router(recording_router(recording))
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    request_ids.install(app, request_id_headers)
     if cors is not None:
         cors.install(app)
     return app

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import TypeAdapter
 
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.frontend import Frontend
-from scheduler_svc.api.http import schemas, translate
+from scheduler_svc.api.http import request_ids, schemas, translate
 from scheduler_svc.api.http.chat_output import NO_PARSING, ChatParsing
 from scheduler_svc.api.http.generate_api.schemas import RenderedPrompt, RenderedSamplingParams
 from scheduler_svc.api.server_info import ServerInfo, engine_version
@@ -89,13 +89,15 @@ def gateway_router(frontend: Frontend, served_model: Callable[[], translate.Serv
         return Response(SERVER_INFO.dump_json(frontend.server_info()), media_type="application/json")
 
     @router.post("/v1/completions/render", response_model=list[RenderedPrompt])
-    async def completions_render(body: schemas.CompletionRenderRequest) -> Response:
+    async def completions_render(body: schemas.CompletionRenderRequest, request: Request) -> Response:
         """The token ids of each prompt, one object per prompt, as ``/v1/completions`` would compute them."""
+        body = request_ids.named_by_header(body, request.headers.get(request_ids.HEADER))
         return json_response(await render(translate.completion_request(body, served_model(), frontend.tokenizer)))
 
     @router.post("/v1/chat/completions/render", response_model=RenderedPrompt)
-    async def chat_completions_render(body: schemas.ChatCompletionRenderRequest) -> Response:
+    async def chat_completions_render(body: schemas.ChatCompletionRenderRequest, request: Request) -> Response:
         """The conversation rendered with the chat template, as ``/v1/chat/completions`` would compute it."""
+        body = request_ids.named_by_header(body, request.headers.get(request_ids.HEADER))
         (prompt,) = await render(translate.chat_request(body, served_model(), parsing))
         return json_response(prompt)
 

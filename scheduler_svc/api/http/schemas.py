@@ -89,6 +89,9 @@ class GenerationParameters(Request):
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # Lower first under the scheduler's --request-order priority (vLLM's; only 0 otherwise).
     priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] | None = None
+    # vLLM's: the answer's id is <prefix>-<request_id> (the X-Request-Id header's value in its place), random if left
+    # out; a list of prompts' requests are <id>-0, <id>-1, ...
+    request_id: str | None = None
 
 
 class TextPart(Request):

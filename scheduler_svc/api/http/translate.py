@@ -229,7 +229,7 @@ def translated(body: schemas.GenerationParameters, prefix: str, model: str, requ
                renames: dict[str, str], top_logprobs: int | None, echo: list[str],
                echo_only: bool = False) -> Translated:
     """Name the requests after the response (``<id>`` or ``<id>-<i>``), so the gRPC Abort can end them."""
-    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    response_id = f"{prefix}-{body.request_id or uuid.uuid4().hex}"
     for i, request in enumerate(requests):
         request.request_id = response_id if len(requests) == 1 else f"{response_id}-{i}"
     options = body.stream_options

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from scheduler_svc.api.frontend import Frontend
+from scheduler_svc.api.http import request_ids
 from scheduler_svc.api.http.answering import (
     Generating,
     GenerationStream,
@@ -27,7 +28,7 @@ def generate_router(source: Generating) -> APIRouter:
     @router.post("/inference/v1/generate", response_model=GenerateResponse, responses=STREAMED)
     async def generate(body: GenerateRequest, request: Request) -> Response:
         """Token ids in, the sampled token ids out (with ``output_mode`` text, their text too)."""
-        t = inputs.generate_request(body, await source.served(), request.headers.get("x-request-id"),
+        t = inputs.generate_request(body, await source.served(), request.headers.get(request_ids.HEADER),
                                     source.stream_interval)
         text_mode = body.output_mode == "text"
         if text_mode and source.tokenizer is None:
