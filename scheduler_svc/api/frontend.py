@@ -258,6 +258,15 @@ class Frontend:
         """Drop the prefix cache's entries no request holds, before the next step; the number of blocks dropped."""
         return await asyncio.wrap_future(self.ready().call(lambda engine: engine.block_manager.flush()))
 
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's reset: ``flush_cache``, then whether nothing is cached any more (False while requests in flight
+        hold named blocks, as vLLM's reset fails while blocks are held)."""
+        def reset(engine: Engine) -> bool:
+            engine.block_manager.flush()
+            return engine.block_manager.num_cached_blocks == 0
+
+        return await asyncio.wrap_future(self.ready().call(reset))
+
     def kv_events(self, start_sequence_number: int = 0) -> KvEventReader:
         """A reader of the prefix cache's event batches from ``start_sequence_number`` on (0: from now), subscribed
         now; the block manager records from the next step. Close it when done (``with``)."""

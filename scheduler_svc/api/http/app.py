@@ -55,8 +55,9 @@ from scheduler_svc.core.tokenizer import ModelTokenizer
 # leaves the rest open (/health, /metrics, /version, /server_info, /tokenize, ...), which probes, scrapers and
 # gateways call without a key (the Shepherd Model Gateway tells a vLLM worker by /version); "/admin" is nanoserve's
 # own, which no vLLM route matches: the recording's switch writes to the disk. SageMaker's /invocations stays open,
-# as on vLLM: SageMaker calls it without a key, having authorized the caller itself.
-GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/admin")
+# as on vLLM: SageMaker calls it without a key, having authorized the caller itself. /reset_prefix_cache, which vLLM
+# serves only in its dev mode, unguarded, is guarded here instead: it costs every request after it its cache hits.
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/admin", "/reset_prefix_cache")
 # ``responses``' two ways to answer: SSE chunks, or one whole object.
 Chunks = Callable[[translate.Translated, list[Generation], ModelTokenizer | None], AsyncIterator[str]]
 Whole = Callable[[translate.Translated, list[Generation], ModelTokenizer | None], Awaitable[BaseModel]]
@@ -226,6 +227,15 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
     async def ping() -> Response:
         """SageMaker's health check, which vLLM serves: /health's answer."""
         return await health()
+
+    @router.post("/reset_prefix_cache", response_model=schemas.ResetPrefixCache)
+    async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False) -> Response:
+        """vLLM's: the prefix cache's entries no request holds are dropped; ``success`` says whether none is left.
+        There is no external (connector) cache to reset; running requests are not preempted for it."""
+        if reset_running_requests:
+            raise ApiError(400, "reset_running_requests: preempting the running requests to reset the cache is not "
+                                "supported by this server; retry once they finish", "reset_running_requests")
+        return json_response(schemas.ResetPrefixCache(success=await frontend.reset_prefix_cache()))
 
     @router.post("/tokenize", response_model=schemas.TokenizeResponse)
     async def tokenize(body: schemas.TokenizeRequest) -> Response:

@@ -348,6 +348,10 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class ResetPrefixCache(BaseModel):
+    success: bool
+
+
 class Version(BaseModel):
     version: str
 
