@@ -384,3 +384,23 @@ def test_a_stream_interval_sends_fewer_larger_chunks_of_the_same_text():
     assert "".join(texts) == whole.choices[0].text and whole.usage.completion_tokens == 9
     # Nine tokens: the first alone, then runs of at least four (one chunk each without the interval).
     assert len(texts) <= 4
+
+
+@pytest.mark.parametrize("api_process", [True, False], ids=["api-process", "in-scheduler"])
+def test_a_requests_stream_interval_raises_the_servers_and_never_lowers_it(api_process: bool):
+    with hosted(echo(), stream_interval=2, api_process=api_process) as api:
+        client = api.openai()
+
+        def chunks(asked: int) -> list[int]:
+            """Tokens per chunk of a streamed 13-token completion that asked for ``asked``."""
+            stream = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=13, stream=True,
+                                               extra_body={"stream_interval": asked, "return_token_ids": True})
+            return [len(chunk.choices[0].token_ids) for chunk in stream if chunk.choices]
+
+        raised = chunks(4)
+        assert sum(raised) == 13 and all(n >= 4 for n in raised[1:-1]) and max(raised) >= 4
+        assert all(n >= 2 for n in chunks(1)[1:-1]), "1 is below the server's 2: the server's holds"
+        refused = httpx.post(f"{api.url}/v1/chat/completions", timeout=10, json={
+            "messages": [{"role": "user", "content": "x"}], "stream_interval": 0})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_interval"
+        api.assert_idle()

@@ -79,6 +79,14 @@ class GenerationStream(StreamingResponse):
                 generation.close()
 
 
+def raise_stream_interval(t: translate.Translated, asked: int | None, server: int) -> None:
+    """vLLM's per-request ``stream_interval``: it may raise the server's --stream-interval for the request's streamed
+    chunks, never lower it."""
+    if asked is not None:
+        for request in t.requests:
+            request.stream_interval = max(asked, server)
+
+
 async def submit_all(source: Generating, t: translate.Translated) -> list[Generation]:
     """Every prompt's request, or none: one refused closes those already queued."""
     generations: list[Generation] = []

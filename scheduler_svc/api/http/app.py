@@ -33,6 +33,7 @@ from scheduler_svc.api.http.answering import (
     Generating,
     GenerationStream,
     json_response,
+    raise_stream_interval,
     submit_all,
     unless_disconnected,
 )
@@ -121,7 +122,9 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
     scheduler's flags (``parsing``)."""
     router = APIRouter()
 
-    async def generate(request: Request, t: translate.Translated, chunks: Chunks, whole: Whole) -> Response:
+    async def generate(request: Request, body: schemas.GenerationParameters, t: translate.Translated, chunks: Chunks,
+                       whole: Whole) -> Response:
+        raise_stream_interval(t, body.stream_interval, source.stream_interval)
         generations = await submit_all(source, t)
         if t.stream:
             return GenerationStream(chunks(t, generations, source.tokenizer), generations)
@@ -143,13 +146,13 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
             t = await asyncio.to_thread(translate.chat_request, body, served, parsing)
         else:
             t = translate.chat_request(body, served, parsing)
-        return await generate(request, t, responses.chat_chunks, responses.chat_completion)
+        return await generate(request, body, t, responses.chat_chunks, responses.chat_completion)
 
     @router.post("/v1/completions", response_model=schemas.TextCompletion, responses=STREAMED)
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         body = request_ids.named_by_header(body, request.headers.get(request_ids.HEADER))
         t = translate.completion_request(body, await source.served(), source.tokenizer)
-        return await generate(request, t, responses.completion_chunks, responses.completion)
+        return await generate(request, body, t, responses.completion_chunks, responses.completion)
 
     @router.post("/invocations", response_model=schemas.ChatCompletion | schemas.TextCompletion, responses=STREAMED)
     async def invocations(request: Request) -> Response:

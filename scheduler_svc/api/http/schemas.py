@@ -92,6 +92,8 @@ class GenerationParameters(Request):
     # vLLM's: the answer's id is <prefix>-<request_id> (the X-Request-Id header's value in its place), random if left
     # out; a list of prompts' requests are <id>-0, <id>-1, ...
     request_id: str | None = None
+    # vLLM's: tokens a streamed choice gathers per chunk; it may raise the server's --stream-interval, not lower it.
+    stream_interval: Annotated[int, Field(ge=1, lt=2**32)] | None = None
 
 
 class TextPart(Request):

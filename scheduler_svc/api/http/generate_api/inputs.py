@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 from scheduler_svc.api.http import schemas, translate
+from scheduler_svc.api.http.answering import raise_stream_interval
 from scheduler_svc.api.http.errors import ApiError
 from scheduler_svc.api.http.generate_api.schemas import (
     SAMPLING_UNSUPPORTED,
@@ -57,17 +58,17 @@ def generate_request(body: GenerateRequest, served: translate.Served, request_id
     request.lora, request.priority = lora, body.priority
     if params.max_tokens is None:
         request.stopping.max_tokens_to_room = True
-    if params.stream_interval is not None:
-        request.stream_interval = max(params.stream_interval, stream_interval)
     request.return_prompt_token_ids = bool(body.return_token_ids)
     if body.reasoning_ended and request.HasField("structured_output"):
         request.structured_output.from_first_token = True
     request.request_id = ID_PREFIX + (request_id or body.request_id or uuid.uuid4().hex)
     options = body.stream_options if body.stream else None
-    return translate.Translated(
+    t = translate.Translated(
         request.request_id, lora or served.model_id, [request], renames, params.n, bool(body.stream),
         bool(options and options.include_usage), params.logprobs, True, [],
         bool(options and options.include_usage and options.continuous_usage_stats))
+    raise_stream_interval(t, params.stream_interval, stream_interval)
+    return t
 
 
 def with_prefix(request_ids: str | list[str]) -> list[str]:
