@@ -145,6 +145,8 @@ class ServiceConfig:
     enable_server_load_tracking: bool = False
     # vLLM's --enable-request-id-headers: every HTTP answer carries X-Request-Id.
     enable_request_id_headers: bool = False
+    # vLLM's VLLM_SERVER_DEV_MODE: /reset_prefix_cache, /pause, /resume and /is_paused are served.
+    server_dev_mode: bool = False
     # How many of /v1/responses' answers are kept for previous_response_id, retrieval and background mode.
     responses_store: int = ChatParsing.responses_store
 
@@ -306,6 +308,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "the flag)")
     add("--enable-request-id-headers", boolean, "vLLM's flag: every HTTP answer carries an X-Request-Id header, the "
         "request's own (which also names the request: chatcmpl-<id>, cmpl-<id>) or a new random one")
+    add("--server-dev-mode", boolean, "vLLM's VLLM_SERVER_DEV_MODE as a flag: serve the dev routes "
+        "/reset_prefix_cache, /pause, /resume and /is_paused (guarded by --api-key where one is set)")
     add("--responses-store", non_negative_int, "how many /v1/responses answers asked with store (the Responses "
         "API's default) are kept in memory, the oldest dropped first, for previous_response_id, "
         "GET /v1/responses/{id} and background mode; 0 keeps none, as vLLM without "

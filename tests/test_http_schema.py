@@ -50,8 +50,7 @@ def test_the_schema_lists_every_route_with_its_body_and_error_shape(api: Hosted)
                           "/admin/recording/stop", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/ping",
                           "/invocations", "/v1/responses", "/v1/responses/{response_id}",
                           "/v1/responses/{response_id}/cancel", "/load", "/v1/messages",
-                          "/v1/messages/count_tokens", "/inference/v1/generate", "/inference/v1/abort_requests",
-                          "/reset_prefix_cache"}
+                          "/v1/messages/count_tokens", "/inference/v1/generate", "/inference/v1/abort_requests"}
     bodies = {path: op["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
               for path, op in paths.items() if "requestBody" in op.get("post", {})}
     assert bodies == {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",

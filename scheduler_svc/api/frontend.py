@@ -30,6 +30,7 @@ from scheduler_svc.core.validation import ModelLimits
 from scheduler_svc.engine.engine import Engine
 from scheduler_svc.engine.kv_events import KvEventBatch, KvEventLog
 from scheduler_svc.engine.loop import EngineLoop, RequestHandle
+from scheduler_svc.engine.pause import PauseMode
 from scheduler_svc.engine.turn import Turn
 
 log = logging.getLogger("nanoserve.scheduler")
@@ -266,6 +267,16 @@ class Frontend:
             return engine.block_manager.num_cached_blocks == 0
 
         return await asyncio.wrap_future(self.ready().call(reset))
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        """``EngineLoop.pause``: returns once paused and (unless ``keep``) idle."""
+        await asyncio.wrap_future(self.ready().pause(mode, clear_cache))
+
+    async def resume(self) -> None:
+        await asyncio.wrap_future(self.ready().resume())
+
+    def is_paused(self) -> bool:
+        return self.ready().paused
 
     def kv_events(self, start_sequence_number: int = 0) -> KvEventReader:
         """A reader of the prefix cache's event batches from ``start_sequence_number`` on (0: from now), subscribed

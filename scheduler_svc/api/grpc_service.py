@@ -193,9 +193,8 @@ class SchedulerServer:
             self.recorder.start()
         self.registry.register(RecordingMetrics(lambda: self.recorder))
         self.recording = RecordingControl(self.recorder, lambda: self.loop)
-        # The HTTP ports before gRPC's: a plain socket closes now, while a grpc.aio server left unstopped by a failed
-        # start is shut down by the interpreter's exit, which printed an empty "Error in sys.excepthook" (FastAPI's
-        # cache of route endpoints keeps this object, and so its server, alive until then).
+        # The HTTP ports before gRPC's: a plain socket closes now, while a grpc.aio server a failed start left running
+        # stops at the interpreter's exit (FastAPI's route cache keeps it), printing "Error in sys.excepthook".
         self.http: HttpServer | None = None
         self.metrics_http: HttpServer | None = None
         self.kv_publisher: ZmqKvPublisher | None = None
@@ -204,7 +203,8 @@ class SchedulerServer:
                 public = not self.api_folder
                 app = create_app(self.frontend, self.is_serving, self.registry, config.api_key if public else "",
                                  self.recording, config.cors() if public else None, config.chat_parsing(),
-                                 config.enable_server_load_tracking, config.enable_request_id_headers and public)
+                                 config.enable_server_load_tracking, config.enable_request_id_headers and public,
+                                 config.server_dev_mode)
                 self.http = (HttpServer(app, "", 0, None, unix_path=self.internal_http) if self.api_folder
                              else HttpServer(app, config.host, config.http_port, self.tls))
             if config.metrics_port:

@@ -44,6 +44,12 @@ class EngineCalls:
         calls, self._calls = self._calls, []
         return calls
 
+    def _fail_calls(self) -> None:
+        """Shutting down (lock held): the calls no iteration will run fail, so that no caller waits for them."""
+        for _, future in self._take_calls():
+            if not future.done():
+                future.set_exception(ServerStopping(STOPPING))
+
     def _run_calls(self, calls: list[EngineCall]) -> None:
         """Each call's error goes to its caller, not into the loop."""
         for fn, future in calls:

@@ -226,12 +226,17 @@ class LiveRequests:
             self._pending_requests -= 1
             self.by_handle.pop(handle, None)
 
-    def refuse(self, handle: RequestHandle) -> None:
-        """A request never admitted (the server drains): each of its choices ends with ABORT, the prompt once."""
+    def refuse(self, handle: RequestHandle, answer: bool = True, drained: bool = True) -> None:
+        """A request never started (the server drains, or a pause held it): each of its choices ends with ABORT,
+        the prompt counted once; without ``answer`` (its caller went away) it only stops counting as queued."""
+        if not answer:
+            self.dequeue(handle)
+            return
         num_prompt_tokens = len(handle.prepared.prompt_token_ids)
         for index in range(handle.prepared.params.n):
             usage = RequestUsage(num_prompt_tokens if index == 0 else 0, 0, 0)
-            self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage, index=index, drained=True))
+            self.emit(handle, RequestOutput(finish_reason=FinishReason.ABORT, usage=usage, index=index,
+                                            drained=drained))
 
     def fail(self, engine: Engine, handle: RequestHandle, error: RequestFailed) -> None:
         """End the request with ``error``: one error answers the caller, its other choices stop too. Every caller
@@ -240,13 +245,13 @@ class LiveRequests:
         self.emit(handle, RequestOutput(error=error))
         self.cancel(engine, handle, failed=True)
 
-    def end_all(self, engine: Engine, error: RequestFailed | None = None) -> int:
-        """Abort every request and free its blocks: answered with ``error``, or (the server drains) each choice
-        with ABORT."""
+    def end_all(self, engine: Engine, error: RequestFailed | None = None, drained: bool = True) -> int:
+        """Abort every request and free its blocks: answered with ``error``, or each choice with ABORT (``drained``:
+        the server drains, and a client may resume the stream elsewhere; else a pause aborted it)."""
         handles = list(self.by_handle)
         for handle in handles:
             if error is None:
-                self.cancel(engine, handle, answer=True, drained=True)
+                self.cancel(engine, handle, answer=True, drained=drained)
             else:
                 self.fail(engine, handle, error)
         return len(handles)

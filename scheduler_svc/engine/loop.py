@@ -22,6 +22,7 @@ from scheduler_svc.engine.engine import Engine, TokenOutput
 from scheduler_svc.engine.executor_client import describe_failure
 from scheduler_svc.engine.live_requests import LiveRequests, RequestHandle
 from scheduler_svc.engine.outages import probe, recover
+from scheduler_svc.engine.pause import Pausing
 from scheduler_svc.engine.stats import LoopObserver, LoopStats
 from scheduler_svc.engine.supervision import Supervisor
 
@@ -32,7 +33,7 @@ OnServing = Callable[[bool], None]
 T = TypeVar("T")
 
 
-class EngineLoop(EngineCalls):
+class EngineLoop(EngineCalls, Pausing):
     def __init__(self, engine: Engine, tokenizer: ModelTokenizer | None, deliver: Deliver, limits: QueueLimits,
                  observer: LoopObserver, on_serving: OnServing = lambda serving: None) -> None:
         """``on_serving(False)`` when the executor fails, ``(True)`` once back; ``observer`` hears of each step and
@@ -73,10 +74,6 @@ class EngineLoop(EngineCalls):
             self._wakeup.notify()
         return handle
 
-    def cancel(self, handle: RequestHandle, answer: bool = False) -> None:
-        """Abort ``handle`` before the next step (``answer``: its choices end with ABORT), unless finished."""
-        self.call(lambda engine: self._requests.cancel(engine, handle, answer))
-
     def set_reading(self, handles: list[RequestHandle], tokens: float) -> None:
         """The readers of ``handles`` now take ``tokens`` of a choice at a time (the API process's pacing): their plans
         may compute that many decode steps at once, or their own ``tokens_per_read`` where more."""
@@ -113,7 +110,7 @@ class EngineLoop(EngineCalls):
                 if inbox or calls:
                     self.engine.loop_work_taken()
             try:
-                self._admit(inbox)
+                self._take_in(inbox)
                 self._run_calls(calls)
                 if calls:  # a cancel's answers go now, not after the next step (a window, with requests beside them)
                     self._deliver()
@@ -121,7 +118,7 @@ class EngineLoop(EngineCalls):
                 if supervisor.retry_due(now):
                     recover(self.engine, self._requests, supervisor)
                     self.info = self.engine.info
-                elif supervisor.serving and self._has_work():
+                elif supervisor.serving and self._can_step():
                     self._step()
                 elif supervisor.probe_due(now):
                     probe(self.engine, supervisor)
@@ -135,12 +132,13 @@ class EngineLoop(EngineCalls):
             if self._drained():
                 self._shutdown()
                 return
+            self._settle_pause()
             self._publish()
 
     def _wait(self) -> None:
         """Sleep (lock held) until there is work: requests, calls, a step, a retry, a probe, the drain's end."""
         while not (self._inbox or self._calls):
-            wake_at = self.supervisor.wake_at(self._has_work())
+            wake_at = self.supervisor.wake_at(self._can_step())
             if wake_at is None:
                 return
             if self._drain_deadline is not None:
@@ -219,7 +217,8 @@ class EngineLoop(EngineCalls):
     def _shutdown(self) -> None:
         """The grace period is over: abort what is left, tell the executor to drop it, answer each caller."""
         with self._wakeup:
-            leftover, self._inbox, self._stopped = self._inbox, [], True
+            leftover, self._inbox, self._stopped = self._inbox + self._end_pause(), [], True
+            self._fail_calls()
         for handle in leftover:
             self._requests.refuse(handle)
         num_aborted = len(leftover) + self._requests.end_all(self.engine)
@@ -247,4 +246,4 @@ class EngineLoop(EngineCalls):
         self.supervisor.postpone_probe(time.monotonic())
 
     def _refresh_stats(self) -> None:
-        self.stats = LoopStats.of(self.engine, self._requests, self.supervisor.serving)
+        self.stats = LoopStats.of(self.engine, self._requests, self.supervisor.serving, len(self._pause.held))

@@ -52,11 +52,12 @@ class LoopStats:
     waiting_lora_adapters: str = ""
 
     @classmethod
-    def of(cls, engine: Engine, requests: LiveRequests, executor_up: bool) -> LoopStats:
+    def of(cls, engine: Engine, requests: LiveRequests, executor_up: bool, num_held: int = 0) -> LoopStats:
+        """``num_held``: requests a pause holds back before the engine (``engine.pause``), waiting too."""
         scheduler, blocks, finished = engine.scheduler, engine.block_manager, requests.finished
         prefilling = num_prefilling(scheduler.waiting)
         return cls(
-            num_waiting=len(scheduler.waiting) - prefilling,
+            num_waiting=len(scheduler.waiting) - prefilling + num_held,
             num_running=len(scheduler.running) + prefilling,
             num_blocks=blocks.num_blocks,
             num_free_blocks=blocks.num_free_blocks,

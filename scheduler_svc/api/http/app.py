@@ -40,6 +40,7 @@ from scheduler_svc.api.http.answering import (
 from scheduler_svc.api.http.chat_output import NO_PARSING, ChatParsing
 from scheduler_svc.api.http.chat_render import needs_rendering
 from scheduler_svc.api.http.cors import ANY_ORIGIN, Cors
+from scheduler_svc.api.http.dev import DEV_ROUTES, dev_router
 from scheduler_svc.api.http.errors import ANTHROPIC_PATHS, ApiError, install_handlers
 from scheduler_svc.api.http.gateway import gateway_router
 from scheduler_svc.api.http.generate_api.routes import abort_router, generate_router
@@ -56,9 +57,9 @@ from scheduler_svc.core.tokenizer import ModelTokenizer
 # leaves the rest open (/health, /metrics, /version, /server_info, /tokenize, ...), which probes, scrapers and
 # gateways call without a key (the Shepherd Model Gateway tells a vLLM worker by /version); "/admin" is nanoserve's
 # own, which no vLLM route matches: the recording's switch writes to the disk. SageMaker's /invocations stays open,
-# as on vLLM: SageMaker calls it without a key, having authorized the caller itself. /reset_prefix_cache, which vLLM
-# serves only in its dev mode, unguarded, is guarded here instead: it costs every request after it its cache hits.
-GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/admin", "/reset_prefix_cache")
+# as on vLLM: SageMaker calls it without a key, having authorized the caller itself. The dev mode's routes, which
+# vLLM leaves unguarded, are guarded here: they stop serving or cost every later request its cache hits.
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/admin", *DEV_ROUTES)
 # ``responses``' two ways to answer: SSE chunks, or one whole object.
 Chunks = Callable[[translate.Translated, list[Generation], ModelTokenizer | None], AsyncIterator[str]]
 Whole = Callable[[translate.Translated, list[Generation], ModelTokenizer | None], Awaitable[BaseModel]]
@@ -231,15 +232,6 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
         """SageMaker's health check, which vLLM serves: /health's answer."""
         return await health()
 
-    @router.post("/reset_prefix_cache", response_model=schemas.ResetPrefixCache)
-    async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False) -> Response:
-        """vLLM's: the prefix cache's entries no request holds are dropped; ``success`` says whether none is left.
-        There is no external (connector) cache to reset; running requests are not preempted for it."""
-        if reset_running_requests:
-            raise ApiError(400, "reset_running_requests: preempting the running requests to reset the cache is not "
-                                "supported by this server; retry once they finish", "reset_running_requests")
-        return json_response(schemas.ResetPrefixCache(success=await frontend.reset_prefix_cache()))
-
     @router.post("/tokenize", response_model=schemas.TokenizeResponse)
     async def tokenize(body: schemas.TokenizeRequest) -> Response:
         request = await asyncio.to_thread(translate.tokenize_request, body, served_model())  # may render a chat
@@ -299,11 +291,12 @@ def answer_failures(app: FastAPI) -> None:
 def create_app(frontend: Frontend, serving: Callable[[], bool], registry: CollectorRegistry,
                api_key: str = "", recording: RecordingControl | None = None, cors: Cors | None = ANY_ORIGIN,
                parsing: ChatParsing = NO_PARSING, load_tracking: bool = False,
-               request_id_headers: bool = False) -> FastAPI:
+               request_id_headers: bool = False, dev_mode: bool = False) -> FastAPI:
     """``serving``: what gRPC health would say (True: SERVING); ``registry``: what ``/metrics`` serves;
     ``recording``: the switch of ``/admin/recording``; ``cors``: None where another app in front answers browsers;
     ``parsing``: the flags that read chat answers; ``load_tracking``: whether ``/load`` counts (``http.load``);
-    ``request_id_headers``: every answer carries ``X-Request-Id`` (``http.request_ids``)."""
+    ``request_id_headers``: every answer carries ``X-Request-Id`` (``http.request_ids``); ``dev_mode``: vLLM's dev
+    routes are served (``http.dev``)."""
     app = FastAPI(title="nanoserve", version=engine_version(), redoc_url=None,
                   description="The OpenAI-compatible API of a nanoserve scheduler, and what gateways probe.")
     app.openapi = without_validation_errors(app)
@@ -316,6 +309,8 @@ def create_app(frontend: Frontend, serving: Callable[[], bool], registry: Collec
     track_load(app, load_tracking)
     if recording is not None:
         app.include_router(recording_router(recording))
+    if dev_mode:
+        app.include_router(dev_router(frontend), responses=ERRORS)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     request_ids.install(app, request_id_headers)

@@ -350,10 +350,6 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-class ResetPrefixCache(BaseModel):
-    success: bool
-
-
 class Version(BaseModel):
     version: str
 
