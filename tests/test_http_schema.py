@@ -50,7 +50,8 @@ def test_the_schema_lists_every_route_with_its_body_and_error_shape(api: Hosted)
                           "/admin/recording/stop", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/ping",
                           "/invocations", "/v1/responses", "/v1/responses/{response_id}",
                           "/v1/responses/{response_id}/cancel", "/load", "/v1/messages",
-                          "/v1/messages/count_tokens", "/inference/v1/generate", "/inference/v1/abort_requests"}
+                          "/v1/messages/count_tokens", "/inference/v1/generate", "/inference/v1/abort_requests",
+                          "/v1/chat/completions/batch"}
     bodies = {path: op["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
               for path, op in paths.items() if "requestBody" in op.get("post", {})}
     assert bodies == {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
@@ -60,7 +61,8 @@ def test_the_schema_lists_every_route_with_its_body_and_error_shape(api: Hosted)
                       "/v1/load_lora_adapter": "LoadLoraAdapterRequest",
                       "/v1/unload_lora_adapter": "UnloadLoraAdapterRequest", "/v1/responses": "ResponsesRequest",
                       "/v1/messages": "MessagesRequest", "/v1/messages/count_tokens": "CountTokensRequest",
-                      "/inference/v1/generate": "GenerateRequest", "/inference/v1/abort_requests": "AbortRequests"}
+                      "/inference/v1/generate": "GenerateRequest", "/inference/v1/abort_requests": "AbortRequests",
+                      "/v1/chat/completions/batch": "BatchChatCompletionRequest"}
     for operations in paths.values():
         for operation in operations.values():
             assert "422" not in operation["responses"], "FastAPI's 422 is never sent: a bad body is a 400"

@@ -37,6 +37,7 @@ from scheduler_svc.api.http.answering import (
     submit_all,
     unless_disconnected,
 )
+from scheduler_svc.api.http.chat_batch import batch_router
 from scheduler_svc.api.http.chat_output import NO_PARSING, ChatParsing
 from scheduler_svc.api.http.chat_render import needs_rendering
 from scheduler_svc.api.http.cors import ANY_ORIGIN, Cors
@@ -177,6 +178,7 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
     router.include_router(responses_router(source, parsing))
     router.include_router(messages_router(source, parsing))
     router.include_router(generate_router(source))
+    router.include_router(batch_router(source, parsing))
     return router
 
 
