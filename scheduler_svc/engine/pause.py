@@ -124,13 +124,13 @@ class Pausing:
         """The pause calls waiting for an idle engine return once no request is left and nothing is in flight
         (dropped requests' blocks too; while the executor is down, the recovery resets it anyway), the prefix cache
         dropped first where one asked."""
-        idle = not self._requests and (not self._has_work() or not self.supervisor.serving)
-        if self._pause.waiters and idle:
-            waiters, self._pause.waiters = self._pause.waiters, []
-            if any(clear for _, clear in waiters):
-                self.engine.block_manager.flush()
-            for done, _ in waiters:
-                settle(done)
+        if not self._pause.waiters or self._requests or (self._has_work() and self.supervisor.serving):
+            return
+        waiters, self._pause.waiters = self._pause.waiters, []
+        if any(clear for _, clear in waiters):
+            self.engine.block_manager.flush()
+        for done, _ in waiters:
+            settle(done)
 
     def _end_pause(self) -> list[RequestHandle]:
         """Shutting down: the pause calls waiting fail; the requests held, returned, are refused with the rest."""
