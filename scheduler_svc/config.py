@@ -149,6 +149,8 @@ class ServiceConfig:
     server_dev_mode: bool = False
     # How many of /v1/responses' answers are kept for previous_response_id, retrieval and background mode.
     responses_store: int = ChatParsing.responses_store
+    # vLLM's --return-tokens-as-token-ids: logprobs name their tokens token_id:<id>.
+    return_tokens_as_token_ids: bool = False
 
     def cors(self) -> Cors:
         return Cors(self.allowed_origins, self.allowed_credentials, self.allowed_methods, self.allowed_headers)
@@ -156,7 +158,7 @@ class ServiceConfig:
     def chat_parsing(self) -> ChatParsing:
         """What reads chat answers: the HTTP routes', in this process or the API process (``Settings``)."""
         return ChatParsing(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser,
-                           self.responses_store)
+                           self.responses_store, self.return_tokens_as_token_ids)
 
     def engine_options(self) -> dict[str, object]:
         """The ``Engine``'s own keyword arguments among these flags (its ``SchedulerConfig`` aside)."""
@@ -310,6 +312,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "request's own (which also names the request: chatcmpl-<id>, cmpl-<id>) or a new random one")
     add("--server-dev-mode", boolean, "vLLM's VLLM_SERVER_DEV_MODE as a flag: serve the dev routes "
         "/reset_prefix_cache, /pause, /resume and /is_paused (guarded by --api-key where one is set)")
+    add("--return-tokens-as-token-ids", boolean, "vLLM's flag: the chat and completion answers' logprobs name their "
+        "tokens 'token_id:<id>' (a token that is no whole character stays exact), unless a request's "
+        "return_tokens_as_token_ids says otherwise")
     add("--responses-store", non_negative_int, "how many /v1/responses answers asked with store (the Responses "
         "API's default) are kept in memory, the oldest dropped first, for previous_response_id, "
         "GET /v1/responses/{id} and background mode; 0 keeps none, as vLLM without "

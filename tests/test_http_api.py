@@ -160,6 +160,34 @@ def test_completion_logprobs_come_in_the_legacy_format(api: Hosted):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
 
 
+def test_logprobs_name_their_tokens_by_id_where_the_request_asks(api: Hosted):
+    client = api.openai()
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=1,
+                                          extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
+    choice = chat.choices[0]
+    assert [e.token for e in choice.logprobs.content] == [f"token_id:{t}" for t in choice.token_ids]
+    assert all(e.bytes == list(e.token.encode()) and e.top_logprobs[0].token == e.token
+               for e in choice.logprobs.content)
+    assert choice.message.content == TOKENIZER.decode(choice.token_ids), "only the logprobs change, not the text"
+    text = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, logprobs=1,
+                                     extra_body={"return_tokens_as_token_ids": True,
+                                                 "return_token_ids": True}).choices[0]
+    assert text.logprobs.tokens == [f"token_id:{t}" for t in text.token_ids]
+    assert text.logprobs.top_logprobs == [{token: -0.25} for token in text.logprobs.tokens]
+
+
+def test_the_server_flag_names_tokens_by_id_unless_a_request_says_otherwise():
+    with hosted(LogprobExecutor(echo()), return_tokens_as_token_ids=True) as h:
+        client = h.openai()
+        by_id = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, logprobs=0,
+                                          extra_body={"return_token_ids": True}).choices[0]
+        assert by_id.logprobs.tokens == [f"token_id:{t}" for t in by_id.token_ids]
+        named = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, logprobs=0,
+                                          extra_body={"return_tokens_as_token_ids": False}).choices[0]
+        assert "".join(named.logprobs.tokens) == named.text
+        h.assert_idle()
+
+
 def test_stop_strings_end_the_text_before_them(api: Hosted):
     client = api.openai()
     reply = client.completions.create(model=MODEL, prompt="say STOP now", max_tokens=20, stop="STOP")

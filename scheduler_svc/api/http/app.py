@@ -127,6 +127,8 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
     async def generate(request: Request, body: schemas.GenerationParameters, t: translate.Translated, chunks: Chunks,
                        whole: Whole) -> Response:
         raise_stream_interval(t, body.stream_interval, source.stream_interval)
+        as_ids = body.return_tokens_as_token_ids
+        t.tokens_as_ids = parsing.return_tokens_as_token_ids if as_ids is None else as_ids
         generations = await submit_all(source, t)
         if t.stream:
             return GenerationStream(chunks(t, generations, source.tokenizer), generations)

@@ -40,6 +40,8 @@ class ChatParsing:
     reasoning_parser: str = ""
     # How many responses /v1/responses keeps (--responses-store); 0: none.
     responses_store: int = 1024
+    # vLLM's --return-tokens-as-token-ids: logprobs name their tokens token_id:<id> unless a request says otherwise.
+    return_tokens_as_token_ids: bool = False
 
     @property
     def auto_tool_parser(self) -> str:

@@ -134,6 +134,7 @@ def alternatives(lp: TokenLogprobs, top: int) -> Iterable[tuple[int, float]]:
 def chat_logprobs(piece: Piece, t: Translated, tokenizer: ModelTokenizer | None) -> schemas.ChatLogprobs | None:
     if t.top_logprobs is None:
         return None
+    tokenizer = None if t.tokens_as_ids else tokenizer  # token_id:<id>, as asked
 
     def entry(token_id: int, logprob: float) -> schemas.TopLogprob:
         text = token_text(tokenizer, token_id)
@@ -159,6 +160,7 @@ def completion_logprobs(piece: Piece, t: Translated, tokenizer: ModelTokenizer |
 def add_legacy_logprobs(out: schemas.CompletionLogprobs, tokens: Iterable[tuple[int, TokenLogprobs | None]],
                         t: Translated, tokenizer: ModelTokenizer | None, offset: int) -> None:
     """Each (token id, its logprobs: None for none) into OpenAI's legacy shape, ``text_offset`` from ``offset``."""
+    tokenizer = None if t.tokens_as_ids else tokenizer  # token_id:<id>, as asked
     for token_id, lp in tokens:
         text = token_text(tokenizer, token_id)
         out.tokens.append(text)

@@ -92,6 +92,9 @@ class GenerationParameters(Request):
     # vLLM's: the answer's id is <prefix>-<request_id> (the X-Request-Id header's value in its place), random if left
     # out; a list of prompts' requests are <id>-0, <id>-1, ...
     request_id: str | None = None
+    # vLLM's: logprobs name their tokens token_id:<id> (a token that is no whole character stays exact); left out, the
+    # server's --return-tokens-as-token-ids decides.
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's: tokens a streamed choice gathers per chunk; it may raise the server's --stream-interval, not lower it.
     stream_interval: Annotated[int, Field(ge=1, lt=2**32)] | None = None
 

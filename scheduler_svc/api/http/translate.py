@@ -9,10 +9,8 @@ parameter is silently dropped when dropping it would change the output.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from nanoserve.v1 import generation_pb2 as pb
@@ -20,6 +18,7 @@ from scheduler_svc.api.http import chat_render, schemas, tool_request
 from scheduler_svc.api.http.chat_output import NO_PARSING, ChatOutput, ChatParsing
 from scheduler_svc.api.http.errors import ApiError, failure
 from scheduler_svc.api.http.tool_parsers import TOOL_PARSERS
+from scheduler_svc.api.http.translated import Translated
 from scheduler_svc.api.thinking import ThinkingMarkers
 from scheduler_svc.core.errors import InvalidRequest, RequestFailed
 from scheduler_svc.core.tokenizer import ModelTokenizer
@@ -28,34 +27,6 @@ from scheduler_svc.core.tokenizer import ModelTokenizer
 COMPLETION_MAX_TOKENS = 16
 # OpenAI's newer name for the system role.
 ROLE_ALIASES = {"developer": "system"}
-
-
-@dataclass
-class Translated:
-    """An OpenAI request as the GenerateRequests it becomes (one per prompt), and how to answer it."""
-
-    id: str
-    model: str
-    requests: list[pb.GenerateRequest]
-    # GenerateRequest field (prefix-free, see ``openai_param``) -> the OpenAI parameter that set it.
-    renames: dict[str, str]
-    n: int
-    stream: bool
-    include_usage: bool
-    # Alternatives per token when logprobs were asked for, else None.
-    top_logprobs: int | None
-    return_token_ids: bool
-    # Per request: the text its choices start with (``echo``); empty when not asked.
-    echo: list[str]
-    # vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far.
-    continuous_usage: bool = False
-    # echo with max_tokens 0: the choices are their prompts alone (the token generated is left out).
-    echo_only: bool = False
-    # How a chat request's choices are read (thinking, tool calls); None for completions.
-    chat_output: ChatOutput | None = None
-    # vLLM's return_prompt_text (chat): the prompt's text comes back, its token ids decoded.
-    return_prompt_text: bool = False
-    created: int = field(default_factory=lambda: int(time.time()))
 
 
 def openai_param(field: str, renames: Mapping[str, str]) -> str:
