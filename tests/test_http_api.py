@@ -185,6 +185,11 @@ def test_the_server_flag_names_tokens_by_id_unless_a_request_says_otherwise():
         named = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, logprobs=0,
                                           extra_body={"return_tokens_as_token_ids": False}).choices[0]
         assert "".join(named.logprobs.tokens) == named.text
+        generated = httpx.post(f"{h.url}/inference/v1/generate", timeout=10, json={
+            "token_ids": TOKENIZER.encode("Hello"), "output_mode": "text",
+            "sampling_params": {"max_tokens": 2, "logprobs": 0}}).json()["choices"][0]
+        assert [e["token"] for e in generated["logprobs"]["content"]] == [
+            f"token_id:{t}" for t in generated["token_ids"]], "the generate route's text mode too, as vLLM's"
         h.assert_idle()
 
 

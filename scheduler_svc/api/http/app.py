@@ -179,7 +179,7 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
 
     router.include_router(responses_router(source, parsing))
     router.include_router(messages_router(source, parsing))
-    router.include_router(generate_router(source))
+    router.include_router(generate_router(source, parsing))
     router.include_router(batch_router(source, parsing))
     return router
 

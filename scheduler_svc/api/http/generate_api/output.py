@@ -44,9 +44,10 @@ def token_logprobs(piece: Piece, asked: int) -> GenerateLogProbs:
     return GenerateLogProbs(content=content)
 
 
-def text_logprobs(piece: Piece, asked: int, tokenizer: ModelTokenizer | None) -> schemas.ChatLogprobs:
+def text_logprobs(piece: Piece, asked: int, named_by: ModelTokenizer | None) -> schemas.ChatLogprobs:
+    """``named_by``: what names the tokens (None: ``token_id:<id>``, as --return-tokens-as-token-ids asks)."""
     def entry(candidate: GenerateLogProb) -> schemas.TopLogprob:
-        text = token_text(tokenizer, candidate.token_id)
+        text = token_text(named_by, candidate.token_id)
         return schemas.TopLogprob(token=text, logprob=candidate.logprob, bytes=list(text.encode()))
 
     content = []
@@ -60,7 +61,7 @@ def choice(piece: Piece, t: Translated, tokenizer: ModelTokenizer | None, text_m
            finish: str | None) -> GenerateChoice:
     logprobs: GenerateLogProbs | schemas.ChatLogprobs | None = None
     if t.top_logprobs is not None:
-        logprobs = (text_logprobs(piece, t.top_logprobs, tokenizer) if text_mode
+        logprobs = (text_logprobs(piece, t.top_logprobs, None if t.tokens_as_ids else tokenizer) if text_mode
                     else token_logprobs(piece, t.top_logprobs))
     return GenerateChoice(index=piece.index, finish_reason=finish, stop_reason=piece.stop_reason,
                           token_ids=piece.token_ids, text=piece.text if text_mode else None, logprobs=logprobs)

@@ -16,13 +16,15 @@ from scheduler_svc.api.http.answering import (
     submit_all,
     unless_disconnected,
 )
+from scheduler_svc.api.http.chat_output import ChatParsing
 from scheduler_svc.api.http.errors import ApiError
 from scheduler_svc.api.http.generate_api import inputs, output
 from scheduler_svc.api.http.generate_api.schemas import Aborted, AbortRequests, GenerateRequest, GenerateResponse
 from scheduler_svc.api.http.openapi import STREAMED
 
 
-def generate_router(source: Generating) -> APIRouter:
+def generate_router(source: Generating, parsing: ChatParsing) -> APIRouter:
+    """``parsing``: the server's flags (its --return-tokens-as-token-ids names text mode's logprob tokens)."""
     router = APIRouter()
 
     @router.post("/inference/v1/generate", response_model=GenerateResponse, responses=STREAMED)
@@ -31,6 +33,7 @@ def generate_router(source: Generating) -> APIRouter:
         t = inputs.generate_request(body, await source.served(), request.headers.get(request_ids.HEADER),
                                     source.stream_interval)
         text_mode = body.output_mode == "text"
+        t.tokens_as_ids = parsing.return_tokens_as_token_ids
         if text_mode and source.tokenizer is None:
             raise ApiError(400, "output_mode: text needs the model's tokenizer, which this executor did not bring; "
                                 "send output_mode tokens", "output_mode")
