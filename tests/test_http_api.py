@@ -190,6 +190,14 @@ def test_the_server_flag_names_tokens_by_id_unless_a_request_says_otherwise():
             "sampling_params": {"max_tokens": 2, "logprobs": 0}}).json()["choices"][0]
         assert [e["token"] for e in generated["logprobs"]["content"]] == [
             f"token_id:{t}" for t in generated["token_ids"]], "the generate route's text mode too, as vLLM's"
+        batch = httpx.post(f"{h.url}/v1/chat/completions/batch", timeout=10, json={
+            "messages": [MESSAGES, MESSAGES[1:]], "max_tokens": 2, "logprobs": True, "return_token_ids": True})
+        for choice in batch.json()["choices"]:
+            assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+        response = httpx.post(f"{h.url}/v1/responses", timeout=10, json={
+            "model": MODEL, "input": "Hello", "max_output_tokens": 2, "include": ["message.output_text.logprobs"]})
+        (text,) = response.json()["output"][0]["content"]
+        assert text["logprobs"] and all(e["token"].startswith("token_id:") for e in text["logprobs"])
         h.assert_idle()
 
 

@@ -127,8 +127,6 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
     async def generate(request: Request, body: schemas.GenerationParameters, t: translate.Translated, chunks: Chunks,
                        whole: Whole) -> Response:
         raise_stream_interval(t, body.stream_interval, source.stream_interval)
-        as_ids = body.return_tokens_as_token_ids
-        t.tokens_as_ids = parsing.return_tokens_as_token_ids if as_ids is None else as_ids
         generations = await submit_all(source, t)
         if t.stream:
             return GenerationStream(chunks(t, generations, source.tokenizer), generations)
@@ -155,7 +153,7 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
     @router.post("/v1/completions", response_model=schemas.TextCompletion, responses=STREAMED)
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
         body = request_ids.named_by_header(body, request.headers.get(request_ids.HEADER))
-        t = translate.completion_request(body, await source.served(), source.tokenizer)
+        t = translate.completion_request(body, await source.served(), source.tokenizer, parsing)
         return await generate(request, body, t, responses.completion_chunks, responses.completion)
 
     @router.post("/invocations", response_model=schemas.ChatCompletion | schemas.TextCompletion, responses=STREAMED)

@@ -17,6 +17,7 @@ from scheduler_svc.api.http import request_ids, responses, schemas, translate
 from scheduler_svc.api.http.answering import Generating, json_response, submit_all, unless_disconnected
 from scheduler_svc.api.http.chat_output import ChatParsing
 from scheduler_svc.api.http.errors import ApiError
+from scheduler_svc.api.http.tool_schemas import CompletionTokensDetails
 
 
 class BatchChatCompletionRequest(schemas.ChatCompletionRequest):
@@ -82,9 +83,18 @@ def batch_router(source: Generating, parsing: ChatParsing) -> APIRouter:
                     raise in_conversation(i, e) from e
 
             async def answer() -> Response:
-                answers = await asyncio.gather(*(responses.chat_completion(t, g, source.tokenizer)
-                                                 for t, g in zip(ts, generations, strict=True)))
-                return json_response(joined(answers, f"chatcmpl-{base}"))
+                """Every conversation's answer; the first to fail ends the others (their requests are closed)."""
+                tasks = [asyncio.ensure_future(responses.chat_completion(t, g, source.tokenizer))
+                         for t, g in zip(ts, generations, strict=True)]
+                try:
+                    await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                finally:
+                    for task in tasks:
+                        task.cancel()
+                for i, task in enumerate(tasks):
+                    if not task.cancelled() and (error := task.exception()) is not None:
+                        raise in_conversation(i, error) if isinstance(error, ApiError) else error
+                return json_response(joined([task.result() for task in tasks], f"chatcmpl-{base}"))
 
             return await unless_disconnected(request, answer())
         finally:
@@ -96,7 +106,10 @@ def batch_router(source: Generating, parsing: ChatParsing) -> APIRouter:
 
 def joined(answers: list[schemas.ChatCompletion], response_id: str) -> schemas.ChatCompletion:
     first = answers[0]
+    thinking = [a.usage.completion_tokens_details for a in answers if a.usage.completion_tokens_details]
     usage = schemas.CompletionUsage(
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=sum(
+            d.reasoning_tokens for d in thinking)) if thinking else None,
         prompt_tokens=sum(a.usage.prompt_tokens for a in answers),
         completion_tokens=sum(a.usage.completion_tokens for a in answers),
         total_tokens=sum(a.usage.total_tokens for a in answers),

@@ -298,8 +298,15 @@ def chat_request(body: schemas.ChatCompletionRequest, served: Served, parsing: C
     t.chat_output = ChatOutput(choice, parsing.auto_tool_parser, parsing.reasoning_parser, thinking,
                                (constrained and not waits) or closed, body.include_reasoning is not False)
     t.return_prompt_text = bool(body.return_prompt_text)
+    t.tokens_as_ids = tokens_as_ids(body, parsing)
     request.return_prompt_token_ids |= t.return_prompt_text  # decoded in the answer
     return t
+
+
+def tokens_as_ids(body: schemas.GenerationParameters, parsing: ChatParsing) -> bool:
+    """vLLM's return_tokens_as_token_ids: the request's, else the server's --return-tokens-as-token-ids."""
+    asked = body.return_tokens_as_token_ids
+    return parsing.return_tokens_as_token_ids if asked is None else asked
 
 
 def prompts_of(prompt: str | list) -> list[str | list[int]]:
@@ -311,8 +318,8 @@ def prompts_of(prompt: str | list) -> list[str | list[int]]:
     return [prompt] if isinstance(prompt[0], int) else list(prompt)
 
 
-def completion_request(body: schemas.CompletionRequest, served: Served,
-                       tokenizer: ModelTokenizer | None) -> Translated:
+def completion_request(body: schemas.CompletionRequest, served: Served, tokenizer: ModelTokenizer | None,
+                       parsing: ChatParsing = NO_PARSING) -> Translated:
     lora = check_model(body.model, served)
     refuse_unsupported_extras(body)
     if body.suffix:
@@ -341,7 +348,9 @@ def completion_request(body: schemas.CompletionRequest, served: Served,
         if body.echo:
             as_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt, False) if tokenizer else ""
             echo.append(as_text)
-    return translated(body, "cmpl", lora or served.model_id, requests, renames, body.logprobs, echo, echo_only)
+    t = translated(body, "cmpl", lora or served.model_id, requests, renames, body.logprobs, echo, echo_only)
+    t.tokens_as_ids = tokens_as_ids(body, parsing)
+    return t
 
 
 def tokenize_request(body: schemas.TokenizeRequest, served: Served) -> pb.TokenizeRequest | list[int]:
