@@ -312,9 +312,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "request's own (which also names the request: chatcmpl-<id>, cmpl-<id>) or a new random one")
     add("--server-dev-mode", boolean, "vLLM's VLLM_SERVER_DEV_MODE as a flag: serve the dev routes "
         "/reset_prefix_cache, /pause, /resume and /is_paused (guarded by --api-key where one is set)")
-    add("--return-tokens-as-token-ids", boolean, "vLLM's flag: the chat and completion answers' logprobs name their "
-        "tokens 'token_id:<id>' (a token that is no whole character stays exact), unless a request's "
-        "return_tokens_as_token_ids says otherwise")
+    add("--return-tokens-as-token-ids", boolean, "vLLM's flag: the logprobs of chat, completion, response and "
+        "generate answers name their tokens 'token_id:<id>' (a token that is no whole character stays exact), "
+        "unless a request's return_tokens_as_token_ids says otherwise")
     add("--responses-store", non_negative_int, "how many /v1/responses answers asked with store (the Responses "
         "API's default) are kept in memory, the oldest dropped first, for previous_response_id, "
         "GET /v1/responses/{id} and background mode; 0 keeps none, as vLLM without "
