@@ -166,8 +166,9 @@ def test_logprobs_name_their_tokens_by_id_where_the_request_asks(api: Hosted):
                                           extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
     choice = chat.choices[0]
     assert [e.token for e in choice.logprobs.content] == [f"token_id:{t}" for t in choice.token_ids]
-    assert all(e.bytes == list(e.token.encode()) and e.top_logprobs[0].token == e.token
-               for e in choice.logprobs.content)
+    for token_id, e in zip(choice.token_ids, choice.logprobs.content, strict=True):
+        assert e.bytes == list(TOKENIZER.decode([token_id], skip_special_tokens=False).encode()), "its own bytes"
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].bytes == list(e.token.encode())
     assert choice.message.content == TOKENIZER.decode(choice.token_ids), "only the logprobs change, not the text"
     text = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, logprobs=1,
                                      extra_body={"return_tokens_as_token_ids": True,

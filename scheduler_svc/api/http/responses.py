@@ -134,16 +134,18 @@ def alternatives(lp: TokenLogprobs, top: int) -> Iterable[tuple[int, float]]:
 def chat_logprobs(piece: Piece, t: Translated, tokenizer: ModelTokenizer | None) -> schemas.ChatLogprobs | None:
     if t.top_logprobs is None:
         return None
-    tokenizer = None if t.tokens_as_ids else tokenizer  # token_id:<id>, as asked
+    named_by = None if t.tokens_as_ids else tokenizer  # token_id:<id>, as asked
 
-    def entry(token_id: int, logprob: float) -> schemas.TopLogprob:
-        text = token_text(tokenizer, token_id)
-        return schemas.TopLogprob(token=text, logprob=finite(logprob), bytes=list(text.encode()))
+    def entry(token_id: int, logprob: float, sampled: bool = False) -> schemas.TopLogprob:
+        """As vLLM's: a sampled token named by id keeps its own text's bytes; an alternative, its name's."""
+        text = token_text(named_by, token_id)
+        own = token_text(tokenizer, token_id) if sampled else text
+        return schemas.TopLogprob(token=text, logprob=finite(logprob), bytes=list(own.encode()))
 
     content = []
     for token_id, lp in zip(piece.token_ids, piece.logprobs, strict=False):
         top = [entry(t_id, p) for t_id, p in alternatives(lp, t.top_logprobs)]
-        content.append(schemas.TokenLogprob(**entry(token_id, lp.logprob).model_dump(), top_logprobs=top))
+        content.append(schemas.TokenLogprob(**entry(token_id, lp.logprob, True).model_dump(), top_logprobs=top))
     return schemas.ChatLogprobs(content=content)
 
 
