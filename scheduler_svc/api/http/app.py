@@ -142,7 +142,7 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
 
     @router.post("/v1/chat/completions", response_model=schemas.ChatCompletion, responses=STREAMED)
     async def chat_completions(body: schemas.ChatCompletionRequest, request: Request) -> Response:
-        body = request_ids.named_by_header(body, request.headers.get(request_ids.HEADER))
+        body = request_ids.named_by_header(body, request)
         served = (await source.served())._replace(tokenizer=source.tokenizer)
         if needs_rendering(body.messages, body.tools) or parsing.reasoning_parser:  # rendered here: off the loop
             t = await asyncio.to_thread(translate.chat_request, body, served, parsing)
@@ -152,7 +152,7 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
 
     @router.post("/v1/completions", response_model=schemas.TextCompletion, responses=STREAMED)
     async def completions(body: schemas.CompletionRequest, request: Request) -> Response:
-        body = request_ids.named_by_header(body, request.headers.get(request_ids.HEADER))
+        body = request_ids.named_by_header(body, request)
         t = translate.completion_request(body, await source.served(), source.tokenizer, parsing)
         return await generate(request, body, t, responses.completion_chunks, responses.completion)
 

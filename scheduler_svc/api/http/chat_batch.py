@@ -69,7 +69,7 @@ def batch_router(source: Generating, parsing: ChatParsing) -> APIRouter:
     @router.post("/v1/chat/completions/batch", response_model=schemas.ChatCompletion)
     async def chat_completions_batch(body: BatchChatCompletionRequest, request: Request) -> Response:
         """Every conversation's answer, choice ``i`` for conversation ``i``; the usage summed."""
-        body = request_ids.named_by_header(body, request.headers.get(request_ids.HEADER))
+        body = request_ids.named_by_header(body, request)
         refuse_what_a_batch_cannot_do(body)
         served = (await source.served())._replace(tokenizer=source.tokenizer)
         base = body.request_id or uuid.uuid4().hex

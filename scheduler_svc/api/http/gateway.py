@@ -91,13 +91,13 @@ def gateway_router(frontend: Frontend, served_model: Callable[[], translate.Serv
     @router.post("/v1/completions/render", response_model=list[RenderedPrompt])
     async def completions_render(body: schemas.CompletionRenderRequest, request: Request) -> Response:
         """The token ids of each prompt, one object per prompt, as ``/v1/completions`` would compute them."""
-        body = request_ids.named_by_header(body, request.headers.get(request_ids.HEADER))
+        body = request_ids.named_by_header(body, request)
         return json_response(await render(translate.completion_request(body, served_model(), frontend.tokenizer)))
 
     @router.post("/v1/chat/completions/render", response_model=RenderedPrompt)
     async def chat_completions_render(body: schemas.ChatCompletionRenderRequest, request: Request) -> Response:
         """The conversation rendered with the chat template, as ``/v1/chat/completions`` would compute it."""
-        body = request_ids.named_by_header(body, request.headers.get(request_ids.HEADER))
+        body = request_ids.named_by_header(body, request)
         (prompt,) = await render(translate.chat_request(body, served_model(), parsing))
         return json_response(prompt)
 

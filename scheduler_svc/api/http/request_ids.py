@@ -8,7 +8,7 @@ from __future__ import annotations
 import uuid
 from typing import TypeVar
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -18,8 +18,9 @@ HEADER = "X-Request-Id"
 Body = TypeVar("Body", bound=GenerationParameters)
 
 
-def named_by_header(body: Body, header: str | None) -> Body:
-    """``body`` with the header's id as its ``request_id`` (vLLM's rule: the header wins)."""
+def named_by_header(body: Body, request: Request) -> Body:
+    """``body`` with ``request``'s header id as its ``request_id`` (vLLM's rule: the header wins)."""
+    header = request.headers.get(HEADER)
     return body if header is None else body.model_copy(update={"request_id": header})
 
 
