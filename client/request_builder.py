@@ -58,6 +58,7 @@ def build_request(
     bad_words: Sequence[str] | str | None = None,
     priority: int | None = None,
     return_prompt_token_ids: bool | None = None,
+    cache_salt: str | None = None,
 ) -> pb.GenerateRequest:
     """Exactly one of ``prompt`` (text), ``messages`` (chat) or ``token_ids`` must be given, and at most one
     structured-output constraint (``json_schema`` as JSON text or a dict, ``regex``, ``choice``, ``grammar``
@@ -71,6 +72,7 @@ def build_request(
     ``bad_words``: words the completion must not produce, tokenized by the server as vLLM tokenizes them.
     ``priority``: lower is admitted first and preempted last, where the scheduler runs ``--request-order priority``.
     ``return_prompt_token_ids``: the prompt's token ids as the model reads them come back (vLLM's return_token_ids).
+    ``cache_salt``: the prompt hits only prefix-cache blocks computed for requests of the same salt (vLLM's).
 
     Options left as None are not sent, so the server applies its documented defaults; ``top_k`` -1 disables it, as
     in vLLM (0 in the proto), and ``truncate_prompt_tokens`` -1 keeps the model's length of the prompt, as vLLM's.
@@ -100,7 +102,7 @@ def build_request(
                       add_special_tokens=add_special_tokens, skip_special_tokens=skip_special_tokens,
                       truncate_prompt_tokens=truncate_prompt_tokens, prompt_logprobs=prompt_logprobs,
                       stream_interval=stream_interval, lora=lora, priority=priority,
-                      return_prompt_token_ids=return_prompt_token_ids)
+                      return_prompt_token_ids=return_prompt_token_ids, cache_salt=cache_salt)
     constraint = structured_output(json_schema, regex, choice, grammar, json_object)
     if constraint is not None:
         request.structured_output.CopyFrom(constraint)

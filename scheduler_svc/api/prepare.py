@@ -23,6 +23,7 @@ from scheduler_svc.core.tokenizer import ChatMessage, ModelTokenizer
 from scheduler_svc.core.validation import (
     ModelLimits,
     check_at_least_one,
+    check_cache_salt,
     check_fits_cache,
     check_prompt,
     check_resume,
@@ -189,7 +190,8 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
         check_resume(resumed, params, limits)
         check_fits_cache(len(token_ids), params, limits)
         interval = stream_interval(request)
+        check_cache_salt(request.cache_salt)
     except InvalidRequest as e:
         raise public_error(e) from e
     return PreparedRequest(request.request_id or uuid.uuid4().hex, token_ids, params, resumed, interval, request.lora,
-                           request.priority, request.return_prompt_token_ids)
+                           request.priority, request.return_prompt_token_ids, request.cache_salt)

@@ -31,11 +31,15 @@ def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
 
 
 def root_hash(seq: Sequence) -> int:
-    """What a sequence's first block chains from: nothing for the base model, else its adapter's id, so that every
-    block hash of an adapter's sequence differs from the base model's and every other adapter's (their KV does)."""
-    if not seq.lora_id:
+    """What a sequence's first block chains from: nothing for the base model unsalted, else its adapter's id and its
+    request's cache salt, so that every block hash of an adapter's sequence differs from the base model's and every
+    other adapter's (their KV does), and a salted prompt hits only blocks computed under the same salt."""
+    if not seq.lora_id and not seq.cache_salt:
         return NO_HASH
-    return xxhash.xxh64_intdigest(b"lora" + seq.lora_id.to_bytes(8, "little"))
+    h = xxhash.xxh64(b"lora" + seq.lora_id.to_bytes(8, "little"))
+    if seq.cache_salt:
+        h.update(b"salt" + seq.cache_salt.encode())
+    return h.intdigest()
 
 
 class BlockManager:
@@ -290,7 +294,7 @@ class BlockManager:
                     stored = None
                 elif stored is None:
                     stored = BlockStored([h], None if i == 0 else parent, list(token_ids), self.block_size,
-                                         seq.lora_id or None)
+                                         seq.lora_id or None, cache_salt=seq.cache_salt or None)
                     events.append(stored)
                 else:
                     stored.block_hashes.append(h)

@@ -21,7 +21,8 @@ class BlockStored:
 
     ``token_ids`` holds ``block_size`` tokens per hash, in order; ``parent_block_hash`` is the hash of the block
     before the first one (None: the first block of a prompt). ``lora_id``: the adapter whose KV they hold (None: the
-    base model's), whose name the engine fills in (``KvEventLog.collect``), as a router keys blocks by it.
+    base model's), whose name the engine fills in (``KvEventLog.collect``), as a router keys blocks by it;
+    ``cache_salt``: the salt of the request that computed them (None: unsalted), which went into the chain's root.
     """
 
     block_hashes: list[int]
@@ -30,6 +31,7 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

@@ -23,3 +23,5 @@ class PreparedRequest:
     priority: int = 0
     # The caller asked for the prompt's token ids back (GenerateRequest.return_prompt_token_ids).
     return_prompt_token_ids: bool = False
+    # Its prefix cache's salt (GenerateRequest.cache_salt): its prompt hits only blocks computed under it; "": none.
+    cache_salt: str = ""

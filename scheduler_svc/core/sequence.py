@@ -47,17 +47,18 @@ class Sequence:
     """
 
     def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams, block_size: int,
-                 num_prompt_tokens: int | None = None, lora_id: int = 0) -> None:
+                 num_prompt_tokens: int | None = None, lora_id: int = 0, cache_salt: str = "") -> None:
         """``num_prompt_tokens`` below ``len(token_ids)``: the rest is completion a client resumes with, counted as
         generated like a preempted sequence's. ``lora_id``: the executor's id of the LoRA adapter it runs through
-        (0: the base model); it keys its blocks in the prefix cache and stays through preemption."""
+        (0: the base model); it keys its blocks in the prefix cache and stays through preemption, as does
+        ``cache_salt`` (its request's; "": none), which keeps its blocks from every other salt's."""
         if not token_ids:
             raise ValueError("a sequence needs at least one prompt token")
         self.seq_id = seq_id
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
-        self.lora_id = lora_id
+        self.lora_id, self.cache_salt = lora_id, cache_salt
         # Its request's priority: lower runs first under ``--request-order priority`` (``core.request_order``), and
         # its request's arrival, which breaks ties: its own id, or that of its request's first choice.
         self.priority, self.arrival = 0, seq_id

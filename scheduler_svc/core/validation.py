@@ -140,6 +140,18 @@ def check_at_least_one(field: str, value: int | None) -> None:
         raise InvalidRequest(field, f"must be >= 1, got {value}")
 
 
+# vLLM's limits on a cache salt: its length, and characters a KV store's keys could split on.
+MAX_CACHE_SALT_CHARS = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def check_cache_salt(salt: str) -> None:
+    """A salt ("": none) must be short enough to key a cache and hold no separator a KV store could split on."""
+    if len(salt) > MAX_CACHE_SALT_CHARS or any(c in CACHE_SALT_FORBIDDEN for c in salt):
+        raise InvalidRequest("cache_salt", f"must be at most {MAX_CACHE_SALT_CHARS} characters and hold none of "
+                                           "'@', '/', '\\' or NUL")
+
+
 def check_fits_cache(num_prompt_tokens: int, params: SamplingParams, limits: ModelLimits) -> None:
     """Refuse a request that could not fit in the whole KV cache even alone."""
     needed = max_kv_blocks(num_prompt_tokens, params.max_tokens, limits.max_model_len, limits.block_size)

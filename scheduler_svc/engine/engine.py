@@ -114,18 +114,18 @@ class Engine:
 
     def enqueue(self, token_ids: list[int], params: SamplingParams, resumed: list[int] | None = None,
                 lora: str | int | None = None, speculate: bool = True, priority: int = 0,
-                arrival: int | None = None) -> Sequence:
+                arrival: int | None = None, cache_salt: str = "") -> Sequence:
         """Queue a request already checked (``validation``) against this executor's limits; ``resumed`` completion
         tokens count as generated (a stream another scheduler started); ``lora``: an adapter's name, or the id a
-        request's first choice took; ``speculate``: whether it may speculate (``core.speculation``: not a choice of
-        n > 1); ``priority``: lower first under ``--request-order priority``, ties by ``arrival`` (its 1st choice's id;
-        None: its own). InvalidRequest if the cache shrank since, the adapter went, or a priority is given in fcfs."""
+        request's first choice took; ``speculate``: not for a choice of n > 1 (``core.speculation``); ``priority``:
+        lower first under ``--request-order priority``, ties by ``arrival`` (its 1st choice's id; None: its own);
+        ``cache_salt``: its prefix cache's ("": none). InvalidRequest: cache shrunk, adapter gone, priority in fcfs."""
         if priority and not self.scheduler.by_priority:
             raise InvalidRequest("priority", "priority scheduling is off: start the scheduler with --request-order "
                                  "priority, or leave priority at 0")
         tokens = [*token_ids, *(resumed or ())]
         lora_id = lora if isinstance(lora, int) else self.adapters.lora_id(lora)
-        seq = Sequence(next(self._seq_ids), tokens, params, self.info.block_size, len(token_ids), lora_id)
+        seq = Sequence(next(self._seq_ids), tokens, params, self.info.block_size, len(token_ids), lora_id, cache_salt)
         seq.speculate, seq.priority, seq.arrival = speculate, priority, seq.seq_id if arrival is None else arrival
         try:
             self.scheduler.add(seq)

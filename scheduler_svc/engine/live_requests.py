@@ -104,7 +104,8 @@ class LiveRequests:
         started = self.by_handle.get(handle)  # choice 0's id, renumbered with it after an executor restart
         lora = (started[0].seq.lora_id if started else handle.lora_id) if index else prepared.lora
         seq = engine.enqueue(prepared.prompt_token_ids, params, resumed, lora, speculate=prepared.params.n == 1,
-                             priority=prepared.priority, arrival=handle.arrival if index else None)
+                             priority=prepared.priority, arrival=handle.arrival if index else None,
+                             cache_salt=prepared.cache_salt)
         handle.arrival = seq.arrival
         handle.lora_id = seq.lora_id
         seq.max_decode_steps = handle.reads_at_a_time

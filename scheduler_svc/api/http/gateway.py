@@ -61,7 +61,7 @@ def rendered(prepared: PreparedRequest, request: pb.GenerateRequest, model: str)
         allowed_token_ids=(list(request.sampling.allowed_token_ids.token_ids)
                            if request.sampling.HasField("allowed_token_ids") else None))
     return RenderedPrompt(request_id=prepared.request_id, model=model, token_ids=prepared.prompt_token_ids,
-                          sampling_params=sampling, priority=request.priority,
+                          sampling_params=sampling, priority=request.priority, cache_salt=request.cache_salt or None,
                           reasoning_ended=request.structured_output.from_first_token or None)
 
 

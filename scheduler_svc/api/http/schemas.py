@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from scheduler_svc.api.http.tool_schemas import CompletionTokensDetails, DeltaToolCall, Tool, ToolCall
 
 UInt32 = Annotated[int, Field(ge=0, lt=2**32)]
+# vLLM's cache_salt: the prefix cache's salt, non-empty when sent (the scheduler checks its length and characters).
+CacheSalt = Annotated[str, Field(min_length=1)]
 Omitted = Field(default=None, exclude_if=lambda value: value is None)
 
 
@@ -97,6 +99,8 @@ class GenerationParameters(Request):
     return_tokens_as_token_ids: bool | None = None
     # vLLM's: tokens a streamed choice gathers per chunk; it may raise the server's --stream-interval, not lower it.
     stream_interval: Annotated[int, Field(ge=1, lt=2**32)] | None = None
+    # vLLM's: a prompt salted so hits only blocks computed for requests of the same salt (a tenant's secret).
+    cache_salt: CacheSalt | None = None
 
 
 class TextPart(Request):

@@ -189,7 +189,7 @@ def base_request(body: schemas.GenerationParameters, max_tokens: int | None, log
     request = pb.GenerateRequest(sampling=sampling, stopping=stopping, skip_special_tokens=body.skip_special_tokens,
                                  truncate_prompt_tokens=whole_prompt_if_minus_one(body.truncate_prompt_tokens),
                                  prompt_logprobs=body.prompt_logprobs, priority=body.priority or 0,
-                                 return_prompt_token_ids=bool(body.return_token_ids))
+                                 return_prompt_token_ids=bool(body.return_token_ids), cache_salt=body.cache_salt)
     constraint, renames["structured_output"] = structured_output(body, forced)
     if constraint is not None:
         request.structured_output.CopyFrom(constraint)

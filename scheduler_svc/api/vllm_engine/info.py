@@ -65,7 +65,7 @@ def kv_event(event_id: int, event: KvEvent) -> common.KvCacheEvent:
         size = event.block_size
         blocks = [common.KvBlock(block_hash=signed(h), token_ids=event.token_ids[i * size:(i + 1) * size],
                                  block_size=size, lora_id=event.lora_id) for i, h in enumerate(event.block_hashes)]
-        stored = common.KvBlocksStored(blocks=blocks)
+        stored = common.KvBlocksStored(blocks=blocks, lora_name=event.lora_name, cache_salt=event.cache_salt)
         if event.parent_block_hash is not None:
             stored.parent_block_hash = signed(event.parent_block_hash)
         return common.KvCacheEvent(event_id=event_id, stored=stored)

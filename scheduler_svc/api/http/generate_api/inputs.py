@@ -55,7 +55,7 @@ def generate_request(body: GenerateRequest, served: translate.Served, request_id
     renames.update({name: f"sampling_params.{name}" for name in SamplingParams.model_fields},
                    prompt="token_ids", structured_output="sampling_params.structured_outputs")
     request.tokens.token_ids.extend(body.token_ids)
-    request.lora, request.priority = lora, body.priority
+    request.lora, request.priority, request.cache_salt = lora, body.priority, body.cache_salt or ""
     if params.max_tokens is None:
         request.stopping.max_tokens_to_room = True
     request.return_prompt_token_ids = bool(body.return_token_ids)

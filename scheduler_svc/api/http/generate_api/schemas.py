@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 from scheduler_svc.api.http.schemas import (
+    CacheSalt,
     ChatLogprobs,
     CompletionUsage,
     Omitted,
@@ -71,6 +72,8 @@ class GenerateRequest(Request):
     # True: structured_outputs constrain from the first token generated, the thinking over (as the render says);
     # else, under the scheduler's --reasoning-parser, from the end of the thinking unless the prompt closed it.
     reasoning_ended: bool | None = None
+    # The prefix cache's salt: its prompt hits only blocks computed for requests of the same salt.
+    cache_salt: CacheSalt | None = None
 
 
 class GenerateLogProb(BaseModel):
@@ -165,6 +168,7 @@ class RenderedPrompt(BaseModel):
     token_ids: list[int]
     sampling_params: RenderedSamplingParams
     priority: int = 0
+    cache_salt: str | None = Omitted
     # True where the constraint applies from the first token generated (the thinking already ended, or is off).
     reasoning_ended: bool | None = Omitted
 

@@ -166,7 +166,7 @@ def chat_request(body: CountTokensRequest, stream: bool = False) -> schemas.Chat
         chat["reasoning_effort"] = "none"  # the template's enable_thinking off
     if isinstance(body, MessagesRequest):
         chat.update(max_completion_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
-                    top_p=body.top_p, top_k=body.top_k, stream=stream)
+                    top_p=body.top_p, top_k=body.top_k, stream=stream, cache_salt=body.cache_salt)
     try:
         return schemas.ChatCompletionRequest.model_validate(chat)
     except ValidationError as e:

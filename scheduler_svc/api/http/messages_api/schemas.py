@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from scheduler_svc.api.http.schemas import Omitted, Request, UInt32
+from scheduler_svc.api.http.schemas import CacheSalt, Omitted, Request, UInt32
 
 
 class Message(Request):
@@ -73,6 +73,8 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None
+    # vLLM's: the prefix cache's salt, as on the chat route.
+    cache_salt: CacheSalt | None = None
 
 
 class Usage(BaseModel):

@@ -30,7 +30,7 @@ RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tok
 # Settings a chat completion request takes under the same name.
 SHARED = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logit_bias", "skip_special_tokens",
-          "include_stop_str_in_output", "priority", "chat_template_kwargs", "include_reasoning",
+          "include_stop_str_in_output", "priority", "cache_salt", "chat_template_kwargs", "include_reasoning",
           "parallel_tool_calls", "structured_outputs")
 TEXT_PARTS = ("input_text", "output_text", "text")
 ROLES = ("user", "system", "developer", "assistant")

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduler_svc.api.http.schemas import Omitted, Request, StructuredOutputs, TokenLogprob, UInt32
+from scheduler_svc.api.http.schemas import CacheSalt, Omitted, Request, StructuredOutputs, TokenLogprob, UInt32
 
 # What ``include`` may ask for (OpenAI's list); only the logprobs change an answer of this server.
 Includable = Literal["code_interpreter_call.outputs", "computer_call_output.output.image_url",
@@ -89,6 +89,7 @@ class ResponsesRequest(Request):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] | None = None
+    cache_salt: CacheSalt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     structured_outputs: StructuredOutputs | None = None
     # vLLM's: the response's id (a fresh "resp_..." when unset).
