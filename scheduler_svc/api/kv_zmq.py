@@ -5,8 +5,8 @@ the batch in msgpack: ``[timestamp, [event, ...]]``, each event an array led by 
 ``["BlockStored", hashes, parent_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys]``,
 ``["BlockRemoved", hashes, medium]``, ``["AllBlocksCleared"]`` (``medium`` nil: the executor's own cache; ``lora_id``
 and ``lora_name`` nil for the base model's blocks; ``extra_keys`` one entry a block, as vLLM's: the adapter's name and,
-on a prompt's first block, the request's cache salt, nil where neither, or nil for all). Tagged arrays, as llm-d's
-event readers decode them.
+on a prompt's first block, the request's cache salt, nil where neither; left out where no block has any, as vLLM's
+encoder omits a trailing default). Tagged arrays, as llm-d's event readers decode them.
 Hashes are the prefix cache's chained xxh64, unsigned 64-bit.
 
 A thread of its own encodes and sends, so the engine loop never waits for ZMQ; it reads the batches from a
@@ -49,8 +49,10 @@ def extra_keys(event: BlockStored) -> list[list[str] | None] | None:
 def event_fields(event: KvEvent) -> list[object]:
     """One event as vLLM's tagged array."""
     if isinstance(event, BlockStored):
-        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                event.lora_id, None, event.lora_name, extra_keys(event)]
+        fields = ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                  event.lora_id, None, event.lora_name]
+        keys = extra_keys(event)
+        return fields if keys is None else [*fields, keys]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", event.block_hashes, None]
     assert isinstance(event, AllBlocksCleared)
