@@ -4,11 +4,15 @@ Messages, generate); the salt reaches the KV events gateways read; a salt vLLM w
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from array import array
 from collections.abc import Iterator
 
 import grpc
 import httpx
 import pytest
+import xxhash
 
 from client.api import Client
 from client.errors import NanoserveError
@@ -53,10 +57,24 @@ def test_the_salt_travels_with_the_stored_blocks_and_on_the_first_only_in_vllms_
     assert stored[0].block_hashes[0] != chain_hash(PROMPT[:4], NO_HASH), "the salt is in the chain's root"
     lora = BlockStored([1, 2], 9, [0] * 8, 4, lora_id=3, lora_name="a1", cache_salt="s")
     assert event_fields(lora)[8] == [["a1"], ["a1"]], "a chain continued: the salt was in its first block's"
-    assert len(event_fields(BlockStored([1], None, [0] * 4, 4))) == 8, "no extra keys: left out, as vLLM's"
+    assert event_fields(BlockStored([1], None, [0] * 4, 4))[8] == [None], "a block without extra keys: nil, as vLLM's"
     smg = kv_event(1, lora).stored
     assert (smg.lora_name, smg.cache_salt) == ("a1", "s"), "the namespace the Shepherd gateway folds into its hashes"
     assert not kv_event(2, stored[0]).stored.HasField("lora_name")
+
+
+def test_the_hashes_are_keyed_by_a_secret_each_scheduler_process_draws() -> None:
+    """Nobody outside the process can compute a block's hash, so no prompt or salt can be crafted to collide with
+    another request's prefix (xxh64 unkeyed, or a salt's root, could be inverted)."""
+    script = ("from scheduler_svc.core.block_manager import NO_HASH, chain_hash, root_hash\n"
+              "from scheduler_svc.core.sequence import Sequence\n"
+              "from scheduler_svc.core.sampling import SamplingParams\n"
+              "seq = Sequence(0, [1], SamplingParams(), 4, cache_salt='s')\n"
+              "print(chain_hash([1, 2, 3, 4], NO_HASH), root_hash(seq))")
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+            for _ in range(2)]
+    assert runs[0][0] != runs[1][0] and runs[0][1] != runs[1][1]
+    assert int(runs[0][0]) != xxhash.xxh64_intdigest(array("q", [1, 2, 3, 4]).tobytes())
 
 
 @pytest.fixture(scope="module")
@@ -143,4 +161,6 @@ def test_a_render_carries_the_salt_back_to_generate(api: Hosted) -> None:
     post(api, "/inference/v1/generate", rendered)
     again = post(api, "/inference/v1/generate", rendered).json()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    other = post(api, "/inference/v1/generate", {**rendered, "cache_salt": "tenant-s"}).json()
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "generate salts what it computes"
     assert "cache_salt" not in post(api, "/v1/chat/completions/render", chat("Unsalted")).json()

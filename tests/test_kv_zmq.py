@@ -83,8 +83,8 @@ def test_batches_arrive_as_vllm_publishes_them_and_a_replay_resends_the_kept_one
         timestamp, events = msgpack.unpackb(payload)
         assert abs(timestamp - time.time()) < 60
         # llm-d's reader's order: ..., block_size, lora_id, medium, lora_name (nil lora: the base model's blocks),
-        # extra_keys where a block has any
-        assert events == [["BlockStored", [h1, h2], None, [1, 2, 3, 4], 2, None, None, None],
+        # extra_keys (nil for a block with none)
+        assert events == [["BlockStored", [h1, h2], None, [1, 2, 3, 4], 2, None, None, None, [None, None]],
                           ["BlockRemoved", [h1], None], ["BlockStored", [h2], None, [3, 4], 2, 3, None, "a1", [["a1"]]]]
         last = int.from_bytes(number, "big")
         replay = context.socket(zmq.DEALER)

@@ -5,9 +5,9 @@ the batch in msgpack: ``[timestamp, [event, ...]]``, each event an array led by 
 ``["BlockStored", hashes, parent_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys]``,
 ``["BlockRemoved", hashes, medium]``, ``["AllBlocksCleared"]`` (``medium`` nil: the executor's own cache; ``lora_id``
 and ``lora_name`` nil for the base model's blocks; ``extra_keys`` one entry a block, as vLLM's: the adapter's name and,
-on a prompt's first block, the request's cache salt, nil where neither; left out where no block has any, as vLLM's
-encoder omits a trailing default). Tagged arrays, as llm-d's event readers decode them.
-Hashes are the prefix cache's chained xxh64, unsigned 64-bit.
+on a prompt's first block, the request's cache salt, nil where neither). Tagged arrays, as llm-d's event readers
+decode them.
+Hashes are the prefix cache's chained xxh64 (keyed by a secret of the process), unsigned 64-bit.
 
 A thread of its own encodes and sends, so the engine loop never waits for ZMQ; it reads the batches from a
 bounded subscription of ``KvEventLog``, so a publisher that falls behind drops the oldest (a gap in the numbers).
@@ -36,10 +36,8 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 POLL_S = 0.05
 
 
-def extra_keys(event: BlockStored) -> list[list[str] | None] | None:
-    """What each block's hash took in besides its tokens, untagged as vLLM publishes it; None: nothing for any."""
-    if event.lora_name is None and event.cache_salt is None:
-        return None
+def extra_keys(event: BlockStored) -> list[list[str] | None]:
+    """What each block's hash took in besides its tokens, untagged as vLLM publishes it (nil for a block with none)."""
     lora = [event.lora_name] if event.lora_name is not None else []
     salted_first = event.cache_salt is not None and event.parent_block_hash is None
     keys = [lora + [event.cache_salt] if i == 0 and salted_first else lora for i in range(len(event.block_hashes))]
@@ -49,10 +47,8 @@ def extra_keys(event: BlockStored) -> list[list[str] | None] | None:
 def event_fields(event: KvEvent) -> list[object]:
     """One event as vLLM's tagged array."""
     if isinstance(event, BlockStored):
-        fields = ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                  event.lora_id, None, event.lora_name]
-        keys = extra_keys(event)
-        return fields if keys is None else [*fields, keys]
+        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                event.lora_id, None, event.lora_name, extra_keys(event)]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", event.block_hashes, None]
     assert isinstance(event, AllBlocksCleared)

@@ -172,6 +172,7 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
     unset; max_tokens only where ``stopping.max_tokens`` is unset (an HTTP completion always sets it).
     ``thinking``: the markers of ``--reasoning-parser``, whose thinking a grammar waits for (``api.thinking``)."""
     try:
+        check_cache_salt(request.cache_salt)
         token_ids = truncated(prompt_token_ids(request, tokenizer), request)
         check_prompt(token_ids, limits)
         if request.stopping.stop and tokenizer is None:
@@ -190,7 +191,6 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
         check_resume(resumed, params, limits)
         check_fits_cache(len(token_ids), params, limits)
         interval = stream_interval(request)
-        check_cache_salt(request.cache_salt)
     except InvalidRequest as e:
         raise public_error(e) from e
     return PreparedRequest(request.request_id or uuid.uuid4().hex, token_ids, params, resumed, interval, request.lora,

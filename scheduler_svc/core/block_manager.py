@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from array import array
 from collections import deque
 
@@ -11,6 +13,11 @@ from scheduler_svc.core.kv_events import AllBlocksCleared, BlockRemoved, BlockSt
 from scheduler_svc.core.sequence import Sequence
 
 NO_HASH = -1
+# This process's secret, which keys every hash: nobody outside can compute one, so nobody can craft tokens or a
+# cache salt whose chain collides with another request's prefix (xxh64 is no cryptographic hash). The hashes are the
+# cache's own: routers key blocks by the tokens the events carry, never by recomputing these.
+HASH_KEY = secrets.token_bytes(16)
+HASH_SEED = int.from_bytes(HASH_KEY[:8], "little")
 
 
 class Block:
@@ -22,8 +29,8 @@ class Block:
 
 
 def chain_hash(token_ids: list[int], prefix_hash: int) -> int:
-    """xxh64 of the previous block's hash followed by this block's token ids."""
-    h = xxhash.xxh64()
+    """xxh64, keyed by ``HASH_SEED``, of the previous block's hash followed by this block's token ids."""
+    h = xxhash.xxh64(seed=HASH_SEED)
     if prefix_hash != NO_HASH:
         h.update(prefix_hash.to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())
@@ -36,10 +43,9 @@ def root_hash(seq: Sequence) -> int:
     other adapter's (their KV does), and a salted prompt hits only blocks computed under the same salt."""
     if not seq.lora_id and not seq.cache_salt:
         return NO_HASH
-    h = xxhash.xxh64(b"lora" + seq.lora_id.to_bytes(8, "little"))
-    if seq.cache_salt:
-        h.update(b"salt" + seq.cache_salt.encode())
-    return h.intdigest()
+    # A keyed BLAKE2b, once per sequence: a salt, the caller's own text, cannot be chosen to hit a given root.
+    key = b"lora" + seq.lora_id.to_bytes(8, "little") + b"salt" + seq.cache_salt.encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8, key=HASH_KEY).digest(), "little")
 
 
 class BlockManager:
