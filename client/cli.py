@@ -94,6 +94,8 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                         "runs --request-order priority (server default 0; only 0 otherwise)")
     parser.add_argument("--cache-salt", help="salt the prefix cache: the prompt hits only blocks computed for "
                         "requests of the same salt (server default: unsalted)")
+    parser.add_argument("--thinking-token-budget", type=int, help="the most tokens the model may think before "
+                        "</think> is forced (-1: none; the server needs --reasoning-parser; server default none)")
     parser.add_argument("--n", type=int, help="independent completions, streamed labelled by index (server default 1)")
     parser.add_argument("--min-tokens", type=int,
                         help="completion tokens before EOS or a stop may end it (server default 0)")
@@ -187,7 +189,7 @@ def generation_options(args: argparse.Namespace) -> dict:
              "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty",
              "n", "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
              "prompt_logprobs", "json_schema", "regex", "choice", "grammar", "json_object", "grammar_from_first_token",
-             "lora", "priority", "return_prompt_token_ids", "cache_salt")
+             "lora", "priority", "return_prompt_token_ids", "cache_salt", "thinking_token_budget")
     options = {name: getattr(args, name) for name in names}
     options["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     return options

@@ -48,6 +48,11 @@ class SamplingSettings:
     # The bad words as token-id sequences (the scheduler tokenizes them, so the executor needs no tokenizer): the
     # last id of each is banned wherever the completion ends with the ones before it.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # The thinking's budget (``executor_svc.sample.thinking_budget``): once this many tokens followed the last start
+    # marker with no end marker after it, the end marker is forced. None: no budget; it needs both markers.
+    thinking_token_budget: int | None = None
+    thinking_start_token_id: int | None = None
+    thinking_end_token_id: int | None = None
     greedy: bool = field(init=False, repr=False, compare=False)
     plain_greedy: bool = field(init=False, repr=False, compare=False)
     penalized: bool = field(init=False, repr=False, compare=False)
@@ -56,7 +61,7 @@ class SamplingSettings:
     def __post_init__(self) -> None:
         penalized = self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         processors = (penalized or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.allowed_token_ids)
-                      or bool(self.bad_words_token_ids))
+                      or bool(self.bad_words_token_ids) or self.thinking_token_budget is not None)
         object.__setattr__(self, "greedy", self.temperature < GREEDY_BELOW)
         object.__setattr__(self, "plain_greedy", self.greedy and self.num_logprobs is None and not processors)
         object.__setattr__(self, "penalized", penalized)

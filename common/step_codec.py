@@ -25,7 +25,8 @@ from nanoserve.v1 import executor_pb2 as pb
 
 # SamplingSettings fields the proto has as ``optional`` (absent: the default), by their proto names.
 OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "num_logprobs", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty", "grammar", "num_prompt_logprobs")
+                     "presence_penalty", "frequency_penalty", "grammar", "num_prompt_logprobs", "thinking_token_budget",
+                     "thinking_start_token_id", "thinking_end_token_id")
 DEFAULT_SAMPLING = SamplingSettings()
 
 

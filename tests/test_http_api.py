@@ -60,6 +60,7 @@ def test_a_chat_completion_is_what_grpc_answers(api: Hosted):
 
 def test_a_streamed_chat_sends_the_role_then_the_content_then_the_usage(api: Hosted):
     client = api.openai()
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=1)  # both then hit the cache
     whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=10)
     chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=10,
                                                  stream=True, stream_options={"include_usage": True}))

@@ -54,6 +54,8 @@ class RequestState:
     token_counts: Any = None
     # Its allowed ids and bad words made ready for the sampler (``token_masks.TokenMasks``), at its first sample.
     token_masks: Any = None
+    # Where its thinking started (``thinking_budget.ThinkingCount``), under a thinking budget, made at its first sample.
+    thinking_count: Any = None
     # The grammar's llguidance matcher, built by the model runner at the first sampled token (or, where the grammar
     # waits for the thinking's end, at that end); it goes with the state.
     matcher: object | None = None

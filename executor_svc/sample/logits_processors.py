@@ -1,8 +1,9 @@
-"""Per-request logits processors: the allowed ids and bad words (``token_masks``), the min_tokens mask, logit bias and
-the repetition/presence/frequency penalties.
+"""Per-request logits processors: the allowed ids and bad words (``token_masks``), the min_tokens mask, logit bias,
+the repetition/presence/frequency penalties and the thinking budget (``thinking_budget``).
 
 They run on the float32 logits of the rows that use any (``SamplingSettings.has_logits_processors``), before
-temperature and the filters, in vLLM's order: allowed ids, bad words, min_tokens mask, logit bias, penalties. The
+temperature and the filters, in vLLM's order: allowed ids, bad words, min_tokens mask, logit bias, penalties, then
+the thinking budget, which overrides them all where it forces the thinking's end. The
 repetition penalty follows transformers (each distinct token of prompt and completion: a positive logit divided by
 it, any other multiplied); presence and frequency penalties follow OpenAI and count completion tokens only:
 ``logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)``.
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from common.step import SamplingSettings
+from executor_svc.sample.thinking_budget import force_thinking_end
 from executor_svc.sample.token_masks import ban_bad_words, mask_allowed
 
 # Room for this many distinct tokens at least when a request's counts grow (they double), so a decode rarely
@@ -35,6 +37,7 @@ class RequestTokens(Protocol):
     num_prompt_tokens: int
     token_counts: Any
     token_masks: Any
+    thinking_count: Any
 
 
 class TokenCounts:
@@ -103,6 +106,7 @@ def apply_logits_processors(
     penalized = [i for i in index if rows[i].penalized]
     if penalized:
         penalize(out, [rows[i] for i in penalized], [requests[i] for i in penalized], penalized)
+    force_thinking_end(out, rows, requests, index)
     return out
 
 

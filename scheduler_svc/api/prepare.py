@@ -52,6 +52,7 @@ PROTO_FIELD = {
     "min_tokens": "stopping.min_tokens",
     "allowed_token_ids": "sampling.allowed_token_ids",
     "bad_words": "sampling.bad_words",
+    "thinking_token_budget": "sampling.thinking_token_budget",
 }
 # Fields of the GenerateRequest itself that SamplingParams holds.
 OPTIONAL_REQUEST = ("skip_special_tokens", "prompt_logprobs")
@@ -100,7 +101,7 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: ModelTokenizer | No
 
 # Fields whose absence means their default (proto3 optional), as SamplingParams names them.
 OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty", "n")
+                     "presence_penalty", "frequency_penalty", "n", "thinking_token_budget")
 OPTIONAL_STOPPING = ("ignore_eos", "min_tokens", "include_stop_str_in_output")
 
 
@@ -164,6 +165,14 @@ def thinking_off(request: pb.GenerateRequest) -> bool:
     return value is not None and value.WhichOneof("kind") == "bool_value" and not value.bool_value
 
 
+def thinking_markers(thinking: ThinkingMarkers | None) -> tuple[int, int]:
+    """The markers a thinking budget counts from and forces; InvalidRequest where the scheduler reads none."""
+    if thinking is None:
+        raise InvalidRequest("thinking_token_budget", "needs the scheduler's --reasoning-parser, and a vocabulary "
+                                                      "with <think> and </think>")
+    return thinking.start, thinking.end
+
+
 def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTokenizer | None,
             model_defaults: Mapping[str, object] | None = None,
             thinking: ThinkingMarkers | None = None) -> PreparedRequest:
@@ -185,6 +194,8 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
         if grammar is not None and thinking is not None and thinking.waits(
                 token_ids, request.structured_output.from_first_token, thinking_off(request)):
             params = replace(params, grammar_after_token_ids=(thinking.end,))
+        if params.thinking_token_budget is not None:
+            params = replace(params, thinking_markers=thinking_markers(thinking))
         check_sampling(params)
         check_token_ids(params, limits)
         resumed = list(request.resume.completion_token_ids)

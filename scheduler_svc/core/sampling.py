@@ -44,6 +44,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # vLLM's bad_words as the token-id sequences its rule bans (``bad_words.bad_words_token_ids`` makes them).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # vLLM's thinking_token_budget: the most tokens after the start marker before the end marker is forced (None: no
+    # budget); the markers are the reasoning parser's (``api.thinking``), set where the request is prepared.
+    thinking_token_budget: int | None = None
+    thinking_markers: tuple[int, int] | None = None
     # What the executor's sampler needs of these, made once: every plan that sends the request whole carries it.
     settings: SamplingSettings = field(init=False, repr=False, compare=False)
 
@@ -61,6 +65,9 @@ class SamplingParams:
             grammar_after_token_ids=self.grammar_after_token_ids,
             allowed_token_ids=tuple(sorted(set(self.allowed_token_ids or ()))),
             bad_words_token_ids=tuple(map(tuple, self.bad_words_token_ids)),
+            thinking_token_budget=self.thinking_token_budget if self.thinking_markers else None,
+            thinking_start_token_id=self.thinking_markers[0] if self.thinking_markers else None,
+            thinking_end_token_id=self.thinking_markers[1] if self.thinking_markers else None,
         )
 
     def for_choice(self, index: int) -> SamplingParams:

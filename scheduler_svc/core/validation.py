@@ -213,3 +213,7 @@ def check_sampling(params: SamplingParams) -> None:
     if params.allowed_token_ids is not None and not params.allowed_token_ids:
         raise InvalidRequest("allowed_token_ids", "when given, it must hold at least one token id")
     check_bad_words(params.bad_words_token_ids)
+    budget = params.thinking_token_budget
+    if budget is not None and (budget < 0 or params.thinking_markers is None):
+        raise InvalidRequest("thinking_token_budget", f"must be >= 0, got {budget}" if budget < 0 else
+                             "needs the thinking's start and end token ids (the scheduler's --reasoning-parser)")

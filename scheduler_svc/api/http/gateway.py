@@ -58,6 +58,7 @@ def rendered(prepared: PreparedRequest, request: pb.GenerateRequest, model: str)
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias,
         logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, structured_output=p.grammar is not None,
         structured_outputs=structured_outputs(request), bad_words=list(request.sampling.bad_words) or None,
+        thinking_token_budget=p.thinking_token_budget,
         allowed_token_ids=(list(request.sampling.allowed_token_ids.token_ids)
                            if request.sampling.HasField("allowed_token_ids") else None))
     return RenderedPrompt(request_id=prepared.request_id, model=model, token_ids=prepared.prompt_token_ids,

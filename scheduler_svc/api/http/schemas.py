@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from scheduler_svc.api.http.tool_schemas import CompletionTokensDetails, DeltaToolCall, Tool, ToolCall
 
 UInt32 = Annotated[int, Field(ge=0, lt=2**32)]
 # vLLM's cache_salt: the prefix cache's salt, non-empty when sent (the scheduler checks its length and characters).
 CacheSalt = Annotated[str, Field(min_length=1)]
+# vLLM's thinking_token_budget: a whole number of tokens, -1 for none (as left out).
+ThinkingBudget = Annotated[StrictInt, Field(ge=-1, lt=2**32)]
 Omitted = Field(default=None, exclude_if=lambda value: value is None)
 
 
@@ -101,6 +103,8 @@ class GenerationParameters(Request):
     stream_interval: Annotated[int, Field(ge=1, lt=2**32)] | None = None
     # vLLM's: a prompt salted so hits only blocks computed for requests of the same salt (a tenant's secret).
     cache_salt: CacheSalt | None = None
+    # vLLM's: the most tokens the model may think (--reasoning-parser's markers); then </think> is forced.
+    thinking_token_budget: ThinkingBudget | None = None
 
 
 class TextPart(Request):

@@ -175,7 +175,8 @@ def base_request(body: schemas.GenerationParameters, max_tokens: int | None, log
         temperature=body.temperature, top_k=0 if body.top_k == -1 else body.top_k, top_p=body.top_p,
         min_p=body.min_p, seed=None if body.seed in (None, -1) else body.seed % 2**64, logprobs=logprobs,
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias), n=body.n)
+        frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias), n=body.n,
+        thinking_token_budget=None if body.thinking_token_budget == -1 else body.thinking_token_budget)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     stopping = pb.StoppingOptions(max_tokens=max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or [],
                                   ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,

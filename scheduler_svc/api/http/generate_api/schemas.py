@@ -15,6 +15,7 @@ from scheduler_svc.api.http.schemas import (
     Request,
     StreamOptions,
     StructuredOutputs,
+    ThinkingBudget,
     UInt32,
 )
 
@@ -51,6 +52,7 @@ class SamplingParams(Request):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[UInt32] | None = None
     bad_words: list[str] | None = None
+    thinking_token_budget: ThinkingBudget | None = None
 
 
 class GenerateRequest(Request):
@@ -157,6 +159,7 @@ class RenderedSamplingParams(BaseModel):
     structured_outputs: dict[str, Any] | None = Omitted
     allowed_token_ids: list[int] | None = Omitted
     bad_words: list[str] | None = Omitted
+    thinking_token_budget: int | None = Omitted
 
 
 class RenderedPrompt(BaseModel):
@@ -197,7 +200,6 @@ SAMPLING_UNSUPPORTED: dict[str, str] = {
     "prompt_logprob_token_ids": "the logprobs of named prompt tokens",
     "prompt_logprob_start": "prompt logprobs from a position",
     "logprob_token_ids": "the logprobs of named tokens",
-    "thinking_token_budget": "a thinking token budget",
     "repetition_detection": "repetition detection",
     "trace_decode_token_ids": "tracing decode token ids",
 }

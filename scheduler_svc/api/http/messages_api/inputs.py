@@ -2,7 +2,8 @@
 system message first (Claude Code's per-request billing header left out, so that the prefix cache holds), each
 message's text blocks its content, ``thinking`` blocks its reasoning, ``tool_use`` blocks its tool calls, and a
 user's ``tool_result`` blocks tool messages before it; ``tools``, ``tool_choice`` (``any`` is ``"required"``),
-``thinking`` (``disabled`` turns the template's thinking off) and ``output_config`` in chat's shapes.
+``thinking`` (``disabled`` turns the template's thinking off; ``enabled`` with ``budget_tokens`` is the thinking
+budget where the scheduler reads the thinking, ``--reasoning-parser``) and ``output_config`` in chat's shapes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from scheduler_svc.api.http.messages_api.schemas import CountTokensRequest, Mess
 
 BILLING_HEADER = "x-anthropic-billing-header"
 # Chat's parameters as the Messages API names them.
-MESSAGES_NAMES = {"max_completion_tokens": "max_tokens", "response_format": "output_config", "stop": "stop_sequences"}
+MESSAGES_NAMES = {"max_completion_tokens": "max_tokens", "response_format": "output_config", "stop": "stop_sequences",
+                  "thinking_token_budget": "thinking"}
 
 
 def renamed(error: ApiError) -> ApiError:
@@ -142,7 +144,9 @@ def tool_choice(choice: Any, has_tools: bool) -> dict[str, Any]:
     return out
 
 
-def chat_request(body: CountTokensRequest, stream: bool = False) -> schemas.ChatCompletionRequest:
+def chat_request(body: CountTokensRequest, stream: bool = False, thinks: bool = False) -> schemas.ChatCompletionRequest:
+    """``thinks``: the scheduler reads the thinking (``--reasoning-parser``), so ``thinking.budget_tokens`` bounds it
+    (vLLM's thinking_token_budget); without, it bounds nothing, as a model that does not think needs no bound."""
     messages: list[dict[str, Any]] = []
     if system := system_text(body.system, "system"):
         messages.append({"role": "system", "content": system})
@@ -165,6 +169,11 @@ def chat_request(body: CountTokensRequest, stream: bool = False) -> schemas.Chat
     if body.thinking is not None and body.thinking.type == "disabled":
         chat["reasoning_effort"] = "none"  # the template's enable_thinking off
     if isinstance(body, MessagesRequest):
+        budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
+        if budget is not None and budget >= body.max_tokens:
+            raise refuse("thinking.budget_tokens", "must be less than max_tokens")
+        if budget is not None and thinks:
+            chat["thinking_token_budget"] = budget
         chat.update(max_completion_tokens=body.max_tokens, stop=body.stop_sequences, temperature=body.temperature,
                     top_p=body.top_p, top_k=body.top_k, stream=stream, cache_salt=body.cache_salt)
     try:

@@ -34,7 +34,7 @@ def messages_router(source: Generating, parsing: ChatParsing) -> APIRouter:
 
     async def translated(body: MessagesRequest) -> translate.Translated:
         served = (await source.served())._replace(tokenizer=source.tokenizer)
-        chat = inputs.chat_request(body, bool(body.stream))
+        chat = inputs.chat_request(body, bool(body.stream), bool(parsing.reasoning_parser))
         try:
             if chat_render.needs_rendering(chat.messages, chat.tools) or parsing.reasoning_parser:  # off the loop
                 t = await asyncio.to_thread(translate.chat_request, chat, served, parsing)

@@ -39,7 +39,7 @@ class ToolChoice(Request):
 
 class Thinking(Request):
     type: Literal["enabled", "disabled", "adaptive"]
-    # Anthropic's and vLLM's floor; not enforced as a limit here.
+    # Anthropic's and vLLM's floor; under --reasoning-parser the thinking's budget (vLLM's thinking_token_budget).
     budget_tokens: Annotated[int, Field(ge=1024)] | None = None
 
 
