@@ -12,9 +12,9 @@ import httpx
 import pytest
 import torch
 
-from common.step import SamplingSettings
+from common.step import NewRequest, SamplingSettings, StepPlan
 from common.step_codec import sampling_from_proto, sampling_to_proto
-from executor_svc.core.request_table import RequestState
+from executor_svc.core.request_table import PlanError, RequestState, RequestTable
 from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.model_executor import ModelExecutor
 from executor_svc.sample.sampler import Sampler
@@ -133,8 +133,9 @@ def test_a_real_model_ends_its_thinking_at_the_budget_inside_multi_step_windows(
 
 @pytest.fixture(scope="module")
 def servers():
-    executor = RecordingEcho()
-    with hosted(executor, reasoning_parser="qwen3") as thinking, hosted(RecordingEcho()) as plain:
+    executor, plain_executor = RecordingEcho(), RecordingEcho()
+    with hosted(executor, reasoning_parser="qwen3") as thinking, hosted(plain_executor) as plain:
+        plain.executor = plain_executor
         yield executor, thinking, plain
         thinking.assert_idle()
         plain.assert_idle()
@@ -169,6 +170,7 @@ def test_messages_thinking_budget_bounds_the_thinking_where_the_server_reads_it(
     assert executor.sampling[-1].thinking_token_budget == 1024
     assert httpx.post(f"{plain.url}/v1/messages", json=body, timeout=30).status_code == 200, \
         "a server that reads no thinking has none to bound"
+    assert plain.executor.sampling[-1].thinking_token_budget is None
     refused = httpx.post(f"{thinking.url}/v1/messages", json={**body, "max_tokens": 1024}, timeout=30)
     assert refused.status_code == 400 and "budget_tokens" in refused.text
 
@@ -180,3 +182,26 @@ def test_the_in_process_engine_refuses_a_budget_it_cannot_count(make_shadow_engi
         with pytest.raises(InvalidRequest) as refused:
             engine.add_request([1, 2, 3], params)
         assert refused.value.field == "thinking_token_budget" and reason in refused.value.reason
+
+
+def test_a_grammar_that_already_applies_is_left_to_decide() -> None:
+    """A grammar from the first token in a prompt that opened a thinking: a forced </think> would break it."""
+    logits = torch.zeros(1, 128)
+    logits[0, 7] = 5.0
+    request = state([1, START, 7, 7, 7], budgeted(1), 1)
+    request.matcher = object()  # what constraints.mask leaves on a row whose grammar applies
+    assert Sampler(seed=0)(logits.clone(), [request.sampling], [5], [request]).token_ids == [7]
+    request.matcher = None  # a grammar that waits for the thinking's end: the budget forces it
+    assert Sampler(seed=0)(logits.clone(), [request.sampling], [5], [request]).token_ids == [END]
+
+
+def test_markers_outside_the_vocabulary_are_refused_before_they_reach_a_step(make_shadow_engine) -> None:
+    engine, _ = make_shadow_engine(vocab_size=50)
+    with pytest.raises(InvalidRequest) as refused:
+        engine.add_request([1, 2, 3], SamplingParams(thinking_token_budget=2, thinking_markers=(10, 10**6)))
+    assert refused.value.field == "thinking_token_budget" and "outside the vocabulary" in refused.value.reason
+    table = RequestTable(num_blocks=8, block_size=4, vocab_size=50, max_model_len=64)
+    for settings in (budgeted(2), SamplingSettings(thinking_token_budget=2, thinking_start_token_id=3)):
+        new = NewRequest(1, [1, 2, 3], settings, [0], num_scheduled_tokens=3)
+        with pytest.raises(PlanError, match="both markers in the vocabulary"):
+            table.apply(StepPlan(step_id=1, is_prefill=True, new_requests=[new]))

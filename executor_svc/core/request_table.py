@@ -263,6 +263,11 @@ class RequestTable:
             bad = next((t for t in getattr(params, name) if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise PlanError(INVALID, f"request {request_id}: {name}: {bad} is outside the vocabulary")
+        markers = (params.thinking_start_token_id, params.thinking_end_token_id)
+        if params.thinking_token_budget is not None and not all(t is not None and 0 <= t < self.vocab_size
+                                                                for t in markers):
+            raise PlanError(INVALID, f"request {request_id}: a thinking budget needs both markers in the vocabulary, "
+                                     f"got {markers}")
         for word in params.bad_words_token_ids:
             if not word or not all(0 <= t < self.vocab_size for t in word):
                 raise PlanError(INVALID, f"request {request_id}: bad word {list(word)} needs one token id at least, "

@@ -38,6 +38,8 @@ class RequestTokens(Protocol):
     token_counts: Any
     token_masks: Any
     thinking_count: Any
+    # A grammar's matcher once it applies (``constraints``), else None.
+    matcher: Any
 
 
 class TokenCounts:

@@ -4,7 +4,8 @@ A request thinks from its last ``<think>`` with no ``</think>`` after it, the pr
 that opens the thinking in the prompt, as DeepSeek-R1's does, starts the count there, as vLLM's does); once that
 many tokens followed the start, its row's logits are -inf but at the end marker, so greedy and sampled rows alike
 take it and the model answers. Its logprob is read from the raw logits, as every logprob here: the model's own. A
-later ``<think>`` starts a new count.
+later ``<think>`` starts a new count. A request whose grammar already applies (from its first token, in a prompt
+that opened a thinking) is left to its grammar: a forced ``</think>`` would break it.
 
 Each request's place is kept on its state (``ThinkingCount``) and advanced over the tokens appended since its last
 sample, so a step's work does not grow with the context; tokens taken back (a verification's proposals) make it
@@ -60,6 +61,8 @@ def force_thinking_end(logits: torch.Tensor, rows: Sequence[SamplingSettings], r
         if row.thinking_token_budget is None:
             continue
         request = requests[i]
+        if request.matcher is not None:
+            continue
         if request.thinking_count is None:
             request.thinking_count = ThinkingCount(row)
         thought = request.thinking_count.thought(request.token_ids)

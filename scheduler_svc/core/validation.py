@@ -99,6 +99,10 @@ def check_token_ids(params: SamplingParams, limits: ModelLimits) -> None:
     bad = next((t for word in params.bad_words_token_ids for t in word if not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidRequest("bad_words", f"a word tokenizes to id {bad}, outside the model's vocabulary [0, {vocab})")
+    bad = next((t for t in params.thinking_markers or () if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest("thinking_token_budget", f"the thinking's marker {bad} is outside the vocabulary "
+                                                      f"[0, {vocab})")
 
 
 def check_resume(completion: list[int], params: SamplingParams, limits: ModelLimits,
