@@ -164,3 +164,15 @@ def test_a_render_carries_the_salt_back_to_generate(api: Hosted) -> None:
     other = post(api, "/inference/v1/generate", {**rendered, "cache_salt": "tenant-s"}).json()
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, "generate salts what it computes"
     assert "cache_salt" not in post(api, "/v1/chat/completions/render", chat("Unsalted")).json()
+
+
+def test_a_preempted_salted_request_keeps_its_salt(make_shadow_engine) -> None:
+    engine, _ = make_shadow_engine(num_blocks=10, block_size=4, max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    salted = engine.enqueue(PROMPT, params, cache_salt="tenant-p")
+    other = engine.enqueue(list(range(20, 33)), params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.num_preemptions >= 1 and salted.cache_salt == "tenant-p" and other.is_finished
+    assert run_alone(engine, "tenant-p") == 12
+    assert run_alone(engine) == 0, "what the salted request computed, before and after its preemption, is its salt's"
