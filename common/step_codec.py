@@ -102,11 +102,13 @@ def _logprobs_to_proto(lp: TokenLogprobs | None) -> pb.TokenLogprobs:
     """An empty entry for a request that asked for none."""
     if lp is None:
         return pb.TokenLogprobs()
-    return pb.TokenLogprobs(logprob=lp.logprob, top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+    return pb.TokenLogprobs(logprob=lp.logprob, top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs,
+                            rank=lp.rank)
 
 
 def _logprobs_from_proto(msg: pb.TokenLogprobs) -> TokenLogprobs:
-    return TokenLogprobs(msg.logprob, list(msg.top_token_ids), list(msg.top_logprobs))
+    return TokenLogprobs(msg.logprob, list(msg.top_token_ids), list(msg.top_logprobs),
+                         msg.rank if msg.HasField("rank") else None)
 
 
 def result_to_proto(result: StepResult) -> pb.StepResult:

@@ -14,6 +14,7 @@ import torch
 
 from common.step import PromptLogprobs, TokenLogprobs
 from executor_svc.core.request_table import ScheduledChunk
+from executor_svc.sample.sampler import chosen_and_ranks
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,13 @@ def prompt_logprobs(logits: torch.Tensor, runs: list[ScoredRun]) -> list[PromptL
     """The runs' logprobs from their rows of ``logits`` [scored rows, vocab]."""
     logprobs = logits.float().log_softmax(dim=-1)
     targets = torch.tensor([t for run in runs for t in run.targets], device=logits.device)
-    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    chosen, ranks = chosen_and_ranks(logprobs, targets)
     top_values, top_ids = logprobs.topk(min(max(run.num_top for run in runs), logits.shape[1]), dim=-1)
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     out = []
     for run in runs:
         n = run.num_top
         rows = range(run.first_row, run.first_row + len(run.targets))
-        entries = [TokenLogprobs(chosen[r], top_ids[r][:n], top_values[r][:n]) for r in rows]
+        entries = [TokenLogprobs(chosen[r], top_ids[r][:n], top_values[r][:n], ranks[r]) for r in rows]
         out.append(PromptLogprobs(run.request_id, run.first_position, entries))
     return out

@@ -236,11 +236,18 @@ def token_logprobs(
     if all(n is None for n in asked):
         return []
     logprobs = logits.log_softmax(dim=-1)
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    chosen, ranks = chosen_and_ranks(logprobs, token_ids)
     n_max = min(max(n or 0 for n in asked), logits.shape[1])
     top_values, top_ids = logprobs.topk(n_max, dim=-1)
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     return [
-        None if n is None else TokenLogprobs(chosen[i], top_ids[i][:n], top_values[i][:n])
+        None if n is None else TokenLogprobs(chosen[i], top_ids[i][:n], top_values[i][:n], ranks[i])
         for i, n in enumerate(asked)
     ]
+
+
+def chosen_and_ranks(logprobs: torch.Tensor, token_ids: torch.Tensor) -> tuple[list[float], list[int]]:
+    """Each row's logprob at its token, and the token's rank: 1 + the tokens with a higher logprob (vLLM's)."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1).add_(1)
+    return chosen.squeeze(1).tolist(), ranks.tolist()

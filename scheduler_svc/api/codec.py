@@ -21,7 +21,7 @@ FINISH_REASONS = {
 
 def token_logprob(token_id: int, lp: TokenLogprobs) -> pb.TokenLogprob:
     top = [pb.Logprob(token_id=t, logprob=p) for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
-    return pb.TokenLogprob(token_id=token_id, logprob=lp.logprob, top=top)
+    return pb.TokenLogprob(token_id=token_id, logprob=lp.logprob, top=top, rank=lp.rank)
 
 
 def to_response(request_id: str, outputs: list[RequestOutput], prompt_token_ids: list[int] | None = None

@@ -183,7 +183,7 @@ def prompt_logprobs(prompt: tuple[list[int], list[TokenLogprobs]] | None, tokeni
     for token_id, lp in zip(prompt[0][1:], prompt[1], strict=True):
         ranked = {t_id: schemas.PromptLogprob(logprob=finite(p), rank=rank, decoded_token=token_text(tokenizer, t_id))
                   for rank, (t_id, p) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1)}
-        own = ranked.get(token_id) or schemas.PromptLogprob(logprob=finite(lp.logprob),
+        own = ranked.get(token_id) or schemas.PromptLogprob(logprob=finite(lp.logprob), rank=lp.rank,
                                                             decoded_token=token_text(tokenizer, token_id))
         out.append({token_id: own, **ranked})
     return out

@@ -1,7 +1,8 @@
 """The engine's outputs as vLLM's generate answers: one object, or a stream of one choice's new tokens per event.
 
 Logprobs list the candidates as vLLM's engine keeps them: the sampled token first, then the others by rank, as many
-as asked (at least one). A sampled token outside the candidates scored has no known rank (null).
+as asked (at least one). A sampled token outside the candidates has the rank the executor counted (1 + the tokens
+likelier than it, as vLLM counts it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def candidates(token_id: int, lp: TokenLogprobs, asked: int) -> list[GenerateLog
     """The sampled token, then the ``asked`` most likely others, cut to ``asked`` (at least one) as vLLM cuts them."""
     ranked = list(zip(lp.top_token_ids[:asked], lp.top_logprobs[:asked], strict=True))
     rank_of = {t_id: rank for rank, (t_id, _) in enumerate(ranked, 1)}
-    out = [GenerateLogProb(token_id=token_id, logprob=finite(lp.logprob), rank=rank_of.get(token_id))]
+    out = [GenerateLogProb(token_id=token_id, logprob=finite(lp.logprob), rank=rank_of.get(token_id, lp.rank))]
     out += [GenerateLogProb(token_id=t_id, logprob=finite(p), rank=rank)
             for rank, (t_id, p) in enumerate(ranked, 1) if t_id != token_id]
     return out[:max(asked, 1)]
