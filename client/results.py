@@ -34,10 +34,13 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    # 1 + the tokens the model found likelier (vLLM's rank); None from a server that does not say.
+    rank: int | None = None
 
     @classmethod
     def from_proto(cls, lp: pb.TokenLogprob) -> TokenLogprob:
-        return cls(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+        return cls(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top],
+                   lp.rank if lp.HasField("rank") else None)
 
 
 @dataclass

@@ -158,6 +158,8 @@ def test_a_chunk_reads_every_field_whichever_path_it_takes() -> None:
     scored = pb.GenerateResponse(request_id="r", text="a", token_ids=[5], logprobs=[pb.TokenLogprob(
         token_id=5, logprob=-0.5, top=[pb.Logprob(token_id=5, logprob=-0.5)])])
     assert Chunk.from_proto(scored).logprobs == [TokenLogprob(5, -0.5, [(5, -0.5)])]
+    ranked = pb.GenerateResponse(request_id="r", logprobs=[pb.TokenLogprob(token_id=5, logprob=-2.5, rank=3)])
+    assert Chunk.from_proto(ranked).logprobs[0].rank == 3
     last = pb.GenerateResponse(request_id="r", token_ids=[7], finish_reason=pb.FINISH_REASON_LENGTH,
                                usage=pb.Usage(prompt_tokens=3, completion_tokens=4))
     chunk = Chunk.from_proto(last)
