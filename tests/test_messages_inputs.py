@@ -37,7 +37,15 @@ def test_settings_in_chats_shape():
         9, ["END"], 0.2, 0.9, 5)
     assert chat.response_format.json_schema.schema_ == schema and chat.reasoning_effort == "high"
     assert chat_of(thinking={"type": "disabled"}).reasoning_effort == "none"
-    assert chat_of(thinking={"type": "enabled", "budget_tokens": 2048}).reasoning_effort is None
+    enabled = {"type": "enabled", "budget_tokens": 2048}
+    assert chat_of(max_tokens=4096, thinking=enabled).reasoning_effort is None
+    assert chat_of(max_tokens=4096, thinking=enabled).thinking_token_budget is None, "the server reads no thinking"
+    thinking = chat_request(MessagesRequest.model_validate({"model": "m", "max_tokens": 4096, "thinking": enabled,
+                                                           "messages": [{"role": "user", "content": "Hi"}]}),
+                            thinks=True)
+    assert thinking.thinking_token_budget == 2048
+    with pytest.raises(ApiError, match="budget_tokens: must be less than max_tokens"):
+        chat_of(thinking=enabled)
 
 
 def test_a_system_message_inside_the_conversation_stays_in_its_place():
