@@ -34,7 +34,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
-    # 1 + the tokens the model found likelier (vLLM's rank); None from a server that does not say.
+    # The tokens the model found at least as likely, itself included (vLLM's rank); None where the server does not say.
     rank: int | None = None
 
     @classmethod

@@ -121,7 +121,8 @@ class TokenLogprobs:
     logprob: float
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
-    # The token's rank in its distribution: 1 + the tokens more likely than it (vLLM's); None where not known.
+    # The token's rank in its distribution, as vLLM counts it: the tokens at least as likely, itself included (ties
+    # share the last of their ranks); None where not known.
     rank: int | None = None
 
 

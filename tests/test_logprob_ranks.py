@@ -1,6 +1,6 @@
-"""A logprob's rank, as vLLM counts it: 1 + the tokens with a higher logprob in the raw distribution, for sampled and
-prompt tokens alike; it crosses the step contract and the public API, and the generate route and prompt logprobs show
-it where the token is not among the alternatives asked for."""
+"""A logprob's rank, as vLLM counts it: the tokens at least as likely in the raw distribution, itself included (ties
+share the last of their ranks), for sampled and prompt tokens alike; it crosses the step contract and the public API,
+and the generate route and prompt logprobs show it where the token is not among the alternatives asked for."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ def test_a_sampled_token_outside_the_alternatives_has_its_rank_in_the_whole_voca
     assert output.token_ids == [3] and entry.rank == 4 and entry.top_token_ids == [0], "0, 1 and 2 are likelier"
     greedy = Sampler(seed=0)(LOGITS.clone(), [SamplingSettings(temperature=0.0, num_logprobs=0)], [1])
     assert greedy.logprobs[0].rank == 1
+    tied = Sampler(seed=0)(torch.tensor([[5.0, 5.0, 3.0]]), [SamplingSettings(temperature=0.0, num_logprobs=0)], [1])
+    assert tied.token_ids == [0] and tied.logprobs[0].rank == 2, "ties share the last of their ranks, as vLLM's"
 
 
 def test_prompt_tokens_are_ranked_too() -> None:

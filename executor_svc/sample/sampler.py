@@ -247,7 +247,9 @@ def token_logprobs(
 
 
 def chosen_and_ranks(logprobs: torch.Tensor, token_ids: torch.Tensor) -> tuple[list[float], list[int]]:
-    """Each row's logprob at its token, and the token's rank: 1 + the tokens with a higher logprob (vLLM's)."""
+    """Each row's logprob at its token, and the token's rank as vLLM counts it: the tokens at least as likely, itself
+    included (tokens tied with it share the last of their ranks). One copy from the device for both."""
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
-    ranks = (logprobs > chosen).sum(dim=-1).add_(1)
-    return chosen.squeeze(1).tolist(), ranks.tolist()
+    ranks = (logprobs >= chosen).sum(dim=-1)
+    both = torch.stack([chosen.squeeze(1), ranks.to(chosen.dtype)]).tolist()
+    return both[0], [int(rank) for rank in both[1]]

@@ -1,8 +1,8 @@
 """The engine's outputs as vLLM's generate answers: one object, or a stream of one choice's new tokens per event.
 
 Logprobs list the candidates as vLLM's engine keeps them: the sampled token first, then the others by rank, as many
-as asked (at least one). A sampled token outside the candidates has the rank the executor counted (1 + the tokens
-likelier than it, as vLLM counts it).
+as asked (at least one). A sampled token outside the candidates has the rank the executor counted (the tokens at least
+as likely, itself included, as vLLM counts it).
 """
 
 from __future__ import annotations
