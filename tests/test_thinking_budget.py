@@ -29,6 +29,7 @@ from scheduler_svc.engine.engine import Engine
 from tests.http_fixtures import hosted
 from tests.model_fixtures import tiny_model_folders  # noqa: F401
 from tests.test_http_reasoning import RecordingEcho
+from tests.test_http_request_ids import shadow
 from tests.test_http_tools import TOKENIZER
 from tests.test_structured_reasoning import LIMITS, MODEL
 
@@ -205,3 +206,15 @@ def test_markers_outside_the_vocabulary_are_refused_before_they_reach_a_step(mak
         new = NewRequest(1, [1, 2, 3], settings, [0], num_scheduled_tokens=3)
         with pytest.raises(PlanError, match="both markers in the vocabulary"):
             table.apply(StepPlan(step_id=1, is_prefill=True, new_requests=[new]))
+
+
+def test_messages_budget_bounds_nothing_over_a_vocabulary_without_the_markers() -> None:
+    """--reasoning-parser over a vocabulary without <think> and </think> (the scheduler warns): nothing to count."""
+    with hosted(shadow(), reasoning_parser="qwen3") as server:
+        model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "max_tokens": 2000, "messages": [{"role": "user", "content": "Hi"}],
+                "thinking": {"type": "enabled", "budget_tokens": 1024}}
+        answer = httpx.post(f"{server.url}/v1/messages", json={**body, "max_tokens": 3}, timeout=30)
+        assert answer.status_code == 400, "budget_tokens must still be below max_tokens"
+        assert httpx.post(f"{server.url}/v1/messages", json=body, timeout=30).status_code == 200
+        server.assert_idle()

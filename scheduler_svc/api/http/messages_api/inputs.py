@@ -145,8 +145,9 @@ def tool_choice(choice: Any, has_tools: bool) -> dict[str, Any]:
 
 
 def chat_request(body: CountTokensRequest, stream: bool = False, thinks: bool = False) -> schemas.ChatCompletionRequest:
-    """``thinks``: the scheduler reads the thinking (``--reasoning-parser``), so ``thinking.budget_tokens`` bounds it
-    (vLLM's thinking_token_budget); without, it bounds nothing, as a model that does not think needs no bound."""
+    """``thinks``: the scheduler reads the thinking (``--reasoning-parser``, over a vocabulary with its markers), so
+    ``thinking.budget_tokens`` bounds it (vLLM's thinking_token_budget); without, it bounds nothing, as a model that
+    does not think needs no bound."""
     messages: list[dict[str, Any]] = []
     if system := system_text(body.system, "system"):
         messages.append({"role": "system", "content": system})

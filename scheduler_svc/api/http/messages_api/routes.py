@@ -24,6 +24,7 @@ from scheduler_svc.api.http.errors import ApiError
 from scheduler_svc.api.http.messages_api import inputs, output
 from scheduler_svc.api.http.messages_api.schemas import CountTokens, CountTokensRequest, MessageObject, MessagesRequest
 from scheduler_svc.api.http.openapi import STREAMED
+from scheduler_svc.api.thinking import ThinkingMarkers
 from scheduler_svc.core.errors import RequestFailed
 
 EVENTS = {**STREAMED, 200: {**STREAMED[200], "description": "The message, or with stream its events."}}
@@ -34,7 +35,8 @@ def messages_router(source: Generating, parsing: ChatParsing) -> APIRouter:
 
     async def translated(body: MessagesRequest) -> translate.Translated:
         served = (await source.served())._replace(tokenizer=source.tokenizer)
-        chat = inputs.chat_request(body, bool(body.stream), bool(parsing.reasoning_parser))
+        thinks = ThinkingMarkers.of(source.tokenizer, parsing.reasoning_parser) is not None
+        chat = inputs.chat_request(body, bool(body.stream), thinks)
         try:
             if chat_render.needs_rendering(chat.messages, chat.tools) or parsing.reasoning_parser:  # off the loop
                 t = await asyncio.to_thread(translate.chat_request, chat, served, parsing)
