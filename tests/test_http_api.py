@@ -256,7 +256,7 @@ CHAT_ERRORS = [
     ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs"),
     ({"extra_body": {"top_k": -2}}, "top_k"),
     ({"seed": 2**64}, "seed"),
-    ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+    ({"stop": "x", "extra_body": {"use_beam_search": True}}, "stop"),
     ({"extra_body": {"chat_template": "{{ messages }}"}}, "chat_template"),
     ({"extra_body": {"continue_final_message": True, "add_generation_prompt": True}}, "continue_final_message"),
     ({"extra_body": {"chat_template_kwargs": {"messages": []}}}, "chat_template_kwargs"),

@@ -28,6 +28,7 @@ from scheduler_svc.api.http.cors import Cors
 from scheduler_svc.api.http.errors import ApiError
 from scheduler_svc.api.http.load import track_load
 from scheduler_svc.api.outbox import ChoicesReader
+from scheduler_svc.core.beam_search import BeamStart
 from scheduler_svc.core.tokenizer import ModelTokenizer
 
 if TYPE_CHECKING:
@@ -79,6 +80,10 @@ class LinkGenerating:
                 self.tokenizer = await asyncio.to_thread(ModelTokenizer, *tokenizer) if tokenizer is not None else None
                 self._has_tokenizer = True
         return translate.Served.of(names, adapters)
+
+    async def beam_start(self, request: pb.GenerateRequest) -> BeamStart:
+        (start,) = await self._link.ask("beam_start", request.SerializeToString())
+        return start
 
     async def submit(self, request: pb.GenerateRequest, whole: bool) -> LinkGeneration:
         interval = math.inf if whole else request.stream_interval or self.stream_interval

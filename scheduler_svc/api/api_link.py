@@ -140,6 +140,8 @@ class ApiProcess:
                     self.frontend.set_reading(list(self.handles.values()), reading)
         elif kind == "served":
             self._served(key, frame[2])
+        elif kind == "beam_start":
+            asyncio.ensure_future(self._beam_start(key, frame[2]))
         elif kind == "close":
             if (handle := self.handles.pop(key, None)) is not None:
                 self.frontend.forget(handle, cancel=frame[2])
@@ -178,6 +180,18 @@ class ApiProcess:
         prompt_token_ids = prepared.prompt_token_ids if prepared.return_prompt_token_ids else None
         self.send(("accepted", key, prepared.request_id, prepared.params.n, len(prepared.prompt_token_ids),
                    prompt_token_ids, *reading))
+
+    async def _beam_start(self, key: int, data: bytes) -> None:
+        try:
+            start = await self.frontend.beam_start(pb.GenerateRequest.FromString(data))
+        except RequestFailed as e:
+            self.send(("failed", key, public(e)))
+            return
+        except Exception as e:  # a bug preparing it: its caller is answered
+            log.exception("preparing a beam search failed: %s", e)
+            self.send(("failed", key, internal_error(e)))
+            return
+        self.send(("accepted", key, start))
 
     def _served(self, key: int, with_tokenizer: bool) -> None:
         """What the HTTP routes' ``model`` may name now (the base model's names, the adapters loaded) and, when asked,

@@ -23,6 +23,7 @@ from scheduler_svc.api.outbox import ChoicesReader, Outbox
 from scheduler_svc.api.prepare import detokenize, prepare, public_error, tokenize
 from scheduler_svc.api.server_info import ServerInfo, server_info
 from scheduler_svc.api.thinking import ThinkingMarkers
+from scheduler_svc.core.beam_search import BeamStart
 from scheduler_svc.core.errors import ExecutorUnavailable, InvalidRequest, RequestFailed
 from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.tokenizer import ModelTokenizer
@@ -150,6 +151,9 @@ class Frontend:
         self.reasoning_parser = ""
         # Requests in flight by the id the caller gave (or was given), for Abort.
         self.by_request_id: dict[str, set[RequestHandle]] = {}
+        # Ids Abort named, while requests under them are still in flight: one submitted under such an id ends at once
+        # (a beam search's next step, submitted before its last closes, so that an abort between steps holds).
+        self.aborted: set[str] = set()
         # When the scheduler started, and when the last request arrived (time.time), for GetServerInfo.
         self.started_at = time.time()
         self.last_request_at = 0.0
@@ -174,6 +178,13 @@ class Frontend:
         return await asyncio.to_thread(prepare, request, ModelLimits.of(loop.info), self.tokenizer, self.model_defaults,
                                        self.thinking)
 
+    async def beam_start(self, request: pb.GenerateRequest) -> BeamStart:
+        """What a beam search makes of ``request`` before its first step, checked as ``render`` checks it."""
+        prepared = await self.render(request)
+        params = prepared.params
+        eos = frozenset() if params.ignore_eos else frozenset(self.ready().info.eos_token_ids)
+        return BeamStart(prepared.prompt_token_ids, params.max_tokens, eos, params.stop_token_ids, params.min_tokens)
+
     async def submit(self, request: pb.GenerateRequest, whole: bool = False) -> Generation:
         """Validate (off the event loop: tokenizing and templating take time) and queue ``request``; its latency
         metrics count from now, as vLLM's count from a request's arrival. ``whole``: the caller reads each choice
@@ -192,6 +203,8 @@ class Frontend:
         interval = math.inf if whole else prepared.stream_interval or self.stream_interval
         handle = loop.submit(prepared, sink_of(interval), arrived_at, interval)
         self.by_request_id.setdefault(prepared.request_id, set()).add(handle)
+        if prepared.request_id in self.aborted:
+            loop.cancel(handle, answer=True)
         return handle
 
     def forget(self, handle: RequestHandle, cancel: bool) -> None:
@@ -200,6 +213,7 @@ class Frontend:
         handles.discard(handle)
         if not handles:
             del self.by_request_id[handle.prepared.request_id]
+            self.aborted.discard(handle.prepared.request_id)
         if cancel:
             self.ready().cancel(handle)
 
@@ -211,6 +225,7 @@ class Frontend:
         """End each request found with ABORT; its blocks are free before the next step. Returns the ids found."""
         loop = self.ready()
         found = [request_id for request_id in dict.fromkeys(request_ids) if request_id in self.by_request_id]
+        self.aborted.update(found)
         for request_id in found:
             for handle in self.by_request_id[request_id]:
                 loop.cancel(handle, answer=True)

@@ -15,8 +15,10 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc.api.beam_search import BeamSearchGeneration
 from scheduler_svc.api.frontend import Generation
 from scheduler_svc.api.http import translate
+from scheduler_svc.core.beam_search import BeamStart
 from scheduler_svc.core.errors import RequestFailed
 from scheduler_svc.core.tokenizer import ModelTokenizer
 
@@ -39,6 +41,10 @@ class Generating(Protocol):
     async def served(self) -> translate.Served: ...
 
     async def submit(self, request: pb.GenerateRequest, whole: bool) -> Generation: ...
+
+    async def beam_start(self, request: pb.GenerateRequest) -> BeamStart:
+        """What a beam search makes of ``request`` before its first step (``api.beam_search``)."""
+        ...
 
 
 def json_response(message: BaseModel) -> Response:
@@ -100,3 +106,11 @@ async def submit_all(source: Generating, t: translate.Translated) -> list[Genera
             raise translate.api_error(e, t.renames) from e
         raise
     return generations
+
+
+async def beam_searches(source: Generating, t: translate.Translated) -> list[BeamSearchGeneration]:
+    """Each prompt's beam search (``t.beam``), checked before any runs: they run as their answer reads them."""
+    try:
+        return [await BeamSearchGeneration.begin(source, request, t.beam, source.tokenizer) for request in t.requests]
+    except RequestFailed as e:
+        raise translate.api_error(e, t.renames) from e

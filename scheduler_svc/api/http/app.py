@@ -32,6 +32,7 @@ from scheduler_svc.api.http.admin import recording_router
 from scheduler_svc.api.http.answering import (
     Generating,
     GenerationStream,
+    beam_searches,
     json_response,
     raise_stream_interval,
     submit_all,
@@ -51,6 +52,7 @@ from scheduler_svc.api.http.openapi import ERRORS, STREAMED, without_validation_
 from scheduler_svc.api.http.responses_api.routes import responses_router
 from scheduler_svc.api.recording import RecordingControl
 from scheduler_svc.api.server_info import engine_version
+from scheduler_svc.core.beam_search import BeamStart
 from scheduler_svc.core.errors import RequestFailed
 from scheduler_svc.core.tokenizer import ModelTokenizer
 
@@ -118,6 +120,9 @@ class FrontendGenerating:
     async def submit(self, request: pb.GenerateRequest, whole: bool) -> Generation:
         return await self.frontend.submit(request, whole)
 
+    async def beam_start(self, request: pb.GenerateRequest) -> BeamStart:
+        return await self.frontend.beam_start(request)
+
 
 def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
     """``/v1/chat/completions`` and ``/v1/completions``, answered from ``source``; chat answers read with the
@@ -127,7 +132,7 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
     async def generate(request: Request, body: schemas.GenerationParameters, t: translate.Translated, chunks: Chunks,
                        whole: Whole) -> Response:
         raise_stream_interval(t, body.stream_interval, source.stream_interval)
-        generations = await submit_all(source, t)
+        generations = await (beam_searches(source, t) if t.beam is not None else submit_all(source, t))
         if t.stream:
             return GenerationStream(chunks(t, generations, source.tokenizer), generations)
 

@@ -31,7 +31,7 @@ def refuse_what_a_batch_cannot_do(body: BatchChatCompletionRequest) -> None:
     for param, given, what in (
             ("stream", body.stream, "streaming"), ("tools", body.tools, "tools"),
             ("tool_choice", body.tool_choice not in (None, "none"), "a tool choice"),
-            ("n", body.n not in (None, 1), "n other than 1"),
+            ("n", body.n not in (None, 1), "n other than 1"), ("use_beam_search", body.use_beam_search, "beam search"),
             ("prompt_logprobs", body.prompt_logprobs is not None, "prompt logprobs"),
             ("return_prompt_text", body.return_prompt_text, "the prompt's text")):
         if given:

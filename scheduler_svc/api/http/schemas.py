@@ -105,6 +105,9 @@ class GenerationParameters(Request):
     cache_salt: CacheSalt | None = None
     # vLLM's: the most tokens the model may think (--reasoning-parser's markers); then </think> is forced.
     thinking_token_budget: ThinkingBudget | None = None
+    # vLLM's beam search: n beams, each answer scored by its summed logprob over its length ** length_penalty (1).
+    use_beam_search: bool | None = False
+    length_penalty: float | None = None
 
 
 class TextPart(Request):

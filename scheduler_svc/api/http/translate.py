@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from nanoserve.v1 import generation_pb2 as pb
-from scheduler_svc.api.http import chat_render, schemas, tool_request
+from scheduler_svc.api.http import beam_request, chat_render, schemas, tool_request
 from scheduler_svc.api.http.chat_output import NO_PARSING, ChatOutput, ChatParsing
 from scheduler_svc.api.http.errors import ApiError, failure
 from scheduler_svc.api.http.tool_parsers import TOOL_PARSERS
@@ -96,7 +96,6 @@ def is_set(value: object) -> bool:
 # vLLM's extra parameters that change the answer and that this server does not take: refused when given anything
 # but their default, so that none is silently dropped (any other unknown parameter is ignored, as OpenAI does).
 UNSUPPORTED_EXTRAS: dict[str, tuple[Callable[[object], bool], str]] = {
-    "use_beam_search": (bool, "beam search"),
     "chat_template": (is_set, "a chat template sent with the request"),
     "truncation_side": (lambda side: side not in (None, "left"), "truncating the prompt on the right"),
     "kv_transfer_params": (is_set, "KV cache transfer between instances"),
@@ -289,6 +288,7 @@ def chat_request(body: schemas.ChatCompletionRequest, served: Served, parsing: C
     last = body.messages[-1] if body.messages else None  # vLLM's echo: the answer goes on from an assistant's message
     echo = [message_text(last, len(body.messages) - 1)] if body.echo and last and last.role == "assistant" else []
     t = translated(body, "chatcmpl", lora or served.model_id, [request], renames, top_logprobs, echo)
+    t.beam = beam_request.settings(body, t)
     thinking = bool((kwargs or {}).get("enable_thinking", True))
     constrained = request.HasField("structured_output")
     closed = markers is not None and markers.prompt_ended(request.tokens.token_ids)
@@ -350,6 +350,7 @@ def completion_request(body: schemas.CompletionRequest, served: Served, tokenize
             as_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt, False) if tokenizer else ""
             echo.append(as_text)
     t = translated(body, "cmpl", lora or served.model_id, requests, renames, body.logprobs, echo, echo_only)
+    t.beam = beam_request.settings(body, t)
     t.tokens_as_ids = tokens_as_ids(body, parsing)
     return t
 

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc.api.beam_search import BeamSettings
 from scheduler_svc.api.http.chat_output import ChatOutput
 
 
@@ -36,4 +37,6 @@ class Translated:
     return_prompt_text: bool = False
     # vLLM's return_tokens_as_token_ids: logprobs name their tokens token_id:<id>.
     tokens_as_ids: bool = False
+    # vLLM's use_beam_search: the search's settings (its choices are its beams); None: sampled as asked.
+    beam: BeamSettings | None = None
     created: int = field(default_factory=lambda: int(time.time()))

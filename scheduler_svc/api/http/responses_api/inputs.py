@@ -196,6 +196,8 @@ def conversation(body: ResponsesRequest, history: list[dict[str, Any]] | None, a
     logprobs = LOGPROBS in (body.include or ())
     settings = {name: getattr(body, name) for name in SHARED}
     extras = {name: value for name, value in (body.model_extra or {}).items() if name in UNSUPPORTED_EXTRAS}
+    if (body.model_extra or {}).get("use_beam_search"):  # chat's, not the Responses API's (as on vLLM)
+        raise refuse("use_beam_search", "beam search is not supported by the Responses API")
     chat = {**extras, **settings, "stream": stream,
             "max_completion_tokens": body.max_output_tokens,
             "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None,
