@@ -105,6 +105,8 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                         help="show special tokens in the text (server default true: skip_special_tokens)")
     parser.add_argument("--truncate-prompt-tokens", type=int,
                         help="keep only the last N prompt tokens; -1: the model length (server default none)")
+    parser.add_argument("--truncation-side", choices=("left", "right"),
+                        help="right: --truncate-prompt-tokens keeps the first tokens instead (server default left)")
     parser.add_argument("--prompt-logprobs", type=int,
                         help="with --json: each prompt token's logprob and N top alternatives (server default none)")
     constraint = parser.add_mutually_exclusive_group()
@@ -188,6 +190,7 @@ def generation_options(args: argparse.Namespace) -> dict:
              "seed", "stop",
              "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty",
              "n", "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+             "truncation_side",
              "prompt_logprobs", "json_schema", "regex", "choice", "grammar", "json_object", "grammar_from_first_token",
              "lora", "priority", "return_prompt_token_ids", "cache_salt", "thinking_token_budget")
     options = {name: getattr(args, name) for name in names}

@@ -44,6 +44,7 @@ def build_request(
     include_stop_str_in_output: bool | None = None,
     skip_special_tokens: bool | None = None,
     truncate_prompt_tokens: int | None = None,
+    truncation_side: str | None = None,
     prompt_logprobs: int | None = None,
     json_schema: str | Mapping | None = None,
     regex: str | None = None,
@@ -78,7 +79,8 @@ def build_request(
     needs ``--reasoning-parser``); -1 is none, as vLLM reads it.
 
     Options left as None are not sent, so the server applies its documented defaults; ``top_k`` -1 disables it, as
-    in vLLM (0 in the proto), and ``truncate_prompt_tokens`` -1 keeps the model's length of the prompt, as vLLM's.
+    in vLLM (0 in the proto), and ``truncate_prompt_tokens`` -1 keeps the model's length of the prompt, as vLLM's;
+    ``truncation_side`` "right" keeps the prompt's first tokens instead of its last ("left"), as vLLM's.
     Range checks are the server's job (INVALID_ARGUMENT naming the field), but for values the proto's types cannot
     hold (a negative count): ValueError naming the option.
     """
@@ -102,11 +104,14 @@ def build_request(
                        cap_max_tokens_to_room=cap_max_tokens_to_room)
     if truncate_prompt_tokens == -1:
         truncate_prompt_tokens = WHOLE_PROMPT
+    if truncation_side not in (None, "left", "right"):
+        raise ValueError(f"truncation_side: 'left' or 'right', got {truncation_side!r}")
     request = message(pb.GenerateRequest, request_id=request_id, sampling=sampling, stopping=stopping,
                       add_special_tokens=add_special_tokens, skip_special_tokens=skip_special_tokens,
                       truncate_prompt_tokens=truncate_prompt_tokens, prompt_logprobs=prompt_logprobs,
                       stream_interval=stream_interval, lora=lora, priority=priority,
-                      return_prompt_token_ids=return_prompt_token_ids, cache_salt=cache_salt)
+                      return_prompt_token_ids=return_prompt_token_ids, cache_salt=cache_salt,
+                      truncation_side=pb.TRUNCATION_SIDE_RIGHT if truncation_side == "right" else None)
     constraint = structured_output(json_schema, regex, choice, grammar, json_object)
     if constraint is not None:
         request.structured_output.CopyFrom(constraint)

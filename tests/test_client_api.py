@@ -12,6 +12,7 @@ import pytest
 from client import AsyncClient, Client, NanoserveError
 from client.failover import JOINED_STREAM_INTERVAL, read_whole
 from client.request_builder import build_request
+from nanoserve.v1 import generation_pb2 as pb
 from tests.service_fixtures import TOKENIZER_VOCAB_SIZE, assert_idle, executor_argv, free_port, running_stack
 
 if TYPE_CHECKING:
@@ -251,6 +252,10 @@ def test_max_tokens_to_room_and_truncate_prompt_tokens_minus_one(tmp_path: Path)
     assert not build_request(token_ids=[1]).stopping.HasField("max_tokens_to_room")
     assert build_request(token_ids=[1], cap_max_tokens_to_room=True).stopping.cap_max_tokens_to_room
     assert build_request(token_ids=[1], truncate_prompt_tokens=-1).truncate_prompt_tokens == 2**32 - 1
+    assert build_request(token_ids=[1], truncation_side="right").truncation_side == pb.TRUNCATION_SIDE_RIGHT
+    assert build_request(token_ids=[1], truncation_side="left").truncation_side == pb.TRUNCATION_SIDE_LEFT
+    with pytest.raises(ValueError, match="truncation_side"):
+        build_request(token_ids=[1], truncation_side="up")
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         build_request(token_ids=[1], truncate_prompt_tokens=-2)
     port, prompt = free_port(), [5, 6, 7]
@@ -260,6 +265,8 @@ def test_max_tokens_to_room_and_truncate_prompt_tokens_minus_one(tmp_path: Path)
         whole = client.generate(token_ids=prompt, max_tokens_to_room=True, ignore_eos=True)
         default = client.generate(token_ids=prompt, ignore_eos=True)
         kept = client.generate(token_ids=prompt, max_tokens=2, truncate_prompt_tokens=-1)
+        first = client.generate(token_ids=prompt, max_tokens=1, truncate_prompt_tokens=2, truncation_side="right",
+                                return_prompt_token_ids=True)
         capped = client.generate(token_ids=prompt, max_tokens=1000, cap_max_tokens_to_room=True, ignore_eos=True)
         with pytest.raises(NanoserveError, match="exceeds the model's maximum length"):
             client.generate(token_ids=prompt, max_tokens=1000)
@@ -267,3 +274,4 @@ def test_max_tokens_to_room_and_truncate_prompt_tokens_minus_one(tmp_path: Path)
     assert whole.finish_reason == "length" and whole.usage.completion_tokens == 300 - len(prompt)
     assert default.usage.completion_tokens == 256
     assert kept.usage.prompt_tokens == len(prompt), "-1 keeps the model's length: all of a prompt that fits"
+    assert first.prompt_token_ids == prompt[:2]

@@ -254,3 +254,15 @@ def test_max_tokens_to_room_and_a_whole_prompt_from_the_command_line(
     capped = generation_options(build_parser().parse_args(["generate", "--cap-max-tokens-to-room", PROMPT]))
     assert capped["cap_max_tokens_to_room"] is True
     assert generation_options(build_parser().parse_args(["generate", PROMPT]))["max_tokens_to_room"] is None
+
+
+def test_truncation_side_right_keeps_the_prompts_first_tokens(
+    capsys: pytest.CaptureFixture[str], echo_server: EchoServer
+) -> None:
+    # The echo executor repeats the prompt it kept: the first two of 5, 6, 7 from the right side.
+    code, out, err = run_cli(capsys, "generate", "--server", echo_server.target, "--token-ids", "5,6,7",
+                             "--truncate-prompt-tokens", "2", "--truncation-side", "right", "--max-tokens", "2",
+                             "--json")
+    assert (code, err) == (0, "")
+    assert json.loads(out)["token_ids"] == [5, 6]
+    assert generation_options(build_parser().parse_args(["generate", PROMPT]))["truncation_side"] is None

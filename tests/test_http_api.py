@@ -275,7 +275,7 @@ COMPLETION_ERRORS = [
     ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
     ({"extra_body": {"allowed_token_ids": [1, TOKENIZER_VOCAB_SIZE]}}, "allowed_token_ids"),
     ({"extra_body": {"bad_words": [" "]}}, "bad_words"),
-    ({"extra_body": {"truncation_side": "right"}}, "truncation_side"),
+    ({"extra_body": {"truncation_side": "middle"}}, "truncation_side"),
     ({"extra_body": {"kv_transfer_params": {}}}, "kv_transfer_params"),
     ({"extra_body": {"guided_regex": "[ab]+"}}, "guided_regex"),
 ]
@@ -302,6 +302,19 @@ def test_truncate_prompt_tokens_minus_one_keeps_the_whole_prompt_as_vllm_reads_i
     whole, cut = (api.openai().completions.create(model=MODEL, prompt=list(range(5, 45)), max_tokens=1, echo=True,
                                                   extra_body={"truncate_prompt_tokens": n}) for n in (-1, 8))
     assert (whole.usage.prompt_tokens, cut.usage.prompt_tokens) == (40, 8)
+
+
+@pytest.mark.parametrize(("side", "kept"), [(None, list(range(37, 45))), ("left", list(range(37, 45))),
+                                            ("right", list(range(5, 13)))])
+def test_truncation_side_right_keeps_the_prompts_first_tokens_as_vllms(api: Hosted, side: str | None, kept: list):
+    extra = {"truncate_prompt_tokens": 8, "return_token_ids": True, "truncation_side": side}
+    completion = api.openai().completions.create(model=MODEL, prompt=list(range(5, 45)), max_tokens=1, extra_body=extra)
+    chat = api.openai().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, extra_body=extra)
+    assert completion.choices[0].prompt_token_ids == kept
+    whole = api.openai().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,
+                                                 extra_body={"return_token_ids": True})
+    rendered = whole.prompt_token_ids
+    assert chat.prompt_token_ids == (rendered[:8] if side == "right" else rendered[-8:])
 
 
 def test_vllms_parameters_at_their_defaults_are_accepted(api: Hosted):

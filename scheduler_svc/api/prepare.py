@@ -63,10 +63,13 @@ def public_error(error: InvalidRequest) -> InvalidRequest:
 
 
 def truncated(token_ids: list[int], request: pb.GenerateRequest) -> list[int]:
-    """The last ``truncate_prompt_tokens`` of the prompt, when asked (vLLM's option of that name)."""
+    """The last ``truncate_prompt_tokens`` of the prompt, when asked (vLLM's option of that name), or its first with
+    ``truncation_side`` right."""
     if not request.HasField("truncate_prompt_tokens"):
         return token_ids
     check_at_least_one("truncate_prompt_tokens", request.truncate_prompt_tokens)
+    if request.truncation_side == pb.TRUNCATION_SIDE_RIGHT:
+        return token_ids[:request.truncate_prompt_tokens]
     return token_ids[-request.truncate_prompt_tokens:]
 
 

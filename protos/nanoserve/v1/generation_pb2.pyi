@@ -8,12 +8,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TruncationSide(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRUNCATION_SIDE_LEFT: _ClassVar[TruncationSide]
+    TRUNCATION_SIDE_RIGHT: _ClassVar[TruncationSide]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+TRUNCATION_SIDE_LEFT: TruncationSide
+TRUNCATION_SIDE_RIGHT: TruncationSide
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -133,7 +140,7 @@ class ChoiceList(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "tokens", "sampling", "stopping", "add_special_tokens", "skip_special_tokens", "truncate_prompt_tokens", "structured_output", "prompt_logprobs", "resume", "stream_interval", "lora", "priority", "return_prompt_token_ids", "cache_salt")
+    __slots__ = ("request_id", "text", "chat", "tokens", "sampling", "stopping", "add_special_tokens", "skip_special_tokens", "truncate_prompt_tokens", "structured_output", "prompt_logprobs", "resume", "stream_interval", "lora", "priority", "return_prompt_token_ids", "cache_salt", "truncation_side")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +158,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_SIDE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     chat: ChatPrompt
@@ -168,7 +176,8 @@ class GenerateRequest(_message.Message):
     priority: int
     return_prompt_token_ids: bool
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingOptions, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ..., stream_interval: _Optional[int] = ..., lora: _Optional[str] = ..., priority: _Optional[int] = ..., return_prompt_token_ids: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    truncation_side: TruncationSide
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., tokens: _Optional[_Union[TokenPrompt, _Mapping]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingOptions, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ..., stream_interval: _Optional[int] = ..., lora: _Optional[str] = ..., priority: _Optional[int] = ..., return_prompt_token_ids: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., truncation_side: _Optional[_Union[TruncationSide, str]] = ...) -> None: ...
 
 class ResumeFrom(_message.Message):
     __slots__ = ("completion_token_ids",)

@@ -85,6 +85,8 @@ class GenerationParameters(Request):
     stop_token_ids: list[UInt32] | None = None
     # -1: the model's length, as vLLM reads it.
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, lt=2**32)] | None = None
+    # vLLM's: "right" keeps the prompt's first truncate_prompt_tokens instead of its last.
+    truncation_side: Literal["left", "right"] | None = None
     structured_outputs: StructuredOutputs | None = None
     return_token_ids: bool | None = False
     allowed_token_ids: list[UInt32] | None = None

@@ -97,7 +97,6 @@ def is_set(value: object) -> bool:
 # but their default, so that none is silently dropped (any other unknown parameter is ignored, as OpenAI does).
 UNSUPPORTED_EXTRAS: dict[str, tuple[Callable[[object], bool], str]] = {
     "chat_template": (is_set, "a chat template sent with the request"),
-    "truncation_side": (lambda side: side not in (None, "left"), "truncating the prompt on the right"),
     "kv_transfer_params": (is_set, "KV cache transfer between instances"),
     **{f"guided_{kind}": (is_set, f"guided_{kind}, vLLM's older name (send structured_outputs.{kind})")
        for kind in ("json", "regex", "choice", "grammar")},
@@ -189,7 +188,8 @@ def base_request(body: schemas.GenerationParameters, max_tokens: int | None, log
     request = pb.GenerateRequest(sampling=sampling, stopping=stopping, skip_special_tokens=body.skip_special_tokens,
                                  truncate_prompt_tokens=whole_prompt_if_minus_one(body.truncate_prompt_tokens),
                                  prompt_logprobs=body.prompt_logprobs, priority=body.priority or 0,
-                                 return_prompt_token_ids=bool(body.return_token_ids), cache_salt=body.cache_salt)
+                                 return_prompt_token_ids=bool(body.return_token_ids), cache_salt=body.cache_salt,
+                                 truncation_side=pb.TRUNCATION_SIDE_RIGHT if body.truncation_side == "right" else None)
     constraint, renames["structured_output"] = structured_output(body, forced)
     if constraint is not None:
         request.structured_output.CopyFrom(constraint)
