@@ -107,6 +107,9 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                         help="keep only the last N prompt tokens; -1: the model length (server default none)")
     parser.add_argument("--truncation-side", choices=("left", "right"),
                         help="right: --truncate-prompt-tokens keeps the first tokens instead (server default left)")
+    parser.add_argument("--logprob-token-id", dest="logprob_token_ids", type=int, action="append",
+                        help="with --json: the alternatives each token's logprobs list are these tokens', repeatable "
+                             "(server default: the most likely)")
     parser.add_argument("--prompt-logprobs", type=int,
                         help="with --json: each prompt token's logprob and N top alternatives (server default none)")
     constraint = parser.add_mutually_exclusive_group()
@@ -192,7 +195,7 @@ def generation_options(args: argparse.Namespace) -> dict:
              "n", "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
              "truncation_side",
              "prompt_logprobs", "json_schema", "regex", "choice", "grammar", "json_object", "grammar_from_first_token",
-             "lora", "priority", "return_prompt_token_ids", "cache_salt", "thinking_token_budget")
+             "lora", "priority", "return_prompt_token_ids", "cache_salt", "thinking_token_budget", "logprob_token_ids")
     options = {name: getattr(args, name) for name in names}
     options["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     return options

@@ -61,6 +61,7 @@ def build_request(
     return_prompt_token_ids: bool | None = None,
     cache_salt: str | None = None,
     thinking_token_budget: int | None = None,
+    logprob_token_ids: Sequence[int] | None = None,
 ) -> pb.GenerateRequest:
     """Exactly one of ``prompt`` (text), ``messages`` (chat) or ``token_ids`` must be given, and at most one
     structured-output constraint (``json_schema`` as JSON text or a dict, ``regex``, ``choice``, ``grammar``
@@ -76,7 +77,9 @@ def build_request(
     ``return_prompt_token_ids``: the prompt's token ids as the model reads them come back (vLLM's return_token_ids).
     ``cache_salt``: the prompt hits only prefix-cache blocks computed for requests of the same salt (vLLM's).
     ``thinking_token_budget``: the most tokens the model may think before ``</think>`` is forced (vLLM's; the server
-    needs ``--reasoning-parser``); -1 is none, as vLLM reads it.
+    needs ``--reasoning-parser``); -1 is none, as vLLM reads it. ``logprob_token_ids``: each token's logprobs list
+    these tokens' as its alternatives, in this order, instead of the most likely (vLLM's; ``logprobs`` may be left
+    out).
 
     Options left as None are not sent, so the server applies its documented defaults; ``top_k`` -1 disables it, as
     in vLLM (0 in the proto), and ``truncate_prompt_tokens`` -1 keeps the model's length of the prompt, as vLLM's;
@@ -97,7 +100,8 @@ def build_request(
                        min_p=min_p, seed=seed, logprobs=logprobs, repetition_penalty=repetition_penalty,
                        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                        logit_bias=logit_bias or {}, n=n, allowed_token_ids=allowed, bad_words=bad_words or [],
-                       thinking_token_budget=None if thinking_token_budget == -1 else thinking_token_budget)
+                       thinking_token_budget=None if thinking_token_budget == -1 else thinking_token_budget,
+                       logprob_token_ids=logprob_token_ids or [])
     stopping = message(pb.StoppingOptions, max_tokens=max_tokens, stop=stop or [], stop_token_ids=stop_token_ids or [],
                        ignore_eos=ignore_eos, min_tokens=min_tokens,
                        include_stop_str_in_output=include_stop_str_in_output, max_tokens_to_room=max_tokens_to_room,

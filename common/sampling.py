@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 MAX_LOGPROBS = 20
+# vLLM's bound on logprob_token_ids: the tokens whose logprobs a request names.
+MAX_LOGPROB_TOKEN_IDS = 128
 # Every generated token is checked against every stop string: bound that work per request, as TGI does.
 MAX_STOP_STRINGS = 16
 # Stop token ids are a set looked up once per token; the bound keeps a request's plan-side state small.

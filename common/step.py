@@ -53,6 +53,8 @@ class SamplingSettings:
     thinking_token_budget: int | None = None
     thinking_start_token_id: int | None = None
     thinking_end_token_id: int | None = None
+    # With num_logprobs: the alternatives are these ids' logprobs, in this order, not the most likely ones.
+    logprob_token_ids: tuple[int, ...] = ()
     greedy: bool = field(init=False, repr=False, compare=False)
     plain_greedy: bool = field(init=False, repr=False, compare=False)
     penalized: bool = field(init=False, repr=False, compare=False)

@@ -35,7 +35,8 @@ def sampling_to_proto(s: SamplingSettings) -> pb.SamplingParams:
     msg = pb.SamplingParams(min_tokens=s.min_tokens, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
                             logit_bias=dict(s.logit_bias), allowed_token_ids=s.allowed_token_ids,
                             bad_words_token_ids=[pb.TokenIds(token_ids=word) for word in s.bad_words_token_ids],
-                            grammar_after_token_ids=s.grammar_after_token_ids)
+                            grammar_after_token_ids=s.grammar_after_token_ids,
+                            logprob_token_ids=s.logprob_token_ids)
     for name in OPTIONAL_SAMPLING:
         value = getattr(s, name)
         if value != getattr(DEFAULT_SAMPLING, name):
@@ -53,6 +54,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingSettings:
         allowed_token_ids=tuple(msg.allowed_token_ids),
         bad_words_token_ids=tuple(tuple(word.token_ids) for word in msg.bad_words_token_ids),
         grammar_after_token_ids=tuple(msg.grammar_after_token_ids),
+        logprob_token_ids=tuple(msg.logprob_token_ids),
     )
 
 

@@ -259,10 +259,12 @@ class RequestTable:
             if not 0 <= token_id < self.vocab_size or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise PlanError(INVALID, f"request {request_id}: logit_bias {token_id}: {bias} needs a token id in "
                                          f"the vocabulary and a bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
-        for name in ("allowed_token_ids", "grammar_after_token_ids"):
+        for name in ("allowed_token_ids", "grammar_after_token_ids", "logprob_token_ids"):
             bad = next((t for t in getattr(params, name) if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise PlanError(INVALID, f"request {request_id}: {name}: {bad} is outside the vocabulary")
+        if params.logprob_token_ids and params.num_logprobs != len(params.logprob_token_ids):
+            raise PlanError(INVALID, f"request {request_id}: num_logprobs must be the number of logprob_token_ids")
         markers = (params.thinking_start_token_id, params.thinking_end_token_id)
         if params.thinking_token_budget is not None and not all(t is not None and 0 <= t < self.vocab_size
                                                                 for t in markers):

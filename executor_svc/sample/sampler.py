@@ -231,15 +231,21 @@ def rank_and_mask(logits: torch.Tensor, width: int, top_k: list[int], top_p: lis
 def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingSettings]
 ) -> list[TokenLogprobs | None]:
-    """Raw-distribution logprobs of each row's token and its top n, for the rows that asked."""
+    """Raw-distribution logprobs of each row's token and its top n (or the tokens it named), for the rows that
+    asked."""
     asked = [row.num_logprobs for row in rows]
     if all(n is None for n in asked):
         return []
     logprobs = logits.log_softmax(dim=-1)
     chosen, ranks = chosen_and_ranks(logprobs, token_ids)
-    n_max = min(max(n or 0 for n in asked), logits.shape[1])
+    n_max = min(max((n or 0 for n, row in zip(asked, rows, strict=True) if not row.logprob_token_ids), default=0),
+                logits.shape[1])
     top_values, top_ids = logprobs.topk(n_max, dim=-1)
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for i, row in enumerate(rows):
+        if row.logprob_token_ids:
+            top_ids[i] = list(row.logprob_token_ids)
+            top_values[i] = logprobs[i, top_ids[i]].tolist()
     return [
         None if n is None else TokenLogprobs(chosen[i], top_ids[i][:n], top_values[i][:n], ranks[i])
         for i, n in enumerate(asked)

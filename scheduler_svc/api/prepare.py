@@ -53,6 +53,7 @@ PROTO_FIELD = {
     "allowed_token_ids": "sampling.allowed_token_ids",
     "bad_words": "sampling.bad_words",
     "thinking_token_budget": "sampling.thinking_token_budget",
+    "logprob_token_ids": "sampling.logprob_token_ids",
 }
 # Fields of the GenerateRequest itself that SamplingParams holds.
 OPTIONAL_REQUEST = ("skip_special_tokens", "prompt_logprobs")
@@ -158,6 +159,7 @@ def sampling_params(request: pb.GenerateRequest, budget: int, grammar: str | Non
         given["allowed_token_ids"] = list(s.allowed_token_ids.token_ids)
     return SamplingParams(max_tokens=budget, stop=list(stopping.stop), stop_token_ids=stopping.stop_token_ids,
                           logit_bias=dict(s.logit_bias), grammar=grammar,
+                          logprob_token_ids=tuple(dict.fromkeys(s.logprob_token_ids)),
                           bad_words_token_ids=bad_words_token_ids(s.bad_words, tokenizer), **given)
 
 

@@ -48,11 +48,15 @@ class SamplingParams:
     # budget); the markers are the reasoning parser's (``api.thinking``), set where the request is prepared.
     thinking_token_budget: int | None = None
     thinking_markers: tuple[int, int] | None = None
+    # vLLM's logprob_token_ids: the alternatives each token's logprobs list, in this order; logprobs is their number.
+    logprob_token_ids: tuple[int, ...] = ()
     # What the executor's sampler needs of these, made once: every plan that sends the request whole carries it.
     settings: SamplingSettings = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = frozenset(self.stop_token_ids)
+        if self.logprob_token_ids and self.logprobs is None:
+            self.logprobs = len(self.logprob_token_ids)
         self.settings = SamplingSettings(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
             num_logprobs=self.logprobs, repetition_penalty=self.repetition_penalty,
@@ -68,6 +72,7 @@ class SamplingParams:
             thinking_token_budget=self.thinking_token_budget if self.thinking_markers else None,
             thinking_start_token_id=self.thinking_markers[0] if self.thinking_markers else None,
             thinking_end_token_id=self.thinking_markers[1] if self.thinking_markers else None,
+            logprob_token_ids=self.logprob_token_ids,
         )
 
     def for_choice(self, index: int) -> SamplingParams:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from common.sampling import (
     DEFAULTS,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROB_TOKEN_IDS,
     MAX_LOGPROBS,
     MAX_N,
     MAX_PENALTY,
@@ -99,6 +100,9 @@ def check_token_ids(params: SamplingParams, limits: ModelLimits) -> None:
     bad = next((t for word in params.bad_words_token_ids for t in word if not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidRequest("bad_words", f"a word tokenizes to id {bad}, outside the model's vocabulary [0, {vocab})")
+    bad = next((t for t in params.logprob_token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest("logprob_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
     bad = next((t for t in params.thinking_markers or () if not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidRequest("thinking_token_budget", f"the thinking's marker {bad} is outside the vocabulary "
@@ -185,7 +189,13 @@ def check_sampling(params: SamplingParams) -> None:
         raise InvalidRequest("min_p", f"must be in [0, 1], got {params.min_p}")
     if params.seed is not None and not (0 <= params.seed < 2**64):
         raise InvalidRequest("seed", f"must be in [0, 2**64), got {params.seed}")
-    for name in ("logprobs", "prompt_logprobs"):
+    named = len(params.logprob_token_ids)
+    if named > MAX_LOGPROB_TOKEN_IDS:
+        raise InvalidRequest("logprob_token_ids", f"at most {MAX_LOGPROB_TOKEN_IDS} token ids, got {named}")
+    if named and params.logprobs not in (None, named):
+        raise InvalidRequest("logprob_token_ids", f"logprobs must be unset or equal their number ({named}), got "
+                                                  f"{params.logprobs}")
+    for name in ("logprobs", "prompt_logprobs")[1 if named else 0:]:
         value = getattr(params, name)
         if value is not None and not (0 <= value <= MAX_LOGPROBS):
             raise InvalidRequest(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")

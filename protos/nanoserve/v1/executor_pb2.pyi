@@ -111,7 +111,7 @@ class UnloadLoraAdapterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "num_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "grammar", "num_prompt_logprobs", "allowed_token_ids", "bad_words_token_ids", "grammar_after_token_ids", "thinking_token_budget", "thinking_start_token_id", "thinking_end_token_id")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "num_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "grammar", "num_prompt_logprobs", "allowed_token_ids", "bad_words_token_ids", "grammar_after_token_ids", "thinking_token_budget", "thinking_start_token_id", "thinking_end_token_id", "logprob_token_ids")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class SamplingParams(_message.Message):
     THINKING_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     THINKING_START_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     THINKING_END_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -161,7 +162,8 @@ class SamplingParams(_message.Message):
     thinking_token_budget: int
     thinking_start_token_id: int
     thinking_end_token_id: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., grammar: _Optional[str] = ..., num_prompt_logprobs: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., grammar_after_token_ids: _Optional[_Iterable[int]] = ..., thinking_token_budget: _Optional[int] = ..., thinking_start_token_id: _Optional[int] = ..., thinking_end_token_id: _Optional[int] = ...) -> None: ...
+    logprob_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., num_logprobs: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., grammar: _Optional[str] = ..., num_prompt_logprobs: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., grammar_after_token_ids: _Optional[_Iterable[int]] = ..., thinking_token_budget: _Optional[int] = ..., thinking_start_token_id: _Optional[int] = ..., thinking_end_token_id: _Optional[int] = ..., logprob_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("token_ids",)

@@ -107,6 +107,8 @@ class GenerationParameters(Request):
     cache_salt: CacheSalt | None = None
     # vLLM's: the most tokens the model may think (--reasoning-parser's markers); then </think> is forced.
     thinking_token_budget: ThinkingBudget | None = None
+    # vLLM's: the alternatives each token's logprobs list are these tokens' (with logprobs asked for).
+    logprob_token_ids: list[UInt32] | None = None
     # vLLM's beam search: n beams, each answer scored by its summed logprob over its length ** length_penalty (1).
     use_beam_search: bool | None = False
     length_penalty: float | None = None

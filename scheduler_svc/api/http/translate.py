@@ -171,7 +171,8 @@ def base_request(body: schemas.GenerationParameters, max_tokens: int | None, log
     them, top_k -1 is no top-k (not the model's default) and seed -1 no seed (a random one each time)."""
     sampling = pb.SamplingOptions(
         temperature=body.temperature, top_k=0 if body.top_k == -1 else body.top_k, top_p=body.top_p,
-        min_p=body.min_p, seed=None if body.seed in (None, -1) else body.seed % 2**64, logprobs=logprobs,
+        min_p=body.min_p, seed=None if body.seed in (None, -1) else body.seed % 2**64,
+        logprobs=None if body.logprob_token_ids else logprobs, logprob_token_ids=body.logprob_token_ids or (),
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias), n=body.n,
         thinking_token_budget=None if body.thinking_token_budget == -1 else body.thinking_token_budget)
@@ -194,6 +195,17 @@ def base_request(body: schemas.GenerationParameters, max_tokens: int | None, log
     if constraint is not None:
         request.structured_output.CopyFrom(constraint)
     return request
+
+
+def shown_logprobs(body: schemas.GenerationParameters, asked: int | None, needs: str) -> int | None:
+    """The alternatives an answer's logprobs show per token: ``asked``, or with vLLM's logprob_token_ids each of
+    those tokens, which need logprobs asked for (``needs`` says how)."""
+    named = len(set(body.logprob_token_ids or ()))
+    if not named:
+        return asked
+    if asked is None:
+        raise ApiError(400, f"logprob_token_ids: needs {needs}", "logprob_token_ids")
+    return named
 
 
 def translated(body: schemas.GenerationParameters, prefix: str, model: str, requests: list[pb.GenerateRequest],
@@ -264,7 +276,7 @@ def chat_request(body: schemas.ChatCompletionRequest, served: Served, parsing: C
     choice = tool_choice(body, parsing)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
-    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    top_logprobs = shown_logprobs(body, (body.top_logprobs or 0) if body.logprobs else None, "logprobs set to true")
     max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     renames = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_param}
     request = base_request(body, getattr(body, max_param), top_logprobs, renames, tool_request.forced_schema(choice))
@@ -349,7 +361,10 @@ def completion_request(body: schemas.CompletionRequest, served: Served, tokenize
         if body.echo:
             as_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt, False) if tokenizer else ""
             echo.append(as_text)
-    t = translated(body, "cmpl", lora or served.model_id, requests, renames, body.logprobs, echo, echo_only)
+    if echo_only and body.logprob_token_ids:  # as vLLM refuses it
+        raise ApiError(400, "logprob_token_ids: no token is generated with echo and max_tokens 0", "logprob_token_ids")
+    top_logprobs = shown_logprobs(body, body.logprobs, "logprobs set")
+    t = translated(body, "cmpl", lora or served.model_id, requests, renames, top_logprobs, echo, echo_only)
     t.beam = beam_request.settings(body, t)
     t.tokens_as_ids = tokens_as_ids(body, parsing)
     return t
