@@ -4,6 +4,7 @@ mid-search, and the parameters a search cannot honour refused naming them; every
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import math
@@ -22,7 +23,12 @@ from transformers import AutoModelForCausalLM
 from common.step import TokenLogprobs
 from executor_svc.runtime.config import ExecutorOptions
 from executor_svc.runtime.model_executor import ModelExecutor
+from nanoserve.v1 import generation_pb2 as pb
+from scheduler_svc.api.beam_search import BeamSearchGeneration, BeamSettings
+from scheduler_svc.api.outbox import ChoicesReader, Outbox
 from scheduler_svc.core.beam_search import BeamSearch, BeamStart
+from scheduler_svc.core.errors import RequestFailed
+from scheduler_svc.core.outputs import RequestOutput, RequestUsage
 from scheduler_svc.core.sequence import FinishReason
 from tests.http_fixtures import Hosted, hosted, hosted_smollm2
 from tests.model_fixtures import smollm2_folder, tiny_model_folders  # noqa: F401
@@ -79,7 +85,7 @@ def test_an_end_token_completes_its_beam_which_may_answer_first_while_the_others
              (4, 7): likeliest(3, 8)}
     best = search(model, 2, start).best()
     assert [(b.token_ids, b.finish_reason) for b in best] == [((), FinishReason.STOP), ((4, 6, 8), FinishReason.LENGTH)]
-    assert best[0].matched_stop is None and len(best[0].logprobs) == 1, "an EOS: no stop_reason, its logprob kept"
+    assert best[0].matched_stop == EOS and len(best[0].logprobs) == 1, "as vLLM's: the EOS its stop_reason"
     assert search(model, 2, start, include_stop=True).best()[0].token_ids == (EOS,)
     assert search(model, 2, BeamStart(prompt, 3, stop_token_ids=frozenset({EOS}))).best()[0].matched_stop == EOS
     later = search(model, 2, BeamStart(prompt, 3, eos_token_ids=frozenset({EOS}), min_tokens=1)).best()
@@ -93,6 +99,62 @@ def test_the_length_penalty_weighs_the_answers_lengths_as_vllm_counts_them() -> 
     start = BeamStart([9], max_tokens=3, eos_token_ids=frozenset({EOS}))
     assert search(model, 1, start).best()[0].token_ids == (4, 5, 6), "-1.5 / 4 beats -1 / 1"
     assert search(model, 1, start, length_penalty=0.0).best()[0].token_ids == (), "the sums alone: -1 beats -1.5"
+
+
+def test_only_the_first_two_alternatives_per_beam_are_candidates_whatever_the_answer_shows() -> None:
+    model = {(): likeliest(4, 5, EOS), (4,): likeliest(6, 7, EOS, 8)}  # EOS third: shown, never a candidate
+    start = BeamStart([9] * 9, max_tokens=2, eos_token_ids=frozenset({EOS}))
+    best = search(model, 1, start).best()
+    assert [(b.token_ids, b.finish_reason) for b in best] == [((4, 6), FinishReason.LENGTH)]
+    assert best[0].logprobs[0].top_token_ids == [4, 5, EOS]
+
+
+def test_fewer_beams_answer_where_fewer_are_left() -> None:
+    model = {(): likeliest(EOS, 3, 4)}
+    only = search(model, 3, BeamStart([9], 1, eos_token_ids=frozenset({EOS, 3}), min_tokens=1)).best()
+    assert [b.token_ids for b in only] == [(4,)], "two of the 2 x 3 candidates end before min_tokens"
+    none_left = search({(): likeliest(EOS, 3)}, 1, BeamStart([9], 2, eos_token_ids=frozenset({EOS, 3}), min_tokens=1))
+    assert [(b.token_ids, b.finish_reason) for b in none_left.best()] == [((), FinishReason.LENGTH)]
+
+
+class Held(ChoicesReader):
+    """As ``frontend.Generation``: closing one not finished cancels it silently; its reader is never woken."""
+
+    def close(self) -> None:
+        pass
+
+
+class FailingStep:
+    """A source whose first step answers and whose second fails on one beam, the other never answering."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    async def beam_start(self, request: pb.GenerateRequest) -> BeamStart:
+        return BeamStart([1, 2, 3], 5)
+
+    async def submit_step(self, request: pb.GenerateRequest) -> Held:
+        self.steps += 1
+        outbox = Outbox(None)
+        if self.steps == 1:
+            outbox.put_nowait(RequestOutput("", [7], [likeliest(7, 8, 9, 10)], FinishReason.LENGTH,
+                                            RequestUsage(3, 1, 0)))
+        elif self.steps == 2:
+            outbox.put_nowait(RequestOutput(error=RequestFailed("the executor failed")))
+        return Held(outbox, 1)
+
+
+def test_a_step_that_fails_on_one_beam_fails_the_search_and_leaves_no_read_waiting() -> None:
+    async def run() -> set[asyncio.Task]:
+        generation = await BeamSearchGeneration.begin(FailingStep(), pb.GenerateRequest(request_id="x"),
+                                                      BeamSettings(2), None)
+        with pytest.raises(RequestFailed, match="the executor failed"):
+            async for _ in generation.batches():
+                pass
+        await asyncio.sleep(0.05)
+        return asyncio.all_tasks() - {asyncio.current_task()}
+
+    assert asyncio.run(run()) == set()
 
 
 def test_an_aborted_search_answers_its_beams_as_they_are() -> None:
@@ -155,6 +217,15 @@ def test_a_stop_token_completes_a_beam_which_answers_first_for_its_short_length(
     assert kept.choices[0].token_ids == free[:2]
 
 
+def test_a_search_with_fewer_beams_left_than_n_answers_only_those(api: Hosted) -> None:
+    top = beams(api, n=1, max_tokens=1, logprobs=6, extra_body={"use_beam_search": False, "temperature": 0})
+    ranked = [int(name.removeprefix("token_id:")) for name in top.choices[0].logprobs.top_logprobs[0]]
+    answer = beams(api, max_tokens=1, extra_body={"stop_token_ids": ranked[:5], "min_tokens": 1})
+    assert [(c.index, c.token_ids, c.finish_reason) for c in answer.choices] == [(0, ranked[5:], "length")]
+    streamed = list(beams(api, max_tokens=1, stream=True, extra_body={"stop_token_ids": ranked[:5], "min_tokens": 1}))
+    assert [c.choices[0].index for c in streamed] == [0]
+
+
 def test_a_streamed_search_sends_each_choice_whole_and_scores_the_prompt_where_asked(api: Hosted) -> None:
     whole = beams(api, extra_body={"ignore_eos": True})
     chunks = list(beams(api, stream=True, extra_body={"ignore_eos": True}))
@@ -173,7 +244,7 @@ def test_aborting_the_request_by_its_id_answers_the_beams_as_they_are(api: Hoste
     reader.start()
     time.sleep(0.3)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # between two steps no request has the id: try again
+    while time.monotonic() < deadline:  # before the first step is in, no request has the id: try again
         aborted = httpx.post(f"{api.url}/inference/v1/abort_requests", json={"request_ids": ["cmpl-searching"]})
         if aborted.json()["aborted"] == 1:
             break
@@ -196,6 +267,7 @@ def test_a_client_gone_mid_search_leaves_nothing_running(api: Hosted) -> None:
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ({"bad_words": ["a"]}, "bad_words"), ({"allowed_token_ids": [5]}, "allowed_token_ids"),
     ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"), ({"max_tokens": 1000}, "max_tokens"),
+    ({"n": 0}, "n"),
 ])
 def test_what_a_search_cannot_honour_is_refused_naming_it(api: Hosted, extra: dict, param: str) -> None:
     body = {"prompt": PROMPT, "max_tokens": 4, "use_beam_search": True, **extra}

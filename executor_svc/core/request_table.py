@@ -263,8 +263,6 @@ class RequestTable:
             bad = next((t for t in getattr(params, name) if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise PlanError(INVALID, f"request {request_id}: {name}: {bad} is outside the vocabulary")
-        if params.logprob_token_ids and params.num_logprobs != len(params.logprob_token_ids):
-            raise PlanError(INVALID, f"request {request_id}: num_logprobs must be the number of logprob_token_ids")
         markers = (params.thinking_start_token_id, params.thinking_end_token_id)
         if params.thinking_token_budget is not None and not all(t is not None and 0 <= t < self.vocab_size
                                                                 for t in markers):

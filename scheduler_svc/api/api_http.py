@@ -90,6 +90,10 @@ class LinkGenerating:
         _, generation = await self._link.start("submit", request.SerializeToString(), interval, whole)
         return generation
 
+    async def submit_step(self, request: pb.GenerateRequest) -> LinkGeneration:
+        _, generation = await self._link.start("submit_step", request.SerializeToString(), math.inf, True)
+        return generation
+
 
 class Forwarder:
     """Passes a request on to the scheduler's HTTP app on its Unix socket, and its answer back as it comes."""

@@ -129,7 +129,7 @@ class ApiProcess:
 
     def _on_frame(self, frame: Frame) -> None:
         kind, key = frame[0], frame[1]
-        if kind in ("submit", "submit_vllm"):
+        if kind in ("submit", "submit_step", "submit_vllm"):
             self._pending.add(key)
             asyncio.ensure_future(self._submit(key, kind, frame[2], frame[3]))
         elif kind == "reading":  # a plan computes num_scheduler_steps at most: a change above them changes nothing
@@ -152,10 +152,11 @@ class ApiProcess:
         """A nanoserve Generate (``submit``) or a VllmEngine one (``submit_vllm``: translated here, and its answer
         carries what the API process's ``ResponseWriter`` needs)."""
         def submit(request: pb.GenerateRequest, whole: bool) -> Awaitable[RequestHandle]:
-            return self.frontend.submit_to(request, whole, lambda interval: RemoteSink(self, key))
+            return self.frontend.submit_to(request, whole, lambda interval: RemoteSink(self, key),
+                                           continued=kind == "submit_step")
 
         try:
-            if kind == "submit":
+            if kind != "submit_vllm":
                 handle = await submit(pb.GenerateRequest.FromString(data), whole)
             else:
                 handle = await submit_generate(self.frontend, vllm.GenerateRequest.FromString(data), submit)

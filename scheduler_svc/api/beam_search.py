@@ -51,7 +51,9 @@ class Searching(Protocol):
 
     async def beam_start(self, request: pb.GenerateRequest) -> BeamStart: ...
 
-    async def submit(self, request: pb.GenerateRequest, whole: bool) -> OneRequest: ...
+    async def submit_step(self, request: pb.GenerateRequest) -> OneRequest:
+        """A step's request, read whole; one whose id was aborted while the last step's were held ends at once."""
+        ...
 
 
 class BeamSearchGeneration:
@@ -103,7 +105,7 @@ class BeamSearchGeneration:
     async def _step(self, requests: list[pb.GenerateRequest]) -> list[RequestOutput]:
         """Every beam's next token. The step's requests are all in before the last step's close: an abort by the
         request's id always finds one (``Frontend.aborted``)."""
-        submitted = [asyncio.ensure_future(self._source.submit(request, True)) for request in requests]
+        submitted = [asyncio.ensure_future(self._source.submit_step(request)) for request in requests]
         try:
             await asyncio.wait(submitted)
         finally:
@@ -112,8 +114,12 @@ class BeamSearchGeneration:
                           and future.exception() is None]
             for future in submitted:
                 future.cancel()
-        generations = [future.result() for future in submitted]  # raises the first refusal
-        return await asyncio.gather(*(self._read(generation) for generation in generations))
+        reads = [asyncio.ensure_future(self._read(future.result())) for future in submitted]  # the first refusal raises
+        try:
+            return await asyncio.gather(*reads)
+        finally:
+            for read in reads:  # where one failed, the others' requests close cancelled, never to answer
+                read.cancel()
 
     @staticmethod
     async def _read(generation: OneRequest) -> RequestOutput:

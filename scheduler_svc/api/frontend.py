@@ -151,8 +151,8 @@ class Frontend:
         self.reasoning_parser = ""
         # Requests in flight by the id the caller gave (or was given), for Abort.
         self.by_request_id: dict[str, set[RequestHandle]] = {}
-        # Ids Abort named, while requests under them are still in flight: one submitted under such an id ends at once
-        # (a beam search's next step, submitted before its last closes, so that an abort between steps holds).
+        # Ids Abort named, while requests under them are still held: a beam search's next step submitted under such an
+        # id ends at once (``continued``), so that an abort between two steps holds.
         self.aborted: set[str] = set()
         # When the scheduler started, and when the last request arrived (time.time), for GetServerInfo.
         self.started_at = time.time()
@@ -185,15 +185,16 @@ class Frontend:
         eos = frozenset() if params.ignore_eos else frozenset(self.ready().info.eos_token_ids)
         return BeamStart(prepared.prompt_token_ids, params.max_tokens, eos, params.stop_token_ids, params.min_tokens)
 
-    async def submit(self, request: pb.GenerateRequest, whole: bool = False) -> Generation:
+    async def submit(self, request: pb.GenerateRequest, whole: bool = False, continued: bool = False) -> Generation:
         """Validate (off the event loop: tokenizing and templating take time) and queue ``request``; its latency
         metrics count from now, as vLLM's count from a request's arrival. ``whole``: the caller reads each choice
-        only once it ended, so its outputs wait for that."""
-        handle = await self.submit_to(request, whole, Outbox)
+        only once it ended, so its outputs wait for that. ``continued``: a beam search's step, which an abort of its
+        id before it came ends at once."""
+        handle = await self.submit_to(request, whole, Outbox, continued)
         return Generation(self, handle, handle.sink)
 
-    async def submit_to(self, request: pb.GenerateRequest, whole: bool, sink_of: Callable[[float], object]
-                        ) -> RequestHandle:
+    async def submit_to(self, request: pb.GenerateRequest, whole: bool, sink_of: Callable[[float], object],
+                        continued: bool = False) -> RequestHandle:
         """``submit`` for any reader: ``sink_of(tokens a read takes)`` is what the engine loop's ``deliver`` hands the
         request's outputs to (an ``Outbox``, or the API process's link). Forget the handle with ``forget``."""
         arrived_at, self.last_request_at = time.monotonic(), time.time()
@@ -203,7 +204,7 @@ class Frontend:
         interval = math.inf if whole else prepared.stream_interval or self.stream_interval
         handle = loop.submit(prepared, sink_of(interval), arrived_at, interval)
         self.by_request_id.setdefault(prepared.request_id, set()).add(handle)
-        if prepared.request_id in self.aborted:
+        if continued and prepared.request_id in self.aborted:
             loop.cancel(handle, answer=True)
         return handle
 

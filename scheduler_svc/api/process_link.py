@@ -2,15 +2,16 @@
 length, over a Unix socket in a folder only this user can open.
 
 The API process sends ``("listening", port, http_port)`` once, then ``("submit", key, GenerateRequest bytes, whole)``
-and ``("close", key, cancel)`` (its caller is done; ``cancel``: before the request finished), and for its HTTP routes
-``("served", key, with_tokenizer)`` and ``("beam_start", key, GenerateRequest bytes)``, and ``("reading", tokens)``
-when what each stream takes at a time while its pacing holds outputs changes (``pacing.PacedReading``). The scheduler
-answers ``("accepted", key, request_id, n, prompt length, prompt token ids if the request asked for them, else None)``
-(to ``served``: ``("accepted", key, model names, adapter names, tokenizer or None)``; to ``beam_start``:
-``("accepted", key, BeamStart)``) or ``("failed", key, error)``, sends each step's ``("outputs", items)`` for every
-request of the link at once, and ``("yield_cpu",)``, ``("beside_accelerator",)`` and ``("stop", grace_s)``. A decode
-step's plain token travels as ``(key, index, text, token_ids)``, anything else as ``(key, RequestOutput)``: a step of
-256 streams then costs the engine loop tens of microseconds to send.
+(``"submit_step"`` for a beam search's step) and ``("close", key, cancel)`` (its caller is done; ``cancel``: before
+the request finished), and for its HTTP routes ``("served", key, with_tokenizer)`` and ``("beam_start", key,
+GenerateRequest bytes)``, and ``("reading", tokens)`` when what each stream takes at a time while its pacing holds
+outputs changes (``pacing.PacedReading``). The scheduler answers ``("accepted", key, request_id, n, prompt length,
+prompt token ids if the request asked for them, else None)`` (to ``served``: ``("accepted", key, model names, adapter
+names, tokenizer or None)``; to ``beam_start``: ``("accepted", key, BeamStart)``) or ``("failed", key, error)``, sends
+each step's ``("outputs", items)`` for every request of the link at once, and ``("yield_cpu",)``,
+``("beside_accelerator",)`` and ``("stop", grace_s)``. A decode step's plain token travels as ``(key, index, text,
+token_ids)``, anything else as ``(key, RequestOutput)``: a step of 256 streams then costs the engine loop tens of
+microseconds to send.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class Beam:
     logprobs: tuple[TokenLogprobs, ...] = ()
     cum_logprob: float = 0.0
     finish_reason: FinishReason | None = None
-    # A stop token that ended it (None for an EOS token), as a choice's ``stop_reason`` reports it.
+    # The end token that ended it, EOS included, as vLLM's beam search reports a choice's ``stop_reason``.
     matched_stop: int | None = None
     # Its tokens the score counts: all but an end token.
     num_scored: int = 0
@@ -75,15 +75,17 @@ class BeamSearch:
     def advance(self, alternatives: list[TokenLogprobs]) -> None:
         """``alternatives[i]``: the most likely next tokens after ``live[i]``, most likely first."""
         candidates: list[Beam] = []
-        ends = self.start.end_token_ids
-        for beam, top in zip(self.live, alternatives, strict=True):
-            for token_id, logprob in zip(top.top_token_ids, top.top_logprobs, strict=True):
+        ends, count = self.start.end_token_ids, CANDIDATES_PER_BEAM * self.width
+        for beam, top in zip(self.live, alternatives, strict=True):  # more alternatives than ``count`` are for show
+            for token_id, logprob in zip(top.top_token_ids[:count], top.top_logprobs[:count], strict=True):
                 rank = sum(other >= logprob for other in top.top_logprobs)  # as vLLM ranks: ties share the last
                 chosen = TokenLogprobs(logprob, top.top_token_ids, top.top_logprobs, rank)
                 if token_id not in ends:
                     candidates.append(beam.extended(token_id, chosen))
                 elif len(beam.token_ids) >= self.start.min_tokens:
                     self.completed.append(self.ended(beam, token_id, chosen))
+        if not candidates and not self.completed:  # every candidate an end before min_tokens: answer the beams
+            self.completed = [replace(beam, finish_reason=FinishReason.LENGTH) for beam in self.live]
         candidates.sort(key=lambda beam: beam.cum_logprob, reverse=True)
         self.live = candidates[:self.width]
         self.steps += 1
@@ -91,8 +93,7 @@ class BeamSearch:
     def ended(self, beam: Beam, token_id: int, logprobs: TokenLogprobs) -> Beam:
         kept = beam.extended(token_id, logprobs)
         return replace(kept, token_ids=kept.token_ids if self.include_stop else beam.token_ids,
-                       finish_reason=FinishReason.STOP, num_scored=beam.num_scored,
-                       matched_stop=token_id if token_id in self.start.stop_token_ids else None)
+                       finish_reason=FinishReason.STOP, num_scored=beam.num_scored, matched_stop=token_id)
 
     def abort(self) -> None:
         """A step's request was aborted: the live beams end as they are (vLLM's)."""
@@ -104,6 +105,7 @@ class BeamSearch:
         return beam.cum_logprob / max(length, 1) ** self.length_penalty
 
     def best(self) -> list[Beam]:
-        """The answer: the ``width`` best beams, best first; a beam still live ended by its length."""
+        """The answer: the ``width`` best beams, best first (fewer where fewer are left: an abort in the first step,
+        ``min_tokens`` against a vocabulary of end tokens); a beam still live ended by its length."""
         final = self.completed + [replace(beam, finish_reason=FinishReason.LENGTH) for beam in self.live]
         return sorted(final, key=self.score, reverse=True)[:self.width]

@@ -46,6 +46,10 @@ class Generating(Protocol):
         """What a beam search makes of ``request`` before its first step (``api.beam_search``)."""
         ...
 
+    async def submit_step(self, request: pb.GenerateRequest) -> Generation:
+        """A beam search's step, read whole: ended at once where its id was aborted while the last step was held."""
+        ...
+
 
 def json_response(message: BaseModel) -> Response:
     return Response(message.model_dump_json(), media_type="application/json")

@@ -123,6 +123,9 @@ class FrontendGenerating:
     async def beam_start(self, request: pb.GenerateRequest) -> BeamStart:
         return await self.frontend.beam_start(request)
 
+    async def submit_step(self, request: pb.GenerateRequest) -> Generation:
+        return await self.frontend.submit(request, True, continued=True)
+
 
 def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
     """``/v1/chat/completions`` and ``/v1/completions``, answered from ``source``; chat answers read with the

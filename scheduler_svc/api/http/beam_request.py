@@ -29,9 +29,9 @@ def settings(body: schemas.GenerationParameters, t: Translated) -> BeamSettings 
     """The request's beam search, or None where it samples; a parameter the search would ignore is refused."""
     if not body.use_beam_search:
         return None
-    width = body.n or 1
-    if width > MAX_BEAMS:
-        raise ApiError(400, f"n: at most {MAX_BEAMS} beams with use_beam_search, got {width}", "n")
+    width = 1 if body.n is None else body.n
+    if not 1 <= width <= MAX_BEAMS:
+        raise ApiError(400, f"n: 1 to {MAX_BEAMS} beams with use_beam_search, got {width}", "n")
     length_penalty = 1.0 if body.length_penalty is None else body.length_penalty
     if not math.isfinite(length_penalty):
         raise ApiError(400, f"length_penalty: must be a finite number, got {length_penalty}", "length_penalty")

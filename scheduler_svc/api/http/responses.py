@@ -213,7 +213,7 @@ async def whole(t: Translated, generations: list[Generation]) -> tuple[list[Piec
             usage.add(piece.usage)
     except RequestFailed as e:
         raise api_error(e, t.renames) from e
-    return choices, usage.usage()
+    return [c for c in choices if c.finish_reason is not None], usage.usage()  # a beam search may answer fewer
 
 
 def token_ids(piece: Piece, t: Translated) -> list[int] | None:
@@ -261,11 +261,11 @@ def chat_message(choice: Piece, t: Translated) -> tuple[schemas.AssistantMessage
 async def completion(t: Translated, generations: list[Generation],
                      tokenizer: ModelTokenizer | None) -> schemas.TextCompletion:
     choices, usage = await whole(t, generations)
-    out = []
+    out, by_index = [], {c.index: c for c in choices}
     for c in choices:
         echo = t.echo[c.index // t.n] if t.echo else ""
         logprobs = completion_logprobs(c, t, tokenizer, len(echo))
-        prompt = choices[c.index - c.index % t.n].prompt  # only a prompt's first choice scores it
+        prompt = by_index[c.index - c.index % t.n].prompt  # only a prompt's first choice scores it
         if t.echo and logprobs is not None and prompt is not None:
             logprobs = echoed_logprobs(prompt, t, tokenizer, logprobs)
         out.append(schemas.CompletionChoice(index=c.index, text=echo + c.text, finish_reason=c.finish_reason,
