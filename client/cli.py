@@ -104,7 +104,7 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-special-tokens", dest="skip_special_tokens", action="store_false", default=None,
                         help="show special tokens in the text (server default true: skip_special_tokens)")
     parser.add_argument("--truncate-prompt-tokens", type=int,
-                        help="keep only the last N prompt tokens; -1: the model length (server default none)")
+                        help="keep only the last N prompt tokens; -1: the model length less one (server default none)")
     parser.add_argument("--truncation-side", choices=("left", "right"),
                         help="right: --truncate-prompt-tokens keeps the first tokens instead (server default left)")
     parser.add_argument("--logprob-token-id", dest="logprob_token_ids", type=int, action="append",
@@ -218,7 +218,8 @@ def run_generation(client: Client, args: argparse.Namespace, prompt: dict) -> in
                 "token_ids": completion.token_ids,
                 "finish_reason": completion.finish_reason,
                 "usage": asdict(completion.usage) if completion.usage else None,
-                **({"logprobs": [asdict(lp) for lp in completion.logprobs]} if args.logprobs is not None else {}),
+                **({"logprobs": [asdict(lp) for lp in completion.logprobs]}
+                   if args.logprobs is not None or args.logprob_token_ids else {}),
                 **({"prompt_logprobs": [asdict(lp) for lp in completion.prompt_logprobs]}
                    if args.prompt_logprobs is not None else {}),
                 **({"prompt_token_ids": completion.prompt_token_ids} if args.return_prompt_token_ids else {}),

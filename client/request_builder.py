@@ -6,14 +6,12 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
+from common.sampling import TO_MODEL_LENGTH
 from nanoserve.v1 import generation_pb2 as pb
 
 M = TypeVar("M")
 
 Message = Mapping[str, str]
-# truncate_prompt_tokens -1 (vLLM's "the model's length") as the proto's uint32 can carry it: its largest value. Of
-# any prompt the server accepts (shorter than the model's length) both keep all, so the client needs no ModelInfo.
-WHOLE_PROMPT = 2**32 - 1
 
 
 def build_request(
@@ -82,7 +80,7 @@ def build_request(
     out).
 
     Options left as None are not sent, so the server applies its documented defaults; ``top_k`` -1 disables it, as
-    in vLLM (0 in the proto), and ``truncate_prompt_tokens`` -1 keeps the model's length of the prompt, as vLLM's;
+    in vLLM (0 in the proto), and ``truncate_prompt_tokens`` -1 keeps the model's length less one, as vLLM's;
     ``truncation_side`` "right" keeps the prompt's first tokens instead of its last ("left"), as vLLM's.
     Range checks are the server's job (INVALID_ARGUMENT naming the field), but for values the proto's types cannot
     hold (a negative count): ValueError naming the option.
@@ -107,7 +105,7 @@ def build_request(
                        include_stop_str_in_output=include_stop_str_in_output, max_tokens_to_room=max_tokens_to_room,
                        cap_max_tokens_to_room=cap_max_tokens_to_room)
     if truncate_prompt_tokens == -1:
-        truncate_prompt_tokens = WHOLE_PROMPT
+        truncate_prompt_tokens = TO_MODEL_LENGTH  # the server knows the model's length
     if truncation_side not in (None, "left", "right"):
         raise ValueError(f"truncation_side: 'left' or 'right', got {truncation_side!r}")
     request = message(pb.GenerateRequest, request_id=request_id, sampling=sampling, stopping=stopping,

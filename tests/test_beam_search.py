@@ -275,6 +275,12 @@ def test_what_a_search_cannot_honour_is_refused_naming_it(api: Hosted, extra: di
     assert (answer.status_code, answer.json()["error"]["param"]) == (400, param)
 
 
+def test_a_search_is_not_rendered_for_the_generate_route_which_would_sample_instead(api: Hosted) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 4, "n": 2, "use_beam_search": True}
+    answer = httpx.post(f"{api.url}/v1/completions/render", json=body, timeout=30)
+    assert (answer.status_code, answer.json()["error"]["param"]) == (400, "use_beam_search")
+
+
 def test_the_default_sampling_parameters_are_accepted_with_a_search(api: Hosted) -> None:
     defaults = {"presence_penalty": 0, "repetition_penalty": 1, "stop": [], "temperature": 0.7, "seed": 3}
     answer = beams(api, extra_body={"ignore_eos": True, **defaults})

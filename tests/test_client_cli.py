@@ -266,3 +266,7 @@ def test_truncation_side_right_keeps_the_prompts_first_tokens(
     assert (code, err) == (0, "")
     assert json.loads(out)["token_ids"] == [5, 6]
     assert generation_options(build_parser().parse_args(["generate", PROMPT]))["truncation_side"] is None
+    code, out, err = run_cli(capsys, "generate", "--server", echo_server.target, "--token-ids", "5,6,7",
+                             "--logprob-token-id", "6", "--max-tokens", "2", "--json")
+    assert (code, err) == (0, "")
+    assert json.loads(out)["logprobs"] == [], "printed with the named tokens alone (the echo executor scores none)"

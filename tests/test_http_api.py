@@ -302,6 +302,10 @@ def test_truncate_prompt_tokens_minus_one_keeps_the_whole_prompt_as_vllm_reads_i
     whole, cut = (api.openai().completions.create(model=MODEL, prompt=list(range(5, 45)), max_tokens=1, echo=True,
                                                   extra_body={"truncate_prompt_tokens": n}) for n in (-1, 8))
     assert (whole.usage.prompt_tokens, cut.usage.prompt_tokens) == (40, 8)
+    prompt = [5 + i % 250 for i in range(300)]
+    too_long = api.openai().completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                               extra_body={"truncate_prompt_tokens": -1, "return_token_ids": True})
+    assert too_long.choices[0].prompt_token_ids == prompt[-255:], "cut to the model's length less one, as vLLM's"
 
 
 @pytest.mark.parametrize(("side", "kept"), [(None, list(range(37, 45))), ("left", list(range(37, 45))),

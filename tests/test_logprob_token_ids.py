@@ -51,10 +51,11 @@ def prepared(**sampling: object) -> object:
 
 def test_the_scheduler_counts_the_named_tokens_once_and_refuses_what_vllm_refuses() -> None:
     params = prepared(logprob_token_ids=[7, 3, 7])
-    assert (params.logprob_token_ids, params.logprobs, params.settings.num_logprobs) == ((7, 3), 2, 2)
+    settings = params.settings
+    assert (params.logprobs, settings.logprob_token_ids, settings.num_logprobs) == (3, (7, 3), 2), "vLLM's count"
     assert prepared(logprob_token_ids=list(range(25)), logprobs=25).logprobs == 25, "the limit of 20 is the top's"
     for sampling in ({"logprob_token_ids": list(range(129))}, {"logprob_token_ids": [7, 3], "logprobs": 1},
-                     {"logprob_token_ids": [LIMITS.vocab_size]}):
+                     {"logprob_token_ids": [7, 3, 7], "logprobs": 2}, {"logprob_token_ids": [LIMITS.vocab_size]}):
         with pytest.raises(InvalidRequest) as refused:
             prepared(**sampling)
         assert refused.value.field == "sampling.logprob_token_ids"
@@ -82,6 +83,14 @@ def test_a_completion_lists_the_named_tokens_logprobs_as_transformers_computes_t
     shown = choice["logprobs"]["top_logprobs"]
     assert [list(position) for position in shown] == [[f"token_id:{t}" for t in LABELS]] * 4
     assert [v for position in shown for v in position.values()] == pytest.approx(expected.flatten().tolist(), abs=1e-4)
+    many = httpx.post(f"{tiny.url}/v1/completions", timeout=30,
+                      json={**body, "logprob_token_ids": list(range(100, 125))})
+    assert [len(position) for position in many.json()["choices"][0]["logprobs"]["top_logprobs"]] == [25] * 4
+    echoed = httpx.post(f"{tiny.url}/v1/completions", timeout=30, json={**body, "echo": True, "logprobs": 5}).json()
+    assert [len(p or ()) for p in echoed["choices"][0]["logprobs"]["top_logprobs"]] == [0] + [5] * 6 + [3] * 4, (
+        "the echoed prompt's five alternatives, then the three named")
+    render = httpx.post(f"{tiny.url}/v1/completions/render", timeout=30, json=body)
+    assert (render.status_code, render.json()["error"]["param"]) == (400, "logprob_token_ids")
     missing = httpx.post(f"{tiny.url}/v1/completions", timeout=30, json={**body, "logprobs": None})
     assert (missing.status_code, missing.json()["error"]["param"]) == (400, "logprob_token_ids")
     beams = httpx.post(f"{tiny.url}/v1/completions", timeout=30, json={**body, "use_beam_search": True})

@@ -248,7 +248,7 @@ class RequestTable:
         for name, ok, what in ranges:
             if not ok:
                 raise PlanError(INVALID, f"request {request_id}: {name} must be {what}, got {getattr(params, name)}")
-        for name in ("num_logprobs", "num_prompt_logprobs"):
+        for name in ("num_logprobs", "num_prompt_logprobs")[1 if params.logprob_token_ids else 0:]:  # named: any
             if (value := getattr(params, name)) is not None and value > MAX_LOGPROBS:
                 raise PlanError(INVALID, f"request {request_id}: {name} must be in [0, {MAX_LOGPROBS}], got {value}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -242,10 +242,12 @@ def token_logprobs(
                 logits.shape[1])
     top_values, top_ids = logprobs.topk(n_max, dim=-1)
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    for i, row in enumerate(rows):
-        if row.logprob_token_ids:
-            top_ids[i] = list(row.logprob_token_ids)
-            top_values[i] = logprobs[i, top_ids[i]].tolist()
+    if named := [i for i, row in enumerate(rows) if row.logprob_token_ids]:  # one gather, one copy from the device
+        width = max(len(rows[i].logprob_token_ids) for i in named)
+        index = [list(rows[i].logprob_token_ids) + [0] * (width - len(rows[i].logprob_token_ids)) for i in named]
+        values = logprobs[named].gather(1, torch.tensor(index, device=logprobs.device)).tolist()
+        for i, row_values in zip(named, values, strict=True):
+            top_ids[i], top_values[i] = list(rows[i].logprob_token_ids), row_values[:len(rows[i].logprob_token_ids)]
     return [
         None if n is None else TokenLogprobs(chosen[i], top_ids[i][:n], top_values[i][:n], ranks[i])
         for i, n in enumerate(asked)

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from google.protobuf import json_format
 
+from common.sampling import TO_MODEL_LENGTH
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.structured import compile_grammar
 from scheduler_svc.api.thinking import ThinkingMarkers
@@ -63,15 +64,15 @@ def public_error(error: InvalidRequest) -> InvalidRequest:
     return InvalidRequest(PROTO_FIELD.get(error.field, error.field), error.reason)
 
 
-def truncated(token_ids: list[int], request: pb.GenerateRequest) -> list[int]:
+def truncated(token_ids: list[int], request: pb.GenerateRequest, max_model_len: int) -> list[int]:
     """The last ``truncate_prompt_tokens`` of the prompt, when asked (vLLM's option of that name), or its first with
-    ``truncation_side`` right."""
+    ``truncation_side`` right; ``TO_MODEL_LENGTH``: as many as leave an answer one token, as vLLM's -1."""
     if not request.HasField("truncate_prompt_tokens"):
         return token_ids
-    check_at_least_one("truncate_prompt_tokens", request.truncate_prompt_tokens)
-    if request.truncation_side == pb.TRUNCATION_SIDE_RIGHT:
-        return token_ids[:request.truncate_prompt_tokens]
-    return token_ids[-request.truncate_prompt_tokens:]
+    keep = request.truncate_prompt_tokens
+    check_at_least_one("truncate_prompt_tokens", keep)
+    keep = max(1, max_model_len - 1) if keep == TO_MODEL_LENGTH else keep
+    return token_ids[:keep] if request.truncation_side == pb.TRUNCATION_SIDE_RIGHT else token_ids[-keep:]
 
 
 def stream_interval(request: pb.GenerateRequest) -> int | None:
@@ -159,7 +160,7 @@ def sampling_params(request: pb.GenerateRequest, budget: int, grammar: str | Non
         given["allowed_token_ids"] = list(s.allowed_token_ids.token_ids)
     return SamplingParams(max_tokens=budget, stop=list(stopping.stop), stop_token_ids=stopping.stop_token_ids,
                           logit_bias=dict(s.logit_bias), grammar=grammar,
-                          logprob_token_ids=tuple(dict.fromkeys(s.logprob_token_ids)),
+                          logprob_token_ids=tuple(s.logprob_token_ids),
                           bad_words_token_ids=bad_words_token_ids(s.bad_words, tokenizer), **given)
 
 
@@ -187,7 +188,7 @@ def prepare(request: pb.GenerateRequest, limits: ModelLimits, tokenizer: ModelTo
     ``thinking``: the markers of ``--reasoning-parser``, whose thinking a grammar waits for (``api.thinking``)."""
     try:
         check_cache_salt(request.cache_salt)
-        token_ids = truncated(prompt_token_ids(request, tokenizer), request)
+        token_ids = truncated(prompt_token_ids(request, tokenizer), request, limits.max_model_len)
         check_prompt(token_ids, limits)
         if request.stopping.stop and tokenizer is None:
             raise InvalidRequest("stop", "stop strings need a tokenizer and this executor has none")

@@ -48,7 +48,8 @@ class SamplingParams:
     # budget); the markers are the reasoning parser's (``api.thinking``), set where the request is prepared.
     thinking_token_budget: int | None = None
     thinking_markers: tuple[int, int] | None = None
-    # vLLM's logprob_token_ids: the alternatives each token's logprobs list, in this order; logprobs is their number.
+    # vLLM's logprob_token_ids: the alternatives each token's logprobs list, in this order (repeats once); logprobs is
+    # their number as given, as vLLM counts it.
     logprob_token_ids: tuple[int, ...] = ()
     # What the executor's sampler needs of these, made once: every plan that sends the request whole carries it.
     settings: SamplingSettings = field(init=False, repr=False, compare=False)
@@ -57,9 +58,10 @@ class SamplingParams:
         self.stop_token_ids = frozenset(self.stop_token_ids)
         if self.logprob_token_ids and self.logprobs is None:
             self.logprobs = len(self.logprob_token_ids)
+        named = tuple(dict.fromkeys(self.logprob_token_ids))
         self.settings = SamplingSettings(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
-            num_logprobs=self.logprobs, repetition_penalty=self.repetition_penalty,
+            num_logprobs=len(named) if named else self.logprobs, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logit_bias=tuple(sorted(self.logit_bias.items())), min_tokens=self.min_tokens,
             # The min_tokens mask is all the executor does with these.
@@ -72,7 +74,7 @@ class SamplingParams:
             thinking_token_budget=self.thinking_token_budget if self.thinking_markers else None,
             thinking_start_token_id=self.thinking_markers[0] if self.thinking_markers else None,
             thinking_end_token_id=self.thinking_markers[1] if self.thinking_markers else None,
-            logprob_token_ids=self.logprob_token_ids,
+            logprob_token_ids=named,
         )
 
     def for_choice(self, index: int) -> SamplingParams:

@@ -19,6 +19,7 @@ from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.frontend import Frontend
 from scheduler_svc.api.http import request_ids, schemas, translate
 from scheduler_svc.api.http.chat_output import NO_PARSING, ChatParsing
+from scheduler_svc.api.http.errors import ApiError
 from scheduler_svc.api.http.generate_api.schemas import RenderedPrompt, RenderedSamplingParams
 from scheduler_svc.api.server_info import ServerInfo, engine_version
 from scheduler_svc.core.errors import RequestFailed
@@ -72,6 +73,11 @@ def gateway_router(frontend: Frontend, served_model: Callable[[], translate.Serv
     router = APIRouter()
 
     async def render(t: translate.Translated) -> list[RenderedPrompt]:
+        """Refused where ``/inference/v1/generate`` would not do what the completion would."""
+        for param, given in (("use_beam_search", t.beam is not None),
+                             ("logprob_token_ids", any(r.sampling.logprob_token_ids for r in t.requests))):
+            if given:
+                raise ApiError(400, f"{param}: /inference/v1/generate does not take it, so it is not rendered", param)
         prompts = []
         for request in t.requests:
             try:

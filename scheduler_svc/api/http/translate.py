@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
+from common.sampling import TO_MODEL_LENGTH
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.http import beam_request, chat_render, schemas, tool_request
 from scheduler_svc.api.http.chat_output import NO_PARSING, ChatOutput, ChatParsing
@@ -125,9 +126,8 @@ def logit_bias(bias: Mapping[str, float] | None) -> dict[int, float]:
 
 
 def whole_prompt_if_minus_one(truncate_prompt_tokens: int | None) -> int | None:
-    """vLLM's -1 ("the model's length") as the proto's uint32 carries it: its largest value, which keeps every prompt
-    the model can take (a longer one is refused either way)."""
-    return 2**32 - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    """vLLM's -1 (the model's length, less the one token an answer needs) as the proto's uint32 carries it."""
+    return TO_MODEL_LENGTH if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
 def structured_output(body: schemas.GenerationParameters,
@@ -198,14 +198,14 @@ def base_request(body: schemas.GenerationParameters, max_tokens: int | None, log
 
 
 def shown_logprobs(body: schemas.GenerationParameters, asked: int | None, needs: str) -> int | None:
-    """The alternatives an answer's logprobs show per token: ``asked``, or with vLLM's logprob_token_ids each of
-    those tokens, which need logprobs asked for (``needs`` says how)."""
+    """The alternatives an answer's logprobs show per token: ``asked``; with vLLM's logprob_token_ids, which need
+    logprobs asked for (``needs`` says how), each of those tokens (and an echoed prompt's ``asked``)."""
     named = len(set(body.logprob_token_ids or ()))
     if not named:
         return asked
     if asked is None:
         raise ApiError(400, f"logprob_token_ids: needs {needs}", "logprob_token_ids")
-    return named
+    return max(named, asked)
 
 
 def translated(body: schemas.GenerationParameters, prefix: str, model: str, requests: list[pb.GenerateRequest],

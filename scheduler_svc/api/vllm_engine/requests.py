@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from smg_grpc_proto import vllm_engine_pb2 as vllm
 
+from common.sampling import TO_MODEL_LENGTH
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.core.errors import InvalidRequest
 
@@ -103,7 +104,8 @@ def cap_to_room(request: pb.GenerateRequest, max_model_len: int) -> None:
     prompt that leaves none is refused where it is checked)."""
     prompt = len(request.tokens.token_ids)
     if request.HasField("truncate_prompt_tokens"):
-        prompt = min(prompt, request.truncate_prompt_tokens)
+        keep = request.truncate_prompt_tokens
+        prompt = min(prompt, max_model_len - 1 if keep == TO_MODEL_LENGTH else keep)
     room = max_model_len - prompt
     if room >= 1 and request.stopping.max_tokens > room:
         request.stopping.max_tokens = room
@@ -131,8 +133,8 @@ def generate_request(request: vllm.GenerateRequest, max_model_len: int) -> pb.Ge
                                                                 "for 0-20")
         out.prompt_logprobs = s.prompt_logprobs
     if s.HasField("truncate_prompt_tokens"):
-        # -1: keep what fits the model (vLLM's meaning), which for a prompt that fits is all of it.
-        truncate = max_model_len if s.truncate_prompt_tokens == -1 else s.truncate_prompt_tokens
+        # -1: the model's length less the one token an answer needs (vLLM's meaning).
+        truncate = TO_MODEL_LENGTH if s.truncate_prompt_tokens == -1 else s.truncate_prompt_tokens
         if truncate < 1:
             raise InvalidRequest(f"{SAMPLING}.truncate_prompt_tokens", f"must be >= 1 or -1, got {truncate}")
         out.truncate_prompt_tokens = truncate
