@@ -261,11 +261,13 @@ def tool_choice(body: schemas.ChatCompletionRequest, parsing: ChatParsing) -> to
 
 def template_kwargs(body: schemas.ChatCompletionRequest) -> dict[str, object] | None:
     """The request's chat_template_kwargs, with its reasoning_effort as vLLM adds it: as a variable, and as
-    ``enable_thinking`` (off for "none") unless the request sets that itself."""
-    if body.reasoning_effort is None:
-        return body.chat_template_kwargs
-    return {"enable_thinking": body.reasoning_effort != "none", **(body.chat_template_kwargs or {}),
-            "reasoning_effort": body.reasoning_effort}
+    ``enable_thinking`` (off for "none") unless the request sets that itself; vLLM's ``documents`` (RAG) as the
+    template's ``documents`` unless chat_template_kwargs sets them."""
+    kwargs = {**({"documents": body.documents} if body.documents is not None else {}),
+              **(body.chat_template_kwargs or {})}
+    if (effort := body.reasoning_effort) is not None:
+        kwargs = {"enable_thinking": effort != "none", **kwargs, "reasoning_effort": effort}
+    return kwargs or None
 
 
 def chat_request(body: schemas.ChatCompletionRequest, served: Served, parsing: ChatParsing = NO_PARSING
