@@ -60,6 +60,7 @@ def build_request(
     cache_salt: str | None = None,
     thinking_token_budget: int | None = None,
     logprob_token_ids: Sequence[int] | None = None,
+    repetition_detection: Mapping[str, int] | None = None,
 ) -> pb.GenerateRequest:
     """Exactly one of ``prompt`` (text), ``messages`` (chat) or ``token_ids`` must be given, and at most one
     structured-output constraint (``json_schema`` as JSON text or a dict, ``regex``, ``choice``, ``grammar``
@@ -77,7 +78,8 @@ def build_request(
     ``thinking_token_budget``: the most tokens the model may think before ``</think>`` is forced (vLLM's; the server
     needs ``--reasoning-parser``); -1 is none, as vLLM reads it. ``logprob_token_ids``: each token's logprobs list
     these tokens' as its alternatives, in this order, instead of the most likely (vLLM's; ``logprobs`` may be left
-    out).
+    out). ``repetition_detection``: vLLM's ``{"max_pattern_size", "min_pattern_size", "min_count"}``, the completion
+    ending (finish reason "repetition") once its last tokens repeat such a pattern.
 
     Options left as None are not sent, so the server applies its documented defaults; ``top_k`` -1 disables it, as
     in vLLM (0 in the proto), and ``truncate_prompt_tokens`` -1 keeps the model's length less one, as vLLM's;
@@ -103,7 +105,9 @@ def build_request(
     stopping = message(pb.StoppingOptions, max_tokens=max_tokens, stop=stop or [], stop_token_ids=stop_token_ids or [],
                        ignore_eos=ignore_eos, min_tokens=min_tokens,
                        include_stop_str_in_output=include_stop_str_in_output, max_tokens_to_room=max_tokens_to_room,
-                       cap_max_tokens_to_room=cap_max_tokens_to_room)
+                       cap_max_tokens_to_room=cap_max_tokens_to_room,
+                       repetition_detection=pb.RepetitionDetection(**repetition_detection) if repetition_detection
+                       else None)
     if truncate_prompt_tokens == -1:
         truncate_prompt_tokens = TO_MODEL_LENGTH  # the server knows the model's length
     if truncation_side not in (None, "left", "right"):

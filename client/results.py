@@ -11,6 +11,7 @@ FINISH_REASONS = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_REPETITION: "repetition",
 }
 
 

@@ -16,6 +16,7 @@ FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.REPETITION: pb.FINISH_REASON_REPETITION,
 }
 
 
@@ -51,7 +52,7 @@ def to_response(request_id: str, outputs: list[RequestOutput], prompt_token_ids:
         u = last.usage
         response.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                                          cached_prompt_tokens=u.cached_prompt_tokens))
-        stop = last.matched_stop
+        stop = last.matched_stop if last.finish_reason is FinishReason.STOP else None  # REPETITION: its reason says
         if isinstance(stop, str):
             response.stop_string = stop
         elif stop is not None:

@@ -55,6 +55,7 @@ PROTO_FIELD = {
     "bad_words": "sampling.bad_words",
     "thinking_token_budget": "sampling.thinking_token_budget",
     "logprob_token_ids": "sampling.logprob_token_ids",
+    "repetition_detection": "stopping.repetition_detection",
 }
 # Fields of the GenerateRequest itself that SamplingParams holds.
 OPTIONAL_REQUEST = ("skip_special_tokens", "prompt_logprobs")
@@ -161,7 +162,20 @@ def sampling_params(request: pb.GenerateRequest, budget: int, grammar: str | Non
     return SamplingParams(max_tokens=budget, stop=list(stopping.stop), stop_token_ids=stopping.stop_token_ids,
                           logit_bias=dict(s.logit_bias), grammar=grammar,
                           logprob_token_ids=tuple(s.logprob_token_ids),
+                          repetition_detection=repetition_detection(stopping),
                           bad_words_token_ids=bad_words_token_ids(s.bad_words, tokenizer), **given)
+
+
+def repetition_detection(stopping: pb.StoppingOptions) -> tuple[int, int, int] | None:
+    """vLLM's repetition_detection as (min_pattern_size, max_pattern_size, min_count), refused as vLLM refuses it;
+    None where off (max_pattern_size 0)."""
+    if not stopping.HasField("repetition_detection"):
+        return None
+    given = stopping.repetition_detection
+    if given.min_pattern_size > given.max_pattern_size:
+        raise InvalidRequest("repetition_detection", f"min_pattern_size ({given.min_pattern_size}) must be at most "
+                                                     f"max_pattern_size ({given.max_pattern_size})")
+    return (given.min_pattern_size or 1, given.max_pattern_size, given.min_count) if given.max_pattern_size else None
 
 
 def thinking_off(request: pb.GenerateRequest) -> bool:

@@ -16,6 +16,9 @@ from scheduler_svc.core.scheduler import TokenOutput
 from scheduler_svc.core.sequence import FinishReason, Sequence
 from scheduler_svc.core.tokenizer import ModelTokenizer
 
+# vLLM's stop_reason of a completion its repetition_detection ended.
+REPETITION_DETECTED = "repetition_detected"
+
 
 @dataclass(frozen=True)
 class RequestUsage:
@@ -103,6 +106,8 @@ class OutputProcessor:
         output = RequestOutput(text, token_ids, logprobs, reason, usage, None, self.index, prompt_logprobs)
         if reason is FinishReason.STOP:
             output.matched_stop = self._matched_stop(seq, token_ids)
+        elif reason is FinishReason.REPETITION:
+            output.matched_stop = REPETITION_DETECTED
         return output, stop_at
 
     def release(self) -> str:

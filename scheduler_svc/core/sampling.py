@@ -51,6 +51,9 @@ class SamplingParams:
     # vLLM's logprob_token_ids: the alternatives each token's logprobs list, in this order (repeats once); logprobs is
     # their number as given, as vLLM counts it.
     logprob_token_ids: tuple[int, ...] = ()
+    # vLLM's repetition_detection as (min_pattern_size, max_pattern_size, min_count): the completion ends once its
+    # last tokens repeat a pattern; None: not asked.
+    repetition_detection: tuple[int, int, int] | None = None
     # What the executor's sampler needs of these, made once: every plan that sends the request whole carries it.
     settings: SamplingSettings = field(init=False, repr=False, compare=False)
 

@@ -34,6 +34,8 @@ class FinishReason(Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    # vLLM's repetition_detection: the completion's last tokens repeat a pattern.
+    REPETITION = "repetition"
 
 
 class Sequence:

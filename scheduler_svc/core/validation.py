@@ -130,6 +130,9 @@ def check_resume(completion: list[int], params: SamplingParams, limits: ModelLim
     if reason is FinishReason.STOP:
         raise InvalidRequest(field, f"token id {completion[kept - 1]} at position {kept - 1} is an EOS or stop "
                                     "token, which would have ended the generation there")
+    if reason is FinishReason.REPETITION:
+        raise InvalidRequest(field, f"the tokens up to position {kept - 1} repeat a pattern, which would have ended "
+                                    "the generation there")
     if params.allowed_token_ids is not None:
         allowed = set(params.allowed_token_ids)
         bad = next((i for i, t in enumerate(completion) if t not in allowed), None)
@@ -189,6 +192,10 @@ def check_sampling(params: SamplingParams) -> None:
         raise InvalidRequest("min_p", f"must be in [0, 1], got {params.min_p}")
     if params.seed is not None and not (0 <= params.seed < 2**64):
         raise InvalidRequest("seed", f"must be in [0, 2**64), got {params.seed}")
+    if (repetition := params.repetition_detection) is not None and not (1 <= repetition[0] <= repetition[1]
+                                                                         and repetition[2] >= 2):
+        raise InvalidRequest("repetition_detection", f"needs 1 <= min_pattern_size <= max_pattern_size and min_count "
+                                                     f">= 2 (a pattern seen twice at least), got {repetition}")
     named = len(params.logprob_token_ids)
     if named > MAX_LOGPROB_TOKEN_IDS:
         raise InvalidRequest("logprob_token_ids", f"at most {MAX_LOGPROB_TOKEN_IDS} token ids, got {named}")

@@ -66,6 +66,7 @@ FINISHED: tuple[tuple[str, Callable[[LoopStats], int]], ...] = (
     (FinishReason.STOP.value, lambda s: s.num_finished_stop),
     (FinishReason.LENGTH.value, lambda s: s.num_finished_length),
     (FinishReason.ABORT.value, lambda s: s.num_aborted),
+    (FinishReason.REPETITION.value, lambda s: s.num_finished_repetition),
     ("error", lambda s: s.num_failed),
 )
 

@@ -27,6 +27,7 @@ class LoopStats:
     num_finished_stop: int = 0
     num_finished_length: int = 0
     num_aborted: int = 0
+    num_finished_repetition: int = 0
     num_prefix_cache_hit_tokens: int = 0
     num_preemptions: int = 0
     # Speculative decoding (``core.speculation``): verifications, tokens proposed and accepted, and their ratio.
@@ -66,6 +67,7 @@ class LoopStats:
             num_finished_stop=finished[FinishReason.STOP],
             num_finished_length=finished[FinishReason.LENGTH],
             num_aborted=finished[FinishReason.ABORT],
+            num_finished_repetition=finished[FinishReason.REPETITION],
             num_prefix_cache_hit_tokens=scheduler.num_prefix_hit_tokens,
             num_preemptions=scheduler.num_preemptions,
             num_prefix_cache_query_tokens=scheduler.num_prefix_query_tokens,

@@ -19,12 +19,14 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_REPETITION: _ClassVar[FinishReason]
 TRUNCATION_SIDE_LEFT: TruncationSide
 TRUNCATION_SIDE_RIGHT: TruncationSide
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+FINISH_REASON_REPETITION: FinishReason
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -100,7 +102,7 @@ class TokenIdList(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StoppingOptions(_message.Message):
-    __slots__ = ("max_tokens", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output", "max_tokens_to_room", "cap_max_tokens_to_room")
+    __slots__ = ("max_tokens", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output", "max_tokens_to_room", "cap_max_tokens_to_room", "repetition_detection")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +111,7 @@ class StoppingOptions(_message.Message):
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_TO_ROOM_FIELD_NUMBER: _ClassVar[int]
     CAP_MAX_TOKENS_TO_ROOM_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_DETECTION_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -117,7 +120,18 @@ class StoppingOptions(_message.Message):
     include_stop_str_in_output: bool
     max_tokens_to_room: bool
     cap_max_tokens_to_room: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., max_tokens_to_room: _Optional[bool] = ..., cap_max_tokens_to_room: _Optional[bool] = ...) -> None: ...
+    repetition_detection: RepetitionDetection
+    def __init__(self, max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., max_tokens_to_room: _Optional[bool] = ..., cap_max_tokens_to_room: _Optional[bool] = ..., repetition_detection: _Optional[_Union[RepetitionDetection, _Mapping]] = ...) -> None: ...
+
+class RepetitionDetection(_message.Message):
+    __slots__ = ("max_pattern_size", "min_pattern_size", "min_count")
+    MAX_PATTERN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_PATTERN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    max_pattern_size: int
+    min_pattern_size: int
+    min_count: int
+    def __init__(self, max_pattern_size: _Optional[int] = ..., min_pattern_size: _Optional[int] = ..., min_count: _Optional[int] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "regex", "choice", "grammar", "json_object", "from_first_token")
@@ -308,7 +322,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_blocks", "num_free_blocks", "num_cached_blocks", "num_steps", "num_finished_stop", "num_finished_length", "num_aborted", "num_prefix_cache_hit_tokens", "num_preemptions", "num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens", "spec_acceptance_rate", "num_generation_tokens")
+    __slots__ = ("num_waiting", "num_running", "num_blocks", "num_free_blocks", "num_cached_blocks", "num_steps", "num_finished_stop", "num_finished_length", "num_aborted", "num_prefix_cache_hit_tokens", "num_preemptions", "num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens", "spec_acceptance_rate", "num_generation_tokens", "num_finished_repetition")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +339,7 @@ class SchedulerStats(_message.Message):
     NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FINISHED_REPETITION_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_blocks: int
@@ -341,7 +356,8 @@ class SchedulerStats(_message.Message):
     num_spec_accepted_tokens: int
     spec_acceptance_rate: float
     num_generation_tokens: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_finished_stop: _Optional[int] = ..., num_finished_length: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_spec_drafts: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., num_generation_tokens: _Optional[int] = ...) -> None: ...
+    num_finished_repetition: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_finished_stop: _Optional[int] = ..., num_finished_length: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_spec_drafts: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., spec_acceptance_rate: _Optional[float] = ..., num_generation_tokens: _Optional[int] = ..., num_finished_repetition: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat", "add_special_tokens")

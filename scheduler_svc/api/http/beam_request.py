@@ -44,7 +44,8 @@ def settings(body: schemas.GenerationParameters, t: Translated) -> BeamSettings 
             ("frequency_penalty", body.frequency_penalty not in (None, 0), "a frequency penalty"),
             ("repetition_penalty", body.repetition_penalty not in (None, 1), "a repetition penalty"),
             ("thinking_token_budget", body.thinking_token_budget not in (None, -1), "a thinking budget"),
-            ("logprob_token_ids", body.logprob_token_ids, "logprob_token_ids")):
+            ("logprob_token_ids", body.logprob_token_ids, "logprob_token_ids"),
+            ("repetition_detection", body.repetition_detection is not None, "repetition detection")):
         if given:
             raise refused(param, what)
     if any(request.HasField("structured_output") for request in t.requests):

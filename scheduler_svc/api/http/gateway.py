@@ -60,6 +60,9 @@ def rendered(prepared: PreparedRequest, request: pb.GenerateRequest, model: str)
         logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, structured_output=p.grammar is not None,
         structured_outputs=structured_outputs(request), bad_words=list(request.sampling.bad_words) or None,
         thinking_token_budget=p.thinking_token_budget,
+        repetition_detection=None if p.repetition_detection is None else schemas.RepetitionDetection(
+            min_pattern_size=p.repetition_detection[0], max_pattern_size=p.repetition_detection[1],
+            min_count=p.repetition_detection[2]),
         allowed_token_ids=(list(request.sampling.allowed_token_ids.token_ids)
                            if request.sampling.HasField("allowed_token_ids") else None))
     return RenderedPrompt(request_id=prepared.request_id, model=model, token_ids=prepared.prompt_token_ids,

@@ -109,9 +109,21 @@ class GenerationParameters(Request):
     thinking_token_budget: ThinkingBudget | None = None
     # vLLM's: the alternatives each token's logprobs list are these tokens' (with logprobs asked for).
     logprob_token_ids: list[UInt32] | None = None
+    repetition_detection: RepetitionDetection | None = None
     # vLLM's beam search: n beams, each answer scored by its summed logprob over its length ** length_penalty (1).
     use_beam_search: bool | None = False
     length_penalty: float | None = None
+
+
+class RepetitionDetection(BaseModel):
+    """vLLM's repetition_detection: the completion ends once a pattern of min_pattern_size (0: 1) to max_pattern_size
+    tokens (0: off) repeats min_count times in a row at its end. Unknown keys are refused, as vLLM's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_pattern_size: UInt32 = 0
+    min_pattern_size: UInt32 = 0
+    min_count: UInt32 = 0
 
 
 class TextPart(Request):

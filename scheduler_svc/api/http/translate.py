@@ -125,11 +125,6 @@ def logit_bias(bias: Mapping[str, float] | None) -> dict[int, float]:
     return out
 
 
-def whole_prompt_if_minus_one(truncate_prompt_tokens: int | None) -> int | None:
-    """vLLM's -1 (the model's length, less the one token an answer needs) as the proto's uint32 carries it."""
-    return TO_MODEL_LENGTH if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-
-
 def structured_output(body: schemas.GenerationParameters,
                       forced: dict | None = None) -> tuple[pb.StructuredOutput | None, str]:
     """The one constraint of ``response_format`` or vLLM's ``structured_outputs``, and which of the two set it; a
@@ -180,14 +175,17 @@ def base_request(body: schemas.GenerationParameters, max_tokens: int | None, log
     stopping = pb.StoppingOptions(max_tokens=max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or [],
                                   ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                                   include_stop_str_in_output=body.include_stop_str_in_output)
+    if body.repetition_detection is not None:
+        stopping.repetition_detection.CopyFrom(pb.RepetitionDetection(**body.repetition_detection.model_dump()))
     if body.allowed_token_ids is not None:  # an empty list is sent, to be refused as vLLM refuses it
         sampling.allowed_token_ids.SetInParent()
         sampling.allowed_token_ids.token_ids.extend(body.allowed_token_ids)
     sampling.bad_words.extend(body.bad_words or ())
     if body.prompt_logprobs and body.stream:
         raise ApiError(400, "prompt_logprobs: not available when stream is true", "prompt_logprobs")
+    truncate = body.truncate_prompt_tokens
     request = pb.GenerateRequest(sampling=sampling, stopping=stopping, skip_special_tokens=body.skip_special_tokens,
-                                 truncate_prompt_tokens=whole_prompt_if_minus_one(body.truncate_prompt_tokens),
+                                 truncate_prompt_tokens=TO_MODEL_LENGTH if truncate == -1 else truncate,  # vLLM's -1
                                  prompt_logprobs=body.prompt_logprobs, priority=body.priority or 0,
                                  return_prompt_token_ids=bool(body.return_token_ids), cache_salt=body.cache_salt,
                                  truncation_side=pb.TRUNCATION_SIDE_RIGHT if body.truncation_side == "right" else None)

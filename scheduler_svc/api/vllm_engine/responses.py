@@ -19,7 +19,7 @@ from scheduler_svc.core.outputs import RequestOutput
 from scheduler_svc.core.request import PreparedRequest
 from scheduler_svc.core.sequence import FinishReason
 
-FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+FINISH_REASONS = {reason: reason.value for reason in FinishReason}
 
 
 def top_logprobs(lp: TokenLogprobs) -> vllm.TopLogProbs:

@@ -12,6 +12,7 @@ from scheduler_svc.api.http.schemas import (
     CompletionUsage,
     Omitted,
     PromptLogprobs,
+    RepetitionDetection,
     Request,
     StreamOptions,
     StructuredOutputs,
@@ -53,6 +54,7 @@ class SamplingParams(Request):
     allowed_token_ids: list[UInt32] | None = None
     bad_words: list[str] | None = None
     thinking_token_budget: ThinkingBudget | None = None
+    repetition_detection: RepetitionDetection | None = None
 
 
 class GenerateRequest(Request):
@@ -160,6 +162,7 @@ class RenderedSamplingParams(BaseModel):
     allowed_token_ids: list[int] | None = Omitted
     bad_words: list[str] | None = Omitted
     thinking_token_budget: int | None = Omitted
+    repetition_detection: RepetitionDetection | None = Omitted
 
 
 class RenderedPrompt(BaseModel):
@@ -200,7 +203,6 @@ SAMPLING_UNSUPPORTED: dict[str, str] = {
     "prompt_logprob_token_ids": "the logprobs of named prompt tokens",
     "prompt_logprob_start": "prompt logprobs from a position",
     "logprob_token_ids": "the logprobs of named tokens",
-    "repetition_detection": "repetition detection",
     "trace_decode_token_ids": "tracing decode token ids",
 }
 
