@@ -45,8 +45,10 @@ def test_a_repetition_is_a_tail_of_count_equal_runs_of_some_allowed_size(tokens,
 def test_the_rule_ends_at_the_token_completing_the_pattern_reading_the_tokens_before_the_window() -> None:
     pattern = rule((1, 3, 2))
     assert pattern.check([1, 2, 3, 1, 2, 3, 9], 0) == (6, FinishReason.REPETITION)
-    assert pattern.check([2, 3, 9], 4, before=[1, 2, 3, 1]) == (2, FinishReason.REPETITION), "it began before"
-    assert pattern.check([1, 2, 3, 1, 2, 3], 0, before=()) == (6, FinishReason.REPETITION)
+    assert pattern.check([2, 3, 9], 4, [1, 2, 3, 1, 0, 0]) == (2, FinishReason.REPETITION), "it began before"
+    prompted = StopRule.of(SamplingParams(max_tokens=100, repetition_detection=(1, 1, 3)), 2, (), 4096)
+    assert prompted.check([5], 1, [5, 5, 5, 0]) == (1, None), "5 three times only with the prompt's, which don't count"
+    assert prompted.check([5], 2, [5, 5, 5, 5, 0]) == (1, FinishReason.REPETITION)
     assert pattern.check([1, 2, 3, 4], 0) == (4, None)
     assert rule((1, 3, 2), min_tokens=8).check([1, 2, 3, 1, 2, 3, 1, 2, 3], 0) == (8, FinishReason.REPETITION), (
         "from min_tokens on: 2, 3, 1 twice ends the eighth")

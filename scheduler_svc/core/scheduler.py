@@ -304,14 +304,12 @@ class Scheduler:
                 if one_each:
                     token_id = token_ids[i]
                     seq.token_ids[slot] = token_id
-                    rule, prompt = seq.stop_rule, seq.num_prompt_tokens
-                    reason = rule.check((token_id,), slot - prompt, rule.before(seq.token_ids, prompt, slot))[1]
+                    reason = seq.stop_rule.check((token_id,), slot - seq.num_prompt_tokens, seq.token_ids)[1]
                     settled.append(TokenOutput(seq, [token_id], logprobs and [logprobs[i]], slot,
                                                reason is not None))
                 else:
                     sampled = token_ids[first:offset]
-                    rule, prompt = seq.stop_rule, seq.num_prompt_tokens
-                    kept, reason = rule.check(sampled, slot - prompt, rule.before(seq.token_ids, prompt, slot))
+                    kept, reason = seq.stop_rule.check(sampled, slot - seq.num_prompt_tokens, seq.token_ids)
                     seq.token_ids[slot : slot + kept] = sampled[:kept]
                     end = first + kept
                     settled.append(TokenOutput(seq, token_ids[first:end], logprobs and logprobs[first:end],

@@ -27,28 +27,42 @@ class StopRule:
     max_completion: int
     # vLLM's repetition_detection: (min_pattern_size, max_pattern_size, min_count); None: not asked.
     repetition: tuple[int, int, int] | None = None
+    # Where the completion starts in the sequence's tokens (``check``'s ``token_ids``).
+    num_prompt_tokens: int = 0
 
     @classmethod
     def of(cls, params: SamplingParams, num_prompt_tokens: int, eos_token_ids: Collection[int],
            max_model_len: int) -> StopRule:
         stop_ids = params.stop_token_ids if params.ignore_eos else params.stop_token_ids | frozenset(eos_token_ids)
         return cls(stop_ids, params.min_tokens, min(params.max_tokens, max_model_len - num_prompt_tokens),
-                   params.repetition_detection)
+                   params.repetition_detection, num_prompt_tokens)
 
     def check(self, sampled: Sequence[int], num_done: int,
-              before: Sequence[int] = ()) -> tuple[int, FinishReason | None]:
+              token_ids: Sequence[int] = ()) -> tuple[int, FinishReason | None]:
         """How many of ``sampled`` (completion tokens from number ``num_done`` on) the completion keeps, and why it
-        ends there (None: it goes on). ``before``: the completion's tokens before ``sampled`` (its last ones will do),
-        which a repetition may start in; read only where the request asked for repetition detection."""
-        stop_ids, first = self.stop_ids, max(0, self.min_tokens - num_done - 1)
-        end = len(sampled)
+        ends there (None: it goes on). ``token_ids``: the sequence's tokens, its completion's before ``sampled``
+        among them, where a repetition may start (read only where the request asked for repetition detection)."""
+        if self.repetition is not None:
+            return self._check_repetition(sampled, num_done, token_ids)
+        stop_ids = self.stop_ids  # the common case, per token of every request: kept lean
         if stop_ids and not stop_ids.isdisjoint(sampled):
-            end = next((k for k in range(first, len(sampled)) if sampled[k] in stop_ids), end)
-        if self.repetition is not None:  # as vLLM's, a stop token ends it first
-            tokens = [*before[-self.repetition[1] * self.repetition[2]:], *sampled[:end]]
-            for k in range(first, end):
-                if repeats(tokens, len(tokens) - end + k + 1, *self.repetition):
-                    return k + 1, FinishReason.REPETITION
+            for k in range(max(0, self.min_tokens - num_done - 1), len(sampled)):
+                if sampled[k] in stop_ids:
+                    return k + 1, FinishReason.STOP
+        return len(sampled), FinishReason.LENGTH if num_done + len(sampled) >= self.max_completion else None
+
+    def _check_repetition(self, sampled: Sequence[int], num_done: int,
+                          token_ids: Sequence[int]) -> tuple[int, FinishReason | None]:
+        """``check`` with vLLM's repetition detection: a stop token ends the completion first."""
+        first, end = max(0, self.min_tokens - num_done - 1), len(sampled)
+        if not self.stop_ids.isdisjoint(sampled):
+            end = next((k for k in range(first, end) if sampled[k] in self.stop_ids), end)
+        done_at = self.num_prompt_tokens + num_done
+        window = self.repetition[1] * self.repetition[2]
+        tokens = [*token_ids[max(self.num_prompt_tokens, done_at - window):done_at], *sampled[:end]]
+        for k in range(first, end):
+            if repeats(tokens, len(tokens) - end + k + 1, *self.repetition):
+                return k + 1, FinishReason.REPETITION
         if end < len(sampled):
             return end + 1, FinishReason.STOP
         return len(sampled), FinishReason.LENGTH if num_done + len(sampled) >= self.max_completion else None
@@ -56,13 +70,6 @@ class StopRule:
     def ends_by_length(self, num_completion: int) -> bool:
         """Whether a completion of this many tokens has reached its length."""
         return num_completion >= self.max_completion
-
-    def before(self, token_ids: Sequence[int], num_prompt_tokens: int, slot: int) -> Sequence[int]:
-        """``check``'s ``before`` for tokens sampled from ``slot`` on: the completion's last tokens a repetition may
-        start in; none where the request asked for no repetition detection."""
-        if self.repetition is None:
-            return ()
-        return token_ids[max(num_prompt_tokens, slot - self.repetition[1] * self.repetition[2]):slot]
 
 
 def repeats(tokens: Sequence[int], end: int, min_size: int, max_size: int, count: int) -> bool:

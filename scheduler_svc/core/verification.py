@@ -59,8 +59,7 @@ def settle_verification(scheduler: Scheduler, record: StepRecord, token_ids: lis
         reason = None
         if slot >= 0:
             sampled = token_ids[first:offset]
-            rule, prompt = seq.stop_rule, seq.num_prompt_tokens
-            kept, reason = rule.check(sampled, slot - prompt, rule.before(seq.token_ids, prompt, slot))
+            kept, reason = seq.stop_rule.check(sampled, slot - seq.num_prompt_tokens, seq.token_ids)
             seq.token_ids[slot : slot + kept] = sampled[:kept]
             end = first + kept
             settled.append(TokenOutput(seq, sampled[:kept], logprobs and logprobs[first:end], slot,
