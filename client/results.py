@@ -124,6 +124,9 @@ class Completion:
 
 
 def stop_reason(response: pb.GenerateResponse) -> str | int | None:
-    """The response's stop string or stop token id, whichever is set."""
+    """The response's stop string or stop token id, whichever is set; vLLM's "repetition_detected" for a completion
+    its repetition detection ended."""
+    if response.finish_reason == pb.FINISH_REASON_REPETITION:
+        return "repetition_detected"
     kind = response.WhichOneof("stop_reason")
     return None if kind is None else getattr(response, kind)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 MAX_LOGPROBS = 20
 # vLLM's bound on logprob_token_ids: the tokens whose logprobs a request names.
 MAX_LOGPROB_TOKEN_IDS = 128
+# repetition_detection's longest pattern: every token of such a request is checked against each size up to it.
+MAX_REPETITION_PATTERN = 1024
 # truncate_prompt_tokens' largest value, which carries vLLM's -1: the model's length less the one token an answer needs.
 TO_MODEL_LENGTH = 2**32 - 1
 # Every generated token is checked against every stop string: bound that work per request, as TGI does.

@@ -1,5 +1,5 @@
 """vLLM's ``documents`` on chat completions: a retrieval-augmented template reads them as its ``documents``, as
-Hugging Face's ``apply_chat_template(documents=...)`` hands them over; ``chat_template_kwargs`` may set them too."""
+Hugging Face's ``apply_chat_template(documents=...)`` hands them over, over ``chat_template_kwargs``' own."""
 
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ def test_the_template_reads_the_documents_as_vllm_hands_them_over(api: Hosted) -
     both = prompt_text(api, documents=DOCUMENTS)
     assert both.startswith("[Paris: The capital of France.][Rome: Of Italy.]<|im_start|>")
     assert prompt_text(api).startswith("<|im_start|>user"), "none sent: the template renders none"
-    mine = prompt_text(api, documents=DOCUMENTS, chat_template_kwargs={"documents": DOCUMENTS[1:]})
-    assert mine.startswith("[Rome: Of Italy.]<|im_start|>"), "chat_template_kwargs' own documents win"
+    given = prompt_text(api, documents=DOCUMENTS[1:], chat_template_kwargs={"documents": DOCUMENTS[:1]})
+    assert given.startswith("[Rome: Of Italy.]<|im_start|>"), "documents win over chat_template_kwargs', as vLLM's"
+    assert prompt_text(api, chat_template_kwargs={"documents": DOCUMENTS[:1]}).startswith("[Paris")
+    assert prompt_text(api, documents=[], chat_template_kwargs={"documents": DOCUMENTS}).startswith("<|im_start|>")
     effort = prompt_text(api, documents=DOCUMENTS[:1], reasoning_effort="low")
     assert effort.startswith("[Paris: The capital of France.]<|im_start|>")

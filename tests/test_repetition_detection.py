@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from client import Client
 from client.request_builder import build_request
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.core.sampling import SamplingParams
@@ -83,6 +84,12 @@ def test_a_completion_ends_at_the_repeated_pattern_whole_streamed_and_over_grpc(
     assert [t for r in responses for t in r.token_ids] == [5, 6, 7, 5, 6, 7]
     assert responses[-1].finish_reason == pb.FINISH_REASON_REPETITION
     assert responses[-1].WhichOneof("stop_reason") is None, "the finish reason says it: no stop string"
+    with Client(f"127.0.0.1:{api.server.port}", timeout=30) as client:
+        completion = client.generate(token_ids=PROMPT, max_tokens=20, repetition_detection={
+            "max_pattern_size": 3, "min_count": 2})
+    assert (completion.finish_reason, completion.stop_reason) == ("repetition", "repetition_detected")
+    at_length = complete(api, max_tokens=6, **asked).json()["choices"][0]
+    assert (at_length["finish_reason"], at_length["stop_reason"]) == ("length", None), "the length first, as vLLM's"
     assert api.stub.GetStats(pb.GetStatsRequest()).num_finished_repetition >= 3
     metrics = text_string_to_metric_families(httpx.get(f"{api.url}/metrics", timeout=10).text)
     ended = {s.labels["finished_reason"]: s.value for f in metrics if f.name == "nanoserve:request_success"
@@ -95,7 +102,7 @@ def test_a_completion_ends_at_the_repeated_pattern_whole_streamed_and_over_grpc(
 
 @pytest.mark.parametrize("detection", [
     {"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}, {"max_pattern_size": 2, "min_count": 1},
-    {"max_pattern_size": 2, "min_count": 2, "window": 4}])
+    {"max_pattern_size": 2, "min_count": 2, "window": 4}, {"max_pattern_size": 1025, "min_count": 2}])
 def test_what_vllm_refuses_is_refused_naming_it(api: Hosted, detection: dict) -> None:
     answer = complete(api, repetition_detection=detection)
     assert (answer.status_code, answer.json()["error"]["param"]) == (400, "repetition_detection")

@@ -53,14 +53,15 @@ class StopRule:
 
     def _check_repetition(self, sampled: Sequence[int], num_done: int,
                           token_ids: Sequence[int]) -> tuple[int, FinishReason | None]:
-        """``check`` with vLLM's repetition detection: a stop token ends the completion first."""
+        """``check`` with vLLM's repetition detection, in vLLM's order: a stop token, then the length, then a
+        repetition ends the completion."""
         first, end = max(0, self.min_tokens - num_done - 1), len(sampled)
         if not self.stop_ids.isdisjoint(sampled):
             end = next((k for k in range(first, end) if sampled[k] in self.stop_ids), end)
         done_at = self.num_prompt_tokens + num_done
         window = self.repetition[1] * self.repetition[2]
         tokens = [*token_ids[max(self.num_prompt_tokens, done_at - window):done_at], *sampled[:end]]
-        for k in range(first, end):
+        for k in range(first, min(end, self.max_completion - num_done - 1)):  # the last token ends by length
             if repeats(tokens, len(tokens) - end + k + 1, *self.repetition):
                 return k + 1, FinishReason.REPETITION
         if end < len(sampled):
@@ -75,9 +76,13 @@ class StopRule:
 def repeats(tokens: Sequence[int], end: int, min_size: int, max_size: int, count: int) -> bool:
     """Whether ``tokens[:end]`` ends with a pattern of ``min_size`` to ``max_size`` tokens repeated ``count`` times
     in a row (vLLM's check)."""
+    if min_size * count > end:
+        return False
+    last = tokens[end - 1]
     for size in range(min_size, max_size + 1):
         if size * count > end:
             return False
-        if all(tokens[end - n] == tokens[end - n - size * m] for n in range(1, size + 1) for m in range(1, count)):
+        if tokens[end - 1 - size] == last and all(tokens[end - n] == tokens[end - n - size * m]
+                                                  for n in range(1, size + 1) for m in range(1, count)):
             return True
     return False

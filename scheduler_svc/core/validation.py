@@ -18,6 +18,7 @@ from common.sampling import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_PENALTY,
+    MAX_REPETITION_PATTERN,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
@@ -192,10 +193,11 @@ def check_sampling(params: SamplingParams) -> None:
         raise InvalidRequest("min_p", f"must be in [0, 1], got {params.min_p}")
     if params.seed is not None and not (0 <= params.seed < 2**64):
         raise InvalidRequest("seed", f"must be in [0, 2**64), got {params.seed}")
-    if (repetition := params.repetition_detection) is not None and not (1 <= repetition[0] <= repetition[1]
-                                                                         and repetition[2] >= 2):
-        raise InvalidRequest("repetition_detection", f"needs 1 <= min_pattern_size <= max_pattern_size and min_count "
-                                                     f">= 2 (a pattern seen twice at least), got {repetition}")
+    if (repetition := params.repetition_detection) is not None and not (
+            1 <= repetition[0] <= repetition[1] <= MAX_REPETITION_PATTERN and repetition[2] >= 2):
+        raise InvalidRequest("repetition_detection", f"needs 1 <= min_pattern_size <= max_pattern_size <= "
+                                                     f"{MAX_REPETITION_PATTERN} and min_count >= 2 (a pattern seen "
+                                                     f"twice at least), got {repetition}")
     named = len(params.logprob_token_ids)
     if named > MAX_LOGPROB_TOKEN_IDS:
         raise InvalidRequest("logprob_token_ids", f"at most {MAX_LOGPROB_TOKEN_IDS} token ids, got {named}")

@@ -260,9 +260,9 @@ def tool_choice(body: schemas.ChatCompletionRequest, parsing: ChatParsing) -> to
 def template_kwargs(body: schemas.ChatCompletionRequest) -> dict[str, object] | None:
     """The request's chat_template_kwargs, with its reasoning_effort as vLLM adds it: as a variable, and as
     ``enable_thinking`` (off for "none") unless the request sets that itself; vLLM's ``documents`` (RAG) as the
-    template's ``documents`` unless chat_template_kwargs sets them."""
-    kwargs = {**({"documents": body.documents} if body.documents is not None else {}),
-              **(body.chat_template_kwargs or {})}
+    template's ``documents``, over chat_template_kwargs' own (vLLM's order)."""
+    kwargs = {**(body.chat_template_kwargs or {}), **({"documents": body.documents} if body.documents is not None
+                                                      else {})}
     if (effort := body.reasoning_effort) is not None:
         kwargs = {"enable_thinking": effort != "none", **kwargs, "reasoning_effort": effort}
     return kwargs or None
