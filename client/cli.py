@@ -110,6 +110,9 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logprob-token-id", dest="logprob_token_ids", type=int, action="append",
                         help="with --json: the alternatives each token's logprobs list are these tokens', repeatable "
                              "(server default: the most likely)")
+    parser.add_argument("--repetition-detection", type=repetition_detection, metavar="MAX,COUNT[,MIN]",
+                        help="end once the last tokens repeat a pattern of MIN (default 1) to MAX tokens COUNT times "
+                             "in a row, finish reason repetition (vLLM's repetition_detection; server default off)")
     parser.add_argument("--prompt-logprobs", type=int,
                         help="with --json: each prompt token's logprob and N top alternatives (server default none)")
     constraint = parser.add_mutually_exclusive_group()
@@ -180,6 +183,17 @@ def logit_bias(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, e.g. 42=-100, got {text!r}") from None
 
 
+def repetition_detection(text: str) -> dict[str, int]:
+    """MAX,COUNT[,MIN] as vLLM's repetition_detection."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"expected MAX,COUNT[,MIN] (whole numbers), got {text!r}")
+    return dict(zip(("max_pattern_size", "min_count", "min_pattern_size"), values, strict=False))
+
+
 def file_text(path: str) -> str:
     try:
         with open(path) as f:
@@ -195,7 +209,8 @@ def generation_options(args: argparse.Namespace) -> dict:
              "n", "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
              "truncation_side",
              "prompt_logprobs", "json_schema", "regex", "choice", "grammar", "json_object", "grammar_from_first_token",
-             "lora", "priority", "return_prompt_token_ids", "cache_salt", "thinking_token_budget", "logprob_token_ids")
+             "lora", "priority", "return_prompt_token_ids", "cache_salt", "thinking_token_budget", "logprob_token_ids",
+             "repetition_detection")
     options = {name: getattr(args, name) for name in names}
     options["logit_bias"] = dict(args.logit_bias) if args.logit_bias else None
     return options

@@ -270,3 +270,15 @@ def test_truncation_side_right_keeps_the_prompts_first_tokens(
                              "--logprob-token-id", "6", "--max-tokens", "2", "--json")
     assert (code, err) == (0, "")
     assert json.loads(out)["logprobs"] == [], "printed with the named tokens alone (the echo executor scores none)"
+
+
+def test_repetition_detection_from_the_command_line(
+    capsys: pytest.CaptureFixture[str], echo_server: EchoServer
+) -> None:
+    # The echo executor repeats the prompt: 5, 6, 7, 5, 6, 7 is the pattern of three, twice.
+    code, out, err = run_cli(capsys, "generate", "--server", echo_server.target, "--token-ids", "5,6,7",
+                             "--max-tokens", "20", "--repetition-detection", "3,2", "--json")
+    assert (code, err) == (0, "")
+    assert (json.loads(out)["token_ids"], json.loads(out)["finish_reason"]) == ([5, 6, 7, 5, 6, 7], "repetition")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--repetition-detection", "3", PROMPT])
