@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from collections.abc import Callable, Mapping
 
@@ -63,6 +64,28 @@ def json_strings(text: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
     return tuple(value)
+
+
+def json_object(text: str) -> dict[str, object]:
+    """A JSON object, as vLLM's --default-chat-template-kwargs takes it: '{"enable_thinking": false}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def file_or_text(text: str) -> str:
+    """A file's text, or the text itself where no such file exists and it is no path (vLLM's --chat-template: a
+    template's path, or the template in one line)."""
+    if os.path.isfile(text):
+        with open(text) as f:
+            return f.read()
+    if "{" not in text and ("/" in text or text.endswith((".jinja", ".j2"))):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r} (give a template's path, or the template itself)")
+    return text
 
 
 def positive_float(text: str) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.channels import PUBLIC_MAX_MESSAGE_BYTES
 from common.flags import (
@@ -13,7 +13,9 @@ from common.flags import (
     EnvFlags,
     boolean,
     byte_size,
+    file_or_text,
     grpc_message_bytes,
+    json_object,
     json_strings,
     non_negative_float,
     non_negative_int,
@@ -151,6 +153,12 @@ class ServiceConfig:
     responses_store: int = ChatParsing.responses_store
     # vLLM's --return-tokens-as-token-ids: logprobs name their tokens token_id:<id>.
     return_tokens_as_token_ids: bool = False
+    # vLLM's --chat-template: a template (a file's text) replacing the one the executor's handshake brings.
+    chat_template: str = ""
+    # vLLM's --default-chat-template-kwargs: the template variables every HTTP chat request starts from.
+    default_chat_template_kwargs: dict[str, object] = field(default_factory=dict)
+    # vLLM's --enable-force-include-usage: every streamed answer ends with its usage, as if asked.
+    enable_force_include_usage: bool = False
 
     def cors(self) -> Cors:
         return Cors(self.allowed_origins, self.allowed_credentials, self.allowed_methods, self.allowed_headers)
@@ -158,7 +166,8 @@ class ServiceConfig:
     def chat_parsing(self) -> ChatParsing:
         """What reads chat answers: the HTTP routes', in this process or the API process (``Settings``)."""
         return ChatParsing(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser,
-                           self.responses_store, self.return_tokens_as_token_ids)
+                           self.responses_store, self.return_tokens_as_token_ids,
+                           dict(self.default_chat_template_kwargs) or None, self.enable_force_include_usage)
 
     def engine_options(self) -> dict[str, object]:
         """The ``Engine``'s own keyword arguments among these flags (its ``SchedulerConfig`` aside)."""
@@ -319,6 +328,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "API's default) are kept in memory, the oldest dropped first, for previous_response_id, "
         "GET /v1/responses/{id} and background mode; 0 keeps none, as vLLM without "
         "VLLM_ENABLE_RESPONSES_API_STORE (which keeps all)")
+    add("--chat-template", file_or_text, "vLLM's flag: a chat template (a file's path, or the template itself) that "
+        "replaces the model's, for chat requests over HTTP and gRPC and the gateways' tokenizer bundle")
+    add("--default-chat-template-kwargs", json_object, "vLLM's flag: a JSON object of chat template variables every "
+        "HTTP chat request starts from, such as '{\"enable_thinking\": false}'; a request's chat_template_kwargs win")
+    add("--enable-force-include-usage", boolean, "vLLM's flag: every streamed chat and completion answer ends with "
+        "its usage, as if stream_options.include_usage were asked")
     return parser
 
 
@@ -349,8 +364,8 @@ def port_clash(config: ServiceConfig) -> str:
     use" (a vLLM user's --port 8000 meets the default --http-port); "" when none. 0 is no clash: any free port for
     --port, off for the other two."""
     taken: dict[int, tuple[str, str]] = {}
-    for flag, field, serves in PORT_FLAGS:
-        number = getattr(config, field)
+    for flag, attribute, serves in PORT_FLAGS:
+        number = getattr(config, attribute)
         if number and number in taken:
             other, other_serves = taken[number]
             return (f"{other} and {flag} are both {number}: {other} is {other_serves} and {flag} {serves}; "

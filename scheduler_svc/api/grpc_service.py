@@ -164,7 +164,8 @@ def executor_client(config: ServiceConfig, turn: Turn | None = None) -> RemoteEx
     one the public API's readers give way to (``engine.turn``)."""
     tls = TLSConfig.from_flags(config.executor_tls_cert, config.executor_tls_key, config.executor_tls_ca)
     credentials = channel_credentials(tls) if tls else None
-    return RemoteExecutor(config.executor, step_timeout_s=config.step_timeout, credentials=credentials, turn=turn)
+    return RemoteExecutor(config.executor, step_timeout_s=config.step_timeout, credentials=credentials, turn=turn,
+                          chat_template=config.chat_template)
 
 
 class SchedulerServer:

@@ -7,6 +7,7 @@ import queue
 import threading
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import replace
 
 import grpc
 
@@ -52,8 +53,10 @@ class RemoteExecutor(Executor):
 
     def __init__(self, target: str, step_timeout_s: float | None = None,
                  credentials: grpc.ChannelCredentials | None = None, info_timeout_s: float = INFO_TIMEOUT_S,
-                 turn: Turn | None = None) -> None:
+                 turn: Turn | None = None, chat_template: str = "") -> None:
         self.target = target
+        # The scheduler's --chat-template, which replaces the handshake's ("": the model's own).
+        self.chat_template = chat_template
         self.turn = turn or Turn()
         self.step_timeout_s = step_timeout_s
         self.info_timeout_s = info_timeout_s if step_timeout_s is None else min(info_timeout_s, step_timeout_s)
@@ -63,8 +66,10 @@ class RemoteExecutor(Executor):
         self._cuts: set[grpc.Future] = set()
 
     def get_info(self, timeout_s: float | None = None, wait_for_ready: bool = False) -> ExecutorInfo:
+        """The executor's handshake; its chat template replaced by ``chat_template`` where one is given."""
         timeout = self.info_timeout_s if timeout_s is None else timeout_s
-        return info_from_proto(self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout, wait_for_ready=wait_for_ready))
+        info = info_from_proto(self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout, wait_for_ready=wait_for_ready))
+        return replace(info, chat_template=self.chat_template) if self.chat_template else info
 
     def step(self, plan: StepPlan) -> StepResult:
         return result_from_proto(self.stub.Step(plan_to_proto(plan), timeout=self.step_timeout_s))

@@ -135,6 +135,7 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
     async def generate(request: Request, body: schemas.GenerationParameters, t: translate.Translated, chunks: Chunks,
                        whole: Whole) -> Response:
         raise_stream_interval(t, body.stream_interval, source.stream_interval)
+        t.include_usage |= t.stream and parsing.force_include_usage  # --enable-force-include-usage
         generations = await (beam_searches(source, t) if t.beam is not None else submit_all(source, t))
         if t.stream:
             return GenerationStream(chunks(t, generations, source.tokenizer), generations)

@@ -42,6 +42,10 @@ class ChatParsing:
     responses_store: int = 1024
     # vLLM's --return-tokens-as-token-ids: logprobs name their tokens token_id:<id> unless a request says otherwise.
     return_tokens_as_token_ids: bool = False
+    # vLLM's --default-chat-template-kwargs: the template variables a chat request starts from (its own win).
+    default_chat_template_kwargs: dict[str, object] | None = None
+    # vLLM's --enable-force-include-usage: a streamed answer ends with its usage, as if asked.
+    force_include_usage: bool = False
 
     @property
     def auto_tool_parser(self) -> str:

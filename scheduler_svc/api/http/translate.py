@@ -257,12 +257,14 @@ def tool_choice(body: schemas.ChatCompletionRequest, parsing: ChatParsing) -> to
     return choice
 
 
-def template_kwargs(body: schemas.ChatCompletionRequest) -> dict[str, object] | None:
+def template_kwargs(body: schemas.ChatCompletionRequest, defaults: Mapping[str, object] | None = None
+                    ) -> dict[str, object] | None:
     """The request's chat_template_kwargs, with its reasoning_effort as vLLM adds it: as a variable, and as
     ``enable_thinking`` (off for "none") unless the request sets that itself; vLLM's ``documents`` (RAG) as the
-    template's ``documents``, over chat_template_kwargs' own (vLLM's order)."""
-    kwargs = {**(body.chat_template_kwargs or {}), **({"documents": body.documents} if body.documents is not None
-                                                      else {})}
+    template's ``documents``, over chat_template_kwargs' own (vLLM's order); all over ``defaults`` (the server's
+    --default-chat-template-kwargs)."""
+    kwargs = {**(defaults or {}), **(body.chat_template_kwargs or {}),
+              **({"documents": body.documents} if body.documents is not None else {})}
     if (effort := body.reasoning_effort) is not None:
         kwargs = {"enable_thinking": effort != "none", **kwargs, "reasoning_effort": effort}
     return kwargs or None
@@ -285,7 +287,7 @@ def chat_request(body: schemas.ChatCompletionRequest, served: Served, parsing: C
     parser = TOOL_PARSERS.get(parsing.auto_tool_parser)
     if parser is not None and parser.keeps_special_tokens and choice.tools and choice.kind != "none":
         request.skip_special_tokens = False
-    kwargs, continued = template_kwargs(body), bool(body.continue_final_message)
+    kwargs, continued = template_kwargs(body, parsing.default_chat_template_kwargs), bool(body.continue_final_message)
     if continued and body.add_generation_prompt:  # as vLLM refuses it
         raise ApiError(400, "continue_final_message: not with add_generation_prompt true", "continue_final_message")
     # With thinking to read, the prompt is rendered here: whether it closed the thinking decides how the answer reads.
