@@ -78,12 +78,12 @@ def json_object(text: str) -> dict[str, object]:
 
 
 def file_or_text(text: str) -> str:
-    """A file's text, or the text itself where no such file exists and it is no path (vLLM's --chat-template: a
-    template's path, or the template in one line)."""
+    """A file's text, or the text itself where it reads as a template, not a name (vLLM's --chat-template: a
+    template's path, or the template itself, which holds a brace or a line break)."""
     if os.path.isfile(text):
         with open(text) as f:
             return f.read()
-    if "{" not in text and ("/" in text or text.endswith((".jinja", ".j2"))):
+    if text and not any(mark in text for mark in "{}\n"):  # "": unset
         raise argparse.ArgumentTypeError(f"no such file: {text!r} (give a template's path, or the template itself)")
     return text
 

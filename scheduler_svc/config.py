@@ -38,6 +38,7 @@ from scheduler_svc.core.scheduler_config import (
     SPECULATIVE_METHODS,
     SchedulerConfig,
 )
+from scheduler_svc.core.tokenizer import TEMPLATE_VARIABLES
 from scheduler_svc.engine.recorder import DEFAULT_MAX_FILE_BYTES
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -351,6 +352,8 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         parser.error(clash)
     if config.enable_auto_tool_choice and not config.tool_call_parser:  # as vLLM refuses it
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
+    if taken := sorted(TEMPLATE_VARIABLES.intersection(config.default_chat_template_kwargs)):
+        parser.error(f"--default-chat-template-kwargs: {', '.join(taken)} the server sets for each request")
     return config
 
 

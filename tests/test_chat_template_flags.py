@@ -47,8 +47,9 @@ def test_the_flag_takes_a_file_or_the_template_and_refuses_a_missing_file(tmp_pa
     assert parse_config(["--chat-template", str(template)]).chat_template == MINE
     assert parse_config(["--chat-template", MINE]).chat_template == MINE
     assert executor_client(parse_config(["--chat-template", MINE])).chat_template == MINE
-    for flags in (["--chat-template", str(tmp_path / "missing.jinja")],
-                  ["--default-chat-template-kwargs", "[1]"], ["--default-chat-template-kwargs", "{"]):
+    for flags in (["--chat-template", str(tmp_path / "missing.jinja")], ["--chat-template", "chatml.txt"],
+                  ["--default-chat-template-kwargs", "[1]"], ["--default-chat-template-kwargs", "{"],
+                  ["--default-chat-template-kwargs", '{"add_generation_prompt": false}']):
         with pytest.raises(SystemExit):
             parse_config(flags)
 
@@ -69,6 +70,13 @@ def test_default_template_kwargs_apply_to_every_chat_request_and_a_requests_own_
     with hosted(RemoteExecutor(executor_target), default_chat_template_kwargs={"enable_thinking": False}) as api:
         assert prompt_text(api).endswith("<think>\n\n</think>\n\n"), "the server's default turns the thinking off"
         assert not prompt_text(api, chat_template_kwargs={"enable_thinking": True}).endswith("</think>\n\n")
+        assert not prompt_text(api, reasoning_effort="high").endswith("</think>\n\n"), "the request's effort wins"
+        counted = httpx.post(f"{api.url}/tokenize", timeout=30, json={"messages": MESSAGES}).json()["count"]
+        used = httpx.post(f"{api.url}/v1/chat/completions", timeout=30, json={"messages": MESSAGES, "max_tokens": 1})
+        assert counted == used.json()["usage"]["prompt_tokens"], "/tokenize renders with the defaults too"
+        anthropic = httpx.post(f"{api.url}/v1/messages/count_tokens", timeout=30, json={
+            "model": api.openai().models.list().data[0].id, "messages": MESSAGES}).json()
+        assert anthropic["input_tokens"] == counted, "and Messages' token count"
         api.assert_idle()
 
 
@@ -76,6 +84,7 @@ def test_forced_usage_ends_every_streamed_answer(executor_target: str) -> None:
     def last_usage(api: Hosted, path: str, body: dict) -> dict | None:
         lines = httpx.post(f"{api.url}{path}", timeout=30, json={**body, "max_tokens": 3, "stream": True}).text
         events = [json.loads(line[6:]) for line in lines.splitlines() if line.startswith("data: {")]
+        assert len({event.get("usage") is not None for event in events}) == 1, "every chunk's, or none"
         return events[-1].get("usage")
 
     with hosted(RemoteExecutor(executor_target), enable_force_include_usage=True) as api:

@@ -135,7 +135,8 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
     async def generate(request: Request, body: schemas.GenerationParameters, t: translate.Translated, chunks: Chunks,
                        whole: Whole) -> Response:
         raise_stream_interval(t, body.stream_interval, source.stream_interval)
-        t.include_usage |= t.stream and parsing.force_include_usage  # --enable-force-include-usage
+        if t.stream and parsing.force_include_usage:  # --enable-force-include-usage: every chunk's, as vLLM's
+            t.include_usage = t.continuous_usage = True
         generations = await (beam_searches(source, t) if t.beam is not None else submit_all(source, t))
         if t.stream:
             return GenerationStream(chunks(t, generations, source.tokenizer), generations)
@@ -191,7 +192,7 @@ def generation_router(source: Generating, parsing: ChatParsing) -> APIRouter:
     return router
 
 
-def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
+def routes(frontend: Frontend, serving: Callable[[], bool], parsing: ChatParsing = NO_PARSING) -> APIRouter:
     router = APIRouter()
     started = int(time.time())
     served_model = served_by(frontend)
@@ -245,7 +246,8 @@ def routes(frontend: Frontend, serving: Callable[[], bool]) -> APIRouter:
 
     @router.post("/tokenize", response_model=schemas.TokenizeResponse)
     async def tokenize(body: schemas.TokenizeRequest) -> Response:
-        request = await asyncio.to_thread(translate.tokenize_request, body, served_model())  # may render a chat
+        request = await asyncio.to_thread(translate.tokenize_request, body, served_model(),
+                                          parsing.default_chat_template_kwargs)  # may render a chat
         if isinstance(request, list):
             token_ids, max_model_len = request, frontend.ready().info.max_model_len
         else:
@@ -313,7 +315,7 @@ def create_app(frontend: Frontend, serving: Callable[[], bool], registry: Collec
     app.openapi = without_validation_errors(app)
     answer_failures(app)
     app.include_router(generation_router(FrontendGenerating(frontend), parsing), responses=ERRORS)
-    app.include_router(routes(frontend, serving), responses=ERRORS)
+    app.include_router(routes(frontend, serving, parsing), responses=ERRORS)
     app.include_router(gateway_router(frontend, served_by(frontend), parsing), responses=ERRORS)
     app.include_router(abort_router(frontend), responses=ERRORS)
     app.include_router(metrics_router(registry))

@@ -263,11 +263,10 @@ def template_kwargs(body: schemas.ChatCompletionRequest, defaults: Mapping[str, 
     ``enable_thinking`` (off for "none") unless the request sets that itself; vLLM's ``documents`` (RAG) as the
     template's ``documents``, over chat_template_kwargs' own (vLLM's order); all over ``defaults`` (the server's
     --default-chat-template-kwargs)."""
-    kwargs = {**(defaults or {}), **(body.chat_template_kwargs or {}),
-              **({"documents": body.documents} if body.documents is not None else {})}
-    if (effort := body.reasoning_effort) is not None:
-        kwargs = {"enable_thinking": effort != "none", **kwargs, "reasoning_effort": effort}
-    return kwargs or None
+    own = dict(body.chat_template_kwargs or {})
+    if (effort := body.reasoning_effort) is not None:  # the request's: over the server's defaults, as vLLM's
+        own = {"enable_thinking": effort != "none", **own, "reasoning_effort": effort}
+    return {**(defaults or {}), **own, **({"documents": body.documents} if body.documents is not None else {})} or None
 
 
 def chat_request(body: schemas.ChatCompletionRequest, served: Served, parsing: ChatParsing = NO_PARSING
@@ -372,9 +371,12 @@ def completion_request(body: schemas.CompletionRequest, served: Served, tokenize
     return t
 
 
-def tokenize_request(body: schemas.TokenizeRequest, served: Served) -> pb.TokenizeRequest | list[int]:
-    """What the scheduler tokenizes, or a conversation's token ids rendered here where a chat completion's are."""
+def tokenize_request(body: schemas.TokenizeRequest, served: Served,
+                     defaults: Mapping[str, object] | None = None) -> pb.TokenizeRequest | list[int]:
+    """What the scheduler tokenizes, or a conversation's token ids rendered here where a chat completion's are;
+    ``defaults``: --default-chat-template-kwargs, under the request's own."""
     check_model(body.model, served)
+    kwargs = {**(defaults or {}), **(body.chat_template_kwargs or {})} or None
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "prompt: give exactly one of prompt or messages", "prompt")
     continued = bool(body.continue_final_message)
@@ -383,14 +385,12 @@ def tokenize_request(body: schemas.TokenizeRequest, served: Served) -> pb.Tokeni
     if body.messages is not None and chat_render.needs_rendering(body.messages, body.tools):
         return chat_render.render(served.tokenizer, body.messages, message_text,
                                   lambda role: ROLE_ALIASES.get(role, role), body.add_generation_prompt,
-                                  body.chat_template_kwargs, [tool.template_dict() for tool in body.tools or ()],
-                                  continued)
+                                  kwargs, [tool.template_dict() for tool in body.tools or ()], continued)
     request = pb.TokenizeRequest(add_special_tokens=body.add_special_tokens)
     if body.prompt is not None:
         request.text = body.prompt
     else:
-        request.chat.CopyFrom(chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
-                                          continued))
+        request.chat.CopyFrom(chat_prompt(body.messages, body.add_generation_prompt, kwargs, continued))
     return request
 
 

@@ -78,10 +78,11 @@ def messages_router(source: Generating, parsing: ChatParsing) -> APIRouter:
         if tokenizer is None:
             raise ApiError(400, "messages: this executor has no tokenizer to count with", "messages")
         chat = inputs.chat_request(body)
+        kwargs = translate.template_kwargs(chat, parsing.default_chat_template_kwargs)
         try:
             ids = await asyncio.to_thread(
                 chat_render.render, tokenizer, chat.messages, translate.message_text,
-                lambda role: translate.ROLE_ALIASES.get(role, role), None, translate.template_kwargs(chat),
+                lambda role: translate.ROLE_ALIASES.get(role, role), None, kwargs,
                 [tool.template_dict() for tool in chat.tools or ()])
         except RequestFailed as e:
             raise translate.api_error(e, {}) from e
