@@ -121,7 +121,7 @@ class Held(ChoicesReader):
     """As ``frontend.Generation``: closing one not finished cancels it silently; its reader is never woken."""
 
     def close(self) -> None:
-        pass
+        """Nothing to free: the outbox is the test's."""
 
 
 class FailingStep:
@@ -149,8 +149,7 @@ def test_a_step_that_fails_on_one_beam_fails_the_search_and_leaves_no_read_waiti
         generation = await BeamSearchGeneration.begin(FailingStep(), pb.GenerateRequest(request_id="x"),
                                                       BeamSettings(2), None)
         with pytest.raises(RequestFailed, match="the executor failed"):
-            async for _ in generation.batches():
-                pass
+            [batch async for batch in generation.batches()]
         await asyncio.sleep(0.05)
         return asyncio.all_tasks() - {asyncio.current_task()}
 

@@ -163,9 +163,8 @@ def executor_client(config: ServiceConfig, turn: Turn | None = None) -> RemoteEx
     """The executor service at ``config.executor``, over TLS when an ``--executor-tls-*`` flag is set; ``turn``: the
     one the public API's readers give way to (``engine.turn``)."""
     tls = TLSConfig.from_flags(config.executor_tls_cert, config.executor_tls_key, config.executor_tls_ca)
-    credentials = channel_credentials(tls) if tls else None
-    return RemoteExecutor(config.executor, step_timeout_s=config.step_timeout, credentials=credentials, turn=turn,
-                          chat_template=config.chat_template)
+    return RemoteExecutor(config.executor, step_timeout_s=config.step_timeout, turn=turn,
+                          credentials=channel_credentials(tls) if tls else None, chat_template=config.chat_template)
 
 
 class SchedulerServer:
