@@ -149,8 +149,8 @@ class ApiProcess:
                 self._closed_early.add(key)
 
     async def _submit(self, key: int, kind: str, data: bytes, whole: bool) -> None:
-        """A nanoserve Generate (``submit``) or a VllmEngine one (``submit_vllm``: translated here, and its answer
-        carries what the API process's ``ResponseWriter`` needs)."""
+        """A nanoserve Generate (``submit``; ``submit_step``: a beam search's step) or a VllmEngine one
+        (``submit_vllm``: translated here, and its answer carries what the API process's ``ResponseWriter`` needs)."""
         def submit(request: pb.GenerateRequest, whole: bool) -> Awaitable[RequestHandle]:
             return self.frontend.submit_to(request, whole, lambda interval: RemoteSink(self, key),
                                            continued=kind == "submit_step")
