@@ -160,6 +160,8 @@ class ServiceConfig:
     default_chat_template_kwargs: dict[str, object] = field(default_factory=dict)
     # vLLM's --enable-force-include-usage: every streamed answer ends with its usage, as if asked.
     enable_force_include_usage: bool = False
+    # vLLM's --trust-request-chat-template: a chat request's own chat_template is taken (refused otherwise).
+    trust_request_chat_template: bool = False
 
     def cors(self) -> Cors:
         return Cors(self.allowed_origins, self.allowed_credentials, self.allowed_methods, self.allowed_headers)
@@ -168,7 +170,8 @@ class ServiceConfig:
         """What reads chat answers: the HTTP routes', in this process or the API process (``Settings``)."""
         return ChatParsing(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser,
                            self.responses_store, self.return_tokens_as_token_ids,
-                           dict(self.default_chat_template_kwargs) or None, self.enable_force_include_usage)
+                           dict(self.default_chat_template_kwargs) or None, self.enable_force_include_usage,
+                           self.trust_request_chat_template)
 
     def engine_options(self) -> dict[str, object]:
         """The ``Engine``'s own keyword arguments among these flags (its ``SchedulerConfig`` aside)."""
@@ -333,8 +336,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "replaces the model's, for chat requests over HTTP and gRPC and the gateways' tokenizer bundle")
     add("--default-chat-template-kwargs", json_object, "vLLM's flag: a JSON object of chat template variables every "
         "HTTP chat request starts from, such as '{\"enable_thinking\": false}'; a request's chat_template_kwargs win")
-    add("--enable-force-include-usage", boolean, "vLLM's flag: every streamed chat and completion answer ends with "
-        "its usage, as if stream_options.include_usage were asked")
+    add("--enable-force-include-usage", boolean, "vLLM's flag: every chunk of a streamed chat or completion answer "
+        "carries its usage, as if stream_options asked include_usage and continuous_usage_stats")
+    add("--trust-request-chat-template", boolean, "vLLM's flag: a chat request's own chat_template renders its "
+        "conversation (in a sandbox); without it such a request is a 400")
     return parser
 
 

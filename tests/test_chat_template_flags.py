@@ -94,3 +94,20 @@ def test_forced_usage_ends_every_streamed_answer(executor_target: str) -> None:
         api.assert_idle()
     with hosted(RemoteExecutor(executor_target)) as api:
         assert last_usage(api, "/v1/completions", {"prompt": [5, 6, 7]}) is None, "without the flag: only when asked"
+
+
+def test_a_requests_own_template_renders_its_conversation_only_where_the_server_trusts_it(executor_target: str) -> None:
+    with hosted(RemoteExecutor(executor_target), trust_request_chat_template=True) as api:
+        assert prompt_text(api, chat_template="<{{ messages[0]['content'] }}>") == "<Hi>"
+        batch = httpx.post(f"{api.url}/v1/chat/completions/batch", timeout=30, json={
+            "messages": [MESSAGES, MESSAGES], "max_tokens": 1, "chat_template": "<{{ messages[0]['content'] }}>"})
+        assert [c["finish_reason"] for c in batch.json()["choices"]] == ["length", "length"]
+        broken = httpx.post(f"{api.url}/v1/chat/completions", timeout=30, json={
+            "messages": MESSAGES, "max_tokens": 1, "chat_template": "{% for %}"})
+        assert (broken.status_code, broken.json()["error"]["param"]) == (400, "chat_template")
+        assert prompt_text(api).startswith("<|im_start|>user"), "none sent: the model's own"
+        api.assert_idle()
+    with hosted(RemoteExecutor(executor_target)) as api:
+        refused = httpx.post(f"{api.url}/v1/chat/completions", timeout=30, json={
+            "messages": MESSAGES, "max_tokens": 1, "chat_template": "<{{ messages[0]['content'] }}>"})
+        assert (refused.status_code, refused.json()["error"]["param"]) == (400, "chat_template")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Mapping
@@ -101,6 +102,13 @@ class ModelTokenizer:
         self.eos_token = special_tokens.eos_token or ""
         self.pad_token = special_tokens.pad_token or ""
         self.unk_token = special_tokens.unk_token or ""
+
+    def with_template(self, chat_template: str) -> ModelTokenizer:
+        """This tokenizer, rendering with ``chat_template`` (a request's, vLLM's); jinja2.TemplateError where it does
+        not compile."""
+        other = copy.copy(self)
+        other.template, other.template_error = self._compile(chat_template), ""
+        return other
 
     @classmethod
     def from_info(cls, info: ExecutorInfo) -> ModelTokenizer | None:

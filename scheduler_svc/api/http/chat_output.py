@@ -46,6 +46,8 @@ class ChatParsing:
     default_chat_template_kwargs: dict[str, object] | None = None
     # vLLM's --enable-force-include-usage: a streamed answer ends with its usage, as if asked.
     force_include_usage: bool = False
+    # vLLM's --trust-request-chat-template: a chat request's own chat_template renders its conversation.
+    trust_chat_template: bool = False
 
     @property
     def auto_tool_parser(self) -> str:

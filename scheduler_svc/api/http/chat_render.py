@@ -27,6 +27,23 @@ def needs_rendering(messages: list, tools: list | None) -> bool:
         or m.reasoning_content is not None for m in messages)
 
 
+def with_request_template(tokenizer: ModelTokenizer | None, template: str | None,
+                          trusted: bool) -> ModelTokenizer | None:
+    """The tokenizer rendering with a request's own chat_template (vLLM's), which the server takes only with
+    --trust-request-chat-template: a template runs on the server, sandboxed, but as its sender wrote it."""
+    if template is None:
+        return tokenizer
+    if not trusted:
+        raise refuse("chat_template", "a chat template sent with the request needs the server's "
+                                      "--trust-request-chat-template")
+    if tokenizer is None:
+        raise refuse("messages", "this executor has no tokenizer; send the prompt as tokens")
+    try:
+        return tokenizer.with_template(template)
+    except jinja2.TemplateError as e:
+        raise refuse("chat_template", f"the chat template does not compile: {e.message or type(e).__name__}") from e
+
+
 def refuse(path: str, message: str) -> ApiError:
     return ApiError(400, f"{path}: {message}", path.split("[", 1)[0].split(".", 1)[0])
 

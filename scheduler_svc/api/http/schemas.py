@@ -167,6 +167,8 @@ class ChatCompletionRequest(GenerationParameters):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: the prompt the chat template made comes back as prompt_text (streamed: on the first chunk).
     return_prompt_text: bool | None = None
+    # vLLM's: a chat template of the request's own, taken only with the server's --trust-request-chat-template.
+    chat_template: str | None = None
     # vLLM's: documents for a template that does retrieval-augmented generation (its `documents`), each a dict such as
     # {"title": ..., "text": ...}; a template that reads none ignores them.
     documents: list[dict[str, str]] | None = None

@@ -19,7 +19,7 @@ from scheduler_svc.api.http import beam_request, chat_render, schemas, tool_requ
 from scheduler_svc.api.http.chat_output import NO_PARSING, ChatOutput, ChatParsing
 from scheduler_svc.api.http.errors import ApiError, failure
 from scheduler_svc.api.http.tool_parsers import TOOL_PARSERS
-from scheduler_svc.api.http.translated import Translated
+from scheduler_svc.api.http.translated import Translated, shown_logprobs
 from scheduler_svc.api.thinking import ThinkingMarkers
 from scheduler_svc.core.errors import InvalidRequest, RequestFailed
 from scheduler_svc.core.tokenizer import ModelTokenizer
@@ -97,7 +97,6 @@ def is_set(value: object) -> bool:
 # vLLM's extra parameters that change the answer and that this server does not take: refused when given anything
 # but their default, so that none is silently dropped (any other unknown parameter is ignored, as OpenAI does).
 UNSUPPORTED_EXTRAS: dict[str, tuple[Callable[[object], bool], str]] = {
-    "chat_template": (is_set, "a chat template sent with the request"),
     "kv_transfer_params": (is_set, "KV cache transfer between instances"),
     **{f"guided_{kind}": (is_set, f"guided_{kind}, vLLM's older name (send structured_outputs.{kind})")
        for kind in ("json", "regex", "choice", "grammar")},
@@ -195,17 +194,6 @@ def base_request(body: schemas.GenerationParameters, max_tokens: int | None, log
     return request
 
 
-def shown_logprobs(body: schemas.GenerationParameters, asked: int | None, needs: str) -> int | None:
-    """The alternatives an answer's logprobs show per token: ``asked``; with vLLM's logprob_token_ids, which need
-    logprobs asked for (``needs`` says how), each of those tokens (and an echoed prompt's ``asked``)."""
-    named = len(set(body.logprob_token_ids or ()))
-    if not named:
-        return asked
-    if asked is None:
-        raise ApiError(400, f"logprob_token_ids: needs {needs}", "logprob_token_ids")
-    return max(named, asked)
-
-
 def translated(body: schemas.GenerationParameters, prefix: str, model: str, requests: list[pb.GenerateRequest],
                renames: dict[str, str], top_logprobs: int | None, echo: list[str],
                echo_only: bool = False) -> Translated:
@@ -291,9 +279,10 @@ def chat_request(body: schemas.ChatCompletionRequest, served: Served, parsing: C
         raise ApiError(400, "continue_final_message: not with add_generation_prompt true", "continue_final_message")
     # With thinking to read, the prompt is rendered here: whether it closed the thinking decides how the answer reads.
     markers = ThinkingMarkers.of(served.tokenizer, parsing.reasoning_parser)
-    if chat_render.needs_rendering(body.messages, body.tools) or markers is not None:
+    tokenizer = chat_render.with_request_template(served.tokenizer, body.chat_template, parsing.trust_chat_template)
+    if chat_render.needs_rendering(body.messages, body.tools) or markers is not None or tokenizer != served.tokenizer:
         request.tokens.token_ids.extend(chat_render.render(
-            served.tokenizer, body.messages, message_text, lambda role: ROLE_ALIASES.get(role, role),
+            tokenizer, body.messages, message_text, lambda role: ROLE_ALIASES.get(role, role),
             body.add_generation_prompt, kwargs, [tool.template_dict() for tool in body.tools or ()], continued))
     else:
         request.chat.CopyFrom(chat_prompt(body.messages, body.add_generation_prompt, kwargs, continued))

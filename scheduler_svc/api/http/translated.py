@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 from nanoserve.v1 import generation_pb2 as pb
 from scheduler_svc.api.beam_search import BeamSettings
+from scheduler_svc.api.http import schemas
 from scheduler_svc.api.http.chat_output import ChatOutput
+from scheduler_svc.api.http.errors import ApiError
 
 
 @dataclass
@@ -40,3 +42,14 @@ class Translated:
     # vLLM's use_beam_search: the search's settings (its choices are its beams); None: sampled as asked.
     beam: BeamSettings | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+def shown_logprobs(body: schemas.GenerationParameters, asked: int | None, needs: str) -> int | None:
+    """The alternatives an answer's logprobs show per token: ``asked``; with vLLM's logprob_token_ids, which need
+    logprobs asked for (``needs`` says how), each of those tokens (and an echoed prompt's ``asked``)."""
+    named = len(set(body.logprob_token_ids or ()))
+    if not named:
+        return asked
+    if asked is None:
+        raise ApiError(400, f"logprob_token_ids: needs {needs}", "logprob_token_ids")
+    return max(named, asked)
