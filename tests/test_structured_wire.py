@@ -58,6 +58,8 @@ BAD = [
     ({"grammar": 'start: "a" ('}, "structured_output.grammar", "Expected token ')'"),
     ({"grammar": "start: /[/"}, "structured_output.grammar", "unclosed character class"),
     ({"grammar": "root ::= ("}, "structured_output.grammar", "not a Lark or GBNF grammar"),
+    ({"grammar": ""}, "structured_output.grammar", "not a Lark or GBNF grammar"),  # no start rule: a 500 once
+    ({"grammar": 'item ::= "a"'}, "structured_output.grammar", "not a Lark or GBNF grammar"),
 ]
 
 

@@ -57,7 +57,7 @@ def as_lark(grammar: str) -> str:
     """A Lark grammar as it is, or a GBNF one (llama.cpp's EBNF, ``root ::= ...``, which vLLM takes too) in Lark."""
     try:
         return gbnf_to_lark.any_to_lark(grammar)
-    except gbnf_to_lark.GbnfToLarkError as e:
+    except Exception as e:  # GbnfToLarkError, or a bare Exception for a grammar without a start (or root) rule
         raise InvalidRequest(f"{FIELD}.grammar", f"not a Lark or GBNF grammar: {e}") from e
 
 
